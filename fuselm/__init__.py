@@ -1,0 +1,45 @@
+"""fuselm: Hugging Face LLM checkpoints to fused ONNX graphs, run on Apple GPUs.
+
+Every CLI command is a function of the same name here; imports are lazy so `import fuselm`
+stays cheap.
+"""
+
+from .errors import CheckFailed, FuselmError
+
+__all__ = ["convert", "optimize", "diff", "run", "validate", "FuselmError", "CheckFailed"]
+__version__ = "0.1.0"
+
+
+def convert(hf_dir, out, **kwargs):
+    """Convert a local HF checkpoint directory to a fuselm model directory (see `fuselm convert -h`)."""
+    from .exporter.convert import convert as _convert
+
+    return _convert(hf_dir, out, **kwargs)
+
+
+def optimize(in_path, out, **kwargs):
+    """Run the pass pipeline on a model directory or .onnx file (see `fuselm optimize -h`)."""
+    from .passes.pipeline import optimize as _optimize
+
+    return _optimize(in_path, out, **kwargs)
+
+
+def diff(in_path, **kwargs):
+    """Walk the pass pipeline and report, pass by pass, what changed (see `fuselm diff -h`)."""
+    from .passes.pipeline import diff as _diff
+
+    return _diff(in_path, **kwargs)
+
+
+def run(model_dir, **kwargs):
+    """Generate text from a model directory (see `fuselm run -h`)."""
+    from .runtime_metal.generate import run as _run
+
+    return _run(model_dir, **kwargs)
+
+
+def validate(model_dir, reference, **kwargs):
+    """Greedy tokens of the runtime vs onnxruntime vs HF transformers (see `fuselm validate -h`)."""
+    from .runtime_metal.validate import validate as _validate
+
+    return _validate(model_dir, reference, **kwargs)

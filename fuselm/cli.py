@@ -1,0 +1,97 @@
+"""The fuselm command line: a thin dispatcher over the functions in `fuselm`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import fuselm
+from fuselm.errors import CheckFailed, FuselmError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fuselm", description=fuselm.__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"fuselm {fuselm.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="HF checkpoint directory -> ONNX model directory")
+    c.add_argument("hf_dir")
+    c.add_argument("-o", "--out", required=True)
+    c.add_argument("--quant", choices=["f32", "f16", "q8", "q4"], default="f32")
+    c.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
+    c.add_argument("--lm-head", choices=["f32", "f16", "q8", "q4"], default=None,
+                   help="lm_head precision (default: q8 when --quant is q4/q8, else as --quant)")
+    c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
+                   help="embedding precision (default: f16 when quantizing, else as --quant)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--check", action="store_true", help="compare onnxruntime against HF transformers after writing")
+    c.add_argument("--quiet", action="store_true")
+
+    o = sub.add_parser("optimize", help="run the graph passes")
+    o.add_argument("in_path")
+    o.add_argument("-o", "--out", required=True)
+    o.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+    o.add_argument("--force", action="store_true")
+    o.add_argument("--quiet", action="store_true")
+
+    d = sub.add_parser("diff", help="show pass by pass what the pipeline changes")
+    d.add_argument("in_path")
+    d.add_argument("--html", default=None, metavar="FILE")
+    d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
+    d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+
+    for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
+        r = sub.add_parser(name, help=helptext)
+        r.add_argument("model_dir")
+        r.add_argument("--backend", choices=["auto", "mlx", "torch"], default="auto")
+        r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
+        r.add_argument("--no-fused-kernels", action="store_true",
+                       help="run fused ops through their ONNX function bodies (A/B check)")
+        if name == "run":
+            g = r.add_mutually_exclusive_group(required=True)
+            g.add_argument("--prompt")
+            g.add_argument("--prompt-ids", type=_ids)
+            r.add_argument("--max-tokens", type=int, default=64)
+            r.add_argument("--ignore-eos", action="store_true")
+            r.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
+            r.add_argument("--temperature", type=float, default=0.0)
+            r.add_argument("--top-k", type=int, default=0)
+            r.add_argument("--top-p", type=float, default=1.0)
+            r.add_argument("--seed", type=int, default=None)
+            r.add_argument("--profile", action="store_true", help="per-op time table")
+        else:
+            r.add_argument("--reference", required=True, metavar="HF_DIR")
+            r.add_argument("--tokens", type=int, default=16)
+            r.add_argument("--prompt-ids", type=_ids, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    positional = {"convert": ("hf_dir", "out"), "optimize": ("in_path", "out"), "diff": ("in_path",),
+                  "run": ("model_dir",), "validate": ("model_dir", "reference")}[command]
+    pos = [args.pop(k) for k in positional]
+    try:
+        getattr(fuselm, command)(*pos, **args)
+    except FuselmError as e:
+        print(f"fuselm {command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except CheckFailed as e:
+        print(f"fuselm {command}: check failed: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"fuselm {command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

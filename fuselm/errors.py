@@ -1,0 +1,13 @@
+"""Errors every fuselm command raises; the CLI maps them to exit codes without a traceback."""
+
+
+class FuselmError(Exception):
+    """Bad usage or bad input (exit 2). The message names the problem and the fix."""
+
+    exit_code = 2
+
+
+class CheckFailed(Exception):
+    """A check or validation ran and failed (exit 1)."""
+
+    exit_code = 1

@@ -1,0 +1,119 @@
+"""The model directory contract (DESIGN.md): fuselm.json, tokenizer files, atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import FuselmError
+
+SCHEMA_VERSION = 1
+META_NAME = "fuselm.json"
+MODEL_NAME = "model.onnx"
+DATA_NAME = "model.onnx.data"
+# Copied unchanged from the checkpoint into every model directory.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_TMP_MARK = ".fuselm-tmp-"
+
+
+def read_meta(model_dir: str | os.PathLike) -> dict:
+    """Read `fuselm.json` of a model directory; a clear error when it is missing or malformed."""
+    path = Path(model_dir) / META_NAME
+    if not path.is_file():
+        raise FuselmError(f"{model_dir} is not a fuselm model directory: {META_NAME} is missing; "
+                          "create one with `fuselm convert`")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FuselmError(f"{path} is not valid JSON ({e}); re-create the directory with `fuselm convert`") from None
+    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
+        raise FuselmError(f"{path}: unsupported schema_version {meta.get('schema_version') if isinstance(meta, dict) else None!r}"
+                          f" (this fuselm reads {SCHEMA_VERSION}); re-create it with this fuselm's `convert`")
+    return meta
+
+
+def write_meta(model_dir: str | os.PathLike, meta: dict) -> None:
+    meta = {"schema_version": SCHEMA_VERSION, **meta}
+    (Path(model_dir) / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer and generation-config files that exist in `src`, byte for byte."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        s = Path(src) / name
+        if s.is_file():
+            shutil.copyfile(s, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside `out`; rename it to `out` only when the block succeeds.
+
+    Nothing half-written ever appears at `out`: on any error (or interrupt) the temporary
+    directory is removed. Leftovers of killed earlier runs (same parent, our marker) are removed
+    first. With `force`, an existing `out` is replaced only after the new one is complete.
+    """
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise FuselmError(f"Cannot write to {out}: it exists; pass --force or choose another directory")
+    if out.exists() and not out.is_dir():
+        raise FuselmError(f"Cannot write to {out}: it is a file, not a directory; choose another path")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FuselmError(f"Cannot create {parent}: {e.strerror}; choose a writable location") from None
+    _remove_stale_tmp(parent, out.name)
+    tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            trash = parent / f"{_TMP_MARK}{out.name}.old.{uuid.uuid4().hex[:8]}"
+            os.rename(out, trash)
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_stale_tmp(parent: Path, name: str) -> None:
+    """Remove temporary directories of earlier runs for the same OUT whose process is gone."""
+    for p in parent.glob(f"{_TMP_MARK}{name}.*"):
+        parts = p.name[len(_TMP_MARK) + len(name) + 1:].split(".")
+        pid = int(parts[0]) if parts and parts[0].isdigit() else None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,100 @@
+"""Synthetic checkpoints: tiny HF models with random weights and a trained tokenizer.
+
+Tests, examples and the demo build their checkpoints here (nothing is downloaded), and the
+loading code they exercise is the real one: `save_pretrained` output read back from disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# A small corpus for the BPE tokenizer; enough merges for readable demo output.
+_CORPUS = """\
+fuselm turns a hugging face checkpoint into a fused onnx graph and runs it on apple gpus.
+the quick brown fox jumps over the lazy dog. the cat sat on the mat.
+rotary position embeddings rotate query and key vectors by an angle that grows with position.
+attention reads keys and values from a cache that grows by one token at every decode step.
+metal kernels fuse the query key value projections into one matrix multiplication.
+rms normalization divides by the root mean square and multiplies by a learned weight.
+once upon a time there was a small model that wanted to run fast on a laptop.
+hello world! what is the capital of france? paris is the capital of france.
+one two three four five six seven eight nine ten eleven twelve.
+"""
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Tiny shapes per family; each exercises a trap: head_dim != hidden/heads (qwen3), q/k/v bias
+# (qwen2), a single kv head and llama3 rope scaling (llama), sliding-window config (mistral).
+TINY = {
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen2": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def train_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on the built-in corpus, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, chat_template=CHAT_TEMPLATE)
+
+
+def make_config(family: str, vocab_size: int = 384, **overrides):
+    """A transformers config of `family` (qwen3, qwen2, llama, mistral) with tiny defaults."""
+    from transformers import AutoConfig
+
+    if family not in TINY:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY)}")
+    kwargs = {**TINY[family], "vocab_size": vocab_size, "max_position_embeddings": 256,
+              "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0, **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0, dtype: str = "float32",
+                    shard_size: str | None = None, **overrides) -> Path:
+    """Write a random-weight HF checkpoint (config, safetensors, tokenizer, generation config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    tok = train_tokenizer()
+    config = make_config(family, vocab_size=len(tok), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    # HF's default init (std 0.02) makes near-uniform logits; larger weights give decisive greedy
+    # tokens, so token-equality tests are meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                     bos_token_id=None, do_sample=False).save_pretrained(out)
+    return out
