@@ -28,3 +28,39 @@ def make_ckpt(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def exported(make_ckpt, tmp_path_factory):
+    """Factory: exported(family, quant="f32", **config_overrides) -> cached `fuselm convert` output dir."""
+    import fuselm
+
+    cache: dict[str, os.PathLike] = {}
+
+    def get(family: str = "qwen3", quant: str = "f32", **overrides):
+        key = f"{family}-{quant}-{sorted(overrides.items())!r}"
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"exp-{family}-{quant}") / "model"
+            fuselm.convert(make_ckpt(family, **overrides), out, quant=quant, quiet=True)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def optimized(exported, tmp_path_factory):
+    """Factory: optimized(family, quant="f32", **config_overrides) -> cached `fuselm optimize` output dir."""
+    import fuselm
+
+    cache: dict[str, os.PathLike] = {}
+
+    def get(family: str = "qwen3", quant: str = "f32", **overrides):
+        key = f"{family}-{quant}-{sorted(overrides.items())!r}"
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"opt-{family}-{quant}") / "model"
+            fuselm.optimize(exported(family, quant, **overrides), out, quiet=True)
+            cache[key] = out
+        return cache[key]
+
+    return get
