@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -69,39 +70,75 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     """Yield a temporary directory beside `out`; rename it to `out` only when the block succeeds.
 
     Nothing half-written ever appears at `out`: on any error (or interrupt) the temporary
-    directory is removed. Leftovers of killed earlier runs (same parent, our marker) are removed
-    first. With `force`, an existing `out` is replaced only after the new one is complete.
+    directory is removed, and leftovers of killed earlier runs (their process is gone) are removed
+    first. A lock file beside `out` lets one writer in at a time; a second one stops with a clear
+    error. With `force`, an existing `out` is replaced only after the new one is complete.
     """
     out = Path(out).absolute()
-    if out.exists() and not force:
-        raise FuselmError(f"Cannot write to {out}: it exists; pass --force or choose another directory")
-    if out.exists() and not out.is_dir():
-        raise FuselmError(f"Cannot write to {out}: it is a file, not a directory; choose another path")
+    _check_target(out, force)
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FuselmError(f"Cannot create {parent}: {e.strerror}; choose a writable location") from None
-    _remove_stale_tmp(parent, out.name)
-    tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with _exclusive_lock(parent / f"{_TMP_MARK}{out.name}.lock", out):
+        _check_target(out, force)  # another writer may have finished while we waited for the lock
+        _remove_stale_tmp(parent, out.name)
+        tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            yield tmp
+            if out.exists():
+                trash = parent / f"{_TMP_MARK}{out.name}.old.{uuid.uuid4().hex[:8]}"
+                os.rename(out, trash)
+                os.rename(tmp, out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _check_target(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise FuselmError(f"Cannot write to {out}: it exists; pass --force or choose another directory")
+    if out.exists() and not out.is_dir():
+        raise FuselmError(f"Cannot write to {out}: it is a file, not a directory; choose another path")
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path, out: Path) -> Iterator[None]:
+    """flock on a file beside OUT: released by the kernel even when the holder is killed."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FuselmError(f"Cannot write to {out}: another fuselm process is writing it now; "
+                              "wait for it to finish or choose another directory") from None
+        # The holder before us may have unlinked the file: then our lock is on a dead inode.
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
     try:
-        yield tmp
-        if out.exists():
-            trash = parent / f"{_TMP_MARK}{out.name}.old.{uuid.uuid4().hex[:8]}"
-            os.rename(out, trash)
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
 
 
 def _remove_stale_tmp(parent: Path, name: str) -> None:
     """Remove temporary directories of earlier runs for the same OUT whose process is gone."""
     for p in parent.glob(f"{_TMP_MARK}{name}.*"):
+        if p.name.endswith(".lock"):
+            continue
         parts = p.name[len(_TMP_MARK) + len(name) + 1:].split(".")
         pid = int(parts[0]) if parts and parts[0].isdigit() else None
         if pid is not None and pid != os.getpid() and _alive(pid):
