@@ -1,0 +1,298 @@
+"""What every pass shares: the Pass / Fusion base classes, statistics, and small graph helpers.
+
+A pass is called on an `onnx_ir.Model` and returns `(model, modified, stats)`. A fusion reads as
+pattern / check / rewrite: `match(anchor)` walks the subgraph around an anchor node and calls
+`fail("why")` on the first mismatch; `rewrite(graph, match)` builds the fused nodes. Every rejection
+lands in the statistics with its reason, so `fuselm diff` can show why a fusion did not fire.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+import onnx_ir as ir
+
+# Constants larger than this are weights: never read them to check a pattern.
+SMALL_CONST = 4096
+FUSELM_DOMAIN = "fuselm"
+
+
+class Reject(Exception):
+    """A pattern did not match; the message says why."""
+
+
+def fail(reason: str) -> NoReturn:
+    raise Reject(reason)
+
+
+@dataclass
+class Stats:
+    """What a pass did: fusions fired (where) and candidates skipped (where, why)."""
+
+    fired: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+
+    def fire(self, where: str) -> None:
+        self.fired.append(where)
+
+    def skip(self, where: str, reason: str) -> None:
+        self.skipped.append((where, reason))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fired": len(self.fired), "fired_at": list(self.fired),
+                "skipped": [{"at": w, "reason": r} for w, r in self.skipped],
+                "counts": dict(sorted(self.counts.items()))}
+
+
+class Pass:
+    """Base class: subclasses implement `apply(model, stats) -> modified`."""
+
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __call__(self, model: ir.Model) -> tuple[ir.Model, bool, Stats]:
+        stats = Stats()
+        modified = self.apply(model, stats)
+        if modified:
+            remove_unused(model)
+        return model, modified, stats
+
+    def apply(self, model: ir.Model, stats: Stats) -> bool:
+        raise NotImplementedError
+
+
+class Fusion(Pass):
+    """Pattern / check / rewrite over the anchors a subclass yields."""
+
+    needs_opset: int | None = 23
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        raise NotImplementedError
+
+    def match(self, anchor: ir.Node) -> Any:
+        raise NotImplementedError
+
+    def rewrite(self, graph: ir.Graph, match: Any) -> str:
+        """Replace the matched subgraph; return a short description of where it fired."""
+        raise NotImplementedError
+
+    def apply(self, model: ir.Model, stats: Stats) -> bool:
+        graph = model.graph
+        opset = graph.opset_imports.get("", 0)
+        modified = False
+        for anchor in list(self.anchors(graph)):
+            if anchor.graph is not graph:  # removed by an earlier rewrite in this pass
+                continue
+            try:
+                if self.needs_opset and opset < self.needs_opset:
+                    fail(f"graph's default-domain opset is {opset}; the fused op needs {self.needs_opset}")
+                match = self.match(anchor)
+            except Reject as r:
+                stats.skip(anchor.name or anchor.op_type, str(r))
+                continue
+            stats.fire(self.rewrite(graph, match))
+            modified = True
+        if modified:
+            graph.sort()
+        return modified
+
+
+# ---- small graph helpers -------------------------------------------------------------------
+
+def producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    """The node that makes `value` when its op is one of `op_types` (default domain), else None."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or (op_types and node.op_type not in op_types):
+        return None
+    return node
+
+
+def const(value: ir.Value | None, max_size: int = SMALL_CONST) -> np.ndarray | None:
+    """The value as a numpy array when it is a small constant (initializer or Constant node)."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        node = value.producer()
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return None
+        attr = next(iter(node.attributes.values()), None)
+        if attr is None:
+            return None
+        if attr.name == "value":
+            tensor = attr.as_tensor()
+        elif attr.name in ("value_float", "value_int"):
+            return np.array(attr.value, dtype=np.float32 if attr.name == "value_float" else np.int64)
+        elif attr.name in ("value_floats", "value_ints"):
+            return np.array(attr.value, dtype=np.float32 if attr.name == "value_floats" else np.int64)
+        else:
+            return None
+    if tensor.size > max_size:
+        return None
+    return tensor.numpy()
+
+
+def scalar(value: ir.Value | None) -> float | None:
+    """A constant holding a single number (any shape of size 1), else None."""
+    a = const(value, max_size=1)
+    return None if a is None or a.size != 1 else a.reshape(()).item()
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def users(value: ir.Value) -> list[ir.Node]:
+    return [u.node for u in value.uses()]
+
+
+def only_user(value: ir.Value, *op_types: str) -> ir.Node | None:
+    """The single node reading `value` (and not a graph output), when its op is in `op_types`."""
+    uses = users(value)
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node = uses[0]
+    return node if not op_types or node.op_type in op_types else None
+
+
+def other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """For a binary node with `value` as one input, the other input."""
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is value else a if b is value else None
+
+
+def static_shape(value: ir.Value | None) -> tuple | None:
+    """The value's shape as a tuple of ints (None for a dynamic dim), or None when unknown."""
+    if value is None or value.shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else None for d in value.shape.dims)
+
+
+def rank(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else value.shape.rank()
+
+
+def initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtocol) -> ir.Value:
+    """Register a new initializer under a unique name derived from `name`."""
+    name = unique_name(graph, name)
+    tensor = array if isinstance(array, ir.TensorProtocol) else ir.tensor(array, name=name)
+    tensor.name = name
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                     const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def unique_name(graph: ir.Graph, name: str) -> str:
+    taken = _names(graph)
+    if name not in taken:
+        taken.add(name)
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    taken.add(f"{name}_{i}")
+    return f"{name}_{i}"
+
+
+def _names(graph: ir.Graph) -> set[str]:
+    # Cached per graph object for the duration of one pass run: a full scan per new name would
+    # make large graphs quadratic.
+    cache = graph.meta.get("fuselm_names")
+    if cache is None:
+        cache = {v.name for v in graph.initializers.values()} | {v.name for v in graph.inputs}
+        cache |= {o.name for n in graph for o in n.outputs} | {n.name for n in graph}
+        cache.discard(None)
+        graph.meta["fuselm_names"] = cache
+    return cache
+
+
+def forget_names(graph: ir.Graph) -> None:
+    graph.meta.pop("fuselm_names", None)
+
+
+def new_node(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], name: str, *,
+             outputs: int | list[str] = 1, domain: str = "", **attributes) -> ir.Node:
+    """A node named `name` (made unique) whose outputs are named after it."""
+    name = unique_name(graph, name)
+    if isinstance(outputs, int):
+        out_names = [f"{name}_output_{i}" if outputs > 1 else f"{name}_output_0" for i in range(outputs)]
+    else:
+        out_names = outputs
+    out_names = [unique_name(graph, n) for n in out_names]
+    attrs = {k: v for k, v in attributes.items() if v is not None}
+    node = ir.node(op_type, inputs, attributes=attrs, domain=domain, name=name, num_outputs=len(out_names))
+    for value, n in zip(node.outputs, out_names, strict=False):
+        value.name = n
+    return node
+
+
+def take_over(old: ir.Value, new: ir.Value) -> None:
+    """Make `new` replace `old` everywhere; a graph output keeps its name (the contract)."""
+    new.shape = new.shape or old.shape
+    new.type = new.type or old.type
+    if old.is_graph_output():
+        name = old.name
+        old.name = None  # free the name before giving it to `new`
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        new.name = name
+    else:
+        old.replace_all_uses_with(new)
+
+
+def remove_unused(model: ir.Model) -> int:
+    """Dead-node and dead-initializer elimination (onnx_ir's pass); returns how many went."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    before = model.graph.num_nodes() + len(model.graph.initializers)
+    RemoveUnusedNodesPass()(model)
+    forget_names(model.graph)
+    return before - model.graph.num_nodes() - len(model.graph.initializers)
+
+
+_LAYER = re.compile(r"layers?[._/](\d+)(?:[._/]|$)")
+
+
+def layer_of_name(name: str | None) -> int | None:
+    m = _LAYER.search(name or "")
+    return int(m.group(1)) if m else None
+
+
+def node_layer(node: ir.Node) -> int | None:
+    """The decoder layer a node names directly (node name, or a weight it reads), else None."""
+    i = layer_of_name(node.name)
+    if i is not None:
+        return i
+    for v in node.inputs:
+        if v is not None and v.is_initializer():
+            i = layer_of_name(v.name)
+            if i is not None:
+                return i
+    return None
+
+
+def name_like(template: str | None, old: str, new: str, fallback: str) -> str:
+    """`template` with `old` replaced by `new` when it contains `old`, else `fallback`."""
+    if template and old in template:
+        return template.replace(old, new)
+    return fallback
+
+
+def walk_back(value: ir.Value, through: tuple[str, ...]) -> Iterator[ir.Node]:
+    """Producers of `value` while their op is in `through`, following input 0."""
+    node = producer(value, *through)
+    while node is not None:
+        yield node
+        node = producer(node.inputs[0], *through)

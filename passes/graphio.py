@@ -1,0 +1,57 @@
+"""Reading and writing graphs for the passes: weights stay on disk until they are written.
+
+`load` reads the graph without its external data (onnx_ir maps each tensor lazily); `save` writes
+a new `model.onnx` + `model.onnx.data`, streaming each tensor's bytes from its source file, so a
+pass only ever reads the weights it concatenates.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from fuselm.errors import FuselmError
+from fuselm.modeldir import DATA_NAME, META_NAME, MODEL_NAME, read_meta
+
+
+def resolve(in_path: str | os.PathLike) -> tuple[Path, dict | None]:
+    """(path of the .onnx file, fuselm.json contents or None) for a model dir or a plain .onnx."""
+    p = Path(in_path)
+    if p.is_dir():
+        onnx_path = p / MODEL_NAME
+        if not onnx_path.is_file():
+            raise FuselmError(f"{p} has no {MODEL_NAME}; pass a fuselm model directory (from `fuselm convert`) "
+                              "or an .onnx file")
+        return onnx_path, read_meta(p) if (p / META_NAME).is_file() else None
+    if p.is_file():
+        if p.suffix != ".onnx":
+            raise FuselmError(f"{p} is not an .onnx file; pass a fuselm model directory or an .onnx file")
+        return p, None
+    raise FuselmError(f"{p} does not exist; pass a fuselm model directory or an .onnx file")
+
+
+def load(onnx_path: str | os.PathLike) -> ir.Model:
+    """The graph with lazily mapped external weights; a clear error for a file that is not ONNX."""
+    try:
+        model = ir.load(onnx_path)
+    except (onnx.onnx_cpp2py_export.checker.ValidationError, OSError, ValueError, Exception) as e:
+        if isinstance(e, FuselmError):
+            raise
+        raise FuselmError(f"cannot read {onnx_path} as an ONNX model ({type(e).__name__}: {e}); "
+                          "pass a file written by torch.onnx, optimum or `fuselm convert`") from None
+    return model
+
+
+def save(model: ir.Model, out_dir: str | os.PathLike) -> Path:
+    """Write `model.onnx` + `model.onnx.data` into `out_dir` (weights > 256 bytes external)."""
+    path = Path(out_dir) / MODEL_NAME
+    ir.save(model, path, external_data=DATA_NAME)
+    return path
+
+
+def check(path: str | os.PathLike) -> None:
+    """The contract's validity check (full check, with shape inference)."""
+    onnx.checker.check_model(str(path), full_check=True)
