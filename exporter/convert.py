@@ -1,0 +1,175 @@
+"""`fuselm convert`: a local HF checkpoint directory -> a fuselm model directory.
+
+Order of work: read and check config.json and every tensor header (nothing written yet), build
+the whole graph without weights (milliseconds), then stream the weights into model.onnx.data,
+save model.onnx, run the ONNX checker, copy tokenizer files, write fuselm.json — all inside a
+temporary directory that is renamed to OUT only at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import onnx
+
+from fuselm import __version__
+from fuselm.errors import FuselmError
+from fuselm.modeldir import DATA_NAME, MODEL_NAME, atomic_output_dir, copy_tokenizer_files, write_meta
+
+from . import families
+from .graph import Builder, Dims, Layer, attention_mask, graph_inputs, rms_norm
+from .quant import Plan, precisions
+from .rope import Rope, fused_rope_function, rope_inputs
+from .weights import Checkpoint, write_data
+
+
+def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str | None = None,
+            embed: str | None = None, force: bool = False, check: bool = False, quiet: bool = False) -> Path:
+    """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`.
+
+    quant: f32 | f16 | q8 | q4 for linear layers (blockwise asymmetric, `block_size` 32/64/128);
+    lm_head / embed: their precision (default q8 / f16 when quantizing, else as `quant`).
+    check: afterwards compare onnxruntime with HF transformers (exporter/check.py).
+    """
+    t0 = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    linear_p, embed_p, head_p = precisions(quant, block_size, lm_head, embed)
+    config = read_config(hf_dir)
+    family_name, family = families.family_for(config)
+    cfg = family.Config.from_dict(config)
+    rope = rope_inputs(config, cfg.head_dim)
+    expected = families.expected_tensors(family, cfg)
+    ckpt = Checkpoint(hf_dir)
+    ckpt.validate(expected, lambda n: n.endswith(families.IGNORED_SUFFIXES)
+                  or (cfg.tie_word_embeddings and n == families.hf_name("lm_head")))
+
+    plan = Plan(linear_p, embed_p, head_p, expected)
+    builder = build_graph(family, cfg, rope, plan)
+    out = Path(out)
+    with atomic_output_dir(out, force=force) as tmp:
+        with _progress(quiet, cfg.num_hidden_layers) as advance:
+            write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
+        # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
+        onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {cfg.model_type}"),
+                        tmp / MODEL_NAME)
+        onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
+        copy_tokenizer_files(hf_dir, tmp)
+        write_meta(tmp, metadata(hf_dir, config, family_name, cfg, rope, plan, quant))
+    if not quiet:
+        size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
+        print(f"fuselm convert: wrote {out} ({family_name}, {quant}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
+    if check:
+        from .check import check as run_check
+
+        run_check(out, hf_dir, quiet=quiet)
+    return out
+
+
+def read_config(hf_dir: Path) -> dict:
+    path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise FuselmError(f"{hf_dir} is not a directory; pass a local Hugging Face checkpoint directory")
+    if not path.is_file():
+        raise FuselmError(f"{path} is missing; HF_DIR must be a Hugging Face checkpoint directory "
+                          "(config.json + *.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FuselmError(f"{path} is not valid JSON ({e}); restore the checkpoint's config.json") from None
+    if not isinstance(config, dict):
+        raise FuselmError(f"{path} is not a JSON object; restore the checkpoint's config.json")
+    return config
+
+
+def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
+    """The full graph (weights declared, not read): embedding, mask, N decoder layers, norm, head."""
+    b = Builder()
+    ids, mask_in, position_ids = graph_inputs(b)
+    x = plan.embedding(b, families.hf_name("embed"), ids)
+    mask = attention_mask(b, ids, mask_in, getattr(cfg, "sliding_window", None))
+    dims = Dims(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
+    for i in range(cfg.num_hidden_layers):
+        layer = Layer(b, i, dims, plan, lambda c, i=i: families.hf_name(c, i), position_ids, mask, rope)
+        x = family.decoder_layer(layer, x, cfg)
+    x = rms_norm(b, x, plan.vector(b, families.hf_name("final_norm"), None), cfg.rms_norm_eps, "/model/norm")
+    head = None if cfg.tie_word_embeddings else families.hf_name("lm_head")
+    logits = plan.logits(b, x, families.hf_name("embed"), head)
+    b.nodes.append(onnx.helper.make_node("Identity", [logits], ["logits"], name="/model/logits/Identity"))
+    b.outputs.insert(0, onnx.helper.make_tensor_value_info(
+        "logits", onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
+    return b
+
+
+def metadata(hf_dir: Path, config: dict, family_name: str, cfg, rope: Rope, plan: Plan, quant: str) -> dict:
+    """fuselm.json (schema in exporter/README.md)."""
+    return {
+        "stage": "exported",
+        "passes": [],
+        "family": family_name,
+        "model_type": cfg.model_type,
+        "architecture": (config.get("architectures") or [None])[0],
+        "dims": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+                 "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                 "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size},
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "rope": {"theta": rope.theta, "type": rope.rope_type, "scaling": rope.parameters,
+                 "rotary_dim": rope.rotary_dim, "inv_freq_len": len(rope.inv_freq),
+                 "attention_scaling": rope.attention_scaling, "interleaved": 0},
+        "quantization": {"mode": quant, "linear": plan.linear.describe(), "embed": plan.embed.describe(),
+                         "lm_head": plan.lm_head.describe(), "norms": {"bits": 32, "dtype": "float32"},
+                         "biases": {"bits": 32, "dtype": "float32"}},
+        "special_tokens": special_tokens(hf_dir, config),
+        "graph": {"opset": 23, "domains": {"fuselm": 1}, "kv_dtype": "float32", "logits_dtype": "float32",
+                  "linear_layout": "[in, out]"},
+        "exporter": {"fuselm_version": __version__},
+    }
+
+
+def special_tokens(hf_dir: Path, config: dict) -> dict:
+    """bos / eos / pad ids: generation_config.json first (eos may be a list), then config.json."""
+    gen = {}
+    path = hf_dir / "generation_config.json"
+    if path.is_file():
+        try:
+            gen = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            gen = {}  # HF ignores a broken generation config too; config.json still has the ids
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: gen[k] if gen.get(k) is not None else config.get(k) for k in keys}
+
+
+class _progress:
+    """A rich progress bar that advances per decoder layer (and once for embedding + head)."""
+
+    def __init__(self, quiet: bool, layers: int):
+        self.quiet, self.layers = quiet, layers
+
+    def __enter__(self):
+        if self.quiet:
+            return lambda job: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("layers", total=self.layers)
+        self.last = None
+
+        def advance(job):
+            if job.layer is not None and job.layer != self.last:
+                if self.last is not None:
+                    self.bar.advance(self.task)
+                self.last = job.layer
+                self.bar.update(self.task, description=f"layer {job.layer}")
+        return advance
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.bar.update(self.task, completed=self.layers)
+            self.bar.stop()
+        return False

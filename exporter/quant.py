@@ -1,0 +1,180 @@
+"""Precisions: blockwise asymmetric quantization and the plan that says how each weight is stored.
+
+Quantized weights (q8 / q4) are uint8 / uint4 with a float32 scale and a zero point of the same
+integer type per block of `block_size` consecutive values along the INPUT dimension:
+    w ~= (q - zero_point) * scale
+stored for a linear layer as [in, out] (`.qweight`), scales and zero points [ceil(in/block), out]
+(`.scales`, `.zero_points`) and written as `DequantizeLinear(axis=0, block_size) -> MatMul`.
+uint4 is packed two per byte, the first element in the low nibble (ONNX's layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from fuselm.errors import FuselmError
+
+from .graph import Builder
+
+PRECISIONS = ("f32", "f16", "q8", "q4")
+BLOCK_SIZES = (32, 64, 128)
+_BITS = {"q8": 8, "q4": 4}
+_QTYPE = {8: TensorProto.UINT8, 4: TensorProto.UINT4}
+
+
+def quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of w [rows, cols] in blocks of `block` columns -> (q [rows, cols], scales, zero_points
+    [rows, ceil(cols/block)]); q and zero points are uint8 holding `bits`-bit values.
+
+    The range of each block is widened to include 0, so 0 is exact and the zero point fits.
+    """
+    rows, cols = w.shape
+    nblk = -(-cols // block)
+    qmax = float(2**bits - 1)
+    padded = np.zeros((rows, nblk * block), np.float32)
+    padded[:, :cols] = w
+    blocks = padded.reshape(rows, nblk, block)
+    # A ragged last block only spans its real columns; pad with a real value of that block.
+    if cols % block:
+        blocks[:, -1, cols % block:] = blocks[:, -1, :1]
+    lo = np.minimum(blocks.min(axis=2), 0.0)
+    hi = np.maximum(blocks.max(axis=2), 0.0)
+    scale = (hi - lo) / qmax
+    scale[scale == 0] = 1.0  # an all-zero block: any scale is exact
+    zp = np.clip(np.round(-lo / scale), 0, qmax)
+    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax)
+    q = q.reshape(rows, nblk * block)[:, :cols]
+    return q.astype(np.uint8), scale.astype(np.float32), zp.astype(np.uint8)
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, block: int) -> np.ndarray:
+    """Inverse of `quantize` along the last axis (for references and tests)."""
+    cols = q.shape[-1]
+    s = np.repeat(scale, block, axis=-1)[..., :cols]
+    z = np.repeat(zp.astype(np.float32), block, axis=-1)[..., :cols]
+    return (q.astype(np.float32) - z) * s
+
+
+def pack_uint4(values: np.ndarray) -> bytes:
+    """uint4 values (uint8 holding 0..15) -> ONNX packing: two per byte, first in the low nibble."""
+    v = values.ravel().astype(np.uint8)
+    if v.size % 2:
+        v = np.concatenate([v, np.zeros(1, np.uint8)])
+    return (v[0::2] | (v[1::2] << 4)).tobytes()
+
+
+def unpack_uint4(data: bytes, count: int) -> np.ndarray:
+    b = np.frombuffer(data, np.uint8)
+    return np.stack([b & 0x0F, b >> 4], axis=1).ravel()[:count]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one class of tensors is stored: f32, f16 or quantized (bits, block)."""
+
+    kind: str  # f32 | f16 | q8 | q4
+    block: int = 32
+
+    @property
+    def bits(self) -> int:
+        return {"f32": 32, "f16": 16}.get(self.kind) or _BITS[self.kind]
+
+    def describe(self) -> dict:
+        if self.kind in _BITS:
+            return {"bits": self.bits, "block_size": self.block, "symmetric": False,
+                    "dtype": f"uint{self.bits}", "scale_dtype": "float32", "zero_point_dtype": f"uint{self.bits}"}
+        return {"bits": self.bits, "dtype": {"f32": "float32", "f16": "float16"}[self.kind]}
+
+
+class Plan:
+    """Emits the storage of each weight (initializers + the nodes that make it float32).
+
+    `shapes` holds every checkpoint tensor's HF shape; the builders below register WeightJobs.
+    Norm weights and biases always stay float32 (tiny, and HF computes them in float32).
+    """
+
+    def __init__(self, linear: Precision, embed: Precision, lm_head: Precision, shapes: dict[str, tuple]):
+        self.linear, self.embed, self.lm_head, self.shapes = linear, embed, lm_head, shapes
+
+    def vector(self, b: Builder, name: str, layer: int | None) -> str:
+        return b.weight(name, layer, lambda w: [w], [(name, TensorProto.FLOAT, self.shapes[name], False)])[0]
+
+    def linear_weight(self, b: Builder, name: str, scope: str, layer: int | None,
+                      precision: Precision | None = None, out_name: str | None = None) -> str:
+        """An HF Linear weight [out, in] as a float32 [in, out] value for MatMul."""
+        p = precision or self.linear
+        out_name = out_name or name
+        n_out, n_in = self.shapes[name]
+        if p.kind == "f32":
+            return b.weight(name, layer, lambda w: [w.T], [(out_name, TensorProto.FLOAT, (n_in, n_out), True)])[0]
+        if p.kind == "f16":
+            w16 = b.weight(name, layer, lambda w: [w.T.astype(np.float16)],
+                           [(out_name, TensorProto.FLOAT16, (n_in, n_out), True)])[0]
+            return b.op("Cast", w16, name=f"{scope}/Cast", to=TensorProto.FLOAT)
+        nblk = -(-n_in // p.block)
+
+        def encode(w, p=p):
+            q, s, z = quantize(w, p.bits, p.block)
+            return [q.T, s.T, z.T]
+
+        qtype = _QTYPE[p.bits]
+        q, s, z = b.weight(name, layer, encode, [(f"{out_name}.qweight", qtype, (n_in, n_out), True),
+                                                 (f"{out_name}.scales", TensorProto.FLOAT, (nblk, n_out), True),
+                                                 (f"{out_name}.zero_points", qtype, (nblk, n_out), True)])
+        return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=0, block_size=p.block)
+
+    def embedding(self, b: Builder, name: str, ids: str) -> str:
+        """Gather of the embedding table [vocab, hidden] -> float32 [B,S,hidden]."""
+        p, scope = self.embed, "/model/embed_tokens"
+        vocab, hidden = self.shapes[name]
+        if p.kind == "f32":
+            w = b.weight(name, None, lambda w: [w], [(name, TensorProto.FLOAT, (vocab, hidden), False)])[0]
+            return b.op("Gather", w, ids, name=f"{scope}/Gather", axis=0)
+        if p.kind == "f16":
+            w = b.weight(name, None, lambda w: [w.astype(np.float16)], [(name, TensorProto.FLOAT16, (vocab, hidden), False)])[0]
+            rows = b.op("Gather", w, ids, name=f"{scope}/Gather", axis=0)
+            return b.op("Cast", rows, name=f"{scope}/Cast", to=TensorProto.FLOAT)
+        nblk = -(-hidden // p.block)
+        qtype = _QTYPE[p.bits]
+        q, s, z = b.weight(name, None, lambda w: list(quantize(w, p.bits, p.block)),
+                           [(f"{name}.qweight", qtype, (vocab, hidden), False),
+                            (f"{name}.scales", TensorProto.FLOAT, (vocab, nblk), False),
+                            (f"{name}.zero_points", qtype, (vocab, nblk), False)])
+        if p.bits == 8:
+            # Gather the quantized rows first, then dequantize only those (axis 2 of [B,S,hidden]).
+            q, s, z = (b.op("Gather", t, ids, name=f"{scope}/{part}/Gather", axis=0)
+                       for t, part in zip((q, s, z), ("qweight", "scales", "zero_points"), strict=True))
+            return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=2, block_size=p.block)
+        # ONNX Gather has no 4-bit types: dequantize the table, then gather (a runtime folds this).
+        table = b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=1, block_size=p.block)
+        return b.op("Gather", table, ids, name=f"{scope}/Gather", axis=0)
+
+    def logits(self, b: Builder, x: str, embed_name: str, head_name: str | None) -> str:
+        """lm_head MatMul. head_name None = tied: share the embedding when it has the same
+        precision (MatMul on its Transpose), else write a copy under `lm_head.weight`."""
+        scope = "/model/lm_head"
+        if head_name is None and self.lm_head == self.embed and self.embed.kind in ("f32", "f16"):
+            table = embed_name
+            if self.embed.kind == "f16":
+                table = b.op("Cast", table, name=f"{scope}/Cast", to=TensorProto.FLOAT)
+            w = b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
+        else:
+            w = self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
+        return b.op("MatMul", x, w, name=f"{scope}/MatMul")
+
+
+def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None) -> tuple[Precision, Precision, Precision]:
+    """(linear, embed, lm_head) precisions from the CLI flags, with the documented defaults:
+    lm_head q8 when quantizing (else as --quant), embeddings f16 when quantizing (else as --quant)."""
+    for flag, value in (("--quant", quant), ("--lm-head", lm_head), ("--embed", embed)):
+        if value is not None and value not in PRECISIONS:
+            raise FuselmError(f"{flag} {value!r} is not a precision; choose one of {', '.join(PRECISIONS)}")
+    if block_size not in BLOCK_SIZES:
+        raise FuselmError(f"--block-size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
+    quantized = quant in _BITS
+    head = lm_head or ("q8" if quantized else quant)
+    emb = embed or ("f16" if quantized else quant)
+    return Precision(quant, block_size), Precision(emb, block_size), Precision(head, block_size)

@@ -1,0 +1,234 @@
+"""Rotary position embeddings: `inv_freq` from the config, and the `fuselm::FusedRoPE` op.
+
+`rope_inputs(config)` folds the rope scaling of a checkpoint (default, linear, llama3, yarn;
+partial rotary too) into `inv_freq` and `attention_scaling` with the same float32 arithmetic
+as transformers' ROPE_INIT_FUNCTIONS, so the FusedRoPE attribute equals HF's buffer bit for bit.
+
+`fused_rope_function()` is the model-local ONNX function that gives FusedRoPE its meaning in
+standard ops; a runtime that knows the op runs its own kernel, any other inlines this body.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+from onnx import helper as oh
+
+from fuselm.errors import FuselmError
+
+DOMAIN = "fuselm"
+DOMAIN_VERSION = 1
+OP = "FusedRoPE"
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What a FusedRoPE node needs, plus what fuselm.json records."""
+
+    inv_freq: np.ndarray  # float32 [rotary_dim // 2], scaling already folded in
+    attention_scaling: float
+    rope_type: str
+    theta: float
+    parameters: dict  # the rope dict as the config gives it (normalized: rope_type, rope_theta)
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+def rope_parameters(config: dict) -> dict:
+    """The rope dict of a config.json, normalized like transformers' `standardize_rope_params`.
+
+    transformers 5 writes `rope_parameters` (theta inside); 4.x wrote `rope_theta` and
+    `rope_scaling` (with `type` or `rope_type`) at the top level. Both are read.
+    """
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "layer_types" in config and any(isinstance(v, dict) for v in params.values()):
+        raise FuselmError("per-layer rope parameters (nested rope_parameters) are not supported; "
+                          "supported checkpoints use one rope for every layer")
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = config.get("rope_theta", 10000.0)
+    if "partial_rotary_factor" in config and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = config["partial_rotary_factor"]
+    if params["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings"))
+    return params
+
+
+def rope_inputs(config: dict, head_dim: int) -> Rope:
+    """inv_freq and attention_scaling for a config.json dict; head_dim comes from the config."""
+    import torch
+
+    p = rope_parameters(config)
+    rope_type = p["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise FuselmError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+                          "(use a checkpoint with one of these, or add the type to exporter/rope.py)")
+    try:
+        base = float(p["rope_theta"])
+        dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+        # Same expression and dtype order as HF, so the floats are identical.
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        scaling = 1.0
+        if rope_type == "linear":
+            inv_freq /= p["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3(inv_freq, p)
+        elif rope_type == "yarn":
+            inv_freq, scaling = _yarn(dim, base, p, config)
+    except KeyError as e:
+        raise FuselmError(f"config.json: rope type {rope_type!r} needs {e.args[0]!r} in rope_parameters "
+                          "(or rope_scaling); add it or fix the config") from None
+    if dim < 2 or dim > head_dim:
+        raise FuselmError(f"config.json: rotary dim {dim} does not fit head_dim {head_dim}; fix partial_rotary_factor")
+    return Rope(inv_freq.numpy().astype(np.float32), float(scaling), rope_type, base, p)
+
+
+def _llama3(inv_freq, p):
+    import torch
+
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim, base, p, config):
+    import torch
+
+    factor = p["factor"]
+    orig = p["original_max_position_embeddings"]
+    if factor is None:
+        factor = config["max_position_embeddings"] / orig
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scaling = p.get("attention_factor")
+    if scaling is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        scaling = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: prevent a singular ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, scaling
+
+
+def fused_rope_node(x: str, position_ids: str, y: str, name: str, rope: Rope) -> onnx.NodeProto:
+    """One `fuselm::FusedRoPE` node: x [B,S,H,D], position_ids [B,S] -> y [B,S,H,D]."""
+    return oh.make_node(OP, [x, position_ids], [y], name=name, domain=DOMAIN,
+                        inv_freq=[float(v) for v in rope.inv_freq],
+                        attention_scaling=float(rope.attention_scaling), interleaved=0)
+
+
+def fused_rope_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::FusedRoPE (domain fuselm, v1), standard opset-23 ops only.
+
+    freqs = position_ids[..., None] * inv_freq                      [B,S,R/2]
+    rotate_half (interleaved=0): emb = concat(freqs, freqs); rot = concat(-x2, x1)
+    interleaved=1:               emb = repeat each freq twice; rot = (-x_odd, x_even) pairs
+    cos/sin = cos/sin(emb) * attention_scaling, unsqueezed to [B,S,1,R]: they broadcast over
+    heads (never [S,1,R,1]: the unsqueeze trap). Dims R..D of x pass through unrotated.
+    """
+    def c64(name, values):
+        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
+
+    nodes = [
+        _attr_constant("inv", "value_floats", "inv_freq", onnx.AttributeProto.FLOATS),
+        _attr_constant("scale", "value_float", "attention_scaling", onnx.AttributeProto.FLOAT),
+        _attr_constant("interleaved_i", "value_int", "interleaved", onnx.AttributeProto.INT),
+        c64("axis_last", [-1]), c64("axis_2", [2]), c64("zero", [0]), c64("two", [2]), c64("big", [2**62]),
+        c64("shape_pairs", [0, 0, 0, -1, 2]), c64("shape_flat3", [0, 0, -1]), c64("shape_flat4", [0, 0, 0, -1]),
+        c64("one", [1]),
+        oh.make_node("Shape", ["inv"], ["half"]),
+        oh.make_node("Mul", ["half", "two"], ["rdim"]),
+        oh.make_node("Cast", ["position_ids"], ["pos_f"], to=TensorProto.FLOAT),
+        oh.make_node("Unsqueeze", ["pos_f", "axis_last"], ["pos_u"]),
+        oh.make_node("Mul", ["pos_u", "inv"], ["freqs"]),  # [B,S,R/2]
+        oh.make_node("Slice", ["X", "zero", "rdim", "axis_last"], ["x_rot"]),
+        oh.make_node("Slice", ["X", "rdim", "big", "axis_last"], ["x_pass"]),
+        oh.make_node("Cast", ["interleaved_i"], ["interleaved"], to=TensorProto.BOOL),
+        oh.make_node("Squeeze", ["interleaved"], ["cond"]),
+        oh.make_node("If", ["cond"], ["emb", "rot"], then_branch=_interleaved_branch(), else_branch=_half_branch()),
+        oh.make_node("Cos", ["emb"], ["cos_raw"]),
+        oh.make_node("Sin", ["emb"], ["sin_raw"]),
+        oh.make_node("Mul", ["cos_raw", "scale"], ["cos3"]),
+        oh.make_node("Mul", ["sin_raw", "scale"], ["sin3"]),
+        oh.make_node("Unsqueeze", ["cos3", "axis_2"], ["cos"]),  # [B,S,1,R]
+        oh.make_node("Unsqueeze", ["sin3", "axis_2"], ["sin"]),
+        oh.make_node("Mul", ["x_rot", "cos"], ["x_cos"]),
+        oh.make_node("Mul", ["rot", "sin"], ["rot_sin"]),
+        oh.make_node("Add", ["x_cos", "rot_sin"], ["y_rot"]),
+        oh.make_node("Concat", ["y_rot", "x_pass"], ["Y"], axis=-1),
+    ]
+    return oh.make_function(
+        DOMAIN, OP, ["X", "position_ids"], ["Y"], nodes,
+        opset_imports=[oh.make_opsetid("", 23)],
+        attributes=["inv_freq"],
+        attribute_protos=[oh.make_attribute("attention_scaling", 1.0), oh.make_attribute("interleaved", 0)],
+        doc_string=fused_rope_function.__doc__,
+    )
+
+
+def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
+    """A Constant whose value is the function attribute `function_attr` (an attribute reference)."""
+    node = oh.make_node("Constant", [], [output])
+    ref = node.attribute.add()
+    ref.name, ref.type, ref.ref_attr_name = const_attr, kind, function_attr
+    return node
+
+
+def _half_branch() -> onnx.GraphProto:
+    """rotate_half: emb = [freqs, freqs], rot = [-x2, x1] (HF's Llama/Qwen layout)."""
+    nodes = [
+        oh.make_node("Concat", ["freqs", "freqs"], ["h_emb"], axis=-1),
+        oh.make_node("Slice", ["x_rot", "zero", "half", "axis_last"], ["h_x1"]),
+        oh.make_node("Slice", ["x_rot", "half", "rdim", "axis_last"], ["h_x2"]),
+        oh.make_node("Neg", ["h_x2"], ["h_neg"]),
+        oh.make_node("Concat", ["h_neg", "h_x1"], ["h_rot"], axis=-1),
+    ]
+    return oh.make_graph(nodes, "rotate_half", [], [_value("h_emb", 3), _value("h_rot", 4)])
+
+
+def _interleaved_branch() -> onnx.GraphProto:
+    """interleaved (GPT-J layout): pairs (x[2i], x[2i+1]) rotate by freqs[i]."""
+    nodes = [
+        oh.make_node("Unsqueeze", ["freqs", "axis_last"], ["i_f"]),
+        oh.make_node("Concat", ["i_f", "i_f"], ["i_ff"], axis=-1),
+        oh.make_node("Reshape", ["i_ff", "shape_flat3"], ["i_emb"]),
+        oh.make_node("Reshape", ["x_rot", "shape_pairs"], ["i_pairs"]),
+        oh.make_node("Slice", ["i_pairs", "zero", "one", "axis_last"], ["i_even"]),
+        oh.make_node("Slice", ["i_pairs", "one", "two", "axis_last"], ["i_odd"]),
+        oh.make_node("Neg", ["i_odd"], ["i_neg"]),
+        oh.make_node("Concat", ["i_neg", "i_even"], ["i_rot5"], axis=-1),
+        oh.make_node("Reshape", ["i_rot5", "shape_flat4"], ["i_rot"]),
+    ]
+    return oh.make_graph(nodes, "interleaved", [], [_value("i_emb", 3), _value("i_rot", 4)])
+
+
+def _value(name: str, rank: int) -> onnx.ValueInfoProto:
+    return oh.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}_{i}" for i in range(rank)])

@@ -1,0 +1,177 @@
+"""Stream weights: safetensors in (single file or sharded), one external-data file out.
+
+`Checkpoint` indexes the tensors of `model.safetensors` or `model.safetensors.index.json` from
+their headers only. Reading opens the shard, copies a block of rows and closes it again, so the
+mmap of an 8 GB shard never stays resident: peak memory is one block, not the model.
+
+`write_data` lays every declared initializer out in `model.onnx.data` (64-byte aligned, 4096
+for tensors of 1 MiB and more, so a runtime can mmap them), points each TensorProto at its
+offset, then fills the file job by job. Big tensors are processed in row blocks; a transposed
+output ([in, out] from HF's [out, in]) receives each block as a column block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto
+
+from fuselm.errors import FuselmError
+
+from .graph import WeightJob
+from .quant import pack_uint4
+
+FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_ITEM_BITS = {TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16, TensorProto.UINT8: 8, TensorProto.UINT4: 4}
+BLOCK_ELEMENTS = 8 * 1024 * 1024  # rows per read: about 32 MB of float32
+
+
+class Checkpoint:
+    """The safetensors tensors of an HF checkpoint directory: name -> (file, dtype, shape)."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.dir = hf_dir
+        index = hf_dir / "model.safetensors.index.json"
+        single = hf_dir / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise FuselmError(f"{index} is malformed ({e!r}); re-save the checkpoint with "
+                                  "`save_pretrained` or restore the file") from None
+        elif single.is_file():
+            files = [single.name]
+        else:
+            found = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+            if found:
+                files = found
+            elif any((hf_dir / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+                raise FuselmError(f"{hf_dir} holds only pickle weights (pytorch_model.bin); fuselm reads safetensors "
+                                  "only and never unpickles. Convert it once in a trusted environment: "
+                                  "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`")
+            else:
+                raise FuselmError(f"{hf_dir} has no weights: expected model.safetensors or "
+                                  "model.safetensors.index.json; point HF_DIR at a full checkpoint")
+        self.tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        for name in files:
+            path = hf_dir / name
+            if not path.is_file():
+                raise FuselmError(f"shard {name} listed in the checkpoint index is missing from {hf_dir}; "
+                                  "download the complete checkpoint")
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        self.tensors[key] = (path, sl.get_dtype(), tuple(sl.get_shape()))
+            except SafetensorError as e:
+                raise FuselmError(f"{path} is not a readable safetensors file ({e}); it may be truncated — "
+                                  "download it again") from None
+
+    def validate(self, expected: dict[str, tuple[int, ...]], ignorable: Callable[[str], bool]) -> None:
+        """Every expected tensor present with its shape and a float dtype; nothing else unmapped."""
+        problems = []
+        for name, shape in expected.items():
+            if name not in self.tensors:
+                problems.append(f"{name}: missing")
+                continue
+            _, dtype, got = self.tensors[name]
+            if got != tuple(shape):
+                problems.append(f"{name}: shape {list(got)}, expected {list(shape)} from config.json")
+            if dtype not in FLOAT_DTYPES:
+                problems.append(f"{name}: dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+        unknown = [n for n in self.tensors if n not in expected and not ignorable(n)]
+        problems += [f"{n}: not a tensor of this architecture" for n in unknown]
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise FuselmError(f"checkpoint {self.dir} does not match its config.json: {shown}. "
+                              "Use the config.json that belongs to these weights, or re-download the checkpoint")
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a tensor as float32 (1-D tensors: the whole tensor)."""
+        import torch
+        from safetensors import safe_open
+
+        path, _, shape = self.tensors[name]
+        with safe_open(path, framework="pt") as f:
+            t = f.get_tensor(name) if len(shape) == 1 else f.get_slice(name)[start:stop]
+        return t.to(torch.float32).numpy()
+
+
+def layout(jobs: Iterable[WeightJob], location: str) -> int:
+    """Assign every output its offset in the data file; returns the file size."""
+    offset = 0
+    for job in jobs:
+        for out in job.outputs:
+            nbytes = _nbytes(out.proto)
+            offset = -(-offset // (4096 if nbytes >= 1 << 20 else 64)) * (4096 if nbytes >= 1 << 20 else 64)
+            del out.proto.external_data[:]
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(nbytes))):
+                entry = out.proto.external_data.add()
+                entry.key, entry.value = key, value
+            offset += nbytes
+    return offset
+
+
+def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Callable[[WeightJob], None]) -> None:
+    """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs."""
+    size = layout(jobs, path.name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for job in jobs:
+            shape = ckpt.tensors[job.source][2]
+            rows = shape[0]
+            step = rows if len(shape) == 1 else max(2, BLOCK_ELEMENTS // max(1, shape[1])) // 2 * 2
+            if any(o.transposed and o.proto.data_type == TensorProto.UINT4 and o.proto.dims[1] % 2 for o in job.outputs):
+                step = rows  # odd uint4 rows share bytes: no column blocks
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                arrays = job.encode(ckpt.read_rows(job.source, start, stop))
+                for out, arr in zip(job.outputs, arrays, strict=True):
+                    _write_block(fd, out.proto, np.ascontiguousarray(arr), start, stop == rows and start == 0,
+                                 out.transposed)
+            on_job(job)
+    finally:
+        os.close(fd)
+
+
+def _write_block(fd: int, proto: TensorProto, arr: np.ndarray, start: int, whole: bool, transposed: bool) -> None:
+    """Write a block of rows (or, transposed, a block of columns starting at column `start`)."""
+    offset = int(next(e.value for e in proto.external_data if e.key == "offset"))
+    bits = _ITEM_BITS[proto.data_type]
+    arr = arr.astype(_np_dtype(proto.data_type), copy=False)
+    if whole:
+        _pwrite(fd, _encode(arr, bits), offset)
+    elif not transposed:
+        _pwrite(fd, _encode(arr, bits), offset + start * int(np.prod(proto.dims[1:])) * bits // 8)
+    else:
+        n_cols = proto.dims[1]
+        for r in range(arr.shape[0]):  # one strided segment per output row
+            _pwrite(fd, _encode(arr[r], bits), offset + (r * n_cols + start) * bits // 8)
+
+
+def _encode(arr: np.ndarray, bits: int) -> bytes:
+    return pack_uint4(arr) if bits == 4 else arr.tobytes()
+
+
+def _pwrite(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _np_dtype(onnx_type: int):
+    return {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16,
+            TensorProto.UINT8: np.uint8, TensorProto.UINT4: np.uint8}[onnx_type]
+
+
+def _nbytes(proto: TensorProto) -> int:
+    return -(-int(np.prod(proto.dims, dtype=np.int64)) * _ITEM_BITS[proto.data_type] // 8)
