@@ -61,9 +61,11 @@ class Pass:
 
     def __call__(self, model: ir.Model) -> tuple[ir.Model, bool, Stats]:
         stats = Stats()
+        forget_names(model.graph)
         modified = self.apply(model, stats)
         if modified:
             remove_unused(model)
+        forget_names(model.graph)
         return model, modified, stats
 
     def apply(self, model: ir.Model, stats: Stats) -> bool:
@@ -195,6 +197,26 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtoco
     return value
 
 
+def small_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """An initializer holding `array`, reusing an identical small one (so passes stay idempotent)."""
+    cache = graph.meta.get("fuselm_consts")
+    if cache is None:
+        cache = {}
+        for v in graph.initializers.values():
+            t = v.const_value
+            if t is not None and t.size <= SMALL_CONST and not v.is_graph_input():
+                cache.setdefault(_const_key(t.numpy()), v)
+        graph.meta["fuselm_consts"] = cache
+    key = _const_key(array)
+    if key not in cache:
+        cache[key] = initializer(graph, name, array)
+    return cache[key]
+
+
+def _const_key(a: np.ndarray) -> tuple:
+    return (a.dtype.str, a.shape, a.tobytes())
+
+
 def unique_name(graph: ir.Graph, name: str) -> str:
     taken = _names(graph)
     if name not in taken:
@@ -220,7 +242,10 @@ def _names(graph: ir.Graph) -> set[str]:
 
 
 def forget_names(graph: ir.Graph) -> None:
+    """Drop the per-pass caches (names taken, node order)."""
     graph.meta.pop("fuselm_names", None)
+    graph.meta.pop("fuselm_order", None)
+    graph.meta.pop("fuselm_consts", None)
 
 
 def new_node(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], name: str, *,

@@ -10,6 +10,7 @@ import onnx_ir as ir
 from .base import SMALL_CONST, Pass, Stats, attr, const, remove_unused, static_shape, take_over, unique_name
 
 _INT_MAX_ISH = 2**62
+_SMALL_FLOAT = 64
 
 
 def _div(a, b):
@@ -65,7 +66,6 @@ FOLD = {
     "ConstantOfShape": lambda n, s: np.full(
         tuple(int(d) for d in s), attr(n, "value").numpy().reshape(()) if attr(n, "value") is not None else 0.0,
         dtype=attr(n, "value").numpy().dtype if attr(n, "value") is not None else np.float32),
-    "Transpose": lambda n, x: np.transpose(x, attr(n, "perm")),
 }
 # Ops merged when two nodes compute the same thing from the same inputs (shape bookkeeping only).
 CSE_OPS = {"Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Reshape", "Range",
@@ -79,7 +79,8 @@ class RemoveDeadShapeOp(Pass):
 
     Rewrites, repeated until nothing changes:
     - `Constant` nodes become initializers;
-    - a shape op whose inputs are all small constants (or `Shape`/`Size` of a statically shaped
+    - a shape op whose inputs are all small constants (integer shape data, or floats of at most
+      _SMALL_FLOAT elements) (or `Shape`/`Size` of a statically shaped
       value) is evaluated once and replaced by an initializer;
     - no-op data movement is bypassed: `Identity`, `Cast` to the same type, `Transpose` with the
       identity permutation, `Slice` over the whole tensor, `Reshape` to the same static shape,
@@ -237,7 +238,8 @@ def _evaluate(node: ir.Node) -> np.ndarray | None:
         if v is None:
             args.append(None)
             continue
-        a = const(v)
+        # Integer/bool tensors are shape data; float constants beyond a handful are weights.
+        a = const(v, max_size=SMALL_CONST if v.dtype in _INT_TYPES else _SMALL_FLOAT)
         if a is None:
             return None
         args.append(a)

@@ -1,0 +1,219 @@
+"""FuseAttention: HF eager attention with KV cache and GQA expansion -> Attention-23."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from .base import (
+    Fusion,
+    attr,
+    const,
+    fail,
+    new_node,
+    only_user,
+    other_input,
+    producer,
+    scalar,
+    static_shape,
+    take_over,
+)
+
+
+@dataclass
+class KV:
+    """One of key/value: the new [B,KV,S,D] tensor, the past input, and the cache's output."""
+
+    new: ir.Value
+    past: ir.Value | None
+    present: ir.Value | None  # Concat(past, new) output (present.{i}.key), None without a cache
+    kv_heads: int | None
+    rep: int | None  # GQA repeat factor, None when unknown
+    heads: int | None  # query heads, when the repeat's Reshape says
+
+
+@dataclass
+class AttentionMatch:
+    q: ir.Value
+    key: KV
+    value: KV
+    mask: ir.Value | None
+    scale: float
+    heads: int
+    kv_heads: int
+    out: ir.Value
+    softmax_f32: bool
+    last: ir.Node
+
+
+def _cache(t: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
+    """(new, past, present) for t = Concat(past, new) along the sequence axis, else (t, None, None)."""
+    cat = producer(t, "Concat")
+    if cat is None:
+        return t, None, None
+    if len(cat.inputs) != 2 or attr(cat, "axis") not in (2, -2):
+        fail(f"KV Concat {cat.name} is not (past, new) along axis 2")
+    past, new = cat.inputs
+    if not past.is_graph_input():
+        fail(f"KV Concat {cat.name} does not read a past_key_values graph input")
+    return new, past, t
+
+
+def _repeat_kv(t: ir.Value) -> KV:
+    """Undo HF repeat_kv: Reshape(Expand(Unsqueeze(x, 2), [.., rep, ..]), [B, H, T, D]) or x itself."""
+    reshape = producer(t, "Reshape")
+    if reshape is None:
+        new, past, present = _cache(t)
+        kv = _dim(t, 1) or _dim(past, 1)
+        return KV(new, past, present, kv, 1, kv)
+    expand = producer(reshape.inputs[0], "Expand")
+    unsq = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsq is None:
+        fail("K/V is reshaped but not as repeat_kv (Unsqueeze -> Expand -> Reshape)")
+    axes = const(unsq.inputs[1]) if len(unsq.inputs) > 1 else np.array(attr(unsq, "axes"))
+    if axes is None or list(np.atleast_1d(axes)) != [2]:
+        fail(f"repeat_kv Unsqueeze is over axes {None if axes is None else list(np.atleast_1d(axes))}, not [2]")
+    base = unsq.inputs[0]
+    new, past, present = _cache(base)
+    kv = _dim(base, 1) or _dim(past, 1)
+    target = const(expand.inputs[1])
+    rep = int(target[2]) if target is not None and len(target) == 5 and target[2] > 0 else _dim(expand.outputs[0], 2)
+    shape = const(reshape.inputs[1])
+    heads = int(shape[1]) if shape is not None and len(shape) == 4 and shape[1] > 0 else _dim(t, 1)
+    if shape is not None and len(shape) != 4:
+        fail(f"repeat_kv Reshape target {list(shape)} is not 4-D")
+    return KV(new, past, present, kv, rep, heads)
+
+
+def _is_scores(v: ir.Value) -> bool:
+    """Whether v is MatMul(Q, Transpose(K)), maybe scaled by a Mul or Div."""
+    node = producer(v, "Mul", "Div")
+    candidates = list(node.inputs) if node is not None else [v]
+    return any(producer(c, "MatMul") is not None and producer(producer(c).inputs[1], "Transpose") is not None
+               for c in candidates)
+
+
+def _layer_tag(v: ir.Value) -> str:
+    return re.sub(r"(key|value)$", "", v.name or "")
+
+
+def _dim(v: ir.Value | None, i: int) -> int | None:
+    s = static_shape(v)
+    return s[i] if s is not None and len(s) > i else None
+
+
+class FuseAttention(Fusion):
+    """softmax(Q·Kᵀ·scale + mask)·V over the cache -> Attention(Q, K, V, mask, past_k, past_v).
+
+    The pattern (HF eager attention, and fuselm's exporter): K = Concat(past_key, k) along the
+    sequence axis (its output is `present.{i}.key`), GQA expansion as repeat_kv (Unsqueeze at 2,
+    Expand, Reshape) or none when heads == kv_heads; Transpose(K) with perm [0,1,3,2]; MatMul;
+    scale as Mul or Div by a constant on the scores; an optional Add of a mask; Softmax over the
+    last axis (maybe between Casts to float32); MatMul with the expanded V. The fused node reads
+    q [B,H,S,D], the new k/v [B,KV,S,D], the same mask, and the past inputs; its present outputs
+    take over the graph outputs' names, so the graph's inputs and outputs stay as they were.
+    Must not fire (and says why): Softmax not over the last axis; scores not MatMul(Q, Kᵀ);
+    the scale not a constant; K and V caches from different layers or a past that is not a graph
+    input; an expansion that is not repeat_kv; head counts that do not divide; an intermediate
+    (scores, probabilities) read elsewhere.
+    """
+
+    aliases = ("fuse-attention", "attention", "attn")
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        return [n for n in graph if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]
+
+    def match(self, softmax: ir.Node) -> AttentionMatch:
+        if attr(softmax, "axis", -1) not in (-1, 3):
+            fail(f"Softmax over axis {attr(softmax, 'axis')}, not the last")
+        probs = softmax.outputs[0]
+        softmax_f32 = False
+        cast_out = only_user(probs, "Cast")
+        if cast_out is not None:
+            probs, softmax_f32 = cast_out.outputs[0], True
+        pv = only_user(probs, "MatMul")
+        if pv is None or pv.inputs[0] is not probs:
+            fail("Softmax output is not the left input of a MatMul alone")
+        scores = softmax.inputs[0]
+        cast_in = producer(scores, "Cast")
+        if cast_in is not None:
+            scores, softmax_f32 = cast_in.inputs[0], True
+        mask = None
+        add = producer(scores, "Add")
+        if add is not None:
+            sides = [i for i in (0, 1) if _is_scores(add.inputs[i])]
+            if len(sides) != 1:
+                fail("the Add before Softmax is not scores + mask")
+            scores, mask = add.inputs[sides[0]], add.inputs[1 - sides[0]]
+            if mask.dtype is not None and mask.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
+                                                             ir.DataType.BFLOAT16, ir.DataType.BOOL):
+                fail(f"the mask has dtype {mask.dtype}, not float or bool")
+        scale = 1.0
+        scale_node = producer(scores, "Mul", "Div")
+        if scale_node is not None:
+            qk_out = next((v for v in scale_node.inputs if producer(v, "MatMul") is not None), None)
+            if qk_out is None:
+                fail("the scale does not multiply Q·Kᵀ")
+            c = scalar(other_input(scale_node, qk_out))
+            if c is None or c == 0:
+                fail("the scale is not a non-zero constant")
+            if scale_node.op_type == "Div" and scale_node.inputs[1] is qk_out:
+                fail("scores divide a constant, not the other way round")
+            scale = float(c) if scale_node.op_type == "Mul" else 1.0 / float(c)
+            scores = qk_out
+        qk = producer(scores, "MatMul")
+        if qk is None:
+            fail("the scores are not MatMul(Q, Kᵀ)")
+        for v in [qk.outputs[0], *(n.outputs[0] for n in (scale_node, add) if n is not None)]:
+            if len(v.uses()) != 1 or v.is_graph_output():
+                fail(f"intermediate {v.name} has another reader")
+        q, kt = qk.inputs
+        tr = producer(kt, "Transpose")
+        if tr is None or list(attr(tr, "perm", [])) != [0, 1, 3, 2]:
+            fail("K is not transposed with perm [0, 1, 3, 2] before Q·Kᵀ")
+        key, value = _repeat_kv(tr.inputs[0]), _repeat_kv(pv.inputs[1])
+        if (key.past is None) != (value.past is None):
+            fail("only one of K and V reads a cache")
+        if key.past is not None and _layer_tag(key.past) != _layer_tag(value.past):
+            fail(f"K and V caches belong to different layers ({key.past.name}, {value.past.name})")
+        q_heads = _dim(q, 1) or key.heads or value.heads
+        if key.kv_heads and key.rep and not q_heads:
+            q_heads = key.kv_heads * key.rep
+        kv_heads = key.kv_heads or value.kv_heads or (q_heads // key.rep if q_heads and key.rep else None)
+        if not q_heads or not kv_heads:
+            fail("cannot tell the number of query and key/value heads from shapes or constants")
+        if q_heads % kv_heads or (key.rep and key.rep * kv_heads != q_heads):
+            fail(f"{q_heads} query heads do not match {kv_heads} kv heads × repeat {key.rep}")
+        return AttentionMatch(q, key, value, mask, scale, q_heads, kv_heads, pv.outputs[0], softmax_f32, pv)
+
+    def rewrite(self, graph: ir.Graph, m: AttentionMatch) -> str:
+        prefix = _scope(m)
+        inputs = [m.q, m.key.new, m.value.new, m.mask]
+        if m.key.past is not None:
+            inputs += [m.key.past, m.value.past]
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        n_out = 3 if m.key.past is not None else 1
+        node = new_node(graph, "Attention", inputs, f"{prefix}/Attention", outputs=n_out,
+                        q_num_heads=m.heads, kv_num_heads=m.kv_heads, scale=m.scale, is_causal=0,
+                        softmax_precision=int(ir.DataType.FLOAT) if m.softmax_f32 else None)
+        graph.insert_before(m.last, node)
+        take_over(m.out, node.outputs[0])
+        if n_out == 3:
+            take_over(m.key.present, node.outputs[1])
+            take_over(m.value.present, node.outputs[2])
+        return prefix
+
+
+def _scope(m: AttentionMatch) -> str:
+    """A node scope naming the layer: from the past input's name or the existing node names."""
+    for v in (m.key.past, m.key.present):
+        g = re.search(r"\.(\d+)\.key$", (v.name if v is not None else "") or "")
+        if g:
+            return f"/model/layers.{g.group(1)}/attn"
+    name = m.last.name or "attention"
+    return name.rsplit("/", 2)[0] if name.count("/") >= 2 else name

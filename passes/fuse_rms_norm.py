@@ -1,0 +1,122 @@
+"""FuseRMSNorm: the decomposed RMSNorm (as HF writes it by hand) -> RMSNormalization-23."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from .base import (
+    Fusion,
+    attr,
+    const,
+    fail,
+    name_like,
+    new_node,
+    only_user,
+    other_input,
+    producer,
+    rank,
+    scalar,
+    take_over,
+)
+
+
+@dataclass
+class RMSMatch:
+    x: ir.Value  # input of the fused node
+    weight: ir.Value
+    eps: float
+    nodes: list[ir.Node]
+    out: ir.Value
+
+
+class FuseRMSNorm(Fusion):
+    """x · 1/sqrt(mean(x², -1) + eps) · w  ->  RMSNormalization(x, w, axis=-1, epsilon=eps).
+
+    Variants: x² as Pow(x, 2) or Mul(x, x); 1/sqrt as Reciprocal(Sqrt) or Div(1, Sqrt), or the
+    whole as Div(x, Sqrt); the weight Mul on either side; with or without HF's Casts (x cast to
+    float32 before, the normalized value cast back before the weight). Also fires on q_norm and
+    k_norm, which normalize over head_dim of a [B, S, H, D] tensor.
+    Must not fire (and says why): the mean is not over the last axis alone or drops the axis
+    (keepdims=0); the exponent is not 2; epsilon or the weight is not a constant; the weight is
+    not 1-D; an intermediate (x², the mean, the normalized x) has another reader.
+    """
+
+    aliases = ("fuse-rms-norm", "rms-norm", "rmsnorm")
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        return [n for n in graph if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")]
+
+    def match(self, mean: ir.Node) -> RMSMatch:
+        sq = producer(mean.inputs[0], "Pow", "Mul")
+        if sq is None:
+            fail("ReduceMean does not read x² (Pow or Mul)")
+        x = sq.inputs[0]
+        if sq.op_type == "Pow" and scalar(sq.inputs[1]) != 2:
+            fail(f"exponent is {scalar(sq.inputs[1])}, not 2")
+        if sq.op_type == "Mul" and sq.inputs[1] is not x:
+            fail("Mul before ReduceMean is not x·x")
+        axes = const(mean.inputs[1]) if len(mean.inputs) > 1 and mean.inputs[1] is not None else attr(mean, "axes")
+        r = rank(x)
+        if axes is None or len(list(axes)) != 1:
+            fail(f"mean over axes {None if axes is None else list(axes)}, not the last one")
+        axis = int(list(axes)[0])
+        if axis != -1 and (r is None or axis != r - 1):
+            fail(f"mean over axis {axis}, not the last one")
+        if attr(mean, "keepdims", 1) != 1:
+            fail("keepdims=0: the mean does not broadcast back")
+        add = only_user(mean.outputs[0], "Add")
+        if add is None:
+            fail("the mean is not followed by Add(eps) alone")
+        eps = scalar(other_input(add, mean.outputs[0]))
+        if eps is None:
+            fail("epsilon is not a constant")
+        sqrt = only_user(add.outputs[0], "Sqrt")
+        if sqrt is None:
+            fail("Add(eps) is not followed by Sqrt alone")
+        nodes = [sq, mean, add, sqrt]
+        inv_user = only_user(sqrt.outputs[0], "Reciprocal", "Div")
+        if inv_user is None:
+            fail("Sqrt is not followed by Reciprocal or Div alone")
+        if inv_user.op_type == "Div" and inv_user.inputs[1] is sqrt.outputs[0] and inv_user.inputs[0] is x:
+            normed = inv_user  # x / sqrt(...)
+            nodes.append(normed)
+        else:
+            if inv_user.op_type == "Div" and scalar(inv_user.inputs[0]) != 1.0:
+                fail("Div by the root is neither 1/root nor x/root")
+            nodes.append(inv_user)
+            normed = only_user(inv_user.outputs[0], "Mul")
+            if normed is None or other_input(normed, inv_user.outputs[0]) is not x:
+                fail("1/root is not multiplied by x alone")
+            nodes.append(normed)
+        if any(len(n.outputs[0].uses()) != 1 or n.outputs[0].is_graph_output() for n in nodes[:-1]):
+            fail("an intermediate value has another reader")
+        y, inp = normed.outputs[0], x
+        cast_back = only_user(y, "Cast")
+        cast_in = producer(x, "Cast")
+        if cast_back is not None and cast_in is not None and cast_in.inputs[0].dtype is not None \
+                and ir.DataType(attr(cast_back, "to")) == cast_in.inputs[0].dtype:
+            nodes.append(cast_back)
+            y, inp = cast_back.outputs[0], cast_in.inputs[0]
+        wmul = only_user(y, "Mul")
+        if wmul is None:
+            fail("the normalized value is not multiplied by a weight alone")
+        weight = other_input(wmul, y)
+        if weight is None or weight.const_value is None and const(weight) is None:
+            fail("the weight is not a constant")
+        if weight.shape is None or weight.shape.rank() != 1:
+            fail(f"the weight has shape {weight.shape}, not 1-D")
+        nodes.append(wmul)
+        return RMSMatch(inp, weight, float(eps), nodes, wmul.outputs[0])
+
+    def rewrite(self, graph: ir.Graph, m: RMSMatch) -> str:
+        last = m.nodes[-1]
+        scope = (m.weight.name or last.name or "rms_norm").removesuffix(".weight")
+        name = name_like(last.name, "/Mul_1", "/RMSNormalization", f"{scope}/RMSNormalization")
+        node = new_node(graph, "RMSNormalization", [m.x, m.weight], name, axis=-1, epsilon=m.eps, stash_type=1)
+        graph.insert_before(last, node)
+        take_over(m.out, node.outputs[0])
+        graph.remove(m.nodes, safe=True)
+        return name.removesuffix("/RMSNormalization")

@@ -1,0 +1,208 @@
+"""The pass pipeline: `optimize` runs it, `diff` walks the same list and reports pass by pass."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import onnx_ir as ir
+
+from fuselm.errors import CheckFailed, FuselmError
+from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
+
+from . import graphio
+from .base import Pass
+from .fuse_attention import FuseAttention
+from .fuse_gate_up import FuseGateUp
+from .fuse_qkv import FuseQKV
+from .fuse_rms_norm import FuseRMSNorm
+from .fuse_rope import FuseRoPE
+from .remove_dead_shape_ops import RemoveDeadShapeOp
+from .reorder_qkv import ReorderQKVProjections
+
+PIPELINE: list[Pass] = [
+    RemoveDeadShapeOp(),
+    ReorderQKVProjections(),
+    FuseQKV(),
+    FuseGateUp(),
+    FuseRMSNorm(),
+    FuseAttention(),
+    FuseRoPE(),
+]
+REQUIRED_OPSET = 23
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def resolve_skip(skip) -> set[str]:
+    """Class names of the passes to skip; `skip` takes class names or kebab/snake aliases."""
+    table = {}
+    for p in PIPELINE:
+        for alias in (p.name, *p.aliases):
+            table[_key(alias)] = p.name
+    chosen = set()
+    for s in skip or ():
+        for part in str(s).split(","):
+            if not part.strip():
+                continue
+            name = table.get(_key(part))
+            if name is None:
+                valid = ", ".join(f"{p.name} ({'/'.join(p.aliases[:1])})" for p in PIPELINE)
+                raise FuselmError(f"--skip {part!r}: no such pass; valid passes: {valid}")
+            chosen.add(name)
+    return chosen
+
+
+def _check_opset(model: ir.Model, source: Path) -> None:
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    if opset != REQUIRED_OPSET:
+        raise FuselmError(f"{source} uses default-domain opset {opset}; fuselm's passes write opset "
+                          f"{REQUIRED_OPSET} (RMSNormalization, Attention): re-export it with opset 23 "
+                          "(torch.onnx.export(..., opset_version=23) or `fuselm convert`)")
+
+
+def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) -> list[dict]:
+    """Run every pass not in `skip` in order; returns one record per pass (skipped ones too).
+
+    `on_pass(record, model)` is called after each pass that ran (diff uses it to check numbers).
+    """
+    records = []
+    for p in PIPELINE:
+        record = {"pass": p.name, "doc": (type(p).__doc__ or "").strip().splitlines()[0]}
+        if p.name in skip:
+            record.update(skipped_by_user=True, changed=False)
+            records.append(record)
+            continue
+        before = Counter(n.op_type for n in model.graph)
+        t0 = time.perf_counter()
+        model, changed, stats = p(model)
+        record.update(skipped_by_user=False, changed=changed, seconds=time.perf_counter() - t0,
+                      nodes_before=sum(before.values()), nodes_after=model.graph.num_nodes(),
+                      ops_before=dict(sorted(before.items())),
+                      ops_after=dict(sorted(Counter(n.op_type for n in model.graph).items())),
+                      **stats.as_dict())
+        records.append(record)
+        if on_pass is not None:
+            on_pass(record, model)
+    return records
+
+
+def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) -> Path:
+    """Run the pipeline on a model directory or .onnx file; write a model directory at `out`."""
+    onnx_path, meta = graphio.resolve(in_path)
+    skipped = resolve_skip(skip)
+    t0 = time.perf_counter()
+    model = graphio.load(onnx_path)
+    _check_opset(model, onnx_path)
+    records = run_pipeline(model, skipped)
+    passes_seconds = time.perf_counter() - t0
+    out = Path(out)
+    with atomic_output_dir(out, force=force) as tmp:
+        path = graphio.save(model, tmp)
+        try:
+            graphio.check(path)
+        except Exception as e:
+            raise CheckFailed(f"the optimized graph fails onnx.checker ({e}); run `fuselm diff` on {in_path} "
+                              "and --skip the pass that breaks it") from None
+        new_meta = dict(meta) if meta is not None else graph_meta(model, onnx_path)
+        new_meta.pop("schema_version", None)
+        new_meta["stage"] = "optimized"
+        new_meta["passes"] = [_meta_record(r) for r in records]
+        write_meta(tmp, new_meta)
+        if Path(in_path).is_dir():
+            copy_tokenizer_files(in_path, tmp)
+    if not quiet:
+        from .report import print_summary
+
+        print_summary(records, title=f"fuselm optimize: {in_path} -> {out} "
+                      f"({passes_seconds:.2f} s load + passes, {time.perf_counter() - t0:.2f} s total)")
+    return out
+
+
+def _meta_record(r: dict) -> dict:
+    keep = ("pass", "skipped_by_user", "changed", "seconds", "nodes_before", "nodes_after", "fired", "fired_at",
+            "skipped", "counts")
+    return {k: r[k] for k in keep if k in r}
+
+
+def graph_meta(model: ir.Model, source: Path) -> dict:
+    """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits)."""
+    past = [v for v in model.graph.inputs if re.fullmatch(r"past_key_values\.\d+\.key", v.name or "")]
+    dims: dict = {"layers": len(past) or None}
+    if past and past[0].shape is not None and past[0].shape.rank() == 4:
+        kv, hd = past[0].shape[1], past[0].shape[3]
+        dims.update(kv_heads=kv if isinstance(kv, int) else None, head_dim=hd if isinstance(hd, int) else None)
+    heads = {n.attributes["q_num_heads"].value for n in model.graph if n.op_type == "Attention"
+             and "q_num_heads" in n.attributes}
+    if len(heads) == 1:
+        dims["heads"] = heads.pop()
+    logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
+    if logits is not None and logits.shape is not None and isinstance(logits.shape[-1], int):
+        dims["vocab"] = logits.shape[-1]
+    return {"stage": "optimized", "source": {"onnx": os.fspath(source)}, "family": None, "dims": dims,
+            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}}
+
+
+def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> dict:
+    """Walk the pipeline on a model directory or .onnx file and report, pass by pass, what changed.
+
+    Per pass: changed or not, node counts before -> after by op type, matches fired and skipped
+    with reasons, the numeric drift (onnxruntime with its optimizations off, this stage against
+    the previous one: max abs logit difference for a prefill and a decode step with past) and the
+    time taken. `html` writes one self-contained page with the same tables and a drawing of one
+    decoder layer before and after each pass; `json_path` the same data as JSON.
+    """
+    from . import check, draw
+    from .report import print_report, write_html, write_json
+
+    onnx_path, meta = graphio.resolve(in_path)
+    skipped = resolve_skip(skip)
+    model = graphio.load(onnx_path)
+    _check_opset(model, onnx_path)
+    layer = draw.pick_layer(model.graph)
+    nodes_in = model.graph.num_nodes()
+    with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
+        state = {"outputs": check.run_steps(onnx_path), "picture": draw.layer_picture(model.graph, layer), "n": 0}
+
+        def on_pass(record: dict, m: ir.Model) -> None:
+            record["picture_before"] = state["picture"]
+            if record["changed"]:
+                state["n"] += 1
+                stage = Path(work) / f"{state['n']}"
+                stage.mkdir()
+                path = graphio.save(m, stage)
+                try:
+                    graphio.check(path)
+                    record["checker"] = "ok"
+                except Exception as e:  # reported, not raised: the page shows which pass broke it
+                    record["checker"] = f"failed: {e}"
+                t0 = time.perf_counter()
+                try:
+                    outputs = check.run_steps(path, steps=state["outputs"])
+                    record["drift"] = check.drift(state["outputs"], outputs)
+                    state["outputs"] = outputs
+                except Exception as e:
+                    record["drift"] = {"error": f"{type(e).__name__}: {e}"}
+                record["check_seconds"] = time.perf_counter() - t0
+                state["picture"] = draw.layer_picture(m.graph, layer)
+            else:
+                record["drift"] = None
+            record["picture_after"] = state["picture"]
+
+        records = run_pipeline(model, skipped, on_pass)
+    data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": layer,
+            "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
+            "passes": records}
+    if not quiet:
+        print_report(data)
+    if json_path:
+        write_json(data, json_path)
+    if html:
+        write_html(data, html)
+    return data

@@ -1,0 +1,232 @@
+"""Linear projections as the passes see them: MatMul(x, W) [+ bias], W made from initializers.
+
+Shared by ReorderQKVProjections, FuseQKV and FuseGateUp. A weight is one of
+- `W` an initializer [in, out];
+- `Transpose(W [out, in], perm=[1, 0])` (torch.onnx without constant folding);
+- `DequantizeLinear(q [in, out], scale, zero_point)`: blocked along the input dim (axis 0,
+  block_size > 0) or per output channel (axis 1); uint4/int4/uint8/int8 data;
+optionally followed by a `Cast`. Projections fuse when their weights have the same form: the
+concatenation happens on the initializers (lazily, at save time), so only the fused weights are
+ever read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from .base import attr, fail, initializer, new_node, producer, small_constant, take_over
+
+
+@dataclass
+class Weight:
+    form: str  # "plain" | "transposed" | "dequant"
+    tensors: dict[str, ir.Value]  # role ("w", "scale", "zero_point") -> initializer
+    nodes: list[ir.Node]  # Transpose / DequantizeLinear / Cast between the initializers and MatMul
+    in_dim: int
+    out_dim: int
+    signature: tuple  # everything that must match to concatenate
+    attrs: dict = field(default_factory=dict)
+    cast_to: int | None = None
+
+
+@dataclass
+class Projection:
+    matmul: ir.Node
+    weight: Weight
+    bias: ir.Value | None
+    add: ir.Node | None
+
+    @property
+    def output(self) -> ir.Value:
+        return (self.add or self.matmul).outputs[0]
+
+    @property
+    def input(self) -> ir.Value:
+        return self.matmul.inputs[0]
+
+    @property
+    def nodes(self) -> list[ir.Node]:
+        return [*self.weight.nodes, self.matmul, *([self.add] if self.add else [])]
+
+    @property
+    def name(self) -> str:
+        return self.matmul.name or ""
+
+
+def _init(value: ir.Value | None, what: str) -> ir.Value:
+    if value is None or not value.is_initializer() or value.const_value is None:
+        fail(f"{what} is not an initializer")
+    return value
+
+
+def parse_weight(value: ir.Value) -> Weight:
+    """The weight feeding a MatMul's right-hand side, or fail() naming why it is not one."""
+    cast_to, nodes = None, []
+    cast = producer(value, "Cast")
+    if cast is not None:
+        cast_to, nodes, value = attr(cast, "to"), [cast], cast.inputs[0]
+    if value.is_initializer():
+        w = _init(value, "weight")
+        if len(w.shape) != 2:
+            fail(f"weight {w.name} has rank {len(w.shape)}, not 2")
+        i, o = w.shape
+        return Weight("plain", {"w": w}, nodes, i, o, ("plain", w.dtype, cast_to), cast_to=cast_to)
+    tr = producer(value, "Transpose")
+    if tr is not None:
+        w = _init(tr.inputs[0], "transposed weight")
+        if len(w.shape) != 2 or list(attr(tr, "perm", [1, 0])) != [1, 0]:
+            fail(f"weight {w.name} is transposed with perm {attr(tr, 'perm')}, not a 2-D [1, 0]")
+        o, i = w.shape
+        return Weight("transposed", {"w": w}, [tr, *nodes], i, o, ("transposed", w.dtype, cast_to), cast_to=cast_to)
+    dq = producer(value, "DequantizeLinear")
+    if dq is not None:
+        q = _init(dq.inputs[0], "quantized weight")
+        scale = _init(dq.inputs[1], "quantization scale")
+        zp = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+        if zp is not None:
+            zp = _init(zp, "zero point")
+        if len(q.shape) != 2:
+            fail(f"quantized weight {q.name} has rank {len(q.shape)}, not 2")
+        axis, block = attr(dq, "axis", 1) % 2, attr(dq, "block_size", 0)
+        if block and axis != 0:
+            fail(f"{q.name} is blocked along axis {axis}; only blocks along the input dim (axis 0) concatenate")
+        if not block and (axis != 1 or len(scale.shape) != 1):
+            fail(f"{q.name} has a per-tensor scale; scales of different projections cannot be concatenated")
+        i, o = q.shape
+        tensors = {"w": q, "scale": scale, **({"zero_point": zp} if zp is not None else {})}
+        sig = ("dequant", q.dtype, scale.dtype, zp.dtype if zp is not None else None, axis, block, cast_to,
+               attr(dq, "output_dtype", 0))
+        return Weight("dequant", tensors, [dq, *nodes], i, o, sig,
+                      attrs={k: a.value for k, a in dq.attributes.items()}, cast_to=cast_to)
+    fail(f"MatMul's weight {value.name} is not an initializer, Transpose of one, or DequantizeLinear of ones")
+
+
+def parse_projection(matmul: ir.Node) -> Projection:
+    """MatMul(x, W) with an optional `Add(·, bias)` where bias is a 1-D initializer of width out."""
+    if matmul.op_type != "MatMul":
+        fail(f"{matmul.name} is {matmul.op_type}, not MatMul")
+    weight = parse_weight(matmul.inputs[1])
+    for n in weight.nodes:
+        if len(n.outputs[0].uses()) != 1:
+            fail(f"weight node {n.name} has other readers")
+    out = matmul.outputs[0]
+    uses = list(out.uses())
+    if len(uses) == 1 and uses[0].node.op_type == "Add" and not out.is_graph_output():
+        add = uses[0].node
+        other = add.inputs[1 - uses[0].idx]
+        if other is not None and other.is_initializer() and other.shape is not None \
+                and list(other.shape) == [weight.out_dim]:
+            return Projection(matmul, weight, other, add)
+    return Projection(matmul, weight, None, None)
+
+
+def projections_reading(value: ir.Value) -> list[ir.Node]:
+    """MatMuls that read `value` as their left input, in graph order."""
+    return [u.node for u in value.uses() if u.node.op_type == "MatMul" and u.idx == 0
+            and u.node.domain in ("", "ai.onnx")]
+
+
+def check_compatible(projs: list[Projection]) -> None:
+    """fail() unless the weights share form, dtypes, quantization and input width, biases alike."""
+    first = projs[0].weight
+    for p in projs[1:]:
+        w = p.weight
+        if w.signature != first.signature:
+            fail(f"weights differ in form or quantization: {_describe(first)} vs {_describe(w)}")
+        if w.in_dim != first.in_dim:
+            fail(f"input widths differ: {first.in_dim} vs {w.in_dim}")
+    with_bias = [p.bias is not None for p in projs]
+    if any(with_bias) and not all(with_bias):
+        fail("only some projections have a bias")
+    if all(with_bias) and len({p.bias.dtype for p in projs}) != 1:
+        fail("bias dtypes differ")
+
+
+def _describe(w: Weight) -> str:
+    if w.form == "dequant":
+        return f"DequantizeLinear({w.signature[1]}, block {w.signature[5]}, axis {w.signature[4]})"
+    return f"{w.form} {w.signature[1]}"
+
+
+def _concat(values: list[ir.Value], axis: int, dtype: ir.DataType, shape: list[int], name: str):
+    """A lazy initializer: the concatenation is read and built only when the model is written."""
+
+    def build() -> ir.Tensor:
+        return ir.tensor(np.concatenate([v.const_value.numpy() for v in values], axis=axis), name=name)
+
+    return ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
+def fuse(graph: ir.Graph, projs: list[Projection], fused_name: str, node_name: str) -> list[ir.Value]:
+    """Replace `projs` by one MatMul over concatenated weights (+ bias) and a Split; returns the parts."""
+    w0 = projs[0].weight
+    widths = [p.weight.out_dim for p in projs]
+    total = sum(widths)
+    anchor = min((p.matmul for p in projs), key=lambda n: _position(graph, n))
+    new_nodes: list[ir.Node] = []
+    roles = {}
+    for role, v0 in w0.tensors.items():
+        parts = [p.weight.tensors[role] for p in projs]
+        if w0.form == "transposed" or (w0.form == "dequant" and len(v0.shape) == 1):
+            axis = 0
+        else:
+            axis = 1
+        shape = list(v0.shape)
+        shape[axis] = sum(v.shape[axis] for v in parts)
+        suffix = {"w": "", "scale": "_scale", "zero_point": "_zero_point"}[role]
+        lazy = _concat(parts, axis, v0.dtype, shape, f"{fused_name}{suffix}")
+        roles[role] = initializer(graph, f"{fused_name}{suffix}", lazy)
+    if w0.form == "plain":
+        weight = roles["w"]
+    elif w0.form == "transposed":
+        t = new_node(graph, "Transpose", [roles["w"]], f"{node_name}/Transpose", perm=[1, 0])
+        new_nodes.append(t)
+        weight = t.outputs[0]
+    else:
+        dq = new_node(graph, "DequantizeLinear", [roles["w"], roles["scale"], roles.get("zero_point")],
+                      f"{node_name}/DequantizeLinear", **w0.attrs)
+        new_nodes.append(dq)
+        weight = dq.outputs[0]
+    if w0.cast_to is not None:
+        c = new_node(graph, "Cast", [weight], f"{node_name}/Cast", to=w0.cast_to)
+        new_nodes.append(c)
+        weight = c.outputs[0]
+    mm = new_node(graph, "MatMul", [projs[0].input, weight], f"{node_name}/MatMul")
+    new_nodes.append(mm)
+    y = mm.outputs[0]
+    if projs[0].bias is not None:
+        bias = _concat([p.bias for p in projs], 0, projs[0].bias.dtype, [total], f"{fused_name}_bias")
+        add = new_node(graph, "Add", [y, initializer(graph, f"{fused_name}_bias", bias)], f"{node_name}/Add")
+        new_nodes.append(add)
+        y = add.outputs[0]
+    sizes = small_constant(graph, f"{node_name}/split_sizes", np.array(widths, dtype=np.int64))
+    split = new_node(graph, "Split", [y, sizes], f"{node_name}/Split", outputs=len(projs), axis=-1)
+    new_nodes.append(split)
+    graph.insert_before(anchor, new_nodes)
+    for p, part in zip(projs, split.outputs, strict=True):
+        take_over(p.output, part)
+    graph.remove([n for p in projs for n in p.nodes], safe=True)
+    return list(split.outputs)
+
+
+def _position(graph: ir.Graph, node: ir.Node) -> int:
+    order = graph.meta.get("fuselm_order")
+    if order is None or node not in order:
+        order = {n: i for i, n in enumerate(graph)}
+        graph.meta["fuselm_order"] = order
+    return order[node]
+
+
+def fused_names(projs: list[Projection], role: str, fused_role: str, fallback: str) -> tuple[str, str]:
+    """(weight name, node name prefix) for the fused projection, e.g. q_proj -> qkv_proj."""
+    w = projs[0].weight.tensors["w"].name or fallback
+    weight = w.replace(role, fused_role) if role in w else f"{fallback}.weight"
+    node = projs[0].name
+    if role in node:
+        prefix = node[: node.index(role)] + fused_role
+    else:
+        prefix = weight.removesuffix(".weight")
+    return weight, prefix
