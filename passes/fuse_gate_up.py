@@ -89,6 +89,6 @@ class FuseGateUp(Fusion):
         return gate, up
 
     def rewrite(self, graph: ir.Graph, match: tuple[Projection, Projection]) -> str:
-        weight, prefix = fused_names(list(match), "gate_proj", "gate_up_proj", f"{match[0].name}_gate_up")
-        fuse(graph, list(match), weight, prefix)
+        rename, prefix = fused_names(list(match), "gate_proj", "gate_up_proj")
+        fuse(graph, list(match), rename, prefix)
         return prefix

@@ -95,6 +95,6 @@ class FuseQKV(Fusion):
         return match_qkv(first)
 
     def rewrite(self, graph: ir.Graph, projs: list[Projection]) -> str:
-        weight, prefix = fused_names(projs, "q_proj", "qkv_proj", f"{projs[0].name}_qkv")
-        fuse(graph, projs, weight, prefix)
+        rename, prefix = fused_names(projs, "q_proj", "qkv_proj")
+        fuse(graph, projs, rename, prefix)
         return prefix

@@ -91,8 +91,10 @@ def _trig(v: ir.Value, op: str, expect_unsqueeze: bool = True) -> tuple[ir.Value
             fail(f"{op} is scaled by a non-constant")
         scaling, v = float(c), t
     trig = producer(v, op)
+    if trig is None and producer(v, "Gather", "GatherND", "GatherElements") is not None:
+        fail(f"{op.lower()} is gathered from a cached table, not computed from position_ids × inv_freq")
     if trig is None:
-        fail(f"no {op} on the rotary angle")
+        fail(f"no {op} on the rotary angle: cos/sin not computed from position_ids × inv_freq")
     return trig.inputs[0], scaling, axis
 
 

@@ -160,7 +160,7 @@ def _concat(values: list[ir.Value], axis: int, dtype: ir.DataType, shape: list[i
     return ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
-def fuse(graph: ir.Graph, projs: list[Projection], fused_name: str, node_name: str) -> list[ir.Value]:
+def fuse(graph: ir.Graph, projs: list[Projection], rename, node_name: str) -> list[ir.Value]:
     """Replace `projs` by one MatMul over concatenated weights (+ bias) and a Split; returns the parts."""
     w0 = projs[0].weight
     widths = [p.weight.out_dim for p in projs]
@@ -176,9 +176,8 @@ def fuse(graph: ir.Graph, projs: list[Projection], fused_name: str, node_name: s
             axis = 1
         shape = list(v0.shape)
         shape[axis] = sum(v.shape[axis] for v in parts)
-        suffix = {"w": "", "scale": "_scale", "zero_point": "_zero_point"}[role]
-        lazy = _concat(parts, axis, v0.dtype, shape, f"{fused_name}{suffix}")
-        roles[role] = initializer(graph, f"{fused_name}{suffix}", lazy)
+        name = rename(v0.name, role)
+        roles[role] = initializer(graph, name, _concat(parts, axis, v0.dtype, shape, name))
     if w0.form == "plain":
         weight = roles["w"]
     elif w0.form == "transposed":
@@ -198,8 +197,9 @@ def fuse(graph: ir.Graph, projs: list[Projection], fused_name: str, node_name: s
     new_nodes.append(mm)
     y = mm.outputs[0]
     if projs[0].bias is not None:
-        bias = _concat([p.bias for p in projs], 0, projs[0].bias.dtype, [total], f"{fused_name}_bias")
-        add = new_node(graph, "Add", [y, initializer(graph, f"{fused_name}_bias", bias)], f"{node_name}/Add")
+        name = rename(projs[0].bias.name, "bias")
+        bias = _concat([p.bias for p in projs], 0, projs[0].bias.dtype, [total], name)
+        add = new_node(graph, "Add", [y, initializer(graph, name, bias)], f"{node_name}/Add")
         new_nodes.append(add)
         y = add.outputs[0]
     sizes = small_constant(graph, f"{node_name}/split_sizes", np.array(widths, dtype=np.int64))
@@ -220,13 +220,26 @@ def _position(graph: ir.Graph, node: ir.Node) -> int:
     return order[node]
 
 
-def fused_names(projs: list[Projection], role: str, fused_role: str, fallback: str) -> tuple[str, str]:
-    """(weight name, node name prefix) for the fused projection, e.g. q_proj -> qkv_proj."""
-    w = projs[0].weight.tensors["w"].name or fallback
-    weight = w.replace(role, fused_role) if role in w else f"{fallback}.weight"
-    node = projs[0].name
+def fused_names(projs: list[Projection], role: str, fused_role: str):
+    """(rename, node scope) for the fused projection: names say q_proj -> qkv_proj.
+
+    `rename(name, kind)` maps a tensor name of the first projection (weight, scales, zero points,
+    bias) to the fused tensor's name; the node scope comes from the MatMul's or weight's name.
+    """
+    first = projs[0]
+    w = first.weight.tensors["w"].name or ""
+    fallback = (first.name or "proj").replace("/", "_") + f"_{fused_role}"
+
+    def rename(name: str | None, kind: str) -> str:
+        if name and role in name:
+            return name.replace(role, fused_role)
+        return f"{fallback}.{kind}"
+
+    node = first.name
     if role in node:
         prefix = node[: node.index(role)] + fused_role
+    elif role in w:
+        prefix = w[: w.index(role)] + fused_role
     else:
-        prefix = weight.removesuffix(".weight")
-    return weight, prefix
+        prefix = fallback
+    return rename, prefix

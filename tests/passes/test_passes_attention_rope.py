@@ -1,0 +1,166 @@
+"""FuseAttention and FuseRoPE on tiny graphs: HF eager attention with a cache, rotate_half RoPE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fuselm.passes.fuse_attention import FuseAttention
+from fuselm.passes.fuse_rope import FuseRoPE
+from onnx import TensorProto
+from passes_helpers import G, apply, assert_same, ops
+
+B, S, P, D = 1, 3, 2, 8
+
+
+def attn_graph(heads=4, kv_heads=2, scale="mul", mask=True, softmax_axis=-1, scale_input=False,
+               value_layer=0, cache=True):
+    g = G()
+    q = g.inp("q", [B, S, heads, D])
+    k = g.inp("k", [B, S, kv_heads, D])
+    v = g.inp("v", [B, S, kv_heads, D])
+    perm = [0, 2, 1, 3]
+    q, k, v = (g.node("Transpose", [t], perm=perm) for t in (q, k, v))
+    kv = []
+    for kind, new, layer in (("key", k, 0), ("value", v, value_layer)):
+        if cache:
+            past = g.inp(f"past_key_values.{layer}.{kind}", [B, kv_heads, P, D])
+            new = g.node("Concat", [past, new], axis=2)
+            g.nodes[-1].output[0] = f"present.{layer}.{kind}"
+            new = f"present.{layer}.{kind}"
+        if heads != kv_heads:
+            x = g.node("Unsqueeze", [new, g.init(f"ax2_{kind}", np.array([2], np.int64))])
+            x = g.node("Expand", [x, g.init(f"rep_{kind}", np.array([1, 1, heads // kv_heads, 1, 1], np.int64))])
+            new = g.node("Reshape", [x, g.init(f"shape_{kind}", np.array([0, heads, -1, D], np.int64))])
+        kv.append(new)
+    scores = g.node("MatMul", [q, g.node("Transpose", [kv[0]], perm=[0, 1, 3, 2])])
+    c = g.inp("c", [], value=np.array(D ** -0.5, np.float32)) if scale_input else None
+    if scale == "mul":
+        scores = g.node("Mul", [scores, c or g.init("scale", np.array(D ** -0.5, np.float32))])
+    elif scale == "div":
+        scores = g.node("Div", [scores, g.init("scale", np.array(D ** 0.5, np.float32))])
+    total = P + S if cache else S
+    if mask:
+        causal = np.triu(np.full((S, total), np.finfo(np.float32).min, np.float32), k=total - S + 1)[None, None]
+        scores = g.node("Add", [scores, g.inp("mask", [B, 1, S, total], value=causal)])
+    probs = g.node("Softmax", [scores], axis=softmax_axis)
+    out = g.node("MatMul", [probs, kv[1]])
+    out = g.node("Transpose", [out], perm=perm)
+    g.out(g.node("Reshape", [out, g.init("flat", np.array([0, 0, heads * D], np.int64))]), "attn_out")
+    if cache:
+        g.outputs += [__import__("onnx").helper.make_tensor_value_info(f"present.{layer}.{kind}", TensorProto.FLOAT,
+                                                                         ["b", kv_heads, "t", D])
+                      for kind, layer in (("key", 0), ("value", value_layer))]
+    return g
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(heads=4, kv_heads=4), dict(heads=4, kv_heads=1, scale="div"),
+                                    dict(mask=False), dict(cache=False)])
+def test_fuse_attention_fires(kwargs):
+    g = attn_graph(**kwargs)
+    before = g.model()
+    after, modified, stats = apply(FuseAttention(), before)
+    assert modified and stats.fired
+    assert ops(after).count("Attention") == 1
+    assert not {"Softmax", "Expand", "MatMul"} & set(ops(after))
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    node = next(n for n in after.graph.node if n.op_type == "Attention")
+    attrs = {a.name: a for a in node.attribute}
+    assert attrs["q_num_heads"].i == kwargs.get("heads", 4) and attrs["kv_num_heads"].i == kwargs.get("kv_heads", 2)
+    assert abs(attrs["scale"].f - D ** -0.5) < 1e-7
+    assert_same(before, after, g.feeds)
+    assert not apply(FuseAttention(), after)[1]
+
+
+@pytest.mark.parametrize("case,kwargs,reason", [
+    ("softmax over another axis", dict(softmax_axis=2), "not the last"),
+    ("scale from an input", dict(scale_input=True), "scale is not a non-zero constant"),
+    ("K and V from different layers", dict(value_layer=1), "different layers"),
+])
+def test_fuse_attention_must_not_fire(case, kwargs, reason):
+    before = attn_graph(**kwargs).model()
+    after, modified, stats = apply(FuseAttention(), before)
+    assert not modified and ops(after) == ops(before)
+    assert any(reason in r for _, r in stats.skipped), (case, stats.skipped)
+
+
+H = 2
+
+
+def rope_graph(layout="bhsd", freqs="mul", table=False, sin_scale=1.0, split=D // 2, scale=1.0):
+    g = G()
+    shape = [B, H, S, D] if layout == "bhsd" else [B, S, H, D]
+    x = g.inp("x", shape)
+    pos = g.inp("position_ids", [B, S], TensorProto.INT64, value=np.array([[5, 6, 7]], np.int64))
+    inv = (1.0 / (10000 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    if table:  # optimum-style: cos/sin gathered from precomputed tables
+        emb = np.concatenate([np.outer(np.arange(32), inv)] * 2, axis=-1).astype(np.float32)
+        cos = g.node("Gather", [g.init("cos_cached", np.cos(emb)), pos], axis=0)
+        sin = g.node("Gather", [g.init("sin_cached", np.sin(emb)), pos], axis=0)
+    else:
+        if freqs == "mul":
+            p = g.node("Cast", [g.node("Unsqueeze", [pos, g.init("ax_last", np.array([-1], np.int64))])], to=TensorProto.FLOAT)
+            f = g.node("Mul", [p, g.init("model.rotary_emb.inv_freq", inv)])
+        else:  # HF: inv_freq[None, :, None].expand(B, -1, 1) @ position_ids[:, None, :].float(), transposed
+            inv3 = g.node("Expand", [g.init("model.rotary_emb.inv_freq", inv[None, :, None]),
+                                     g.init("exp_shape", np.array([B, D // 2, 1], np.int64))])
+            p = g.node("Cast", [g.node("Unsqueeze", [pos, g.init("ax1", np.array([1], np.int64))])], to=TensorProto.FLOAT)
+            f = g.node("Transpose", [g.node("MatMul", [inv3, p])], perm=[0, 2, 1])
+        emb = g.node("Concat", [f, f], axis=-1)
+        cos = g.node("Mul", [g.node("Cos", [emb]), g.init("scale_c", np.array(scale, np.float32))])
+        sin = g.node("Mul", [g.node("Sin", [emb]), g.init("scale_s", np.array(scale * sin_scale, np.float32))])
+    axis = 1 if layout == "bhsd" else 2
+    cos = g.node("Unsqueeze", [cos, g.init("ax_h", np.array([axis], np.int64))])
+    sin = g.node("Unsqueeze", [sin, "ax_h"])
+    last = g.init("ax_d", np.array([-1], np.int64))
+    x1 = g.node("Slice", [x, g.init("zero", np.array([0], np.int64)), g.init("h", np.array([split], np.int64)), last])
+    x2 = g.node("Slice", [x, "h", g.init("end", np.array([2**62], np.int64)), last])
+    rot = g.node("Concat", [g.node("Neg", [x2]), x1], axis=-1)
+    y = g.node("Add", [g.node("Mul", [x, cos]), g.node("Mul", [rot, sin])])
+    g.out(y, "y", rank=4)
+    return g
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(layout="bshd"), dict(freqs="matmul"), dict(scale=1.25)])
+def test_fuse_rope_fires(kwargs):
+    g = rope_graph(**kwargs)
+    before = g.model()
+    after, modified, stats = apply(FuseRoPE(), before)
+    assert modified and ops(after).count("FusedRoPE") == 1
+    assert not {"Cos", "Sin", "Neg", "Slice"} & set(ops(after))
+    assert ops(after).count("Transpose") == (2 if kwargs.get("layout", "bhsd") == "bhsd" else 0)
+    assert [f.name for f in after.functions] == ["FusedRoPE"]
+    node = next(n for n in after.graph.node if n.op_type == "FusedRoPE")
+    attrs = {a.name: a for a in node.attribute}
+    inv = (1.0 / (10000 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    assert np.array_equal(np.array(attrs["inv_freq"].floats, np.float32), inv)
+    assert attrs["attention_scaling"].f == pytest.approx(kwargs.get("scale", 1.0))
+    assert_same(before, after, g.feeds)
+    assert not apply(FuseRoPE(), after)[1]
+
+
+@pytest.mark.parametrize("case,kwargs,reason", [
+    ("cos/sin gathered from a table", dict(table=True), "not computed from position_ids"),
+    ("sin scaled differently", dict(sin_scale=2.0), "scaled differently"),
+    ("halves split elsewhere", dict(split=D // 4), "partial rotary"),
+])
+def test_fuse_rope_must_not_fire(case, kwargs, reason):
+    g = rope_graph(**kwargs)
+    before = g.model()
+    after, modified, stats = apply(FuseRoPE(), before)
+    assert not modified and ops(after) == ops(before)
+    assert any(reason in r for _, r in stats.skipped), (case, stats.skipped)
+
+
+def test_fuse_rope_standard_rotary_embedding():
+    """onnxscript's fused form: RotaryEmbedding(x, Cos(freqs), Sin(freqs)) -> FusedRoPE."""
+    g = G()
+    x = g.inp("x", [B, H, S, D])
+    pos = g.inp("position_ids", [B, S], TensorProto.INT64, value=np.array([[0, 1, 2]], np.int64))
+    inv = (1.0 / (10000 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    p = g.node("Cast", [g.node("Unsqueeze", [pos, g.init("ax", np.array([-1], np.int64))])], to=TensorProto.FLOAT)
+    f = g.node("Mul", [p, g.init("inv_freq", inv)])
+    g.out(g.node("RotaryEmbedding", [x, g.node("Cos", [f]), g.node("Sin", [f])], interleaved=0, num_heads=H), "y", rank=4)
+    before = g.model()
+    after, modified, _ = apply(FuseRoPE(), before)
+    assert modified and "RotaryEmbedding" not in ops(after) and "FusedRoPE" in ops(after)
+    assert_same(before, after, g.feeds)
