@@ -9,3 +9,8 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[dev]"
+# `fuselm diff --html` is checked in a real headless browser (tests/passes/test_passes_cli.py).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi

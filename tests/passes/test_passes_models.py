@@ -1,0 +1,132 @@
+"""The pipeline on real exports: every family in f32 and q4, HF's greedy tokens, a torch.onnx export."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from fuselm.passes.check import drift, run_steps, session
+
+import fuselm
+
+FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
+
+
+def _nodes(path):
+    return onnx.load(str(path), load_external_data=False).graph.node
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_pass_keeps_the_numbers(exported, family, quant):
+    """fuselm diff: after each pass, onnxruntime on the new graph equals the previous stage."""
+    data = fuselm.diff(exported(family, quant), quiet=True)
+    layers = 2
+    fired = {r["pass"]: r["fired"] for r in data["passes"]}
+    assert fired["FuseQKV"] == fired["FuseGateUp"] == fired["FuseAttention"] == layers
+    assert fired["FuseRMSNorm"] == (4 if family == "qwen3" else 2) * layers + 1
+    assert fired["FuseRoPE"] == 0  # fuselm's exporter writes FusedRoPE already
+    for r in data["passes"]:
+        if not r["changed"]:
+            continue
+        assert r["checker"] == "ok", r["pass"]
+        for step in ("prefill", "decode"):
+            assert r["drift"][step]["logits_rel"] <= 1e-5, (r["pass"], step, r["drift"])
+            assert r["drift"][step]["all_outputs_rel"] <= 1e-5, (r["pass"], step, r["drift"])
+    assert data["nodes_out"] < data["nodes_in"]
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4"])
+def test_optimized_qwen3_layer(optimized, quant):
+    out = optimized("qwen3", quant)
+    nodes = _nodes(out / "model.onnx")
+    layer = Counter(n.op_type for n in nodes if n.name.startswith("/model/layers.0/"))
+    assert layer["MatMul"] == 4  # qkv, o, gate/up, down
+    names = {n.name for n in nodes if n.op_type == "MatMul" and n.name.startswith("/model/layers.0/")}
+    assert names == {f"/model/layers.0/{s}/MatMul" for s in ("attn/qkv_proj", "attn/o_proj", "mlp/gate_up_proj",
+                                                              "mlp/down_proj")}
+    assert layer["FusedRoPE"] == 2 and layer["Attention"] == 1 and layer["RMSNormalization"] == 4
+    assert layer["Softmax"] == layer["Pow"] == layer["ReduceMean"] == layer["Expand"] == 0
+    assert layer["DequantizeLinear"] == (4 if quant == "q4" else 0)
+    # No dead node anywhere: every output is read or is a graph output.
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    assert all(any(o in read for o in n.output) for n in graph.node)
+    meta = json.loads((out / "fuselm.json").read_text())
+    assert meta["stage"] == "optimized" and [p["pass"] for p in meta["passes"]][0] == "RemoveDeadShapeOp"
+    assert (out / "tokenizer.json").is_file()
+
+
+def _ort_greedy(path, prompt: list[int], steps: int) -> list[int]:
+    sess = session(path)
+    names = [o.name for o in sess.get_outputs()]
+    inputs = {i.name: i for i in sess.get_inputs()}
+    past = {n: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for n, i in inputs.items()
+            if n.startswith("past_key_values.")}
+    ids, done, tokens = list(prompt), 0, []
+    while len(tokens) < steps:
+        new = ids[done:]
+        feeds = {"input_ids": np.array([new], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                 "position_ids": np.arange(done, len(ids), dtype=np.int64)[None], **past}
+        out = dict(zip(names, sess.run(None, feeds), strict=True))
+        past = {n: out[n.replace("past_key_values.", "present.")] for n in past}
+        done = len(ids)
+        token = int(np.argmax(out["logits"][0, -1]))
+        tokens.append(token)
+        ids.append(token)
+    return tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_hf(optimized, make_ckpt, family):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 42, 99, 7, 250]
+    model = AutoModelForCausalLM.from_pretrained(make_ckpt(family), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert _ort_greedy(optimized(family, "f32") / "model.onnx", prompt, 16) == hf
+
+
+def _signature(path):
+    m = onnx.load(str(path), load_external_data=False)
+    nodes = [(n.op_type, n.name, tuple(n.input), tuple(n.output), tuple(str(a) for a in n.attribute))
+             for n in m.graph.node]
+    inits = sorted((i.name, i.data_type, tuple(i.dims)) for i in m.graph.initializer)
+    return nodes, inits, [f.name for f in m.functions]
+
+
+def test_pipeline_twice_gives_the_same_graph(optimized, tmp_path):
+    once = optimized("qwen2", "q4")
+    twice = fuselm.optimize(once, tmp_path / "twice", quiet=True)
+    meta = json.loads((twice / "fuselm.json").read_text())
+    assert not any(p["changed"] for p in meta["passes"])
+    assert _signature(once / "model.onnx") == _signature(twice / "model.onnx")
+    a = run_steps(once / "model.onnx")
+    b = run_steps(twice / "model.onnx", steps=a)
+    assert all(v["all_outputs_rel"] == 0.0 for v in drift(a, b).values())
+
+
+@pytest.mark.slow
+def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path):
+    """A plain HF model exported by torch.onnx (dynamo, eager attention, no onnxscript fusions)."""
+    from fuselm.passes.torch_export import export_hf
+
+    src = export_hf(make_ckpt("qwen3"), tmp_path / "torch" / "model.onnx")
+    out = fuselm.optimize(src, tmp_path / "opt", quiet=True)
+    ops = Counter(n.op_type for n in _nodes(out / "model.onnx"))
+    assert ops["FusedRoPE"] == 4 and ops["Attention"] == 2 and ops["RMSNormalization"] == 9
+    assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["Pow"] == 0
+    qkv = [n for n in _nodes(out / "model.onnx") if n.op_type == "MatMul" and "qkv_proj" in n.name]
+    assert len(qkv) == 2 and ops["MatMul"] == 2 * 4 + 1
+    before = run_steps(src)
+    after = run_steps(out / "model.onnx", steps=before)
+    for step, d in drift(before, after).items():
+        assert d["logits_rel"] <= 1e-5 and d["all_outputs_rel"] <= 1e-5, (step, d)
+    meta = json.loads((out / "fuselm.json").read_text())
+    assert meta["dims"]["layers"] == 2 and meta["dims"]["kv_heads"] == 2 and meta["dims"]["heads"] == 4
