@@ -25,37 +25,45 @@ _BITS = {"q8": 8, "q4": 4}
 _QTYPE = {8: TensorProto.UINT8, 4: TensorProto.UINT4}
 
 
-def quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of w [rows, cols] in blocks of `block` columns -> (q [rows, cols], scales, zero_points
-    [rows, ceil(cols/block)]); q and zero points are uint8 holding `bits`-bit values.
+def quantize(w: np.ndarray, bits: int, block: int, axis: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [rows, cols] in blocks of `block` consecutive values along `axis` -> (q like w, scales,
+    zero_points with that axis shrunk to ceil(n/block)); q and zero points are uint8 holding
+    `bits`-bit values. axis 0 suits the [in, out] storage of linear weights, 1 the embedding rows.
 
-    The range of each block is widened to include 0, so 0 is exact and the zero point fits.
+    Each block's range is widened to include 0, so 0 is exact and the zero point fits.
     """
-    rows, cols = w.shape
-    nblk = -(-cols // block)
+    if axis == 1:
+        q, s, z = quantize(np.ascontiguousarray(w.T), bits, block, 0)
+        return np.ascontiguousarray(q.T), np.ascontiguousarray(s.T), np.ascontiguousarray(z.T)
+    n, cols = w.shape
+    nblk = -(-n // block)
     qmax = float(2**bits - 1)
-    padded = np.zeros((rows, nblk * block), np.float32)
-    padded[:, :cols] = w
-    blocks = padded.reshape(rows, nblk, block)
-    # A ragged last block only spans its real columns; pad with a real value of that block.
-    if cols % block:
-        blocks[:, -1, cols % block:] = blocks[:, -1, :1]
-    lo = np.minimum(blocks.min(axis=2), 0.0)
-    hi = np.maximum(blocks.max(axis=2), 0.0)
-    scale = (hi - lo) / qmax
+    if n % block:  # a ragged last block: pad with copies of its first row (changes no min/max)
+        w = np.concatenate([w, np.repeat(w[(nblk - 1) * block:][:1], nblk * block - n, axis=0)])
+    blocks = w.reshape(nblk, block, cols)
+    lo = np.minimum(blocks.min(axis=1), 0.0)
+    hi = np.maximum(blocks.max(axis=1), 0.0)
+    scale = ((hi - lo) / qmax).astype(np.float32)
     scale[scale == 0] = 1.0  # an all-zero block: any scale is exact
     zp = np.clip(np.round(-lo / scale), 0, qmax)
-    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, qmax)
-    q = q.reshape(rows, nblk * block)[:, :cols]
-    return q.astype(np.uint8), scale.astype(np.float32), zp.astype(np.uint8)
+    q = np.round(blocks / scale[:, None]) + zp[:, None]
+    q = np.clip(q, 0, qmax, out=q).reshape(nblk * block, cols)[:n]
+    return q.astype(np.uint8), scale, zp.astype(np.uint8)
 
 
-def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, block: int) -> np.ndarray:
-    """Inverse of `quantize` along the last axis (for references and tests)."""
-    cols = q.shape[-1]
-    s = np.repeat(scale, block, axis=-1)[..., :cols]
-    z = np.repeat(zp.astype(np.float32), block, axis=-1)[..., :cols]
+def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, block: int, axis: int = 0) -> np.ndarray:
+    """Inverse of `quantize` (for references and tests)."""
+    n = q.shape[axis]
+    s = np.repeat(scale, block, axis=axis).take(range(n), axis=axis)
+    z = np.repeat(zp.astype(np.float32), block, axis=axis).take(range(n), axis=axis)
     return (q.astype(np.float32) - z) * s
+
+
+def transpose(w: np.ndarray) -> np.ndarray:
+    """A contiguous w.T (torch's blocked transpose is ~4x faster than numpy's on big matrices)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(w)).T.contiguous().numpy()
 
 
 def pack_uint4(values: np.ndarray) -> bytes:
@@ -109,16 +117,15 @@ class Plan:
         out_name = out_name or name
         n_out, n_in = self.shapes[name]
         if p.kind == "f32":
-            return b.weight(name, layer, lambda w: [w.T], [(out_name, TensorProto.FLOAT, (n_in, n_out), True)])[0]
+            return b.weight(name, layer, lambda w: [transpose(w)], [(out_name, TensorProto.FLOAT, (n_in, n_out), True)])[0]
         if p.kind == "f16":
-            w16 = b.weight(name, layer, lambda w: [w.T.astype(np.float16)],
+            w16 = b.weight(name, layer, lambda w: [transpose(w.astype(np.float16))],
                            [(out_name, TensorProto.FLOAT16, (n_in, n_out), True)])[0]
             return b.op("Cast", w16, name=f"{scope}/Cast", to=TensorProto.FLOAT)
         nblk = -(-n_in // p.block)
 
         def encode(w, p=p):
-            q, s, z = quantize(w, p.bits, p.block)
-            return [q.T, s.T, z.T]
+            return list(quantize(transpose(w), p.bits, p.block, axis=0))
 
         qtype = _QTYPE[p.bits]
         q, s, z = b.weight(name, layer, encode, [(f"{out_name}.qweight", qtype, (n_in, n_out), True),
@@ -139,7 +146,7 @@ class Plan:
             return b.op("Cast", rows, name=f"{scope}/Cast", to=TensorProto.FLOAT)
         nblk = -(-hidden // p.block)
         qtype = _QTYPE[p.bits]
-        q, s, z = b.weight(name, None, lambda w: list(quantize(w, p.bits, p.block)),
+        q, s, z = b.weight(name, None, lambda w: list(quantize(w, p.bits, p.block, axis=1)),
                            [(f"{name}.qweight", qtype, (vocab, hidden), False),
                             (f"{name}.scales", TensorProto.FLOAT, (vocab, nblk), False),
                             (f"{name}.zero_points", qtype, (vocab, nblk), False)])

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -120,9 +122,14 @@ def layout(jobs: Iterable[WeightJob], location: str) -> int:
 
 
 def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Callable[[WeightJob], None]) -> None:
-    """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs."""
+    """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs.
+
+    Writing runs on a second thread (a short queue), so the kernel's copy into the page cache
+    overlaps reading and encoding the next block; memory stays at a few blocks.
+    """
     size = layout(jobs, path.name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    writer = _Writer(fd)
     try:
         os.ftruncate(fd, size)
         for job in jobs:
@@ -135,18 +142,58 @@ def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Call
                 stop = min(rows, start + step)
                 arrays = job.encode(ckpt.read_rows(job.source, start, stop))
                 for out, arr in zip(job.outputs, arrays, strict=True):
-                    _write_block(fd, out.proto, np.ascontiguousarray(arr), start, stop == rows and start == 0,
-                                 out.transposed)
+                    writer.put(out.proto, arr, start, start == 0 and stop == rows, out.transposed)
+            writer.sync()
             on_job(job)
     finally:
+        writer.close()
         os.close(fd)
+
+
+class _Writer:
+    """pwrite on a background thread; errors surface in the caller at the next sync/close."""
+
+    def __init__(self, fd: int):
+        self.fd, self.error = fd, None
+        self.queue: queue.Queue = queue.Queue(maxsize=3)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, proto, arr, start, whole, transposed):
+        self._raise()
+        self.queue.put((proto, arr, start, whole, transposed))
+
+    def sync(self):
+        self.queue.join()
+        self._raise()
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    _write_block(self.fd, *item)
+            except BaseException as e:  # handed to the main thread
+                self.error = e
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
 
 
 def _write_block(fd: int, proto: TensorProto, arr: np.ndarray, start: int, whole: bool, transposed: bool) -> None:
     """Write a block of rows (or, transposed, a block of columns starting at column `start`)."""
     offset = int(next(e.value for e in proto.external_data if e.key == "offset"))
     bits = _ITEM_BITS[proto.data_type]
-    arr = arr.astype(_np_dtype(proto.data_type), copy=False)
+    arr = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type))
     if whole:
         _pwrite(fd, _encode(arr, bits), offset)
     elif not transposed:
@@ -157,11 +204,11 @@ def _write_block(fd: int, proto: TensorProto, arr: np.ndarray, start: int, whole
             _pwrite(fd, _encode(arr[r], bits), offset + (r * n_cols + start) * bits // 8)
 
 
-def _encode(arr: np.ndarray, bits: int) -> bytes:
-    return pack_uint4(arr) if bits == 4 else arr.tobytes()
+def _encode(arr: np.ndarray, bits: int):
+    return pack_uint4(arr) if bits == 4 else memoryview(arr.reshape(-1)).cast("B")
 
 
-def _pwrite(fd: int, data: bytes, offset: int) -> None:
+def _pwrite(fd: int, data, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)

@@ -1,0 +1,202 @@
+"""Benchmark `fuselm convert` on random-weight checkpoints shaped like Qwen3-0.6B and Qwen3-4B.
+
+    python bench/convert.py                     # full run: 0.6B (f32, q4, baseline) + 4B (f16, q4)
+    python bench/convert.py --shapes 0.6b --no-baseline
+    python bench/convert.py --make-checkpoint DIR --shapes 4b   # only write a checkpoint (for other benches)
+
+Checkpoints are written streaming in bf16, tensor by tensor into safetensors shards (the HF model
+is never built). Each conversion runs in a child process; time is wall clock and peak RSS is the
+child's ru_maxrss (os.wait4). The baseline is the whole-model `torch.onnx.export(dynamo=True)` of
+the HF model (0.6B only), also in a child. Prints a table, writes bench/results/convert.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
+    "4b": dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
+               head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
+}
+SHARD_BYTES = 2 * 1024**3
+RESULTS = Path(__file__).parent / "results"
+
+
+def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of a Qwen3 checkpoint with config dict `c`, in checkpoint order."""
+    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    out = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q), p + "self_attn.q_norm.weight": (d,),
+                    p + "self_attn.k_norm.weight": (d,), p + "post_attention_layernorm.weight": (h,),
+                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                    p + "mlp.down_proj.weight": (h, inter)})
+    out["model.norm.weight"] = (h,)
+    if not c["tie_word_embeddings"]:
+        out["lm_head.weight"] = (c["vocab_size"], h)
+    return out
+
+
+def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
+    """A random bf16 Qwen3 checkpoint of `shape`, sharded, written one tensor at a time."""
+    import torch
+    from transformers import AutoConfig
+
+    from fuselm.synth import train_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    tok = train_tokenizer()
+    tok.save_pretrained(out)
+    config = AutoConfig.for_model("qwen3", **SHAPES[shape], rms_norm_eps=1e-6, max_position_embeddings=40960,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="bfloat16",
+                                  bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(out)
+    shapes = tensor_shapes(SHAPES[shape])
+    shards, current, size = [], [], 0
+    for name, s in shapes.items():
+        nbytes = 2 * int(torch.tensor(s).prod())
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    shards.append(current)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for k, names in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name in names:
+            n = 2 * int(torch.tensor(shapes[name]).prod())
+            header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[name] = fname
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(out / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for name in names:  # one tensor in memory at a time
+                std = 1.0 if "norm" in name else 0.02
+                t = torch.randn(shapes[name], generator=gen, dtype=torch.float32).mul_(std)
+                if "norm" in name:
+                    t.add_(1.0)
+                f.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+                del t
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(2 * int(torch.tensor(s).prod()) for s in shapes.values())},
+         "weight_map": weight_map}, indent=2))
+    return out
+
+
+def measure(cmd: list[str]) -> dict:
+    """Run `cmd` as a child; wall time and the child's peak RSS (ru_maxrss, KiB on Linux)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return {"seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+
+
+BASELINE = r"""
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+hf, out = sys.argv[1], sys.argv[2]
+t0 = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+model.config.use_cache = False
+t1 = time.perf_counter()
+ids = torch.ones(1, 8, dtype=torch.long)
+torch.onnx.export(model, (ids,), out, dynamo=True, opset_version=23, external_data=True,
+                  input_names=["input_ids"], output_names=["logits"],
+                  dynamic_shapes={"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}})
+print(f"baseline: load {t1 - t0:.1f} s, export {time.perf_counter() - t1:.1f} s", flush=True)
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=["0.6b", "4b"], choices=list(SHAPES))
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-convert")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--make-checkpoint", type=Path, default=None, metavar="DIR",
+                    help="only write the random checkpoint of the (first) shape to DIR")
+    args = ap.parse_args(argv)
+    if args.make_checkpoint:
+        print(write_checkpoint(args.make_checkpoint, args.shapes[0]))
+        return 0
+    runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"]}
+    rows = []
+    for shape in args.shapes:
+        t0 = time.perf_counter()
+        # In a child: the parent must stay small, since Linux carries the RSS a child had at fork
+        # over into its ru_maxrss.
+        hf = args.work / f"qwen3-{shape}-hf"
+        subprocess.run([sys.executable, __file__, "--shapes", shape, "--make-checkpoint", str(hf)], check=True)
+        print(f"[{shape}] checkpoint ready in {time.perf_counter() - t0:.0f} s: {hf}", flush=True)
+        for quant in runs[shape]:
+            out = args.work / f"qwen3-{shape}-{quant}"
+            r = measure([sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant", quant,
+                         "--force", "--quiet"])
+            r.update(shape=shape, tool="fuselm convert", quant=quant,
+                     output_mb=round(sum(p.stat().st_size for p in out.iterdir()) / 2**20, 1))
+            rows.append(r)
+            print(r, flush=True)
+        if shape == "0.6b" and not args.no_baseline:
+            out = args.work / "baseline" / "model.onnx"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            r = measure([sys.executable, "-c", BASELINE, str(hf), str(out)])
+            r.update(shape=shape, tool="torch.onnx.export(dynamo=True)", quant="f32",
+                     output_mb=round(sum(p.stat().st_size for p in out.parent.iterdir()) / 2**20, 1))
+            rows.append(r)
+            print(r, flush=True)
+    _report(rows)
+    return 0
+
+
+def _report(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fuselm convert (random-weight Qwen3-shaped bf16 checkpoints)")
+    for col in ("shape", "tool", "quant", "seconds", "peak RSS (MB)", "output (MB)"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["shape"], r["tool"], r["quant"], f"{r['seconds']:.1f}", f"{r['peak_rss_mb']:.0f}",
+                      f"{r['output_mb']:.0f}")
+    Console().print(table)
+    base = next((r for r in rows if r["tool"].startswith("torch")), None)
+    ours = next((r for r in rows if r["shape"] == "0.6b" and r["quant"] == "f32" and r["tool"] == "fuselm convert"), None)
+    summary = {}
+    if base and ours:
+        summary["speedup_0.6b_f32_vs_baseline"] = round(base["seconds"] / ours["seconds"], 1)
+        print(f"0.6B f32: {summary['speedup_0.6b_f32_vs_baseline']}x faster than the baseline")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "convert.json"
+    path.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                            "python": platform.python_version()},
+                                "rows": rows, **summary}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
