@@ -1,0 +1,51 @@
+"""Backends: numpy (host shape work), torch (CPU, CUDA, MPS), mlx (Metal; MLX's CPU backend elsewhere)."""
+
+from __future__ import annotations
+
+import sys
+
+from fuselm.errors import FuselmError
+
+
+def mlx_metal_available() -> bool:
+    if sys.platform != "darwin":
+        return False
+    try:
+        import mlx.core as mx
+
+        return bool(mx.metal.is_available())
+    except Exception:  # noqa: BLE001 - any import or driver problem means "no Metal"
+        return False
+
+
+def make_backend(backend: str = "auto", device: str | None = None):
+    """auto: MLX on a Mac with Metal, else torch on CUDA when there, else torch on CPU."""
+    if backend == "auto":
+        if mlx_metal_available():
+            backend = "mlx"
+        else:
+            import torch
+
+            backend, device = "torch", device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "mlx":
+        try:
+            from .mlx_backend import MLXBackend
+        except ImportError as e:
+            raise FuselmError(f"--backend mlx needs MLX ({e}); install it with `pip install mlx` (on Linux "
+                              "`pip install 'mlx[cpu]'`)") from None
+        return MLXBackend(device)
+    if backend == "torch":
+        import torch
+
+        from .torch_backend import TorchBackend
+
+        try:
+            dev = torch.device(device or "cpu")
+        except RuntimeError as e:
+            raise FuselmError(f"--device {device!r} is not a torch device ({e}); use cpu, cuda, cuda:N or mps") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise FuselmError(f"--device {device} asks for CUDA, but torch sees no CUDA device; use --device cpu")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise FuselmError("--device mps asks for Metal through torch, but MPS is not available; use --device cpu")
+        return TorchBackend(str(dev))
+    raise FuselmError(f"unknown backend {backend!r}; choose auto, mlx or torch")

@@ -1,0 +1,190 @@
+"""The backend interface the op table is written against: a few dozen array primitives.
+
+Every op in runtime_metal/ops.py calls only these. A backend implements them for one array
+library (numpy on the host for shape work, torch, mlx). Element types are ONNX TensorProto codes
+everywhere, so the op table never names a library's dtype.
+
+Conventions: `shape`/`axes`/`perm` arguments are Python ints; `x`, `a`, `b` are the backend's
+arrays. Fused kernels (rms_norm, rope, sdpa, quantized_matmul) have the layouts the fused ONNX
+ops have, so the op table hands tensors over without copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+UNARY = ("neg", "abs", "exp", "log", "sqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "erf",
+         "relu", "floor", "ceil", "round", "sign", "not", "isnan", "isinf", "asin", "acos", "atan",
+         "sinh", "cosh", "asinh", "acosh", "atanh", "softplus", "bitwise_not")
+BINARY = ("add", "sub", "mul", "div", "pow", "max", "min", "mod", "fmod", "equal", "less", "less_equal",
+          "greater", "greater_equal", "and", "or", "xor", "bitwise_and", "bitwise_or", "bitwise_xor")
+REDUCE = ("sum", "mean", "max", "min", "prod")
+
+
+@dataclass
+class QuantizedWeight:
+    """A DequantizeLinear -> MatMul weight as the backend prepared it at load (opaque `data`)."""
+
+    data: object
+    in_features: int
+    out_features: int
+    bits: int
+    block: int
+    kind: str  # what the backend chose: "mlx", "int4pack", "dequant", ...
+
+
+class Backend:
+    """One array library on one device. Subclasses implement every method below."""
+
+    name = "base"
+    device = "cpu"
+    host = False  # True only for the numpy backend that evaluates shape subgraphs
+
+    # --- data movement ---------------------------------------------------------------
+    def asarray(self, value: np.ndarray):
+        """A host numpy array (any ONNX dtype, bf16 via ml_dtypes) as a backend array."""
+        raise NotImplementedError
+
+    def to_numpy(self, x) -> np.ndarray:
+        raise NotImplementedError
+
+    def shape(self, x) -> tuple[int, ...]:
+        return tuple(int(d) for d in x.shape)
+
+    def dtype(self, x) -> int:
+        """The ONNX TensorProto element type of `x`."""
+        raise NotImplementedError
+
+    def cast(self, x, to: int):
+        raise NotImplementedError
+
+    def full(self, shape: tuple, value, to: int):
+        raise NotImplementedError
+
+    def arange(self, start, limit, delta, to: int):
+        raise NotImplementedError
+
+    def sync(self, x) -> None:
+        """Wait until `x` is computed (profiling); a no-op where execution is eager and synchronous."""
+
+    # --- math ---------------------------------------------------------------------------
+    def unary(self, op: str, x):
+        raise NotImplementedError
+
+    def binary(self, op: str, a, b):
+        raise NotImplementedError
+
+    def where(self, cond, a, b):
+        raise NotImplementedError
+
+    def reduce(self, op: str, x, axes: tuple | None, keepdims: bool):
+        raise NotImplementedError
+
+    def arg_reduce(self, op: str, x, axis: int, keepdims: bool, select_last: bool):
+        raise NotImplementedError
+
+    def matmul(self, a, b):
+        raise NotImplementedError
+
+    def softmax(self, x, axis: int, log: bool = False):
+        raise NotImplementedError
+
+    def cumsum(self, x, axis: int, exclusive: bool, reverse: bool):
+        raise NotImplementedError
+
+    def topk(self, x, k: int, axis: int, largest: bool, sorted_: bool):
+        raise NotImplementedError
+
+    # --- layout -------------------------------------------------------------------------
+    def reshape(self, x, shape: tuple):
+        raise NotImplementedError
+
+    def transpose(self, x, perm: tuple):
+        raise NotImplementedError
+
+    def slice(self, x, index: tuple):
+        """x[index] for a tuple of Python slices (steps may be negative)."""
+        raise NotImplementedError
+
+    def concat(self, xs: list, axis: int):
+        raise NotImplementedError
+
+    def expand(self, x, shape: tuple):
+        """Broadcast `x` to `shape` (already the broadcast of both, as ONNX Expand defines)."""
+        raise NotImplementedError
+
+    def tile(self, x, reps: tuple):
+        raise NotImplementedError
+
+    def pad(self, x, pads: list[tuple[int, int]], mode: str, value):
+        raise NotImplementedError
+
+    def gather(self, x, idx, axis: int):
+        """np.take semantics; `idx` has non-negative entries."""
+        raise NotImplementedError
+
+    def gather_elements(self, x, idx, axis: int):
+        raise NotImplementedError
+
+    def scatter_elements(self, x, idx, updates, axis: int, reduction: str):
+        raise NotImplementedError
+
+    def gather_nd(self, x, idx, batch_dims: int):
+        raise NotImplementedError
+
+    def scatter_nd(self, x, idx, updates, reduction: str):
+        raise NotImplementedError
+
+    def trilu(self, x, k: int, upper: bool):
+        raise NotImplementedError
+
+    # --- fused kernels ----------------------------------------------------------------
+    def rms_norm(self, x, weight, eps: float):
+        """RMS normalization over the last axis, times `weight` (broadcast over the last axis)."""
+        raise NotImplementedError
+
+    def layer_norm(self, x, weight, bias, eps: float):
+        raise NotImplementedError
+
+    def rope(self, x, position_ids, inv_freq: np.ndarray, attention_scaling: float, interleaved: bool,
+             offset=None):
+        """Rotary embedding of x [B, S, H, D] at positions [B, S]; rotary_dim = 2 * len(inv_freq).
+
+        `offset` ([B] or scalar array), when given, promises position_ids[b, s] == offset[b] + s, which
+        lets a backend use a kernel that takes a start offset (mx.fast.rope)."""
+        raise NotImplementedError
+
+    def sdpa(self, q, k, v, mask, scale: float):
+        """softmax(q kᵀ·scale + mask) v for q [B, Hq, S, D], k/v [B, Hkv, T, D]; GQA without repeating.
+
+        `mask` is None, a boolean (True = attend) or an additive float array broadcastable to
+        [B, Hq, S, T]."""
+        raise NotImplementedError
+
+    def prepare_quantized(self, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
+                          block: int, bits: int) -> QuantizedWeight:
+        """Convert a blocked DequantizeLinear weight once, at load.
+
+        q [K, N] unsigned integers (one value per byte), scale/zero_point [K/block, N]: the weight is
+        (q - zero_point) * scale, blocks along K (the MatMul's reduction dim)."""
+        raise NotImplementedError
+
+    def quantized_matmul(self, x, w: QuantizedWeight):
+        """x [..., K] @ dequantize(w) [K, N]."""
+        raise NotImplementedError
+
+    def cache_write(self, buffer, new, pos):
+        """buffer[:, :, pos:pos+S] = new for a KV buffer [B, H, L, D]; returns the buffer (mlx: a new one).
+
+        `pos` is a Python int or a 0-d integer array (static-shape decode, compiled graphs)."""
+        raise NotImplementedError
+
+
+def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
+    """Host reference of a blocked DequantizeLinear along axis 0 ([K, N] weights)."""
+    k = q.shape[0]
+    s = np.repeat(scale.astype(np.float32), block, axis=0)[:k]
+    z = np.repeat(zero_point.astype(np.float32), block, axis=0)[:k] if zero_point is not None else 0.0
+    return (q.astype(np.float32) - z) * s

@@ -1,0 +1,293 @@
+"""torch on CPU, CUDA (or MPS): F.scaled_dot_product_attention(enable_gqa), F.rms_norm, quantized matmul.
+
+Quantized weights are converted once at load (`prepare_quantized`). Which kernel is used depends on
+the device (runtime_metal/backends/torch_quant.py measures and explains the choice).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto
+
+from . import torch_quant
+from .base import Backend
+
+TORCH_DTYPES = {
+    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32,
+    TensorProto.INT16: torch.int16, TensorProto.INT8: torch.int8, TensorProto.UINT8: torch.uint8,
+    TensorProto.UINT16: torch.uint16, TensorProto.UINT32: torch.uint32, TensorProto.UINT64: torch.uint64,
+    TensorProto.BOOL: torch.bool,
+}
+_ONNX_OF = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def _pow(a, b):
+    return torch.pow(a, b).to(a.dtype)
+
+
+def _div(a, b):
+    if a.dtype.is_floating_point:
+        return torch.div(a, b)
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+_UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
+    "reciprocal": torch.reciprocal, "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "erf": torch.erf, "relu": torch.relu, "floor": torch.floor, "ceil": torch.ceil,
+    "round": torch.round, "sign": torch.sign, "not": torch.logical_not, "isnan": torch.isnan,
+    "isinf": torch.isinf, "asin": torch.asin, "acos": torch.acos, "atan": torch.atan, "sinh": torch.sinh,
+    "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "softplus": F.softplus, "bitwise_not": torch.bitwise_not,
+}
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "pow": _pow, "max": torch.maximum,
+    "min": torch.minimum, "mod": torch.remainder, "fmod": torch.fmod, "equal": torch.eq, "less": torch.lt,
+    "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "and": torch.logical_and,
+    "or": torch.logical_or, "xor": torch.logical_xor, "bitwise_and": torch.bitwise_and,
+    "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
+}
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, device: str | None = None):
+        self.device = str(torch.device(device or "cpu"))
+        self._dev = torch.device(self.device)
+        self._rope_memo: tuple | None = None
+
+    # --- data movement ---------------------------------------------------------------
+    def asarray(self, value):
+        value = np.asarray(value)
+        if value.dtype.name == "bfloat16":
+            t = self._from_numpy(value.view(np.uint16)).view(torch.bfloat16)
+        else:
+            t = self._from_numpy(value)
+        return t.to(self._dev) if t.device != self._dev else t
+
+    @staticmethod
+    def _from_numpy(value: np.ndarray) -> torch.Tensor:
+        if value.ndim == 0:
+            return torch.tensor(value.item(), dtype=torch.from_numpy(value.reshape(1)).dtype)
+        with warnings.catch_warnings():
+            # Read-only memory maps: the weights are never written, so sharing the pages is safe.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(value)
+
+    def to_numpy(self, x):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return x.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+
+    def dtype(self, x):
+        return _ONNX_OF[x.dtype]
+
+    def cast(self, x, to):
+        return x.to(TORCH_DTYPES[to])
+
+    def full(self, shape, value, to):
+        return torch.full(tuple(shape), value, dtype=TORCH_DTYPES[to], device=self._dev)
+
+    def arange(self, start, limit, delta, to):
+        return torch.arange(start, limit, delta, device=self._dev).to(TORCH_DTYPES[to])
+
+    def sync(self, x):
+        if self._dev.type == "cuda":
+            torch.cuda.synchronize(self._dev)
+
+    # --- math ---------------------------------------------------------------------------
+    def unary(self, op, x):
+        return _UNARY[op](x)
+
+    def binary(self, op, a, b):
+        return _BINARY[op](a, b)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, a, b)
+
+    def reduce(self, op, x, axes, keepdims):
+        dims = tuple(range(x.dim())) if axes is None else tuple(axes)
+        if x.dim() == 0 or not dims:
+            return x.clone()
+        if op == "sum":
+            return torch.sum(x, dim=dims, keepdim=keepdims, dtype=x.dtype)
+        if op == "mean":
+            return torch.mean(x.double() if not x.dtype.is_floating_point else x, dim=dims, keepdim=keepdims).to(x.dtype)
+        if op in ("max", "min"):
+            return (torch.amax if op == "max" else torch.amin)(x, dim=dims, keepdim=keepdims)
+        for d in sorted(dims, reverse=True):
+            x = torch.prod(x, dim=d, keepdim=keepdims)
+        return x
+
+    def arg_reduce(self, op, x, axis, keepdims, select_last):
+        fn = torch.argmax if op == "max" else torch.argmin
+        if select_last:
+            out = x.shape[axis] - 1 - fn(torch.flip(x, (axis,)), dim=axis, keepdim=keepdims)
+        else:
+            out = fn(x, dim=axis, keepdim=keepdims)
+        return out.to(torch.int64)
+
+    def matmul(self, a, b):
+        return torch.matmul(a, b)
+
+    def softmax(self, x, axis, log=False):
+        return (torch.log_softmax if log else torch.softmax)(x, dim=axis)
+
+    def cumsum(self, x, axis, exclusive, reverse):
+        if reverse:
+            x = torch.flip(x, (axis,))
+        out = torch.cumsum(x, dim=axis, dtype=x.dtype)
+        if exclusive:
+            out = out - x
+        return torch.flip(out, (axis,)) if reverse else out
+
+    def topk(self, x, k, axis, largest, sorted_):
+        if not largest:
+            # torch breaks ties by position only for the largest; negate to keep ONNX's order
+            v, i = torch.topk(-x if x.dtype.is_floating_point or x.dtype.is_signed else x, k, dim=axis,
+                              largest=not (x.dtype.is_floating_point or x.dtype.is_signed), sorted=True)
+            return torch.gather(x, axis, i), i
+        v, i = torch.topk(x, k, dim=axis, largest=True, sorted=True)
+        return v, i
+
+    # --- layout -------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def transpose(self, x, perm):
+        return x.permute(perm)
+
+    def slice(self, x, index):
+        flips = tuple(ax for ax, s in enumerate(index) if isinstance(s, slice) and (s.step or 1) < 0)
+        if flips:
+            # torch has no negative steps: flip, then slice forward with mirrored bounds
+            new = list(index)
+            for ax in flips:
+                start, stop, step = index[ax].indices(x.shape[ax])
+                n = len(range(start, stop, step))
+                first = x.shape[ax] - 1 - start
+                new[ax] = slice(first, first + (n - 1) * -step + 1 if n else first, -step)
+            x, index = torch.flip(x, flips), tuple(new)
+        return x[index]
+
+    def concat(self, xs, axis):
+        return torch.cat(xs, dim=axis)
+
+    def expand(self, x, shape):
+        return x.expand(tuple(shape))
+
+    def tile(self, x, reps):
+        return x.repeat(tuple(reps))
+
+    def pad(self, x, pads, mode, value):
+        flat = [p for pair in reversed(pads) for p in pair]
+        if mode == "constant":
+            return F.pad(x, flat, mode="constant", value=value)
+        first = next((i for i, p in enumerate(pads) if p != (0, 0)), x.dim())
+        if first == x.dim():
+            return x.clone()
+        # torch pads the trailing dims of a [N, C, *spatial] tensor in these modes
+        lead, tail = tuple(x.shape[:first]), tuple(x.shape[first:])
+        y = F.pad(x.reshape((-1, 1) + tail), flat[: 2 * len(tail)],
+                  mode={"reflect": "reflect", "edge": "replicate", "wrap": "circular"}[mode])
+        return y.reshape(lead + tuple(y.shape[2:]))
+
+    def gather(self, x, idx, axis):
+        return x[(slice(None),) * axis + (idx,)]
+
+    def gather_elements(self, x, idx, axis):
+        return torch.gather(x, axis, idx)
+
+    def scatter_elements(self, x, idx, updates, axis, reduction):
+        if reduction == "none":
+            return torch.scatter(x, axis, idx, updates)
+        red = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
+        return torch.scatter_reduce(x, axis, idx, updates, reduce=red, include_self=True)
+
+    def gather_nd(self, x, idx, batch_dims):
+        batch = x.shape[:batch_dims]
+        xb = x.reshape((-1,) + tuple(x.shape[batch_dims:]))
+        ib = idx.reshape((-1,) + tuple(idx.shape[batch_dims:]))
+        outs = [xb[i][tuple(ib[i].movedim(-1, 0))] for i in range(xb.shape[0])]
+        out = torch.stack(outs)
+        return out.reshape(tuple(batch) + tuple(out.shape[1:]))
+
+    def scatter_nd(self, x, idx, updates, reduction):
+        out = x.clone()
+        key = tuple(idx.movedim(-1, 0))
+        if reduction == "none":
+            out[key] = updates
+            return out
+        flat_idx = torch.zeros(idx.shape[:-1], dtype=torch.int64, device=x.device)
+        for d in range(idx.shape[-1]):
+            flat_idx = flat_idx * x.shape[d] + idx[..., d]
+        inner = tuple(x.shape[idx.shape[-1]:])
+        view = out.reshape((-1,) + inner)
+        upd = updates.reshape((-1,) + inner)
+        red = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
+        index = flat_idx.reshape(-1, *([1] * len(inner))).expand(-1, *inner)
+        return view.scatter_reduce(0, index, upd, reduce=red, include_self=True).reshape(x.shape)
+
+    def trilu(self, x, k, upper):
+        return torch.triu(x, k) if upper else torch.tril(x, k)
+
+    # --- fused kernels ----------------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        return F.rms_norm(x, (x.shape[-1],), weight if weight.dim() == 1 else weight.expand(x.shape[-1:]), eps)
+
+    def layer_norm(self, x, weight, bias, eps):
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def rope(self, x, position_ids, inv_freq, attention_scaling, interleaved, offset=None):
+        cos, sin = self._cos_sin(position_ids, inv_freq, attention_scaling, x.dtype)
+        rd = 2 * len(inv_freq)
+        xr = x[..., :rd] if rd < x.shape[-1] else x
+        if interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            y = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        else:
+            cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+            y = xr * cos2 + torch.cat([-x2, x1], -1) * sin2
+        return torch.cat([y, x[..., rd:]], -1) if rd < x.shape[-1] else y
+
+    def _cos_sin(self, position_ids, inv_freq, scaling, dtype):
+        # q and k of every layer rotate at the same positions: compute cos/sin once per step
+        memo = self._rope_memo
+        if memo is not None and memo[0] is position_ids and memo[1] is inv_freq and memo[2] == scaling:
+            return memo[3], memo[4]
+        inv = torch.as_tensor(np.asarray(inv_freq, np.float32), device=position_ids.device)
+        freqs = position_ids.to(torch.float32)[..., None] * inv  # [B, S, rd/2]
+        cos = (torch.cos(freqs) * scaling).to(dtype)[:, :, None, :]
+        sin = (torch.sin(freqs) * scaling).to(dtype)[:, :, None, :]
+        if not torch.compiler.is_compiling():
+            self._rope_memo = (position_ids, inv_freq, scaling, cos, sin)
+        return cos, sin
+
+    def sdpa(self, q, k, v, mask, scale):
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    def prepare_quantized(self, q, scale, zero_point, block, bits):
+        return torch_quant.prepare(self, q, scale, zero_point, block, bits)
+
+    def quantized_matmul(self, x, w):
+        return torch_quant.matmul(x, w)
+
+    def cache_write(self, buffer, new, pos):
+        if isinstance(pos, int):
+            buffer[:, :, pos:pos + new.shape[2]] = new
+        else:
+            idx = pos.reshape(1) + torch.arange(new.shape[2], device=buffer.device)
+            buffer.index_copy_(2, idx, new.to(buffer.dtype))
+        return buffer

@@ -1,0 +1,279 @@
+"""The graph as the executor runs it: plain Python nodes, rewritten once at load.
+
+Load-time rewrites (each keeps what the graph computes):
+- model-local functions (fuselm::FusedRoPE) stay one node when the op table has a fused kernel;
+  otherwise, or with `fused=False`, their FunctionProto body is inlined;
+- DequantizeLinear -> MatMul with constant weights becomes QMatMul (the backend's quantized
+  matmul, weights converted once); DequantizeLinear -> Gather(axis 0) becomes QGather;
+- Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
+- nodes whose inputs are all constants are folded on the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+from fuselm.errors import FuselmError
+
+from . import ops_nn  # noqa: F401 - registers the nn ops into OPS
+from .backends.numpy_backend import NumpyBackend
+from .loader import LoadedModel, tensor_to_array
+from .ops import OPS
+from .ops_nn import RUNTIME
+
+SUBGRAPH_OPS = ("If",)
+
+
+@dataclass
+class Node:
+    op_type: str
+    domain: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict = field(default_factory=dict)
+    branches: dict[str, Branch] = field(default_factory=dict)  # If: then_branch / else_branch
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.domain, self.op_type)
+
+
+@dataclass
+class Branch:
+    nodes: list[Node]
+    outputs: list[str]
+    constants: dict[str, np.ndarray]
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    constants: dict[str, np.ndarray]
+    inputs: list[str]
+    outputs: list[str]
+    opsets: dict[str, int]
+    elem_types: dict[str, int] = field(default_factory=dict)  # declared ONNX types of the initializers
+
+
+def attr_value(a: AttributeProto):
+    if a.type == AttributeProto.TENSOR:
+        return tensor_to_array(a.t)
+    if a.type == AttributeProto.GRAPH:
+        return a.g
+    v = helper.get_attribute_value(a)
+    if a.type == AttributeProto.STRING:
+        return v.decode()
+    if a.type == AttributeProto.FLOATS:
+        return np.asarray(v, np.float32)  # one array per node: kernels can memoize on identity
+    if a.type == AttributeProto.INTS:
+        return list(v)
+    if a.type == AttributeProto.STRINGS:
+        return [s.decode() for s in v]
+    return v
+
+
+def _nodes(protos, functions, fused: bool, prefix: str = "") -> tuple[list[Node], dict[str, np.ndarray]]:
+    """Convert NodeProtos; inline model-local functions that will not run as a fused kernel."""
+    out, consts = [], {}
+    for p in protos:
+        attrs = {a.name: attr_value(a) for a in p.attribute if a.type != AttributeProto.GRAPH}
+        node = Node(p.op_type, p.domain if p.domain != "ai.onnx" else "", p.name or f"{prefix}{p.op_type}_{len(out)}",
+                    list(p.input), list(p.output), attrs)
+        for a in p.attribute:
+            if a.type == AttributeProto.GRAPH:
+                sub, sub_consts = _nodes(a.g.node, functions, fused, prefix)
+                sub_consts.update({t.name: tensor_to_array(t) for t in a.g.initializer})
+                node.branches[a.name] = Branch(sub, [o.name for o in a.g.output], sub_consts)
+        spec = OPS.get(node.key)
+        if node.key in functions and (spec is None or (spec.fused and not fused)):
+            body, body_consts = _inline(node, p, functions[node.key], functions, fused)
+            out += body
+            consts.update(body_consts)
+        else:
+            out.append(node)
+    return out, consts
+
+
+_uid = itertools.count()
+
+
+def _inline(node: Node, proto: onnx.NodeProto, f: onnx.FunctionProto, functions, fused: bool):
+    """A function call as its body: formal names renamed into the caller's, attribute refs resolved."""
+    tag = f"{node.name}/{f.name}#{next(_uid)}/"
+    rename = dict(zip(f.input, proto.input, strict=False))
+    rename.update(zip(f.output, proto.output, strict=False))
+    given = {a.name: a for a in proto.attribute}
+    defaults = {a.name: a for a in f.attribute_proto}
+
+    def resolve(nodes: list) -> list:
+        resolved = []
+        for n in nodes:
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            del n2.attribute[:]
+            for a in n.attribute:
+                if a.ref_attr_name:
+                    src = given.get(a.ref_attr_name) or defaults.get(a.ref_attr_name)
+                    if src is None:
+                        continue
+                    a2 = AttributeProto()
+                    a2.CopyFrom(src)
+                    a2.name = a.name
+                    n2.attribute.append(a2)
+                elif a.type == AttributeProto.GRAPH:
+                    a2 = AttributeProto()
+                    a2.CopyFrom(a)
+                    del a2.g.node[:]
+                    a2.g.node.extend(resolve(a.g.node))
+                    n2.attribute.append(a2)
+                else:
+                    n2.attribute.append(a)
+            resolved.append(n2)
+        return resolved
+
+    body, consts = _nodes(resolve(f.node), functions, fused, prefix=tag)
+
+    def name(x: str) -> str:
+        return x if not x else rename.get(x, tag + x)
+
+    def apply(nodes: list[Node]):
+        for n in nodes:
+            n.name = tag + n.name
+            n.inputs = [name(x) for x in n.inputs]
+            n.outputs = [name(x) for x in n.outputs]
+            for br in n.branches.values():
+                apply(br.nodes)
+                br.outputs = [name(x) for x in br.outputs]
+
+    apply(body)
+    return body, {name(k): v for k, v in consts.items()}
+
+
+def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
+    """The executable graph for `backend`: functions handled, load-time rewrites applied."""
+    nodes, consts = _nodes(lm.graph.node, lm.functions, fused)
+    consts.update(lm.initializers)
+    inputs = [i.name for i in lm.graph.input if i.name not in lm.initializers]
+    graph = Graph(nodes, consts, inputs, list(lm.output_names), lm.opsets,
+                  {t.name: t.data_type for t in lm.graph.initializer})
+    check_ops(graph.nodes, graph.opsets)
+    _fold_dequantize(graph, backend)
+    _kv_append(graph)
+    _fold_constants(graph)
+    return graph
+
+
+def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
+    for n in nodes:
+        if n.op_type in SUBGRAPH_OPS and not n.domain:
+            for br in n.branches.values():
+                check_ops(br.nodes, opsets)
+        elif n.key not in OPS:
+            domain = n.domain or "ai.onnx"
+            raise FuselmError(f"node {n.name!r}: op {domain}::{n.op_type} (opset {opsets.get(n.domain, '?')}) is not "
+                              "supported by the fuselm runtime; run the graph in onnxruntime, or add the op to "
+                              "runtime_metal/ops.py")
+
+
+def _consumers(nodes: list[Node]) -> dict[str, list[Node]]:
+    uses: dict[str, list[Node]] = {}
+    for n in nodes:
+        for x in n.inputs:
+            uses.setdefault(x, []).append(n)
+        for br in n.branches.values():
+            for sub in br.nodes:
+                for x in sub.inputs:
+                    uses.setdefault(x, []).append(n)
+    return uses
+
+
+def _fold_dequantize(graph: Graph, backend) -> None:
+    """DQ(const) -> MatMul(x, DQ) becomes QMatMul; DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather."""
+    uses = _consumers(graph.nodes)
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    consts = graph.constants
+    prepared: dict[str, object] = {}
+    replace: dict[int, Node] = {}
+    dead: set[int] = set()
+    for n in graph.nodes:
+        if n.key not in (("", "MatMul"), ("", "Gather")) or len(n.inputs) < 2:
+            continue
+        w = n.inputs[1] if n.op_type == "MatMul" else n.inputs[0]
+        dq = producers.get(w)
+        if dq is None or dq.key != ("", "DequantizeLinear") or w in graph.outputs:
+            continue
+        if not all(x in consts for x in dq.inputs if x):
+            continue
+        q, scale = consts[dq.inputs[0]], consts[dq.inputs[1]]
+        zp = consts[dq.inputs[2]] if len(dq.inputs) > 2 and dq.inputs[2] else None
+        block, axis = int(dq.attrs.get("block_size", 0)), int(dq.attrs.get("axis", 1))
+        if q.ndim != 2 or not block or q.dtype.kind not in "u" or dq.attrs.get("output_dtype", 0) not in (0, 1):
+            continue
+        if n.op_type == "MatMul" and axis in (0, -2):
+            if w not in prepared:
+                bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
+                prepared[w] = backend.prepare_quantized(q, scale, zp, block, bits)
+            replace[id(n)] = Node("QMatMul", RUNTIME, n.name, [n.inputs[0]], n.outputs,
+                                  {"weight": prepared[w], "source": dq.name})
+        elif n.op_type == "Gather" and int(n.attrs.get("axis", 0)) == 0:
+            replace[id(n)] = Node("QGather", RUNTIME, n.name, [dq.inputs[0], dq.inputs[1], dq.inputs[2] if zp is not None else "",
+                                                               n.inputs[1]], n.outputs,
+                                  {"axis": 0 if axis in (0, -2) else 1, "block_size": block})
+        else:
+            continue
+        if all(id(u) in replace for u in uses.get(w, [])):
+            dead.add(id(dq))
+    graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+
+
+def _kv_append(graph: Graph) -> None:
+    pasts = {x for x in graph.inputs if x.startswith("past_key_values.")}
+    for i, n in enumerate(graph.nodes):
+        if n.key == ("", "Concat") and len(n.inputs) == 2 and n.inputs[0] in pasts and n.attrs.get("axis") in (2, -2):
+            graph.nodes[i] = Node("KVAppend", RUNTIME, n.name, list(n.inputs), list(n.outputs))
+
+
+def _fold_constants(graph: Graph) -> None:
+    """Evaluate on the host every node whose inputs are all constants (once, at load)."""
+    host = NumpyBackend()
+    consts, kept = graph.constants, []
+    for n in graph.nodes:
+        spec = OPS.get(n.key)
+        if spec is None or n.branches or n.domain == RUNTIME or spec.fused or spec.wants_context or \
+                not all((x in consts) for x in n.inputs if x):
+            kept.append(n)
+            continue
+        try:
+            out = call(spec, host, n, [consts[x] if x else None for x in n.inputs])
+        except NotImplementedError:
+            kept.append(n)
+            continue
+        for name, v in zip(n.outputs, out, strict=False):
+            if name:
+                consts[name] = np.asarray(v)
+    graph.nodes = kept
+
+
+def call(spec, backend, node: Node, args: list, ctx: dict | None = None) -> tuple:
+    """Call an op function with the node's attributes; always returns a tuple of outputs."""
+    kwargs = dict(node.attrs)
+    if spec.wants_outputs:
+        kwargs["_n_outputs"] = len(node.outputs)
+    if spec.wants_context:
+        kwargs["_ctx"] = ctx
+    while args and args[-1] is None:
+        args = args[:-1]
+    try:
+        out = spec.fn(backend, *args, **kwargs)
+    except TypeError as e:
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # the call's binding failed
+            raise FuselmError(f"node {node.name!r} ({node.op_type}): {e}; the runtime does not support this form "
+                              "of the op") from None
+        raise
+    return out if isinstance(out, tuple) else (out,)

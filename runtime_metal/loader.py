@@ -1,0 +1,164 @@
+"""Load a model directory or .onnx file: graph, initializers (memory-mapped), functions, meta.
+
+External data is mapped, not read: every tensor stored in `model.onnx.data` becomes a numpy view
+of one `np.memmap` per file, so loading a multi-GB model costs page-table entries, not RAM. A
+location that leaves the model's directory (absolute, `..`, or a symlink pointing outside) is
+refused, as is a data file too short for the tensors that point into it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from fuselm.errors import FuselmError
+from fuselm.modeldir import META_NAME, MODEL_NAME, read_meta
+
+# ONNX element type -> numpy dtype of the values as the runtime holds them on the host.
+# 4-bit types are unpacked to one value per byte (uint8 / int8).
+NP_DTYPES = {
+    TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16,
+    TensorProto.BFLOAT16: ml_dtypes.bfloat16, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
+    TensorProto.INT16: np.int16, TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8,
+    TensorProto.UINT16: np.uint16, TensorProto.UINT32: np.uint32, TensorProto.UINT64: np.uint64,
+    TensorProto.BOOL: np.bool_, TensorProto.UINT4: np.uint8, TensorProto.INT4: np.int8,
+}
+_FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+
+
+@dataclass
+class LoadedModel:
+    """What the executor needs: the graph, its weights as host arrays, and model-local functions."""
+
+    graph: onnx.GraphProto
+    initializers: dict[str, np.ndarray]
+    functions: dict[tuple[str, str], onnx.FunctionProto]
+    opsets: dict[str, int]
+    path: Path
+    meta: dict | None = None
+    input_types: dict[str, tuple[int, list]] = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)
+
+
+def model_path(path: str | os.PathLike) -> tuple[Path, dict | None]:
+    """Resolve a model directory (with fuselm.json) or a .onnx file to (onnx path, meta or None)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / MODEL_NAME).is_file():
+            raise FuselmError(f"{p} has no {MODEL_NAME}; pass a model directory written by `fuselm convert` "
+                              "or `fuselm optimize`, or an .onnx file")
+        meta = read_meta(p) if (p / META_NAME).is_file() else None
+        return p / MODEL_NAME, meta
+    if p.is_file() and p.suffix == ".onnx":
+        meta = read_meta(p.parent) if p.name == MODEL_NAME and (p.parent / META_NAME).is_file() else None
+        return p, meta
+    raise FuselmError(f"{p} is neither a model directory nor an .onnx file; check the path")
+
+
+def load(path: str | os.PathLike) -> LoadedModel:
+    """Load the graph and map its weights; every problem is a FuselmError naming the fix."""
+    onnx_path, meta = model_path(path)
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError, onnx raises various types
+        raise FuselmError(f"{onnx_path} is not a readable ONNX model ({type(e).__name__}: {e}); "
+                          "re-create it with `fuselm convert`") from None
+    base = onnx_path.parent
+    maps = _DataFiles(base)
+    inits = {t.name: tensor_to_array(t, maps) for t in model.graph.initializer}
+    for t in model.graph.sparse_initializer:
+        raise FuselmError(f"sparse initializer {t.values.name!r} is not supported; densify the model first")
+    functions = {(f.domain, f.name): f for f in model.functions}
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    input_types = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        input_types[vi.name] = (tt.elem_type, dims)
+    return LoadedModel(model.graph, inits, functions, opsets, onnx_path, meta, input_types,
+                       [o.name for o in model.graph.output])
+
+
+class _DataFiles:
+    """One read-only memory map per external data file, opened on first use."""
+
+    def __init__(self, base: Path):
+        self.base = base.resolve()
+        self.maps: dict[str, np.memmap] = {}
+
+    def get(self, location: str, tensor: str) -> np.memmap:
+        if location not in self.maps:
+            self.maps[location] = self._open(location, tensor)
+        return self.maps[location]
+
+    def _open(self, location: str, tensor: str) -> np.memmap:
+        if os.path.isabs(location) or ".." in Path(location).parts:
+            raise FuselmError(f"tensor {tensor!r}: external data location {location!r} leaves the model directory; "
+                              "refusing to read it (re-create the model with `fuselm convert`)")
+        path = self.base / location
+        real = path.resolve()
+        if self.base not in real.parents:
+            raise FuselmError(f"tensor {tensor!r}: external data {location!r} resolves to {real}, outside the "
+                              "model directory (a symlink?); refusing to read it (copy the file into the directory)")
+        if not path.is_file():
+            raise FuselmError(f"tensor {tensor!r}: external data file {path} is missing; copy the whole model "
+                              "directory (model.onnx and model.onnx.data belong together)")
+        if path.stat().st_size == 0:
+            return np.zeros(0, np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def tensor_to_array(t: TensorProto, maps: _DataFiles | None = None) -> np.ndarray:
+    """A TensorProto as a host array: 4-bit types unpacked to one value per byte, bf16 via ml_dtypes."""
+    shape = tuple(t.dims)
+    if t.data_type not in NP_DTYPES:
+        raise FuselmError(f"tensor {t.name!r}: element type {helper.tensor_dtype_to_string(t.data_type)} "
+                          "is not supported by the runtime")
+    if t.data_location != TensorProto.EXTERNAL:
+        if t.data_type in _FOUR_BIT:
+            return _unpack4(np.frombuffer(t.raw_data, np.uint8), shape, t.data_type) if t.raw_data else \
+                numpy_helper.to_array(t).astype(NP_DTYPES[t.data_type])
+        arr = numpy_helper.to_array(t)
+        return arr.astype(NP_DTYPES[t.data_type], copy=False) if arr.dtype != NP_DTYPES[t.data_type] else arr
+    if maps is None:
+        raise FuselmError(f"tensor {t.name!r} has external data but no model directory was given")
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location")
+    if not location:
+        raise FuselmError(f"tensor {t.name!r}: external data without a location; re-create the model")
+    offset, count = int(info.get("offset", 0)), int(np.prod(shape, dtype=np.int64))
+    dtype = np.dtype(NP_DTYPES[t.data_type])
+    nbytes = (count + 1) // 2 if t.data_type in _FOUR_BIT else count * dtype.itemsize
+    if "length" in info and int(info["length"]) < nbytes:
+        raise FuselmError(f"tensor {t.name!r}: external data length {info['length']} is shorter than its shape "
+                          f"{list(shape)} needs ({nbytes} bytes); the model file is corrupt, re-create it")
+    mm = maps.get(location, t.name)
+    if offset + nbytes > mm.shape[0]:
+        raise FuselmError(f"tensor {t.name!r}: {location} is truncated ({mm.shape[0]} bytes, the tensor needs "
+                          f"bytes {offset}..{offset + nbytes}); copy the complete file or re-create the model")
+    raw = mm[offset:offset + nbytes]
+    if t.data_type in _FOUR_BIT:
+        return _unpack4(np.asarray(raw), shape, t.data_type)
+    if offset % dtype.itemsize:
+        raw = np.array(raw)  # unaligned: copy once
+    return np.asarray(raw).view(dtype).reshape(shape)
+
+
+def _unpack4(packed: np.ndarray, shape: tuple, data_type: int) -> np.ndarray:
+    """ONNX 4-bit packing: two values per byte, the first in the low nibble."""
+    count = int(np.prod(shape, dtype=np.int64))
+    out = np.empty(packed.size * 2, np.uint8)
+    out[0::2] = packed & 0x0F
+    out[1::2] = packed >> 4
+    out = out[:count].reshape(shape)
+    if data_type == TensorProto.INT4:
+        out = ((out.astype(np.int8) << 4) >> 4).astype(np.int8)
+    return out

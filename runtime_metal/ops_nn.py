@@ -1,0 +1,284 @@
+"""Neural-network ops: norms, attention, rotary embeddings, (de)quantization, KV-cache appends.
+
+Fused ops call the backend's fused kernel; each has an `unfused` twin built from elementary
+primitives the way the op's ONNX function body computes it, which `no_fused_kernels` selects
+(fuselm::FusedRoPE runs its model-local FunctionProto instead: see executor.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kvcache import CacheView
+from .ops import _axis, _np_dtype, _scalar, op
+
+RUNTIME = "fuselm.runtime"  # ops the runtime introduces at load; never written to a file
+
+
+# --- normalization -----------------------------------------------------------------------
+def _rms_norm_unfused(b, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    rank = len(b.shape(x))
+    axes = tuple(range(_axis(axis, rank), rank))
+    xf = b.cast(x, stash_type)
+    ms = b.reduce("mean", b.binary("mul", xf, xf), axes, True)
+    rms = b.unary("sqrt", b.binary("add", ms, _scalar(b, ms, epsilon)))
+    return b.binary("mul", b.cast(b.binary("div", xf, rms), b.dtype(x)), scale)
+
+
+@op("RMSNormalization", fused=True, unfused=_rms_norm_unfused)
+def RMSNormalization(b, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    rank = len(b.shape(x))
+    if _axis(axis, rank) != rank - 1 or len(b.shape(scale)) > 1:
+        return _rms_norm_unfused(b, x, scale, axis=axis, epsilon=epsilon, stash_type=stash_type)
+    if b.dtype(x) != stash_type:
+        return b.cast(b.rms_norm(b.cast(x, stash_type), b.cast(scale, stash_type), epsilon), b.dtype(x))
+    return b.rms_norm(x, scale, epsilon)
+
+
+def _layer_norm_unfused(b, x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1, _n_outputs=1):
+    rank = len(b.shape(x))
+    axes = tuple(range(_axis(axis, rank), rank))
+    xf = b.cast(x, stash_type)
+    mean = b.reduce("mean", xf, axes, True)
+    d = b.binary("sub", xf, mean)
+    var = b.reduce("mean", b.binary("mul", d, d), axes, True)
+    inv = b.unary("reciprocal", b.unary("sqrt", b.binary("add", var, _scalar(b, var, epsilon))))
+    y = b.binary("mul", b.cast(b.binary("mul", d, inv), b.dtype(x)), scale)
+    y = b.binary("add", y, bias) if bias is not None else y
+    return (y, mean, inv)[:_n_outputs]
+
+
+@op("LayerNormalization", fused=True, unfused=_layer_norm_unfused, wants_outputs=True)
+def LayerNormalization(b, x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1, _n_outputs=1):
+    rank = len(b.shape(x))
+    if _n_outputs > 1 or _axis(axis, rank) != rank - 1 or len(b.shape(scale)) > 1 or b.dtype(x) != stash_type:
+        return _layer_norm_unfused(b, x, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type,
+                                   _n_outputs=_n_outputs)
+    return b.layer_norm(x, scale, bias, epsilon)
+
+
+# --- attention ------------------------------------------------------------------------------
+def _heads_first(b, x, heads: int):
+    """[B, S, heads*D] -> [B, heads, S, D] (Attention's 3-D input form)."""
+    bsz, s, hidden = b.shape(x)
+    return b.transpose(b.reshape(x, (bsz, s, heads, hidden // heads)), (0, 2, 1, 3))
+
+
+def _append(b, past, new):
+    if past is None:
+        return new
+    if isinstance(past, CacheView):
+        return past.append(b, new)
+    return b.concat([past, new], 2)
+
+
+def _attention_bias(b, q, attn_mask, past, s: int, t: int, is_causal: int):
+    """The mask Attention-23 applies (bool or additive), or None; causal is aligned bottom-right."""
+    mask = attn_mask
+    if mask is not None and b.shape(mask)[-1] < t:  # opset 23: a short mask is padded as masked
+        pad = [(0, 0)] * (len(b.shape(mask)) - 1) + [(0, t - b.shape(mask)[-1])]
+        mask = b.pad(mask, pad, "constant", False if b.dtype(mask) == 9 else -np.inf)
+    static = isinstance(past, CacheView) and past.static
+    if not (is_causal or (static and mask is None)):
+        return mask
+    # allowed[i, j]: key j visible to query i
+    j = b.reshape(b.arange(0, t, 1, 7), (1, t))
+    i = b.reshape(b.arange(0, s, 1, 7), (s, 1))
+    if static:
+        offset = b.reshape(b.cast(past.pos, 7), (1, 1))
+        allowed = b.binary("less_equal", j, b.binary("add", i, offset)) if is_causal else \
+            b.binary("less", j, b.binary("add", offset, _scalar(b, offset, s)))
+    else:
+        offset = b.shape(past)[2] if past is not None else 0
+        allowed = b.binary("less_equal", j, b.binary("add", i, _scalar(b, i, offset)))
+    if mask is None:
+        return allowed
+    if b.dtype(mask) == 9:
+        return b.binary("and", mask, allowed)
+    return b.where(allowed, mask, _scalar(b, mask, -np.inf))
+
+
+def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
+               is_causal=0, kv_num_heads=0, q_num_heads=0, qk_matmul_output_mode=0, scale=None, softcap=0.0,
+               softmax_precision=None, _n_outputs=1, fused=True):
+    three_d = len(b.shape(Q)) == 3
+    if three_d:
+        Q, K, V = _heads_first(b, Q, q_num_heads), _heads_first(b, K, kv_num_heads), _heads_first(b, V, kv_num_heads)
+    s = b.shape(Q)[2]
+    K, V = _append(b, past_key, K), _append(b, past_value, V)
+    t = b.shape(K)[2]
+    scale = float(1.0 / np.sqrt(b.shape(Q)[3])) if scale is None else float(scale)
+    mask = _attention_bias(b, Q, attn_mask, past_key, s, t, is_causal)
+    if nonpad_kv_seqlen is not None:
+        valid = b.binary("less", b.reshape(b.arange(0, t, 1, 7), (1, 1, 1, t)),
+                         b.reshape(nonpad_kv_seqlen, (-1, 1, 1, 1)))
+        mask = valid if mask is None else (b.binary("and", mask, valid) if b.dtype(mask) == 9
+                                           else b.where(valid, mask, _scalar(b, mask, -np.inf)))
+    qk_out = None
+    if fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q)):
+        Y = b.sdpa(Q, K, V, mask, scale)
+    else:
+        Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
+    if three_d:
+        bsz, h, _, dv = b.shape(Y)
+        Y = b.reshape(b.transpose(Y, (0, 2, 1, 3)), (bsz, s, h * dv))
+    return (Y, K, V, qk_out)[:max(_n_outputs, 1)]
+
+
+def _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, mode):
+    """The Attention-23 function body: GQA by repeating K/V heads, scaled QKᵀ, mask, softmax, ·V."""
+    hq, hkv = b.shape(Q)[1], b.shape(K)[1]
+    if hq != hkv:
+        rep = hq // hkv
+        bsz, _, t, d = b.shape(K)
+        K = b.reshape(b.expand(b.reshape(K, (bsz, hkv, 1, t, d)), (bsz, hkv, rep, t, d)), (bsz, hq, t, d))
+        dv = b.shape(V)[3]
+        V = b.reshape(b.expand(b.reshape(V, (bsz, hkv, 1, t, dv)), (bsz, hkv, rep, t, dv)), (bsz, hq, t, dv))
+    qk = b.matmul(Q, b.transpose(K, (0, 1, 3, 2)))
+    qk = b.binary("mul", qk, _scalar(b, qk, scale))
+    if softcap:
+        qk = b.binary("mul", b.unary("tanh", b.binary("div", qk, _scalar(b, qk, softcap))), _scalar(b, qk, softcap))
+    qk_out = qk
+    if mask is not None:
+        qk = b.where(mask, qk, _scalar(b, qk, -np.inf)) if b.dtype(mask) == 9 else b.binary("add", qk, mask)
+    if mode == 2:
+        qk_out = qk
+    dtype = b.dtype(qk)
+    probs = b.softmax(b.cast(qk, softmax_precision) if softmax_precision else qk, 3)
+    # a row with every key masked attends nothing (Y = 0), as the spec's function body says
+    probs = b.where(b.unary("isnan", probs), _scalar(b, probs, 0), probs)
+    probs = b.cast(probs, dtype)
+    if mode == 3:
+        qk_out = probs
+    return b.matmul(probs, V), qk_out
+
+
+def _attention_unfused(b, *inputs, **attrs):
+    return _attention(b, *inputs, **attrs, fused=False)
+
+
+@op("Attention", fused=True, unfused=_attention_unfused, wants_outputs=True)
+def Attention(b, *inputs, **attrs):
+    return _attention(b, *inputs, **attrs)
+
+
+# --- rotary embeddings ---------------------------------------------------------------------
+@op("FusedRoPE", domain="fuselm", fused=True, wants_context=True)
+def FusedRoPE(b, x, position_ids, *, inv_freq, attention_scaling=1.0, interleaved=0, _ctx=None):
+    offset = (_ctx or {}).get("rope_offset")
+    return b.rope(x, position_ids, inv_freq, float(attention_scaling), bool(interleaved), offset=offset)
+
+
+@op("RotaryEmbedding")
+def RotaryEmbedding(b, x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, num_heads=0,
+                    rotary_embedding_dim=0):
+    shape = b.shape(x)
+    if len(shape) == 4:  # [B, H, S, D] -> [B, S, H, D]
+        x = b.transpose(x, (0, 2, 1, 3))
+    else:
+        x = b.reshape(x, (shape[0], shape[1], num_heads, shape[2] // num_heads))
+    d = b.shape(x)[3]
+    rd = rotary_embedding_dim or d
+    if position_ids is not None:
+        cos_cache, sin_cache = b.gather(cos_cache, position_ids, 0), b.gather(sin_cache, position_ids, 0)
+    cos = b.reshape(cos_cache, b.shape(cos_cache)[:2] + (1, rd // 2))
+    sin = b.reshape(sin_cache, b.shape(sin_cache)[:2] + (1, rd // 2))
+    xr = b.slice(x, (Ellipsis, slice(0, rd)))
+    if interleaved:
+        x1, x2 = b.slice(xr, (Ellipsis, slice(0, None, 2))), b.slice(xr, (Ellipsis, slice(1, None, 2)))
+    else:
+        x1, x2 = b.slice(xr, (Ellipsis, slice(0, rd // 2))), b.slice(xr, (Ellipsis, slice(rd // 2, rd)))
+    real = b.binary("sub", b.binary("mul", cos, x1), b.binary("mul", sin, x2))
+    imag = b.binary("add", b.binary("mul", sin, x1), b.binary("mul", cos, x2))
+    if interleaved:
+        s4 = b.shape(real)
+        y = b.reshape(b.concat([b.reshape(real, s4 + (1,)), b.reshape(imag, s4 + (1,))], 4), s4[:3] + (rd,))
+    else:
+        y = b.concat([real, imag], 3)
+    if rd < d:
+        y = b.concat([y, b.slice(x, (Ellipsis, slice(rd, d)))], 3)
+    if len(shape) == 4:
+        return b.transpose(y, (0, 2, 1, 3))
+    return b.reshape(y, shape)
+
+
+# --- quantization -------------------------------------------------------------------------------
+def _expand_blocks(b, v, axis: int, block: int, size: int):
+    """Repeat each entry of `v` `block` times along `axis`, cut to `size` (blocked quantization)."""
+    shape = list(b.shape(v))
+    rep = shape[:axis + 1] + [block] + shape[axis + 1:]
+    v = b.expand(b.reshape(v, tuple(shape[:axis + 1] + [1] + shape[axis + 1:])), tuple(rep))
+    merged = shape[:axis] + [shape[axis] * block] + shape[axis + 1:]
+    v = b.reshape(v, tuple(merged))
+    index = [slice(None)] * len(merged)
+    index[axis] = slice(0, size)
+    return b.slice(v, tuple(index))
+
+
+def _per_axis(b, v, x_shape, axis: int, block: int):
+    if len(b.shape(v)) == 0 or (len(b.shape(v)) == 1 and b.shape(v)[0] == 1 and not block):
+        return v
+    if block:
+        return _expand_blocks(b, v, axis, block, x_shape[axis])
+    shape = [1] * len(x_shape)
+    shape[axis] = x_shape[axis]
+    return b.reshape(v, tuple(shape))
+
+
+@op("DequantizeLinear")
+def DequantizeLinear(b, x, scale, zero_point=None, *, axis=1, block_size=0, output_dtype=0):
+    shape = b.shape(x)
+    axis = _axis(axis, len(shape)) if shape else 0
+    xf = b.cast(x, 1)
+    if zero_point is not None:
+        xf = b.binary("sub", xf, b.cast(_per_axis(b, zero_point, shape, axis, block_size), 1))
+    y = b.binary("mul", xf, b.cast(_per_axis(b, scale, shape, axis, block_size), 1))
+    return b.cast(y, output_dtype or b.dtype(scale))
+
+
+@op("QuantizeLinear")
+def QuantizeLinear(b, x, scale, zero_point=None, *, axis=1, block_size=0, output_dtype=0, saturate=1,
+                   precision=0):
+    shape = b.shape(x)
+    axis = _axis(axis, len(shape)) if shape else 0
+    to = b.dtype(zero_point) if zero_point is not None else (output_dtype or 2)
+    lo, hi = {2: (0, 255), 3: (-128, 127), 4: (0, 65535), 5: (-32768, 32767)}[to]
+    y = b.unary("round", b.binary("div", b.cast(x, 1), b.cast(_per_axis(b, scale, shape, axis, block_size), 1)))
+    if zero_point is not None:
+        y = b.binary("add", y, b.cast(_per_axis(b, zero_point, shape, axis, block_size), 1))
+    y = b.binary("min", b.binary("max", y, _scalar(b, y, lo)), _scalar(b, y, hi))
+    return b.cast(y, to)
+
+
+@op("QMatMul", domain=RUNTIME)
+def QMatMul(b, x, *, weight, source=""):
+    """DequantizeLinear -> MatMul folded at load into the backend's quantized matmul."""
+    return b.quantized_matmul(x, weight)
+
+
+@op("QGather", domain=RUNTIME)
+def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0):
+    """DequantizeLinear -> Gather(axis 0) folded at load: gather quantized rows, dequantize only those."""
+    out_shape = tuple(b.shape(ids)) + (b.shape(q)[1],)
+    ids = b.reshape(ids, (-1,))
+    rows = b.gather(q, ids, 0)
+    if axis == 0:  # blocks run along the rows: row r uses scale row r // block
+        sid = b.binary("div", ids, _scalar(b, ids, block_size))
+        s, z = b.gather(scale, sid, 0), (b.gather(zero_point, sid, 0) if zero_point is not None else None)
+        per = lambda v: v  # noqa: E731 - already one scale per gathered row
+    else:
+        s, z = b.gather(scale, ids, 0), (b.gather(zero_point, ids, 0) if zero_point is not None else None)
+        per = lambda v: _expand_blocks(b, v, 1, block_size, b.shape(rows)[1])  # noqa: E731
+    y = b.cast(rows, 1)
+    if z is not None:
+        y = b.binary("sub", y, b.cast(per(z), 1))
+    return b.reshape(b.binary("mul", y, b.cast(per(s), 1)), out_shape)
+
+
+@op("KVAppend", domain=RUNTIME)
+def KVAppend(b, past, new):
+    """Concat(past_key_values.i.*, new, axis=2) rewritten at load: appends into the preallocated cache."""
+    return _append(b, past, new)
+
+
+__all__ = ["RUNTIME", "_np_dtype"]

@@ -1,0 +1,32 @@
+"""`fuselm run --profile`: where decode time goes, per op type, and dispatches per decode token."""
+
+from __future__ import annotations
+
+
+def report(sess, tokens: int, console) -> dict:
+    """Print the per-op-type table of the profiled decode steps; returns the same data."""
+    from rich.table import Table
+
+    prof = sess.profiler
+    prof.enabled = False
+    rows = sorted(((op, calls, secs) for op, (calls, secs) in prof.times.items()), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows) or 1e-12
+    calls = sum(r[1] for r in rows)
+    per_token = calls / tokens if tokens > 0 else None
+    table = Table(title=f"decode profile: {tokens} tokens after {sess.backend.name} warm-up")
+    for col in ("op", "calls", "total ms", "avg µs", "share"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for op, n, secs in rows:
+        table.add_row(op, str(n), f"{secs * 1e3:.2f}", f"{secs / n * 1e6:.1f}", f"{secs / total:.1%}")
+    if tokens <= 0:
+        console.print("[yellow]--profile: generate more tokens (--max-tokens > 4, --ignore-eos) to profile decode[/yellow]")
+        return {"tokens": 0, "ops": []}
+    console.print(table)
+    console.print(f"ops dispatched per decode token: {per_token:.0f}"
+                  + (f" ({per_token / sess.meta['dims']['layers']:.1f} per layer)" if sess.meta.get("dims") else ""))
+    if sess.backend.name == "mlx":
+        console.print("[yellow]MLX evaluates lazily: each op was forced with mx.eval to time it, so absolute times are "
+                      "inflated; read the ordering, not the totals.[/yellow]")
+    return {"tokens": tokens, "ops_per_token": per_token,
+            "ops": [{"op": op, "calls": n, "total_ms": secs * 1e3, "avg_us": secs / n * 1e6, "share": secs / total}
+                    for op, n, secs in rows]}

@@ -1,0 +1,212 @@
+"""A model ready to generate: graph + backend + preallocated KV cache, prefill and decode steps.
+
+    sess = Session("qwen3-opt", backend="auto")
+    sess.reset(max_len=256)
+    logits = sess.prefill([1, 2, 3])      # chunked; logits of the last prompt token
+    logits = sess.decode(next_token)      # one token; static shapes, one plan reused every step
+
+The graph contract (DESIGN.md) is checked at load: input_ids, attention_mask, position_ids,
+past_key_values.{i}.key/.value in; logits and present.{i}.key/.value out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuselm.errors import FuselmError
+
+from . import graph as graph_mod
+from . import loader
+from .backends import make_backend
+from .executor import Executor, Profiler
+from .kvcache import CacheView
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class CacheSpec:
+    name: str  # graph input
+    present: str  # graph output
+    heads: int
+    head_dim: int
+    dtype: int
+
+
+class Session:
+    """Loads a model directory or .onnx file onto a backend and runs prefill / decode steps."""
+
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
+                 fused: bool = True, static_decode: bool = True):
+        self.lm = loader.load(path)
+        self.meta = self.lm.meta or {}
+        self.backend = make_backend(backend, device)
+        self.caches = self._check_contract()
+        self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
+        self.executor = Executor(self.graph, self.backend)
+        self.fused = fused
+        self.in_place = self._in_place_ok()
+        window = self.meta.get("sliding_window")
+        self.window = int(window) if window else None
+        self.static_decode = static_decode and self.in_place
+        self.static_checked = False
+        self.profiler = Profiler()
+        self.executor.profiler = self.profiler
+        self.max_len = 0
+        self.pos = 0
+
+    # --- contract ------------------------------------------------------------------------------
+    def _check_contract(self) -> list[CacheSpec]:
+        ins, outs = self.lm.input_types, set(self.lm.output_names)
+        missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
+        missing += [n for n in ("logits",) if n not in outs]
+        specs = []
+        for name, (elem, dims) in sorted(ins.items(), key=lambda kv: _cache_order(kv[0])):
+            m = _PAST.match(name)
+            if not m:
+                continue
+            present = f"present.{m.group(1)}.{m.group(2)}"
+            if present not in outs:
+                missing.append(present)
+            if len(dims) != 4 or not isinstance(dims[1], int) or not isinstance(dims[3], int):
+                raise FuselmError(f"graph input {name} has shape {dims}; the contract needs [batch, kv_heads, past, "
+                                  "head_dim] with fixed kv_heads and head_dim")
+            specs.append(CacheSpec(name, present, dims[1], dims[3], elem))
+        if not specs:
+            missing.append("past_key_values.{i}.key/.value")
+        unknown = [n for n in ins if n not in ("input_ids", "attention_mask", "position_ids") and not _PAST.match(n)]
+        if missing or unknown:
+            what = (f"missing {', '.join(missing)}" if missing else "") + \
+                   ("; " if missing and unknown else "") + (f"unexpected inputs {unknown}" if unknown else "")
+            raise FuselmError(f"{self.lm.path} does not follow the fuselm graph contract ({what}); inputs must be "
+                              "input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value and outputs "
+                              "logits, present.{i}.key/.value (DESIGN.md); re-export with `fuselm convert`")
+        return specs
+
+    def _in_place_ok(self) -> bool:
+        """The cache can live in preallocated buffers when the graph only appends to it."""
+        names = {c.name for c in self.caches}
+        for n in self.graph.nodes:
+            for pos, x in enumerate(n.inputs):
+                if x not in names:
+                    continue
+                ok = (n.op_type == "KVAppend" and pos == 0) or n.op_type == "Shape" or \
+                    (n.op_type == "Attention" and not n.domain and pos in (4, 5))
+                if not ok:
+                    return False
+        return True
+
+    # --- state -----------------------------------------------------------------------------
+    def reset(self, max_len: int) -> None:
+        """Empty the cache and preallocate room for `max_len` tokens."""
+        b = self.backend
+        self.max_len, self.pos = int(max_len), 0
+        if self.in_place:
+            self.buffers = {c.name: b.full((1, c.heads, self.max_len, c.head_dim), 0, c.dtype) for c in self.caches}
+        else:
+            self.buffers = {c.name: b.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in self.caches}
+        self._static_mask = None
+
+    def _ids(self, ids, dtype=np.int64):
+        return self.backend.asarray(np.asarray(ids, dtype).reshape(1, -1))
+
+    def _run(self, ids: list[int], pos, mask, positions, views: dict, static: bool) -> object:
+        feeds = {"input_ids": self._ids(ids), "attention_mask": mask, "position_ids": positions, **views}
+        self.executor.ctx["rope_offset"] = pos
+        out = self.executor.run(feeds)
+        if self.in_place:
+            for name, view in views.items():
+                self.buffers[name] = view.buffer
+        else:
+            for c in self.caches:
+                self.buffers[c.name] = out[c.present]
+        return out["logits"]
+
+    def prefill(self, ids: list[int], chunk: int = PREFILL_CHUNK):
+        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab])."""
+        if not ids:
+            raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
+        if self.pos + len(ids) > self.max_len:
+            raise FuselmError(f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); call reset with more")
+        logits = None
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            logits = self._step_dynamic(part)
+        return logits
+
+    def _step_dynamic(self, part: list[int]):
+        b, s, pos = self.backend, len(part), self.pos
+        mask = self._ids(np.ones(pos + s))
+        positions = self._ids(np.arange(pos, pos + s))
+        if self.in_place:
+            views = {c.name: CacheView(self.buffers[c.name], pos, s) for c in self.caches}
+        else:
+            views = dict(self.buffers)
+        logits = self._run(part, pos, mask, positions, views, static=False)
+        self.pos += s
+        return b.slice(logits, (0, s - 1))
+
+    def decode(self, token: int):
+        """One decode step; returns the logits of the new token (backend array [vocab])."""
+        if self.pos + 1 > self.max_len:
+            raise FuselmError(f"the cache is full ({self.max_len} tokens); reset with a larger max_len")
+        if not self._use_static():
+            return self._step_dynamic([token])
+        if not self.static_checked:
+            return self._checked_static(token)
+        return self._step_static(token)
+
+    def _use_static(self) -> bool:
+        # a sliding-window mask is computed from the cache index: static shapes would move the query
+        # to the end of the buffer, so the window only stays right while the buffer fits in it
+        return self.static_decode and (self.window is None or self.max_len <= self.window)
+
+    def _step_static(self, token: int):
+        b, pos = self.backend, self.pos
+        if self._static_mask is None:
+            self._static_mask = np.zeros((1, self.max_len), np.int64)
+        self._static_mask[0, : pos + 1] = 1
+        pos_dev = b.asarray(np.array(pos, np.int64))
+        views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
+        logits = self._run([token], pos_dev, b.asarray(self._static_mask), self._ids([pos]), views, static=True)
+        self.pos += 1
+        return b.slice(logits, (0, 0))
+
+    def _checked_static(self, token: int):
+        """First decode step: run it dynamic and static; keep static decode only if both agree.
+
+        This proves, for each model, that its mask logic survives static shapes (graphs from other
+        exporters may derive positions from shapes in ways that do not)."""
+        b = self.backend
+        saved = {k: b.to_numpy(v).copy() for k, v in self.buffers.items()}
+        pos = self.pos
+        dyn = b.to_numpy(self._step_dynamic([token])).astype(np.float64)
+        self.buffers = {k: b.asarray(v) for k, v in saved.items()}
+        self.pos = pos
+        out = self._step_static(token)
+        st = b.to_numpy(out).astype(np.float64)
+        scale = max(1.0, float(np.abs(dyn).max()))
+        self.static_checked = True
+        if not np.allclose(dyn, st, atol=1e-3 * scale, rtol=0):
+            self.static_decode = False
+        return out
+
+    def logits_to_numpy(self, logits) -> np.ndarray:
+        return np.asarray(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+
+    def describe(self) -> str:
+        b = self.backend
+        kind = {w.kind for n in self.graph.nodes if n.op_type == "QMatMul" for w in [n.attrs["weight"]]}
+        extra = f", quantized matmul: {'/'.join(sorted(kind))}" if kind else ""
+        mode = "static-shape decode" if self._use_static() else "dynamic decode"
+        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra})"
+
+
+def _cache_order(name: str):
+    m = _PAST.match(name)
+    return (int(m.group(1)), m.group(2)) if m else (-1, name)

@@ -1,0 +1,155 @@
+"""`fuselm validate`: greedy tokens of the runtime vs onnxruntime (same graph) vs HF transformers.
+
+f32/f16 graphs: the runtime's tokens must equal HF's. q8/q4 graphs: they must equal
+onnxruntime's on the same graph (its MatMulNBits at accuracy level 1, i.e. f32 activations), and
+the drift from HF is reported. Exit 1 (CheckFailed) on a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fuselm.errors import CheckFailed, FuselmError
+
+from .generate import load_tokenizer
+from .session import Session
+
+DEFAULT_PROMPT = "hello world! what is the capital of france?"
+
+
+@dataclass
+class Trace:
+    """Greedy tokens and the logits each step chose from."""
+
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, logits: np.ndarray) -> int:
+        logits = np.asarray(logits, np.float32).reshape(-1)
+        self.logits.append(logits)
+        self.tokens.append(int(np.argmax(logits)))
+        return self.tokens[-1]
+
+
+def runtime_greedy(sess: Session, ids: list[int], n: int) -> Trace:
+    sess.reset(len(ids) + n)
+    trace = Trace()
+    token = trace.add(sess.logits_to_numpy(sess.prefill(ids)))
+    for _ in range(n - 1):
+        token = trace.add(sess.logits_to_numpy(sess.decode(token)))
+    return trace
+
+
+def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool) -> Trace:
+    """The same graph in onnxruntime, past/present fed back by hand."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if quantized:  # f32 activations in MatMulNBits, not the default int8 (accuracy level 4)
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    s = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    pasts = {}
+    for i in s.get_inputs():
+        if i.name.startswith("past_key_values."):
+            dtype = np.float16 if "float16" in i.type else np.float32
+            pasts[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dtype)
+    outs = [o.name for o in s.get_outputs()]
+    trace, pos, step = Trace(), 0, list(ids)
+    for _ in range(n):
+        feeds = {"input_ids": np.array([step], np.int64), "attention_mask": np.ones((1, pos + len(step)), np.int64),
+                 "position_ids": np.arange(pos, pos + len(step), dtype=np.int64)[None], **pasts}
+        res = dict(zip(outs, s.run(None, feeds), strict=True))
+        pasts = {k: res[k.replace("past_key_values.", "present.")] for k in pasts}
+        pos += len(step)
+        step = [trace.add(res["logits"][0, -1])]
+    return trace
+
+
+def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
+    """HF transformers on the checkpoint, float32, eager attention: the reference."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
+                                                     local_files_only=True).eval()
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
+        raise FuselmError(f"cannot load the reference checkpoint {hf_dir} ({type(e).__name__}: {e}); pass the HF "
+                          "checkpoint directory the model was converted from") from None
+    trace = Trace()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        token = trace.add(out.logits[0, -1].numpy())
+        for _ in range(n - 1):
+            out = model(input_ids=torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
+            token = trace.add(out.logits[0, -1].numpy())
+    return trace
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def _max_diff(a: Trace, b: Trace) -> list[float]:
+    return [float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits, strict=False)]
+
+
+def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
+             prompt_ids=None, quiet=False) -> dict:
+    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if tokens < 1:
+        raise FuselmError(f"--tokens must be at least 1, got {tokens}")
+    ref = Path(reference)
+    if not (ref / "config.json").is_file():
+        raise FuselmError(f"--reference {ref} is not a HF checkpoint directory (no config.json); pass the "
+                          "checkpoint the model was converted from")
+    path = Path(model_dir)
+    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels)
+    if prompt_ids is None:
+        tok = load_tokenizer(path, required=False)
+        prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
+    ids = [int(i) for i in prompt_ids]
+    mode = (sess.meta.get("quantization") or {}).get("mode")
+    quantized = mode in ("q4", "q8") or any(n.op_type in ("QMatMul", "QGather", "DequantizeLinear")
+                                            for n in sess.graph.nodes)
+    ours = runtime_greedy(sess, ids, tokens)
+    onnxrt = ort_greedy(sess.lm.path, ids, tokens, quantized)
+    hf = hf_greedy(ref, ids, tokens)
+
+    d_ort, d_hf = _max_diff(ours, onnxrt), _max_diff(ours, hf)
+    target, target_name = (onnxrt, "onnxruntime") if quantized else (hf, "HF transformers")
+    first = _first_diff(ours.tokens, target.tokens)
+    hf_drift = _first_diff(ours.tokens, hf.tokens)
+    console = Console(quiet=quiet)
+    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}")
+    for col in ("step", "fuselm", "onnxruntime", "HF", "max|Δlogit| vs ORT", "max|Δlogit| vs HF"):
+        table.add_column(col, justify="right")
+    for i in range(tokens):
+        mark = lambda t, other: f"[red]{t}[/red]" if t != other else str(t)  # noqa: E731
+        table.add_row(str(i), str(ours.tokens[i]), mark(onnxrt.tokens[i], ours.tokens[i]), mark(hf.tokens[i], ours.tokens[i]),
+                      f"{d_ort[i]:.2e}", f"{d_hf[i]:.2e}")
+    console.print(table)
+    result = {"tokens": ours.tokens, "onnxruntime": onnxrt.tokens, "hf": hf.tokens, "quantized": quantized,
+              "reference": target_name, "first_mismatch": first, "hf_first_diff": hf_drift,
+              "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
+              "device": sess.backend.device}
+    if quantized and hf_drift is not None:
+        console.print(f"HF drift (expected for {mode}): tokens first differ from HF at step {hf_drift}")
+    if first is not None:
+        raise CheckFailed(f"greedy tokens differ from {target_name} at step {first}: fuselm {ours.tokens[first]}, "
+                          f"{target_name} {target.tokens[first]} (max |Δlogit| there "
+                          f"{(d_ort if quantized else d_hf)[first]:.3g})")
+    console.print(f"[green]OK[/green]: {tokens} greedy tokens equal {target_name}'s")
+    return result
