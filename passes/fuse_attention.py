@@ -46,8 +46,9 @@ class AttentionMatch:
     heads: int
     kv_heads: int
     out: ir.Value
-    softmax_f32: bool
+    softmax_precision: int | None  # float32 when the pattern casts around Softmax
     last: ir.Node
+    is_causal: int = 0
 
 
 def _cache(t: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
@@ -116,6 +117,8 @@ class FuseAttention(Fusion):
     last axis (maybe between Casts to float32); MatMul with the expanded V. The fused node reads
     q [B,H,S,D], the new k/v [B,KV,S,D], the same mask, and the past inputs; its present outputs
     take over the graph outputs' names, so the graph's inputs and outputs stay as they were.
+    Also an Attention-23 without a cache whose K/V are repeat_kv(Concat(past, new)) (what
+    onnxscript's rewriter leaves in a default torch.onnx export) gets the cache moved inside.
     Must not fire (and says why): Softmax not over the last axis; scores not MatMul(Q, Kᵀ);
     the scale not a constant; K and V caches from different layers or a past that is not a graph
     input; an expansion that is not repeat_kv; head counts that do not divide; an intermediate
@@ -125,9 +128,41 @@ class FuseAttention(Fusion):
     aliases = ("fuse-attention", "attention", "attn")
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]
+        return [n for n in graph if n.domain in ("", "ai.onnx") and (
+            n.op_type == "Softmax" or (n.op_type == "Attention" and len(n.inputs) <= 4 and len(n.outputs) == 1))]
 
-    def match(self, softmax: ir.Node) -> AttentionMatch:
+    def match(self, anchor: ir.Node) -> AttentionMatch:
+        if anchor.op_type == "Attention":
+            return self._match_cacheless(anchor)
+        return self._match_eager(anchor)
+
+    def _match_cacheless(self, node: ir.Node) -> AttentionMatch:
+        """An Attention-23 without past inputs whose K/V are repeat_kv(Concat(past, new))
+        (what onnxscript's rewriter leaves): move the cache and the GQA expansion into the op."""
+        if any(attr(node, a) for a in ("softcap", "qk_matmul_output_mode")):
+            fail("Attention uses softcap or a qk output mode")
+        key, value = _repeat_kv(node.inputs[1]), _repeat_kv(node.inputs[2])
+        if key.past is None or value.past is None:
+            fail("Attention's K/V do not come from a past_key_values Concat")
+        if _layer_tag(key.past) != _layer_tag(value.past):
+            fail(f"K and V caches belong to different layers ({key.past.name}, {value.past.name})")
+        q = node.inputs[0]
+        heads = _dim(q, 1) or key.heads
+        kv_heads = key.kv_heads or (heads // key.rep if heads and key.rep else None)
+        # K/V from repeat_kv are 4-D, so Q is too (Attention-23 takes all 3-D or all 4-D).
+        if not heads or not kv_heads or heads % kv_heads:
+            fail("cannot tell the number of query and key/value heads of a 4-D Attention")
+        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        scale = attr(node, "scale")
+        if scale is None:
+            head_dim = _dim(q, 3) or _dim(key.new, 3) or _dim(key.past, 3)
+            scale = float(head_dim) ** -0.5 if head_dim else None
+        if scale is None:
+            fail("Attention has no scale attribute and head_dim is not static")
+        return AttentionMatch(q, key, value, mask, float(scale), heads, kv_heads, node.outputs[0],
+                              attr(node, "softmax_precision"), node, attr(node, "is_causal", 0))
+
+    def _match_eager(self, softmax: ir.Node) -> AttentionMatch:
         if attr(softmax, "axis", -1) not in (-1, 3):
             fail(f"Softmax over axis {attr(softmax, 'axis')}, not the last")
         probs = softmax.outputs[0]
@@ -188,7 +223,8 @@ class FuseAttention(Fusion):
             fail("cannot tell the number of query and key/value heads from shapes or constants")
         if q_heads % kv_heads or (key.rep and key.rep * kv_heads != q_heads):
             fail(f"{q_heads} query heads do not match {kv_heads} kv heads × repeat {key.rep}")
-        return AttentionMatch(q, key, value, mask, scale, q_heads, kv_heads, pv.outputs[0], softmax_f32, pv)
+        return AttentionMatch(q, key, value, mask, scale, q_heads, kv_heads, pv.outputs[0],
+                              int(ir.DataType.FLOAT) if softmax_f32 else None, pv)
 
     def rewrite(self, graph: ir.Graph, m: AttentionMatch) -> str:
         prefix = _scope(m)
@@ -199,10 +235,12 @@ class FuseAttention(Fusion):
             inputs.pop()
         n_out = 3 if m.key.past is not None else 1
         node = new_node(graph, "Attention", inputs, f"{prefix}/Attention", outputs=n_out,
-                        q_num_heads=m.heads, kv_num_heads=m.kv_heads, scale=m.scale, is_causal=0,
-                        softmax_precision=int(ir.DataType.FLOAT) if m.softmax_f32 else None)
+                        q_num_heads=m.heads, kv_num_heads=m.kv_heads, scale=m.scale, is_causal=m.is_causal,
+                        softmax_precision=m.softmax_precision)
         graph.insert_before(m.last, node)
         take_over(m.out, node.outputs[0])
+        if m.last.op_type == "Attention":
+            graph.remove(m.last, safe=True)
         if n_out == 3:
             take_over(m.key.present, node.outputs[1])
             take_over(m.value.present, node.outputs[2])

@@ -7,13 +7,14 @@ import pytest
 from fuselm.passes.fuse_attention import FuseAttention
 from fuselm.passes.fuse_rope import FuseRoPE
 from onnx import TensorProto
+from onnx import helper as oh
 from passes_helpers import G, apply, assert_same, ops
 
 B, S, P, D = 1, 3, 2, 8
 
 
 def attn_graph(heads=4, kv_heads=2, scale="mul", mask=True, softmax_axis=-1, scale_input=False,
-               value_layer=0, cache=True):
+               value_layer=0, cache=True, cacheless_op=False):
     g = G()
     q = g.inp("q", [B, S, heads, D])
     k = g.inp("k", [B, S, kv_heads, D])
@@ -32,23 +33,28 @@ def attn_graph(heads=4, kv_heads=2, scale="mul", mask=True, softmax_axis=-1, sca
             x = g.node("Expand", [x, g.init(f"rep_{kind}", np.array([1, 1, heads // kv_heads, 1, 1], np.int64))])
             new = g.node("Reshape", [x, g.init(f"shape_{kind}", np.array([0, heads, -1, D], np.int64))])
         kv.append(new)
+    total = P + S if cache else S
+    causal = np.triu(np.full((S, total), np.finfo(np.float32).min, np.float32), k=total - S + 1)[None, None]
+    if cacheless_op:  # an Attention-23 that reads the expanded cache (onnxscript's rewrite)
+        out = g.node("Attention", [q, kv[0], kv[1], g.inp("mask", [B, 1, S, total], value=causal)], scale=D ** -0.5)
+        return _finish(g, out, heads, kv_heads, cache, value_layer)
     scores = g.node("MatMul", [q, g.node("Transpose", [kv[0]], perm=[0, 1, 3, 2])])
     c = g.inp("c", [], value=np.array(D ** -0.5, np.float32)) if scale_input else None
     if scale == "mul":
         scores = g.node("Mul", [scores, c or g.init("scale", np.array(D ** -0.5, np.float32))])
     elif scale == "div":
         scores = g.node("Div", [scores, g.init("scale", np.array(D ** 0.5, np.float32))])
-    total = P + S if cache else S
     if mask:
-        causal = np.triu(np.full((S, total), np.finfo(np.float32).min, np.float32), k=total - S + 1)[None, None]
         scores = g.node("Add", [scores, g.inp("mask", [B, 1, S, total], value=causal)])
     probs = g.node("Softmax", [scores], axis=softmax_axis)
-    out = g.node("MatMul", [probs, kv[1]])
-    out = g.node("Transpose", [out], perm=perm)
+    return _finish(g, g.node("MatMul", [probs, kv[1]]), heads, kv_heads, cache, value_layer)
+
+
+def _finish(g, out, heads, kv_heads, cache, value_layer):
+    out = g.node("Transpose", [out], perm=[0, 2, 1, 3])
     g.out(g.node("Reshape", [out, g.init("flat", np.array([0, 0, heads * D], np.int64))]), "attn_out")
     if cache:
-        g.outputs += [__import__("onnx").helper.make_tensor_value_info(f"present.{layer}.{kind}", TensorProto.FLOAT,
-                                                                         ["b", kv_heads, "t", D])
+        g.outputs += [oh.make_tensor_value_info(f"present.{layer}.{kind}", TensorProto.FLOAT, ["b", kv_heads, "t", D])
                       for kind, layer in (("key", 0), ("value", value_layer))]
     return g
 
@@ -81,6 +87,18 @@ def test_fuse_attention_must_not_fire(case, kwargs, reason):
     after, modified, stats = apply(FuseAttention(), before)
     assert not modified and ops(after) == ops(before)
     assert any(reason in r for _, r in stats.skipped), (case, stats.skipped)
+
+
+def test_fuse_attention_moves_the_cache_into_a_cacheless_attention():
+    """onnxscript's form: Attention(q, repeat_kv(Concat(past, k)), repeat_kv(Concat(past, v)), mask)."""
+    g = attn_graph(cacheless_op=True)
+    before = g.model()
+    after, modified, stats = apply(FuseAttention(), before)
+    assert modified and ops(after).count("Attention") == 1 and "Expand" not in ops(after)
+    node = next(n for n in after.graph.node if n.op_type == "Attention")
+    assert list(node.input[4:]) == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    assert_same(before, after, g.feeds)
 
 
 H = 2

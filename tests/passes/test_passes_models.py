@@ -113,15 +113,21 @@ def test_pipeline_twice_gives_the_same_graph(optimized, tmp_path):
 
 
 @pytest.mark.slow
-def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path):
-    """A plain HF model exported by torch.onnx (dynamo, eager attention, no onnxscript fusions)."""
+@pytest.mark.parametrize("attn,onnxscript_optimize", [("eager", False), ("sdpa", True)])
+def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path, attn, onnxscript_optimize):
+    """A plain HF model exported by torch.onnx (dynamo): fully decomposed (eager attention, no
+    onnxscript rewrites), and torch's defaults (sdpa; onnxscript already wrote RotaryEmbedding,
+    RMSNormalization and a cache-less Attention)."""
     from fuselm.passes.torch_export import export_hf
 
-    src = export_hf(make_ckpt("qwen3"), tmp_path / "torch" / "model.onnx")
+    src = export_hf(make_ckpt("qwen3"), tmp_path / "torch" / "model.onnx", attn_implementation=attn,
+                    optimize=onnxscript_optimize)
     out = fuselm.optimize(src, tmp_path / "opt", quiet=True)
     ops = Counter(n.op_type for n in _nodes(out / "model.onnx"))
     assert ops["FusedRoPE"] == 4 and ops["Attention"] == 2 and ops["RMSNormalization"] == 9
-    assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["Pow"] == 0
+    assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["Pow"] == ops["RotaryEmbedding"] == 0
+    attention = [n for n in _nodes(out / "model.onnx") if n.op_type == "Attention"]
+    assert all(len(n.input) == 6 and len(n.output) == 3 for n in attention)  # the cache is inside
     qkv = [n for n in _nodes(out / "model.onnx") if n.op_type == "MatMul" and "qkv_proj" in n.name]
     assert len(qkv) == 2 and ops["MatMul"] == 2 * 4 + 1
     before = run_steps(src)
