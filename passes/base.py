@@ -204,13 +204,19 @@ def small_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
         cache = {}
         for v in graph.initializers.values():
             t = v.const_value
-            if t is not None and t.size <= SMALL_CONST and not v.is_graph_input():
+            if t is not None and t.size <= SMALL_CONST and not v.is_graph_input() and not is_external(t):
                 cache.setdefault(_const_key(t.numpy()), v)
         graph.meta["fuselm_consts"] = cache
     key = _const_key(array)
     if key not in cache:
         cache[key] = initializer(graph, name, array)
     return cache[key]
+
+
+def is_external(tensor: ir.TensorProtocol) -> bool:
+    """Whether reading the tensor means reading the weights file (scans must not): external data,
+    or a lazy concatenation of external data."""
+    return isinstance(tensor, ir.ExternalTensor | ir.LazyTensor)
 
 
 def _const_key(a: np.ndarray) -> tuple:

@@ -7,7 +7,18 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
-from .base import SMALL_CONST, Pass, Stats, attr, const, remove_unused, static_shape, take_over, unique_name
+from .base import (
+    SMALL_CONST,
+    Pass,
+    Stats,
+    attr,
+    const,
+    is_external,
+    remove_unused,
+    static_shape,
+    take_over,
+    unique_name,
+)
 
 _INT_MAX_ISH = 2**62
 _SMALL_FLOAT = 64
@@ -151,7 +162,7 @@ class RemoveDeadShapeOp(Pass):
         changed = False
         for value in list(graph.initializers.values()):
             t = value.const_value
-            if t is None or t.size > SMALL_CONST or value.is_graph_input() or value.is_graph_output():
+            if t is None or t.size > SMALL_CONST or is_external(t) or value.is_graph_input() or value.is_graph_output():
                 continue
             key = (t.dtype, tuple(t.shape.numpy()), t.tobytes())
             if key in seen:

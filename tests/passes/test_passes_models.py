@@ -136,3 +136,20 @@ def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path, attn, onnxscript_opt
         assert d["logits_rel"] <= 1e-5 and d["all_outputs_rel"] <= 1e-5, (step, d)
     meta = json.loads((out / "fuselm.json").read_text())
     assert meta["dims"]["layers"] == 2 and meta["dims"]["kv_heads"] == 2 and meta["dims"]["heads"] == 4
+
+
+def test_passes_never_read_weights(exported, tmp_path):
+    """The whole pipeline runs on the graph alone: with model.onnx.data absent nothing fails, every
+    fusion fires, and the fused weights are lazy concatenations (read only when written)."""
+    import shutil
+
+    import onnx_ir as ir
+    from fuselm.passes import graphio
+    from fuselm.passes.pipeline import run_pipeline
+
+    shutil.copy(exported("qwen3", "q4") / "model.onnx", tmp_path / "model.onnx")
+    model = graphio.load(tmp_path / "model.onnx")
+    records = run_pipeline(model)
+    assert {r["pass"]: r["fired"] for r in records}["FuseQKV"] == 2
+    lazy = [v.name for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
+    assert any("qkv_proj" in n for n in lazy) and any("gate_up_proj" in n for n in lazy)
