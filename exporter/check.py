@@ -68,7 +68,7 @@ def hf_prefill_decode(model, ids: np.ndarray, positions: np.ndarray | None = Non
                     position_ids=torch.tensor(positions), use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         step = model(input_ids=nxt, attention_mask=torch.ones(batch, seq + 1, dtype=torch.long),
-                     position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.past_key_values,
+                     position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache,
                      use_cache=True)
     return out.logits.numpy(), nxt.numpy(), step.logits.numpy()
 

@@ -95,8 +95,7 @@ def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
         x = family.decoder_layer(layer, x, cfg)
     x = rms_norm(b, x, plan.vector(b, families.hf_name("final_norm"), None), cfg.rms_norm_eps, "/model/norm")
     head = None if cfg.tie_word_embeddings else families.hf_name("lm_head")
-    logits = plan.logits(b, x, families.hf_name("embed"), head)
-    b.nodes.append(onnx.helper.make_node("Identity", [logits], ["logits"], name="/model/logits/Identity"))
+    plan.logits(b, x, families.hf_name("embed"), head)
     b.outputs.insert(0, onnx.helper.make_tensor_value_info(
         "logits", onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
     return b

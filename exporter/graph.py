@@ -54,13 +54,9 @@ class Builder:
         self.jobs: list[WeightJob] = []
         self._node_names: set[str] = set()
 
-    def op(self, op_type: str, *inputs: str, name: str, n_out: int = 1, domain: str = "", **attrs):
-        """Add a node named `name`; outputs are `{name}_output_{k}`. Returns one name or a list."""
-        assert name not in self._node_names, name
-        self._node_names.add(name)
-        outs = [f"{name}_output_{k}" for k in range(n_out)]
-        self.nodes.append(oh.make_node(op_type, list(inputs), outs, name=name, domain=domain, **attrs))
-        return outs[0] if n_out == 1 else outs
+    def op(self, op_type: str, *inputs: str, name: str, out: str | None = None, **attrs) -> str:
+        """Add a node named `name`; its output is `out` or `{name}_output_0`."""
+        return self.node(oh.make_node(op_type, list(inputs), [out or f"{name}_output_0"], name=name, **attrs))
 
     def node(self, node: onnx.NodeProto) -> str:
         assert node.name not in self._node_names, node.name
@@ -157,10 +153,8 @@ class Layer:
         for kind, new in (("key", k), ("value", v)):
             past = f"past_key_values.{self.i}.{kind}"
             b.inputs.append(_kv_info(past, "past_sequence_length", d))
-            b.nodes.append(oh.make_node("Concat", [past, new], [f"present.{self.i}.{kind}"],
-                                        name=f"{s}/{kind}/Concat", axis=2))
-            b.outputs.append(_kv_info(f"present.{self.i}.{kind}", "total_sequence_length", d))
-            present.append(f"present.{self.i}.{kind}")
+            present.append(b.op("Concat", past, new, name=f"{s}/{kind}/Concat", out=f"present.{self.i}.{kind}", axis=2))
+            b.outputs.append(_kv_info(present[-1], "total_sequence_length", d))
         k, v = (self._repeat_kv(t, kind) for t, kind in zip(present, ("key", "value"), strict=True))
         kt = b.op("Transpose", k, name=f"{s}/key/Transpose", perm=[0, 1, 3, 2])
         scores = b.op("MatMul", q, kt, name=f"{s}/qk/MatMul")

@@ -170,7 +170,7 @@ class Plan:
             w = b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
         else:
             w = self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
-        return b.op("MatMul", x, w, name=f"{scope}/MatMul")
+        return b.op("MatMul", x, w, name=f"{scope}/MatMul", out="logits")
 
 
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None) -> tuple[Precision, Precision, Precision]:

@@ -104,3 +104,33 @@ def test_graph_contract(exported):
     assert "/model/layers.0/attn/q_proj/MatMul" in {nd.name for nd in model.graph.node}
     assert meta["stage"] == "exported" and meta["passes"] == []
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_no_per_step_constant_work(exported):
+    """Nodes fed only by initializers are weight decoding a runtime folds at load (Cast of f16,
+    DequantizeLinear, the tied head's Transpose); the mask is built once for all layers."""
+    for quant in ("f32", "q4"):
+        graph = onnx.load(str(exported("qwen3", quant) / MODEL_NAME), load_external_data=False).graph
+        constant = {t.name for t in graph.initializer}
+        for node in graph.node:
+            if all(i in constant for i in node.input if i):
+                assert node.op_type in ("DequantizeLinear", "Cast", "Transpose"), node.name
+                constant.update(node.output)
+        ops = [n.op_type for n in graph.node]
+        assert ops.count("Where") == 1 and ops.count("Range") == 2 and ops.count("Shape") == 2
+
+
+def test_onnxruntime_default_optimizations_agree(exported):
+    """With ORT's own fusions on (MatMulNBits for q4), the graph computes the same."""
+    import onnxruntime as ort
+
+    out = exported("qwen3", "q4")
+    ref_model = OrtModel(out)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    ref_model.session, reference = ort.InferenceSession(str(out / MODEL_NAME), so), ref_model.session
+    ids = np.arange(3, 19)[None]
+    fused, _ = ref_model.forward(ids, np.ones((1, 16)), np.arange(16)[None])
+    ref_model.session = reference
+    plain, _ = ref_model.forward(ids, np.ones((1, 16)), np.arange(16)[None])
+    assert np.abs(fused - plain).max() <= 1e-3

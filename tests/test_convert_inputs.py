@@ -172,3 +172,10 @@ def test_check_catches_a_wrong_weight(make_ckpt, exported, tmp_path):
         f.write(b"\x7f" * 64)
     with pytest.raises(CheckFailed):
         check_mod.check(bad, make_ckpt("qwen3"), quiet=True)
+
+
+def test_quiet_is_silent(make_ckpt, tmp_path, capfd):
+    fuselm.convert(make_ckpt("qwen3"), tmp_path / "q", quiet=True)
+    assert capfd.readouterr() == ("", "")
+    fuselm.convert(make_ckpt("qwen3"), tmp_path / "loud")
+    assert "fuselm convert: wrote" in capfd.readouterr().out
