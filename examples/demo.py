@@ -2,7 +2,8 @@
 
     python examples/demo.py [--family qwen3] [--quant q4] [--workdir demo]
 
-1. make a small random-weight Qwen3 checkpoint with a trained tokenizer (fuselm.synth),
+1. make a small Qwen3 checkpoint: a tokenizer and a model trained for a minute on a built-in
+   corpus (fuselm.synth), so the text it generates is readable,
 2. fuselm convert  -> demo/exported   (FusedRoPE, streamed weights, quantized, checked against HF),
 3. fuselm optimize -> demo/optimized  (fused QKV, gate/up, RMSNorm, Attention),
 4. fuselm diff     -> demo/diff.html  (pass by pass: what changed and that the numbers did not),
@@ -26,13 +27,16 @@ def main(argv=None) -> int:
     ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama", "mistral"])
     ap.add_argument("--quant", default="q4", choices=["f32", "f16", "q8", "q4"])
     ap.add_argument("--workdir", default="demo")
+    ap.add_argument("--train-steps", type=int, default=150)
     args = ap.parse_args(argv)
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
-    hf = make_checkpoint(work / "hf", args.family, hidden_size=128, intermediate_size=384,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-    print(f"[1/6] checkpoint: {hf}")
+    print("[1/6] training a small checkpoint on the built-in corpus (about a minute)")
+    hf = make_checkpoint(work / "hf", args.family, train_steps=args.train_steps, hidden_size=96,
+                         intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2)
+    print(f"      checkpoint: {hf}")
     print("[2/6] fuselm convert")
     fuselm.convert(hf, work / "exported", quant=args.quant, check=True)
     print("[3/6] fuselm optimize")

@@ -74,8 +74,12 @@ def make_config(family: str, vocab_size: int = 384, **overrides):
 
 
 def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0, dtype: str = "float32",
-                    shard_size: str | None = None, **overrides) -> Path:
-    """Write a random-weight HF checkpoint (config, safetensors, tokenizer, generation config)."""
+                    shard_size: str | None = None, train_steps: int = 0, **overrides) -> Path:
+    """Write a random-weight HF checkpoint (config, safetensors, tokenizer, generation config).
+
+    With `train_steps` > 0 the model is first trained on the built-in corpus (a few hundred steps
+    memorize it), so the demo generates readable text instead of random tokens.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -92,9 +96,30 @@ def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+    if train_steps:
+        _train(model, tok, train_steps, seed)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out, **kwargs)
     tok.save_pretrained(out)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                      bos_token_id=None, do_sample=False).save_pretrained(out)
     return out
+
+
+def _train(model, tok, steps: int, seed: int, seq_len: int = 32, batch: int = 8) -> float:
+    """Fit the model to the built-in corpus (next-token loss, AdamW); returns the last loss."""
+    import torch
+
+    ids = tok(_CORPUS.replace("\n", " "), return_tensors="pt").input_ids[0]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=gen)
+        x = torch.stack([ids[s:s + seq_len] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss)
