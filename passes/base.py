@@ -104,7 +104,7 @@ class Fusion(Pass):
             stats.fire(self.rewrite(graph, match))
             modified = True
         if modified:
-            graph.sort()
+            ensure_sorted(graph)
         return modified
 
 
@@ -284,13 +284,38 @@ def take_over(old: ir.Value, new: ir.Value) -> None:
 
 
 def remove_unused(model: ir.Model) -> int:
-    """Dead-node and dead-initializer elimination (onnx_ir's pass); returns how many went."""
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    """Dead-node and dead-initializer elimination; returns how many went.
 
-    before = model.graph.num_nodes() + len(model.graph.initializers)
-    RemoveUnusedNodesPass()(model)
-    forget_names(model.graph)
-    return before - model.graph.num_nodes() - len(model.graph.initializers)
+    Like onnx_ir's RemoveUnusedNodesPass, without its per-node schema lookups (which dominate on
+    graphs of thousands of nodes); optional outputs are left as they are.
+    """
+    graph = model.graph
+    outputs = frozenset(graph.outputs)
+    count = 0
+    for node in reversed(list(graph)):
+        if any(o in outputs or o.uses() for o in node.outputs):
+            continue
+        graph.remove(node, safe=True)
+        count += 1
+    inputs = frozenset(graph.inputs)
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and value not in outputs and value not in inputs:
+            del graph.initializers[name]
+            count += 1
+    forget_names(graph)
+    return count
+
+
+def ensure_sorted(graph: ir.Graph) -> None:
+    """Topologically sort only when a rewrite left a node before one of its producers."""
+    seen: set[ir.Node] = set()
+    for node in graph:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.graph is graph and p not in seen:
+                graph.sort()
+                return
+        seen.add(node)
 
 
 _LAYER = re.compile(r"layers?[._/](\d+)(?:[._/]|$)")

@@ -25,25 +25,28 @@ class ReorderQKVProjections(Pass):
     def apply(self, model: ir.Model, stats: Stats) -> bool:
         graph = model.graph
         modified = False
+        nodes = list(graph)
+        # Positions from the original order stay valid: groups only move up within their own layer.
+        order = {n: i for i, n in enumerate(nodes)}
         for first in list(candidate_groups(graph)):
             try:
                 projs = match_qkv(first)
             except Reject as r:
                 stats.skip(first.name or "MatMul", str(r))
                 continue
-            order = {n: i for i, n in enumerate(graph)}
             wanted = [n for p in projs for n in p.nodes]
             positions = [order[n] for n in wanted]
             if positions == list(range(positions[0], positions[0] + len(wanted))):
                 continue
             # Everything moves up to where the earliest MatMul was: its input exists there, and
             # the weight nodes read only initializers.
-            first_mm = min(order[p.matmul] for p in projs)
             taken = set(wanted)
-            before = [n for n in graph if order[n] < first_mm and n not in taken]
+            i = min(order[p.matmul] for p in projs) - 1
+            while i >= 0 and nodes[i] in taken:
+                i -= 1
             _detach(graph, wanted)
-            if before:
-                graph.insert_after(before[-1], wanted)
+            if i >= 0:
+                graph.insert_after(nodes[i], wanted)
             else:
                 graph.insert_before(next(iter(graph)), wanted)
             stats.fire(projs[0].name)
