@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
@@ -494,7 +495,7 @@ def _np_of(to: int):
     return NP_DTYPES[to]
 
 
-_DT_OF_NP = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
+_DT_OF_NP = {np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16, np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
              np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64,
              np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int16): TensorProto.INT16,
              np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8,

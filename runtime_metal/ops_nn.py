@@ -72,25 +72,38 @@ def _append(b, past, new):
     return b.concat([past, new], 2)
 
 
-def _attention_bias(b, q, attn_mask, past, s: int, t: int, is_causal: int):
-    """The mask Attention-23 applies (bool or additive), or None; causal is aligned bottom-right."""
+def _attention_bias(b, attn_mask, past, s: int, t: int, is_causal: int, nonpad=None, left: int = -1, right: int = -1):
+    """The mask Attention applies (bool or additive) or None. Causal and windows are aligned bottom-right:
+    query i sits at position offset + i, offset = the keys before it (past length, nonpad - S, or pos)."""
     mask = attn_mask
-    if mask is not None and b.shape(mask)[-1] < t:  # opset 23: a short mask is padded as masked
+    if mask is not None and b.shape(mask)[-1] < t:  # a short mask is padded as masked
         pad = [(0, 0)] * (len(b.shape(mask)) - 1) + [(0, t - b.shape(mask)[-1])]
         mask = b.pad(mask, pad, "constant", False if b.dtype(mask) == 9 else -np.inf)
     static = isinstance(past, CacheView) and past.static
-    if not (is_causal or (static and mask is None)):
+    allowed = None
+    if is_causal or left >= 0 or right >= 0 or (static and mask is None):
+        j = b.reshape(b.arange(0, t, 1, 7), (1, 1, 1, t))
+        i = b.reshape(b.arange(0, s, 1, 7), (1, 1, s, 1))
+        if static:
+            offset = b.reshape(b.cast(past.pos, 7), (1, 1, 1, 1))
+        elif nonpad is not None and past is None:
+            offset = b.binary("sub", b.reshape(b.cast(nonpad, 7), (-1, 1, 1, 1)), _scalar(b, i, s))
+        else:
+            offset = _scalar(b, i, b.shape(past)[2] if past is not None else 0)
+        qpos = b.binary("add", i, offset)
+        if is_causal:
+            allowed = b.binary("less_equal", j, qpos)
+        elif static:  # only the rows written so far hold keys
+            allowed = b.binary("less", j, b.binary("add", offset, _scalar(b, offset, s)))
+        for bound, op, sign in ((left, "greater_equal", "sub"), (right, "less_equal", "add")):
+            if bound >= 0:
+                inside = b.binary(op, j, b.binary(sign, qpos, _scalar(b, qpos, bound)))
+                allowed = inside if allowed is None else b.binary("and", allowed, inside)
+    if nonpad is not None:
+        valid = b.binary("less", b.reshape(b.arange(0, t, 1, 7), (1, 1, 1, t)), b.reshape(b.cast(nonpad, 7), (-1, 1, 1, 1)))
+        allowed = valid if allowed is None else b.binary("and", allowed, valid)
+    if allowed is None:
         return mask
-    # allowed[i, j]: key j visible to query i
-    j = b.reshape(b.arange(0, t, 1, 7), (1, t))
-    i = b.reshape(b.arange(0, s, 1, 7), (s, 1))
-    if static:
-        offset = b.reshape(b.cast(past.pos, 7), (1, 1))
-        allowed = b.binary("less_equal", j, b.binary("add", i, offset)) if is_causal else \
-            b.binary("less", j, b.binary("add", offset, _scalar(b, offset, s)))
-    else:
-        offset = b.shape(past)[2] if past is not None else 0
-        allowed = b.binary("less_equal", j, b.binary("add", i, _scalar(b, i, offset)))
     if mask is None:
         return allowed
     if b.dtype(mask) == 9:
@@ -100,7 +113,7 @@ def _attention_bias(b, q, attn_mask, past, s: int, t: int, is_causal: int):
 
 def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
                is_causal=0, kv_num_heads=0, q_num_heads=0, qk_matmul_output_mode=0, scale=None, softcap=0.0,
-               softmax_precision=None, _n_outputs=1, fused=True):
+               softmax_precision=None, left_window_size=-1, right_window_size=-1, _n_outputs=1, fused=True):
     three_d = len(b.shape(Q)) == 3
     if three_d:
         Q, K, V = _heads_first(b, Q, q_num_heads), _heads_first(b, K, kv_num_heads), _heads_first(b, V, kv_num_heads)
@@ -108,15 +121,14 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     K, V = _append(b, past_key, K), _append(b, past_value, V)
     t = b.shape(K)[2]
     scale = float(1.0 / np.sqrt(b.shape(Q)[3])) if scale is None else float(scale)
-    mask = _attention_bias(b, Q, attn_mask, past_key, s, t, is_causal)
-    if nonpad_kv_seqlen is not None:
-        valid = b.binary("less", b.reshape(b.arange(0, t, 1, 7), (1, 1, 1, t)),
-                         b.reshape(nonpad_kv_seqlen, (-1, 1, 1, 1)))
-        mask = valid if mask is None else (b.binary("and", mask, valid) if b.dtype(mask) == 9
-                                           else b.where(valid, mask, _scalar(b, mask, -np.inf)))
+    mask = _attention_bias(b, attn_mask, past_key, s, t, is_causal, nonpad_kv_seqlen, left_window_size,
+                           right_window_size)
     qk_out = None
     if fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q)):
         Y = b.sdpa(Q, K, V, mask, scale)
+        if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
+            # a query row with every key masked attends nothing (Y = 0), as the spec says
+            Y = b.where(b.unary("isnan", Y), _scalar(b, Y, 0), Y)
     else:
         Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
     if three_d:

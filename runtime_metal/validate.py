@@ -78,6 +78,7 @@ def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
@@ -144,7 +145,9 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     result = {"tokens": ours.tokens, "onnxruntime": onnxrt.tokens, "hf": hf.tokens, "quantized": quantized,
               "reference": target_name, "first_mismatch": first, "hf_first_diff": hf_drift,
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
-              "device": sess.backend.device}
+              "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
+              "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
+                                       None)}
     if quantized and hf_drift is not None:
         console.print(f"HF drift (expected for {mode}): tokens first differ from HF at step {hf_drift}")
     if first is not None:

@@ -118,6 +118,13 @@ class TorchBackend(Backend):
         dims = tuple(range(x.dim())) if axes is None else tuple(axes)
         if x.dim() == 0 or not dims:
             return x.clone()
+        if any(x.shape[d] == 0 for d in dims):  # the reduction of an empty set is the op's identity
+            shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+            shape = shape if keepdims else [n for d, n in enumerate(shape) if d not in dims]
+            ident = {"sum": 0, "mean": float("nan"), "prod": 1, "max": False if x.dtype == torch.bool else -float("inf"),
+                     "min": True if x.dtype == torch.bool else float("inf")}[op]
+            return torch.full(shape, ident, dtype=x.dtype, device=x.device) if x.dtype.is_floating_point or \
+                x.dtype == torch.bool else torch.full(shape, 0 if op == "sum" else 1, dtype=x.dtype, device=x.device)
         if op == "sum":
             return torch.sum(x, dim=dims, keepdim=keepdims, dtype=x.dtype)
         if op == "mean":
@@ -151,13 +158,10 @@ class TorchBackend(Backend):
         return torch.flip(out, (axis,)) if reverse else out
 
     def topk(self, x, k, axis, largest, sorted_):
-        if not largest:
-            # torch breaks ties by position only for the largest; negate to keep ONNX's order
-            v, i = torch.topk(-x if x.dtype.is_floating_point or x.dtype.is_signed else x, k, dim=axis,
-                              largest=not (x.dtype.is_floating_point or x.dtype.is_signed), sorted=True)
-            return torch.gather(x, axis, i), i
-        v, i = torch.topk(x, k, dim=axis, largest=True, sorted=True)
-        return v, i
+        # ONNX orders ties by index; a stable sort keeps that (torch.topk does not promise it)
+        key = x.double() if x.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64) else x
+        idx = torch.sort(key, dim=axis, descending=bool(largest), stable=True).indices.narrow(axis, 0, k)
+        return torch.gather(x, axis, idx), idx
 
     # --- layout -------------------------------------------------------------------------
     def reshape(self, x, shape):

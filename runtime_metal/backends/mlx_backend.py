@@ -1,0 +1,285 @@
+"""MLX: Apple's Metal kernels on a Mac (mx.fast.rope / scaled_dot_product_attention / rms_norm,
+mx.quantized_matmul); the same code runs on MLX's CPU backend on Linux (slow, for tests).
+
+Only MLX's own ops are used, so what runs here in CI is what runs on the Apple GPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from onnx import TensorProto
+
+from .base import Backend, QuantizedWeight, dequantize_blocked
+
+MX_DTYPES = {
+    TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
+    TensorProto.DOUBLE: mx.float64, TensorProto.INT64: mx.int64, TensorProto.INT32: mx.int32,
+    TensorProto.INT16: mx.int16, TensorProto.INT8: mx.int8, TensorProto.UINT8: mx.uint8,
+    TensorProto.UINT16: mx.uint16, TensorProto.UINT32: mx.uint32, TensorProto.UINT64: mx.uint64,
+    TensorProto.BOOL: mx.bool_,
+}
+_ONNX_OF = {v: k for k, v in MX_DTYPES.items()}
+_INTEGER = (mx.int8, mx.int16, mx.int32, mx.int64, mx.uint8, mx.uint16, mx.uint32, mx.uint64)
+
+
+def _div(a, b):
+    if a.dtype in _INTEGER:  # ONNX integer division truncates toward zero
+        q = mx.floor_divide(mx.abs(a), mx.abs(b))
+        return mx.where((a < 0) != (b < 0), -q, q).astype(a.dtype)
+    return mx.divide(a, b)
+
+
+def _fmod(a, b):
+    if a.dtype in _INTEGER:
+        return (a - _div(a, b) * b).astype(a.dtype)
+    q = a / b
+    return a - mx.sign(q) * mx.floor(mx.abs(q)) * b
+
+
+_UNARY = {
+    "neg": mx.negative, "abs": mx.abs, "exp": mx.exp, "log": mx.log, "sqrt": mx.sqrt, "reciprocal": mx.reciprocal,
+    "sin": mx.sin, "cos": mx.cos, "tan": mx.tan, "tanh": mx.tanh, "sigmoid": mx.sigmoid, "erf": mx.erf,
+    "relu": lambda x: mx.maximum(x, mx.array(0, x.dtype)), "floor": mx.floor, "ceil": mx.ceil, "round": mx.round,
+    "sign": mx.sign, "not": mx.logical_not, "isnan": mx.isnan, "isinf": mx.isinf, "asin": mx.arcsin,
+    "acos": mx.arccos, "atan": mx.arctan, "sinh": mx.sinh, "cosh": mx.cosh, "asinh": mx.arcsinh,
+    "acosh": mx.arccosh, "atanh": mx.arctanh, "softplus": lambda x: mx.logaddexp(x, mx.array(0, x.dtype)),
+    "bitwise_not": mx.bitwise_invert,
+}
+_BINARY = {
+    "add": mx.add, "sub": mx.subtract, "mul": mx.multiply, "div": _div,
+    "pow": lambda a, b: mx.power(a, b.astype(a.dtype)) if a.dtype != b.dtype else mx.power(a, b),
+    "max": mx.maximum, "min": mx.minimum, "mod": mx.remainder, "fmod": _fmod, "equal": mx.equal,
+    "less": mx.less, "less_equal": mx.less_equal, "greater": mx.greater, "greater_equal": mx.greater_equal,
+    "and": mx.logical_and, "or": mx.logical_or, "xor": mx.not_equal, "bitwise_and": mx.bitwise_and,
+    "bitwise_or": mx.bitwise_or, "bitwise_xor": mx.bitwise_xor,
+}
+
+
+class MLXBackend(Backend):
+    name = "mlx"
+
+    def __init__(self, device: str | None = None):
+        if device not in (None, "gpu", "cpu"):
+            from fuselm.errors import FuselmError
+
+            raise FuselmError(f"--device {device!r} is not an MLX device; use gpu or cpu")
+        if device == "gpu" or (device is None and mx.metal.is_available()):
+            mx.set_default_device(mx.gpu)
+            self.device = "gpu (Metal)"
+        else:
+            mx.set_default_device(mx.cpu)
+            self.device = "cpu"
+        self._freqs: dict[int, mx.array] = {}
+
+    # --- data movement ---------------------------------------------------------------
+    def asarray(self, value):
+        value = np.asarray(value)
+        if value.dtype.name == "bfloat16":
+            return mx.array(value.view(np.uint16)).view(mx.bfloat16)
+        if value.dtype == np.float64 and "gpu" in self.device:
+            value = value.astype(np.float32)  # Metal has no float64
+        return mx.array(value)
+
+    def to_numpy(self, x):
+        if x.dtype == mx.bfloat16:
+            import ml_dtypes
+
+            return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
+        return np.array(x)
+
+    def dtype(self, x):
+        return _ONNX_OF[x.dtype]
+
+    def cast(self, x, to):
+        return x.astype(MX_DTYPES[to])
+
+    def full(self, shape, value, to):
+        return mx.full(tuple(shape), value, dtype=MX_DTYPES[to])
+
+    def arange(self, start, limit, delta, to):
+        dt = MX_DTYPES[to]
+        if dt in _INTEGER:
+            return mx.arange(int(start), int(limit), int(delta)).astype(dt)
+        return mx.arange(start, limit, delta, dtype=dt)
+
+    def sync(self, x):
+        mx.eval(x)
+
+    # --- math ---------------------------------------------------------------------------
+    def unary(self, op, x):
+        return _UNARY[op](x)
+
+    def binary(self, op, a, b):
+        return _BINARY[op](a, b)
+
+    def where(self, cond, a, b):
+        return mx.where(cond, a, b)
+
+    def reduce(self, op, x, axes, keepdims):
+        if op == "mean" and x.dtype in _INTEGER:
+            return mx.mean(x.astype(mx.float32), axis=axes, keepdims=keepdims).astype(x.dtype)
+        fn = {"sum": mx.sum, "mean": mx.mean, "max": mx.max, "min": mx.min, "prod": mx.prod}[op]
+        out = fn(x, axis=axes, keepdims=keepdims)
+        return out.astype(x.dtype) if out.dtype != x.dtype else out
+
+    def arg_reduce(self, op, x, axis, keepdims, select_last):
+        fn = mx.argmax if op == "max" else mx.argmin
+        if select_last:
+            flipped = x[(slice(None),) * axis + (slice(None, None, -1),)]
+            out = x.shape[axis] - 1 - fn(flipped, axis=axis, keepdims=keepdims).astype(mx.int64)
+        else:
+            out = fn(x, axis=axis, keepdims=keepdims)
+        return out.astype(mx.int64)
+
+    def matmul(self, a, b):
+        if a.dtype in _INTEGER:  # MLX multiplies floats only
+            return mx.matmul(a.astype(mx.float32), b.astype(mx.float32)).astype(a.dtype)
+        return mx.matmul(a, b)
+
+    def softmax(self, x, axis, log=False):
+        if log:
+            return x - mx.logsumexp(x, axis=axis, keepdims=True)
+        return mx.softmax(x, axis=axis, precise=True)
+
+    def cumsum(self, x, axis, exclusive, reverse):
+        return mx.cumsum(x, axis=axis, reverse=reverse, inclusive=not exclusive)
+
+    def topk(self, x, k, axis, largest, sorted_):
+        order = mx.argsort(-x if largest else x, axis=axis)
+        idx = mx.take(order, mx.arange(k), axis=axis)
+        return mx.take_along_axis(x, idx, axis=axis), idx.astype(mx.int64)
+
+    # --- layout -------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        return mx.reshape(x, tuple(shape))
+
+    def transpose(self, x, perm):
+        return mx.transpose(x, tuple(perm))
+
+    def slice(self, x, index):
+        return x[index]
+
+    def concat(self, xs, axis):
+        return mx.concatenate(xs, axis=axis)
+
+    def expand(self, x, shape):
+        return mx.broadcast_to(x, tuple(shape))
+
+    def tile(self, x, reps):
+        return mx.tile(x, list(reps))
+
+    def pad(self, x, pads, mode, value):
+        if mode not in ("constant", "edge"):
+            return self.asarray(np.pad(np.array(x), pads, mode={"reflect": "reflect", "wrap": "wrap"}[mode]))
+        return mx.pad(x, [tuple(p) for p in pads], constant_values=value, mode=mode)
+
+    def gather(self, x, idx, axis):
+        return mx.take(x, idx, axis=axis)
+
+    def gather_elements(self, x, idx, axis):
+        return mx.take_along_axis(x, idx, axis=axis)
+
+    def scatter_elements(self, x, idx, updates, axis, reduction):
+        if reduction == "none":
+            return mx.put_along_axis(x, idx, updates, axis=axis)
+        from .numpy_backend import NumpyBackend
+
+        out = NumpyBackend().scatter_elements(np.array(x), np.array(idx), np.array(updates), axis, reduction)
+        return mx.array(out)
+
+    def gather_nd(self, x, idx, batch_dims):
+        from .numpy_backend import NumpyBackend
+
+        if batch_dims == 0:
+            return x[tuple(idx[..., i] for i in range(idx.shape[-1]))]
+        return mx.array(NumpyBackend().gather_nd(np.array(x), np.array(idx), batch_dims))
+
+    def scatter_nd(self, x, idx, updates, reduction):
+        key = tuple(idx[..., i] for i in range(idx.shape[-1]))
+        if reduction == "none":
+            out = mx.array(x)
+            out[key] = updates
+            return out
+        at = x.at[key]
+        return {"add": at.add, "mul": at.multiply, "max": at.maximum, "min": at.minimum}[reduction](updates)
+
+    def trilu(self, x, k, upper):
+        if x.ndim < 2:
+            return x
+        mask = mx.tri(x.shape[-2], x.shape[-1], k=k - 1 if upper else k, dtype=mx.bool_)
+        mask = mx.logical_not(mask) if upper else mask
+        return mx.where(mask, x, mx.zeros_like(x))
+
+    # --- fused kernels ----------------------------------------------------------------
+    def rms_norm(self, x, weight, eps):
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def layer_norm(self, x, weight, bias, eps):
+        return mx.fast.layer_norm(x, weight, bias, eps)
+
+    def rope(self, x, position_ids, inv_freq, attention_scaling, interleaved, offset=None):
+        rd = 2 * len(inv_freq)
+        if offset is None or position_ids.shape[0] != 1:
+            return self._rope_positions(x, position_ids, inv_freq, attention_scaling, interleaved)
+        key = id(inv_freq)
+        if key not in self._freqs:  # mx.fast.rope takes periods: 1 / inv_freq
+            self._freqs[key] = (inv_freq, mx.array(1.0 / np.asarray(inv_freq, np.float64)).astype(mx.float32))
+        freqs = self._freqs[key][1]
+        y = mx.fast.rope(mx.transpose(x, (0, 2, 1, 3)), rd, traditional=bool(interleaved), base=None, scale=1.0,
+                         offset=offset, freqs=freqs)
+        y = mx.transpose(y, (0, 2, 1, 3))
+        if attention_scaling != 1.0:  # HF scales cos/sin: only the rotated part
+            d = x.shape[-1]
+            s = mx.array(np.r_[np.full(rd, attention_scaling), np.ones(d - rd)].astype(np.float32)).astype(x.dtype)
+            y = y * s
+        return y
+
+    def _rope_positions(self, x, position_ids, inv_freq, scaling, interleaved):
+        """Arbitrary positions (not one contiguous run per batch row): cos/sin from position_ids."""
+        rd = 2 * len(inv_freq)
+        freqs = position_ids.astype(mx.float32)[..., None] * mx.array(np.asarray(inv_freq, np.float32))
+        cos = (mx.cos(freqs) * scaling).astype(x.dtype)[:, :, None, :]
+        sin = (mx.sin(freqs) * scaling).astype(x.dtype)[:, :, None, :]
+        xr = x[..., :rd]
+        if interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            y = mx.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xr.shape)
+        else:
+            x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+            y = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return mx.concatenate([y, x[..., rd:]], axis=-1) if rd < x.shape[-1] else y
+
+    def sdpa(self, q, k, v, mask, scale):
+        if mask is not None and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
+            mask = mask.astype(q.dtype)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def prepare_quantized(self, q, scale, zero_point, block, bits):
+        """MLX affine quantization: w = q * scale + bias, groups along the input dim, packed into uint32
+        from the low bits up; ONNX's (q - zp) * scale is bias = -zp * scale."""
+        k, n = q.shape
+        if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
+            w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
+            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
+        qt = np.ascontiguousarray(q.T.astype(np.uint8))  # [N, K]: MLX quantizes rows along the last dim
+        if bits == 4:
+            qt = (qt[:, 0::2] | (qt[:, 1::2] << 4)).astype(np.uint8)
+        packed = np.ascontiguousarray(qt).view(np.uint32)  # little endian: first value in the low bits
+        s = np.ascontiguousarray(scale.T.astype(np.float32))
+        zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        bias = np.ascontiguousarray(-zp * s)
+        data = (mx.array(packed), mx.array(s), mx.array(bias))
+        return QuantizedWeight(data, k, n, bits, block, "mlx")
+
+    def quantized_matmul(self, x, w):
+        if w.kind != "mlx":
+            return mx.matmul(x, w.data)
+        wq, s, bias = w.data
+        return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
+
+    def cache_write(self, buffer, new, pos):
+        if isinstance(pos, int):
+            buffer[:, :, pos:pos + new.shape[2]] = new
+            return buffer
+        return mx.slice_update(buffer, new.astype(buffer.dtype), mx.reshape(pos, (1,)).astype(mx.int32), axes=(2,))
