@@ -11,7 +11,6 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-
 from fuselm.runtime_metal.conformance import FuselmBackend
 from fuselm.runtime_metal.loader import tensor_to_array
 from fuselm.runtime_metal.ops import OPS
