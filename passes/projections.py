@@ -155,7 +155,11 @@ def _concat(values: list[ir.Value], axis: int, dtype: ir.DataType, shape: list[i
     """A lazy initializer: the concatenation is read and built only when the model is written."""
 
     def build() -> ir.Tensor:
-        return ir.tensor(np.concatenate([v.const_value.numpy() for v in values], axis=axis), name=name)
+        array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
+        for v in values:  # unmap the parts: their pages need not stay resident while saving
+            if isinstance(v.const_value, ir.ExternalTensor):
+                v.const_value.release()
+        return ir.tensor(array, name=name)
 
     return ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name)
 
