@@ -205,7 +205,12 @@ def _reduce(name: str, prim: str, pre: str | None = None, post: str | None = Non
             x = b.unary("abs", x)
         elif pre == "exp":
             x = b.unary("exp", x)
-        out = b.reduce(prim, x, tuple(_axis(a, rank) for a in ax) if ax else None, bool(keepdims))
+        axes_t = tuple(_axis(a, rank) for a in ax) if ax else tuple(range(rank))
+        shape = b.shape(x)
+        if any(shape[a] == 0 for a in axes_t):  # the reduction of an empty set is the op's identity
+            out_shape = tuple(1 if i in axes_t else d for i, d in enumerate(shape) if keepdims or i not in axes_t)
+            return b.full(out_shape, _IDENTITY[name](b.dtype(x)), b.dtype(x))
+        out = b.reduce(prim, x, axes_t if ax else None, bool(keepdims))
         if post == "sqrt":
             out = b.unary("sqrt", out)
         elif post == "log":
@@ -214,6 +219,15 @@ def _reduce(name: str, prim: str, pre: str | None = None, post: str | None = Non
 
     op(name, host_inputs=(1,))(fn)
 
+
+_IDENTITY = {
+    "ReduceSum": lambda t: 0, "ReduceMean": lambda t: float("nan"), "ReduceProd": lambda t: 1,
+    "ReduceSumSquare": lambda t: 0, "ReduceL1": lambda t: 0, "ReduceL2": lambda t: 0,
+    "ReduceLogSum": lambda t: -float("inf"), "ReduceLogSumExp": lambda t: -float("inf"),
+    "ReduceMax": lambda t: False if t == TensorProto.BOOL else (-float("inf") if t in _FLOATS else np.iinfo(_np_of(t)).min),
+    "ReduceMin": lambda t: True if t == TensorProto.BOOL else (float("inf") if t in _FLOATS else np.iinfo(_np_of(t)).max),
+}
+_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 for _name, _args in {"ReduceSum": ("sum",), "ReduceMean": ("mean",), "ReduceMax": ("max",), "ReduceMin": ("min",),
                      "ReduceProd": ("prod",), "ReduceSumSquare": ("sum", "square"), "ReduceL1": ("sum", "abs"),

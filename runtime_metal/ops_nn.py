@@ -127,14 +127,23 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     if fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q)):
         Y = b.sdpa(Q, K, V, mask, scale)
         if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
-            # a query row with every key masked attends nothing (Y = 0), as the spec says
-            Y = b.where(b.unary("isnan", Y), _scalar(b, Y, 0), Y)
+            # a query row with every key masked attends nothing (Y = 0), as the spec says; the graph's
+            # own float masks (finite minimum) never mask a whole row, so decode skips this
+            Y = b.where(_row_attends(b, mask), Y, _scalar(b, Y, 0))
     else:
         Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
     if three_d:
         bsz, h, _, dv = b.shape(Y)
         Y = b.reshape(b.transpose(Y, (0, 2, 1, 3)), (bsz, s, h * dv))
     return (Y, K, V, qk_out)[:max(_n_outputs, 1)]
+
+
+def _row_attends(b, mask):
+    """[..., S, 1]: whether a query row has at least one key it may attend."""
+    if b.dtype(mask) == 9:
+        return b.binary("greater", b.reduce("max", b.cast(mask, 1), (len(b.shape(mask)) - 1,), True), _scalar(b, b.cast(mask, 1), 0))
+    top = b.reduce("max", mask, (len(b.shape(mask)) - 1,), True)
+    return b.binary("greater", top, _scalar(b, top, -np.inf))
 
 
 def _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, mode):
@@ -157,8 +166,8 @@ def _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, mode):
         qk_out = qk
     dtype = b.dtype(qk)
     probs = b.softmax(b.cast(qk, softmax_precision) if softmax_precision else qk, 3)
-    # a row with every key masked attends nothing (Y = 0), as the spec's function body says
-    probs = b.where(b.unary("isnan", probs), _scalar(b, probs, 0), probs)
+    if mask is not None:  # a row with every key masked attends nothing (Y = 0), as the function body says
+        probs = b.where(_row_attends(b, mask), probs, _scalar(b, probs, 0))
     probs = b.cast(probs, dtype)
     if mode == 3:
         qk_out = probs

@@ -1,4 +1,7 @@
-"""ONNX's own node tests against the op table (torch backend, CPU), one test per claimed op.
+"""ONNX's own node tests against the op table, one test per claimed op and backend.
+
+The torch backend on CPU is the reference the issue names; MLX (its CPU backend here) runs the
+same cases, since the same op table drives it.
 
 Each case runs through `FuselmBackend` (runtime_metal/conformance.py) and is compared with the
 expected outputs ONNX ships with the case, at the case's own tolerances. Exclusions are listed
@@ -64,8 +67,9 @@ def _expected(v):
     return tensor_to_array(v) if isinstance(v, onnx.TensorProto) else np.asarray(v)
 
 
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("op", CLAIMED)
-def test_op(op, cases):
+def test_op(op, backend, cases):
     runs = [c for c in cases.get(op, []) if not _excluded(c.name)]
     if not cases.get(op):
         assert op in NO_CASES, f"{op}: no ONNX node test case; list it in NO_CASES with a reason"
@@ -73,7 +77,7 @@ def test_op(op, cases):
     failures = []
     for c in runs:
         try:
-            rep = FuselmBackend.prepare(c.model)
+            rep = FuselmBackend.prepare(c.model, backend=backend, device="cpu")
             for inputs, outputs in c.data_sets:
                 got = rep.run(list(inputs))
                 assert len(got) == len(outputs)

@@ -77,8 +77,8 @@ class MLXBackend(Backend):
         value = np.asarray(value)
         if value.dtype.name == "bfloat16":
             return mx.array(value.view(np.uint16)).view(mx.bfloat16)
-        if value.dtype == np.float64 and "gpu" in self.device:
-            value = value.astype(np.float32)  # Metal has no float64
+        if value.dtype == np.float64:  # Metal has no float64; MLX's CPU backend has
+            return mx.array(value, dtype=mx.float32 if "gpu" in self.device else mx.float64)
         return mx.array(value)
 
     def to_numpy(self, x):
@@ -146,7 +146,8 @@ class MLXBackend(Backend):
         return mx.cumsum(x, axis=axis, reverse=reverse, inclusive=not exclusive)
 
     def topk(self, x, k, axis, largest, sorted_):
-        order = mx.argsort(-x if largest else x, axis=axis)
+        key = x.astype(mx.float64 if "gpu" not in self.device else mx.float32) if x.dtype in _INTEGER else x
+        order = mx.argsort(-key if largest else key, axis=axis)
         idx = mx.take(order, mx.arange(k), axis=axis)
         return mx.take_along_axis(x, idx, axis=axis), idx.astype(mx.int64)
 

@@ -118,13 +118,6 @@ class TorchBackend(Backend):
         dims = tuple(range(x.dim())) if axes is None else tuple(axes)
         if x.dim() == 0 or not dims:
             return x.clone()
-        if any(x.shape[d] == 0 for d in dims):  # the reduction of an empty set is the op's identity
-            shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
-            shape = shape if keepdims else [n for d, n in enumerate(shape) if d not in dims]
-            ident = {"sum": 0, "mean": float("nan"), "prod": 1, "max": False if x.dtype == torch.bool else -float("inf"),
-                     "min": True if x.dtype == torch.bool else float("inf")}[op]
-            return torch.full(shape, ident, dtype=x.dtype, device=x.device) if x.dtype.is_floating_point or \
-                x.dtype == torch.bool else torch.full(shape, 0 if op == "sum" else 1, dtype=x.dtype, device=x.device)
         if op == "sum":
             return torch.sum(x, dim=dims, keepdim=keepdims, dtype=x.dtype)
         if op == "mean":
