@@ -48,15 +48,19 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     plan = Plan(linear_p, embed_p, head_p, expected)
     builder = build_graph(family, cfg, rope, plan)
     out = Path(out)
-    with atomic_output_dir(out, force=force) as tmp:
-        with _progress(quiet, cfg.num_hidden_layers) as advance:
-            write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
-        # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
-        onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {cfg.model_type}"),
-                        tmp / MODEL_NAME)
-        onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
-        copy_tokenizer_files(hf_dir, tmp)
-        write_meta(tmp, metadata(hf_dir, config, family_name, cfg, rope, plan, quant))
+    try:
+        with atomic_output_dir(out, force=force) as tmp:
+            with _progress(quiet, cfg.num_hidden_layers) as advance:
+                write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
+            # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
+            onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {cfg.model_type}"),
+                            tmp / MODEL_NAME)
+            onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
+            copy_tokenizer_files(hf_dir, tmp)
+            write_meta(tmp, metadata(hf_dir, config, family_name, cfg, rope, plan, quant))
+    except OSError as e:  # disk full, permissions, a shard that vanished: nothing was left at OUT
+        raise FuselmError(f"converting to {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); "
+                          "free disk space or choose another OUT, then run again") from None
     if not quiet:
         size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
         print(f"fuselm convert: wrote {out} ({family_name}, {quant}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s")

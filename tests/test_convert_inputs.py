@@ -179,3 +179,14 @@ def test_quiet_is_silent(make_ckpt, tmp_path, capfd):
     assert capfd.readouterr() == ("", "")
     fuselm.convert(make_ckpt("qwen3"), tmp_path / "loud")
     assert "fuselm convert: wrote" in capfd.readouterr().out
+
+
+def test_disk_full_leaves_nothing(make_ckpt, tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", full)
+    err = _convert_fails(make_ckpt("qwen3"), tmp_path / "out", capsys)
+    assert "No space left on device" in err and "free disk space" in err

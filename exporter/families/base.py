@@ -51,6 +51,6 @@ class DecoderConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise FuselmError(f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_key_value_heads}; fix the config")
-        if self.hidden_act != "silu":
+        if self.hidden_act not in ("silu", "swish"):  # the same function in transformers' ACT2FN
             raise FuselmError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only 'silu'); "
                               "use a checkpoint with a SiLU MLP")
