@@ -82,7 +82,7 @@ def scaling(layers=(7, 14, 28, 56)) -> list[dict]:
         for n in layers:
             ckpt = make_checkpoint(Path(tmp) / f"ck{n}", "qwen3", num_hidden_layers=n)
             out = fuselm.convert(ckpt, Path(tmp) / f"ex{n}", quant="q4", quiet=True)
-            best = min((time_pipeline(out / "model.onnx") for _ in range(3)), key=lambda r: r["pipeline_s"])
+            best = min((time_pipeline(out / "model.onnx") for _ in range(5)), key=lambda r: r["pipeline_s"])
             rows.append({"layers": n, "pipeline_s": round(best["pipeline_s"], 3),
                          "ms_per_layer": round(1000 * best["pipeline_s"] / n, 1), "nodes_out": best["nodes_out"]})
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -205,6 +206,9 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
                     record["drift"] = {"error": f"{type(e).__name__}: {e}"}
                 record["check_seconds"] = time.perf_counter() - t0
                 state["picture"] = draw.layer_picture(m.graph, layer)
+                if state.get("stage") is not None:  # one stage on disk at a time (a 4B model is GBs)
+                    shutil.rmtree(state["stage"], ignore_errors=True)
+                state["stage"] = stage
             else:
                 record["drift"] = None
             record["picture_after"] = state["picture"]
