@@ -160,7 +160,7 @@ class _progress:
         self.bar = Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), transient=True)
         self.bar.start()
-        self.task = self.bar.add_task("layers", total=self.layers)
+        self.task = self.bar.add_task("embedding", total=self.layers)
         self.last = None
 
         def advance(job):
@@ -168,7 +168,7 @@ class _progress:
                 if self.last is not None:
                     self.bar.advance(self.task)
                 self.last = job.layer
-                self.bar.update(self.task, description=f"layer {job.layer}")
+                self.bar.update(self.task, description=f"layer {job.layer}" if job.layer is not None else "lm_head")
         return advance
 
     def __exit__(self, *exc):
