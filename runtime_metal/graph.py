@@ -163,6 +163,7 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     graph = Graph(nodes, consts, inputs, list(lm.output_names), lm.opsets,
                   {t.name: t.data_type for t in lm.graph.initializer})
     check_ops(graph.nodes, graph.opsets)
+    _bypass_identity(graph)
     _fold_dequantize(graph, backend)
     _kv_append(graph)
     _fold_constants(graph)
@@ -230,6 +231,30 @@ def _fold_dequantize(graph: Graph, backend) -> None:
         if all(id(u) in replace for u in uses.get(w, [])):
             dead.add(id(dq))
     graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+
+
+def _bypass_identity(graph: Graph) -> None:
+    """Consumers of Identity(x) read x directly (other exporters put one between a past input and its Concat)."""
+    alias: dict[str, str] = {}
+    kept = []
+    for n in graph.nodes:
+        n.inputs = [alias.get(x, x) for x in n.inputs]
+        if n.key == ("", "Identity") and n.outputs[0] not in graph.outputs and n.inputs[0]:
+            alias[n.outputs[0]] = n.inputs[0]
+        else:
+            kept.append(n)
+    for n in kept:
+        for br in n.branches.values():
+            _rename_inputs(br, alias)
+    graph.nodes = kept
+
+
+def _rename_inputs(branch: Branch, alias: dict[str, str]) -> None:
+    for n in branch.nodes:
+        n.inputs = [alias.get(x, x) for x in n.inputs]
+        for br in n.branches.values():
+            _rename_inputs(br, alias)
+    branch.outputs = [alias.get(x, x) for x in branch.outputs]
 
 
 def _kv_append(graph: Graph) -> None:
