@@ -30,22 +30,28 @@ def make_ckpt(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
-def exported(make_ckpt, tmp_path_factory):
-    """Factory: exported(family, quant="f32", **config_overrides) -> cached `fuselm convert` output dir."""
-    import fuselm
-
+def _stage_factory(tmp_path_factory, tag: str, build):
+    """A cached factory (family, quant, **overrides) -> model dir, built once per session by `build`."""
     cache: dict[str, os.PathLike] = {}
 
     def get(family: str = "qwen3", quant: str = "f32", **overrides):
         key = f"{family}-{quant}-{sorted(overrides.items())!r}"
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"exp-{family}-{quant}") / "model"
-            fuselm.convert(make_ckpt(family, **overrides), out, quant=quant, quiet=True)
+            out = tmp_path_factory.mktemp(f"{tag}-{family}-{quant}") / "model"
+            build(family, quant, overrides, out)
             cache[key] = out
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def exported(make_ckpt, tmp_path_factory):
+    """Factory: exported(family, quant="f32", **config_overrides) -> cached `fuselm convert` output dir."""
+    import fuselm
+
+    return _stage_factory(tmp_path_factory, "exp", lambda family, quant, overrides, out: fuselm.convert(
+        make_ckpt(family, **overrides), out, quant=quant, quiet=True))
 
 
 @pytest.fixture(scope="session")
@@ -53,14 +59,5 @@ def optimized(exported, tmp_path_factory):
     """Factory: optimized(family, quant="f32", **config_overrides) -> cached `fuselm optimize` output dir."""
     import fuselm
 
-    cache: dict[str, os.PathLike] = {}
-
-    def get(family: str = "qwen3", quant: str = "f32", **overrides):
-        key = f"{family}-{quant}-{sorted(overrides.items())!r}"
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"opt-{family}-{quant}") / "model"
-            fuselm.optimize(exported(family, quant, **overrides), out, quiet=True)
-            cache[key] = out
-        return cache[key]
-
-    return get
+    return _stage_factory(tmp_path_factory, "opt", lambda family, quant, overrides, out: fuselm.optimize(
+        exported(family, quant, **overrides), out, quiet=True))
