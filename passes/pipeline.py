@@ -90,7 +90,8 @@ def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) ->
 
 def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_pass) -> None:
     """Run one pass in place on `model` and append its record."""
-    record = {"pass": p.name, "doc": (type(p).__doc__ or "").strip().splitlines()[0]}
+    doc = (type(p).__doc__ or "").strip().split("\n\n")[0]
+    record = {"pass": p.name, "doc": " ".join(line.strip() for line in doc.splitlines())}
     if p.name in skip:
         record.update(skipped_by_user=True, changed=False)
         records.append(record)
@@ -183,7 +184,11 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
     layer = draw.pick_layer(model.graph)
     nodes_in = model.graph.num_nodes()
     with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
-        state = {"outputs": check.run_steps(onnx_path), "picture": draw.layer_picture(model.graph, layer), "n": 0}
+        state = {"picture": draw.layer_picture(model.graph, layer), "n": 0}
+        try:
+            state["outputs"] = check.run_steps(onnx_path)
+        except FuselmError as e:  # e.g. inputs outside the graph contract: show the structure anyway
+            state["outputs"], state["no_numbers"] = None, str(e)
 
         def on_pass(record: dict, m: ir.Model) -> None:
             record["picture_before"] = state["picture"]
@@ -199,6 +204,8 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
                     record["checker"] = f"failed: {e}"
                 t0 = time.perf_counter()
                 try:
+                    if state["outputs"] is None:
+                        raise FuselmError(f"no numeric check: {state['no_numbers']}")
                     outputs = check.run_steps(path, steps=state["outputs"])
                     record["drift"] = check.drift(state["outputs"], outputs)
                     state["outputs"] = outputs

@@ -156,7 +156,8 @@ Pictures: decoder layer {{ data.layer_drawn }}.</p>
 <p>{{ "Changed" if r.changed else "Unchanged" }}; {{ r.nodes_before }} &rarr; {{ r.nodes_after }} nodes;
 {{ r.fired }} fired, {{ r.skipped|length }} skipped; {{ "%.1f"|format(1000 * r.seconds) }} ms.
 {% if r.get("checker") %}Checker: <span class="{{ 'ok' if r.checker == 'ok' else 'bad' }}">{{ r.checker }}</span>.{% endif %}
-{% if r.drift %}Drift: prefill {{ drift(r.drift, "prefill") }}, decode {{ drift(r.drift, "decode") }}.{% endif %}</p>
+{% if r.drift and r.drift.get("error") %}<span class="bad">{{ r.drift.error }}</span>
+{% elif r.drift %}Drift: prefill {{ drift(r.drift, "prefill") }}, decode {{ drift(r.drift, "decode") }}.{% endif %}</p>
 {% set changes = op_changes(r) %}{% if changes %}
 <table><tr><th>op</th><th>before</th><th>after</th></tr>
 {% for op, a, b in changes %}<tr><td>{{ op }}</td><td>{{ a }}</td><td>{{ b }}</td></tr>{% endfor %}</table>{% endif %}
