@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -344,11 +344,3 @@ def name_like(template: str | None, old: str, new: str, fallback: str) -> str:
     if template and old in template:
         return template.replace(old, new)
     return fallback
-
-
-def walk_back(value: ir.Value, through: tuple[str, ...]) -> Iterator[ir.Node]:
-    """Producers of `value` while their op is in `through`, following input 0."""
-    node = producer(value, *through)
-    while node is not None:
-        yield node
-        node = producer(node.inputs[0], *through)
