@@ -39,9 +39,10 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     config = read_config(hf_dir)
     family_name, family = families.family_for(config)
     cfg = family.Config.from_dict(config)
+    ckpt = Checkpoint(hf_dir)
+    ckpt.check_bounds(cfg)  # nothing is sized by config.json before this
     rope = rope_inputs(config, cfg.head_dim)
     expected = families.expected_tensors(family, cfg)
-    ckpt = Checkpoint(hf_dir)
     ckpt.validate(expected, lambda n: n.endswith(families.IGNORED_SUFFIXES)
                   or (cfg.tie_word_embeddings and n == families.hf_name("lm_head")))
 
@@ -142,6 +143,7 @@ def special_tokens(hf_dir: Path, config: dict) -> dict:
             gen = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             gen = {}  # HF ignores a broken generation config too; config.json still has the ids
+        gen = gen if isinstance(gen, dict) else {}
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     return {k: gen[k] if gen.get(k) is not None else config.get(k) for k in keys}
 

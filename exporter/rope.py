@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto
 from onnx import helper as oh
 
-from fuselm.errors import FuselmError
+from fuselm.errors import FuselmError, shown
 
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
@@ -47,14 +47,18 @@ def rope_parameters(config: dict) -> dict:
     transformers 5 writes `rope_parameters` (theta inside); 4.x wrote `rope_theta` and
     `rope_scaling` (with `type` or `rope_type`) at the top level. Both are read.
     """
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise FuselmError(f"config.json: {key} = {shown(config[key])} is not a JSON object; use the "
+                              "config.json that came with the checkpoint")
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if "layer_types" in config and any(isinstance(v, dict) for v in params.values()):
         raise FuselmError("per-layer rope parameters (nested rope_parameters) are not supported; "
                           "supported checkpoints use one rope for every layer")
     params.setdefault("rope_type", params.pop("type", "default"))
     if params.get("rope_theta") is None:
-        params["rope_theta"] = config.get("rope_theta", 10000.0)
-    if "partial_rotary_factor" in config and "partial_rotary_factor" not in params:
+        params["rope_theta"] = config["rope_theta"] if config.get("rope_theta") is not None else 10000.0
+    if config.get("partial_rotary_factor") is not None and params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = config["partial_rotary_factor"]
     if params["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = config.get(
@@ -68,12 +72,15 @@ def rope_inputs(config: dict, head_dim: int) -> Rope:
 
     p = rope_parameters(config)
     rope_type = p["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise FuselmError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
+        raise FuselmError(f"rope type {shown(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
                           "(use a checkpoint with one of these, or add the type to exporter/rope.py)")
+    _check_numbers(p, rope_type)
     try:
         base = float(p["rope_theta"])
-        dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+        dim = int(head_dim * float(p.get("partial_rotary_factor") or 1.0))
+        if dim < 2 or dim > head_dim:  # before anything is sized by it
+            raise FuselmError(f"config.json: rotary dim {dim} does not fit head_dim {head_dim}; fix partial_rotary_factor")
         # Same expression and dtype order as HF, so the floats are identical.
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
         scaling = 1.0
@@ -86,9 +93,41 @@ def rope_inputs(config: dict, head_dim: int) -> Rope:
     except KeyError as e:
         raise FuselmError(f"config.json: rope type {rope_type!r} needs {e.args[0]!r} in rope_parameters "
                           "(or rope_scaling); add it or fix the config") from None
-    if dim < 2 or dim > head_dim:
-        raise FuselmError(f"config.json: rotary dim {dim} does not fit head_dim {head_dim}; fix partial_rotary_factor")
-    return Rope(inv_freq.numpy().astype(np.float32), float(scaling), rope_type, base, p)
+    except (ArithmeticError, ValueError) as e:  # e.g. yarn's logarithms of a degenerate range
+        raise FuselmError(f"config.json: the rope parameters {shown(p, 200)} cannot be evaluated ({e}); "
+                          "fix the config") from None
+    inv_freq = inv_freq.numpy().astype(np.float32)
+    if not (np.isfinite(inv_freq).all() and (inv_freq > 0).all() and math.isfinite(scaling)):
+        raise FuselmError(f"config.json: the rope parameters {shown(p, 200)} give non-finite or non-positive "
+                          "frequencies; fix the config")
+    return Rope(inv_freq, float(scaling), rope_type, base, p)
+
+
+# Numbers each rope type reads (beyond rope_theta and partial_rotary_factor): key -> must be positive.
+_ROPE_NUMBERS = {
+    "default": {},
+    "linear": {"factor": True},
+    "llama3": {"factor": True, "low_freq_factor": True, "high_freq_factor": True,
+               "original_max_position_embeddings": True},
+    "yarn": {"factor": True, "original_max_position_embeddings": True, "attention_factor": False,
+             "mscale": False, "mscale_all_dim": False, "beta_fast": True, "beta_slow": True},
+}
+
+
+def _check_numbers(p: dict, rope_type: str) -> None:
+    """Every rope number the type reads is a finite number (positive where a ratio or length needs it);
+    partial_rotary_factor lies in (0, 1]. Missing ones are reported where they are read."""
+    numbers = {"rope_theta": True, "partial_rotary_factor": True, **_ROPE_NUMBERS[rope_type]}
+    for key, positive in numbers.items():
+        value = p.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (positive and value <= 0):
+            kind = "a positive number" if positive else "a finite number"
+            raise FuselmError(f"config.json: rope {key} = {shown(value)} is not {kind}; fix the config")
+    if (p.get("partial_rotary_factor") or 1.0) > 1:
+        raise FuselmError(f"config.json: partial_rotary_factor = {p['partial_rotary_factor']!r} is above 1; fix the config")
 
 
 def _llama3(inv_freq, p):

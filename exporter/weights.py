@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from fuselm.errors import FuselmError
+from fuselm.errors import FuselmError, shown
+from fuselm.modeldir import within_checkpoint
 
 from .graph import WeightJob
 from .quant import pack_uint4
@@ -41,13 +42,10 @@ class Checkpoint:
         self.dir = hf_dir
         index = hf_dir / "model.safetensors.index.json"
         single = hf_dir / "model.safetensors"
+        weight_map = None
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise FuselmError(f"{index} is malformed ({e!r}); re-save the checkpoint with "
-                                  "`save_pretrained` or restore the file") from None
+            weight_map = _read_index(index)
+            files = sorted(set(weight_map.values()))
         elif single.is_file():
             files = [single.name]
         else:
@@ -62,19 +60,42 @@ class Checkpoint:
                 raise FuselmError(f"{hf_dir} has no weights: expected model.safetensors or "
                                   "model.safetensors.index.json; point HF_DIR at a full checkpoint")
         self.tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        found_in: dict[str, list[str]] = {}
         for name in files:
             path = hf_dir / name
             if not path.is_file():
                 raise FuselmError(f"shard {name} listed in the checkpoint index is missing from {hf_dir}; "
                                   "download the complete checkpoint")
+            if not within_checkpoint(path, hf_dir):
+                raise FuselmError(f"{path} links to {path.resolve()}, outside the checkpoint directory; refusing to "
+                                  "read it (copy the file into the checkpoint)")
             try:
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
                         sl = f.get_slice(key)
                         self.tensors[key] = (path, sl.get_dtype(), tuple(sl.get_shape()))
+                        found_in.setdefault(key, []).append(name)
             except SafetensorError as e:
                 raise FuselmError(f"{path} is not a readable safetensors file ({e}); it may be truncated — "
                                   "download it again") from None
+        _check_shards(hf_dir, weight_map, found_in)
+
+    def check_bounds(self, cfg) -> None:
+        """Refuse config sizes that no tensor of the checkpoint could hold (a hidden size needing
+        terabytes), before anything is sized by them; near misses get validate's per-tensor message."""
+        largest = max((max(shape, default=1) for _, _, shape in self.tensors.values()), default=0)
+        sizes = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                 "vocab_size": cfg.vocab_size, "num_attention_heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
+                 "num_key_value_heads * head_dim": cfg.num_key_value_heads * cfg.head_dim}
+        for name, value in sizes.items():
+            if value > largest:
+                raise FuselmError(f"config.json: {name} = {value:,} is larger than any tensor dimension of the "
+                                  f"checkpoint {self.dir} (at most {largest:,}); the config does not belong to these "
+                                  "weights. Use the config.json that came with them")
+        if cfg.num_hidden_layers > len(self.tensors):
+            raise FuselmError(f"config.json: num_hidden_layers = {cfg.num_hidden_layers:,} but the checkpoint "
+                              f"{self.dir} holds only {len(self.tensors)} tensors; use the config.json that came "
+                              "with these weights")
 
     def validate(self, expected: dict[str, tuple[int, ...]], ignorable: Callable[[str], bool]) -> None:
         """Every expected tensor present with its shape and a float dtype; nothing else unmapped."""
@@ -104,6 +125,37 @@ class Checkpoint:
         with safe_open(path, framework="pt") as f:
             t = f.get_tensor(name) if len(shape) == 1 else f.get_slice(name)[start:stop]
         return t.to(torch.float32).numpy()
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """weight_map of model.safetensors.index.json: tensor name -> a file name inside the checkpoint."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise FuselmError(f"{index} is malformed ({type(e).__name__}: {e}); re-save the checkpoint with "
+                          "`save_pretrained` or restore the file") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FuselmError(f"{index}: weight_map is not an object of tensor name -> shard file name; re-save the "
+                          "checkpoint with `save_pretrained` or restore the file")
+    bad = sorted({v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")})
+    if bad:
+        raise FuselmError(f"{index} names shard {shown(bad[0])}, which is not a file name inside the checkpoint "
+                          "directory; refusing to read it (restore the index)")
+    return weight_map
+
+
+def _check_shards(hf_dir: Path, weight_map: dict[str, str] | None, found_in: dict[str, list[str]]) -> None:
+    """Each tensor stored once, and where the index says it is (HF reads it from there)."""
+    problems = [f"{k} is stored in {' and '.join(v)}" for k, v in found_in.items() if len(v) > 1]
+    if weight_map is not None:
+        problems += [f"the index puts {k} in {shard}, but it is in {found_in[k][0]}" if k in found_in
+                     else f"the index puts {k} in {shard}, but no shard holds it"
+                     for k, shard in weight_map.items() if shard not in found_in.get(k, ())]
+        problems += [f"{k} (in {v[0]}) is not in the index" for k, v in found_in.items() if k not in weight_map]
+    if problems:
+        shown_problems = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise FuselmError(f"the safetensors files in {hf_dir} are inconsistent: {shown_problems}. Re-save the "
+                          "checkpoint with `save_pretrained` or download it again")
 
 
 def layout(jobs: Iterable[WeightJob], location: str) -> int:

@@ -11,3 +11,9 @@ class CheckFailed(Exception):
     """A check or validation ran and failed (exit 1)."""
 
     exit_code = 1
+
+
+def shown(value, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters, for messages about untrusted input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -55,14 +55,29 @@ def write_meta(model_dir: str | os.PathLike, meta: dict) -> None:
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer and generation-config files that exist in `src`, byte for byte."""
+    """Copy the tokenizer and generation-config files that exist in `src`, byte for byte.
+
+    A file that links outside `src` is refused: the copy would carry whatever it points at (a key,
+    a password file) into a model directory that users then share."""
     copied = []
     for name in TOKENIZER_FILES:
         s = Path(src) / name
         if s.is_file():
+            if not within_checkpoint(s, src):
+                raise FuselmError(f"{s} links to {s.resolve()}, outside {src}; refusing to copy it (copy the real "
+                                  "file into the directory)")
             shutil.copyfile(s, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def within_checkpoint(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether `path` resolves inside `root`, or, for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/REV`), inside that repository's `blobs` (where its links point)."""
+    real, root = Path(path).resolve(), Path(root).resolve()
+    if root in real.parents:
+        return True
+    return root.parent.name == "snapshots" and (root.parent.parent / "blobs") in real.parents
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import types
 
-from fuselm.errors import FuselmError
+from fuselm.errors import FuselmError, shown
 
 from . import llama, qwen2, qwen3
 from .base import DecoderConfig
@@ -65,9 +65,16 @@ def expected_tensors(family: types.ModuleType, config) -> dict[str, tuple[int, .
 def family_for(config: dict) -> tuple[str, types.ModuleType]:
     """The family module for a config.json dict; a clear error for anything else."""
     model_type = config.get("model_type")
+    arch = config.get("architectures")
+    if not isinstance(model_type, str):
+        raise FuselmError(f"config.json: model_type = {shown(model_type)} is not a string; use the config.json that "
+                          "came with the checkpoint")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise FuselmError(f"config.json: architectures = {shown(arch)} is not a list of class names; use the "
+                          "config.json that came with the checkpoint")
     name = ALIASES.get(model_type, model_type)
     if name not in FAMILIES:
-        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        arch = ", ".join(arch or []) or "unknown architecture"
         raise FuselmError(f"model_type {model_type!r} ({arch}) is not supported; supported model types: "
                           f"{', '.join(SUPPORTED)}. Use a checkpoint of one of these families")
     return name, FAMILIES[name]
