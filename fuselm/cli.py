@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
+        r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="compile the static-shape decode step (default: on for MLX and CUDA, off on CPU)")
+        r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         if name == "run":
             g = r.add_mutually_exclusive_group(required=True)
             g.add_argument("--prompt")

@@ -117,7 +117,7 @@ class _Streamer:
 
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        stream=None, quiet=False) -> dict:
+        compile=None, threads=None, stream=None, quiet=False) -> dict:
     """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
 
     Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
@@ -128,7 +128,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
     path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels)
+    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads)
     tok = load_tokenizer(path, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     vocab = sess.meta.get("dims", {}).get("vocab")

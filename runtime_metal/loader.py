@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.errors import FuselmError
+from fuselm.graphcheck import check_graph_file
 from fuselm.modeldir import META_NAME, MODEL_NAME, read_meta
 
 # ONNX element type -> numpy dtype of the values as the runtime holds them on the host.
@@ -64,6 +65,7 @@ def model_path(path: str | os.PathLike) -> tuple[Path, dict | None]:
 def load(path: str | os.PathLike) -> LoadedModel:
     """Load the graph and map its weights; every problem is a FuselmError naming the fix."""
     onnx_path, meta = model_path(path)
+    check_graph_file(onnx_path)  # tensor sizes, data paths, a DAG, onnx.checker: before anything is mapped
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, onnx raises various types

@@ -22,6 +22,7 @@ from fuselm.errors import FuselmError
 from . import graph as graph_mod
 from . import loader
 from .backends import make_backend
+from .compiled import CompiledDecode, agrees
 from .executor import Executor, Profiler
 from .kvcache import CacheView
 
@@ -42,7 +43,8 @@ class Session:
     """Loads a model directory or .onnx file onto a backend and runs prefill / decode steps."""
 
     def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
-                 fused: bool = True, static_decode: bool = True):
+                 fused: bool = True, static_decode: bool = True, compile: bool | None = None,
+                 threads: int | None = None):
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
         self.backend = make_backend(backend, device)
@@ -59,6 +61,14 @@ class Session:
         self.executor.profiler = self.profiler
         self.max_len = 0
         self.pos = 0
+        self.compile = _compile_default(self.backend) if compile is None else bool(compile)
+        self.compiled: CompiledDecode | None = None
+        self.compile_failed: str | None = None
+        threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0)
+        if threads and self.backend.name == "torch":
+            import torch
+
+            torch.set_num_threads(threads)
 
     # --- contract ------------------------------------------------------------------------------
     def _check_contract(self) -> list[CacheSpec]:
@@ -172,10 +182,36 @@ class Session:
             self._static_mask = np.zeros((1, self.max_len), np.int64)
         self._static_mask[0, : pos + 1] = 1
         pos_dev = b.asarray(np.array(pos, np.int64))
-        views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
-        logits = self._run([token], pos_dev, b.asarray(self._static_mask), self._ids([pos]), views, static=True)
+        args = (self._ids([token]), b.asarray(self._static_mask), self._ids([pos]), pos_dev)
+        if self.compiled is not None and self.compiled.fn is not None and not self.profiler.enabled:
+            logits, bufs = self.compiled(*args, [self.buffers[c.name] for c in self.caches])
+            self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
+        else:
+            views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
+            logits = self._run([token], pos_dev, args[1], args[2], views, static=True)
+            if self.compile and self.compiled is None and self.static_checked and self.compile_failed is None:
+                self._build_compiled(args, logits)
         self.pos += 1
         return b.slice(logits, (0, 0))
+
+    def _build_compiled(self, args: tuple, eager_logits) -> None:
+        """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
+
+        Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
+        plan = self.executor.plan_for({"input_ids": args[0], "attention_mask": args[1], "position_ids": args[2],
+                                       **{c.name: CacheView(self.buffers[c.name], args[3], 1, static=True)
+                                          for c in self.caches}})
+        compiled = CompiledDecode(self, plan)
+        try:
+            compiled.build(args + tuple(self.buffers[c.name] for c in self.caches))
+            logits, _ = compiled(*args, [self.buffers[c.name] for c in self.caches])
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
+            self.compile_failed = f"{type(e).__name__}: {e}"[:300]
+            return
+        if not agrees(self.backend, eager_logits, logits):
+            self.compile_failed = "compiled logits differ from the eager step"
+            return
+        self.compiled = compiled
 
     def _checked_static(self, token: int):
         """First decode step: run it dynamic and static; keep static decode only if both agree.
@@ -204,7 +240,18 @@ class Session:
         kind = {w.kind for n in self.graph.nodes if n.op_type == "QMatMul" for w in [n.attrs["weight"]]}
         extra = f", quantized matmul: {'/'.join(sorted(kind))}" if kind else ""
         mode = "static-shape decode" if self._use_static() else "dynamic decode"
+        if self._use_static() and self.compile:
+            mode += ", compiled" if self.compile_failed is None else f", compile failed ({self.compile_failed})"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra})"
+
+
+def _compile_default(backend) -> bool:
+    """mx.compile and CUDA graphs are cheap to build; inductor on CPU takes ~45 s for a 28-layer model,
+    so there it is opt-in (FUSELM_COMPILE=1 or compile=True)."""
+    env = os.environ.get("FUSELM_COMPILE", "")
+    if env:
+        return env not in ("0", "false", "no")
+    return backend.name == "mlx" or backend.device.startswith("cuda")
 
 
 def _cache_order(name: str):

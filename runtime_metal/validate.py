@@ -105,7 +105,7 @@ def _max_diff(a: Trace, b: Trace) -> list[float]:
 
 
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False) -> dict:
+             prompt_ids=None, quiet=False, compile=None, threads=None) -> dict:
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
     from rich.console import Console
     from rich.table import Table
@@ -117,7 +117,8 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         raise FuselmError(f"--reference {ref} is not a HF checkpoint directory (no config.json); pass the "
                           "checkpoint the model was converted from")
     path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels)
+    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
+                   threads=threads)
     if prompt_ids is None:
         tok = load_tokenizer(path, required=False)
         prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
@@ -146,6 +147,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
               "reference": target_name, "first_mismatch": first, "hf_first_diff": hf_drift,
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
               "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
+              "compiled": sess.compiled is not None, "compile_failed": sess.compile_failed,
               "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
                                        None)}
     if quantized and hf_drift is not None:

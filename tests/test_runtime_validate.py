@@ -6,6 +6,7 @@ the first step) and the backends' fused and quantized kernels. References: HF tr
 """
 
 import pytest
+from fuselm.runtime_metal.backends.torch_quant import cpu_kernels
 
 import fuselm
 from fuselm.errors import CheckFailed
@@ -23,6 +24,8 @@ def test_validate(family, stage, quant, backend, make_ckpt, exported, optimized)
     r = fuselm.validate(model, make_ckpt(family), tokens=TOKENS, backend=backend, quiet=True)
     assert r["backend"] == backend
     assert r["static_decode"], "static-shape decode fell back to dynamic decode"
+    if backend == "mlx":  # mx.compile'd decode step (torch CPU compiles on request: see below)
+        assert r["compiled"], r["compile_failed"]
     if quant == "f32":
         assert r["tokens"] == r["hf"]
         assert max(r["max_logit_diff_hf"]) < 1e-3
@@ -31,6 +34,20 @@ def test_validate(family, stage, quant, backend, make_ckpt, exported, optimized)
         assert max(r["max_logit_diff_ort"]) < 1e-3
         if backend == "mlx":
             assert r["quantized_kernel"] == "mlx"  # mx.quantized_matmul, not a dequantized copy
+
+
+@pytest.mark.parametrize("family,stage,quant", [("qwen3", "optimized", "q4"), ("llama", "exported", "f32")])
+def test_validate_torch_compiled(family, stage, quant, make_ckpt, exported, optimized):
+    """torch.compile'd static decode (inductor around the AVX2 quantized kernels) on CPU."""
+    model = (exported if stage == "exported" else optimized)(family, quant)
+    r = fuselm.validate(model, make_ckpt(family), tokens=TOKENS, backend="torch", compile=True, quiet=True)
+    assert r["compiled"], r["compile_failed"]
+    if quant == "q4":
+        assert r["quantized_kernel"] == ("avx2" if cpu_kernels() else "dequant")
+        assert r["tokens"] == r["onnxruntime"]
+        assert max(r["max_logit_diff_ort"]) < 1e-3
+    else:
+        assert r["tokens"] == r["hf"] and max(r["max_logit_diff_hf"]) < 1e-3
 
 
 def test_validate_fails_on_the_wrong_reference(make_ckpt, exported):

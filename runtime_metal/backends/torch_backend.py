@@ -54,6 +54,26 @@ _BINARY = {
 }
 
 
+# Decode on CPU: SDPA's kernel splits tiny problems across threads (milliseconds of fork/join on a
+# busy 2-core box); two batched matmuls over the query heads grouped per kv head are faster there.
+_GROUPED_MAX_QUERIES = 16
+
+
+def _grouped_attention(q, k, v, mask, scale):
+    """softmax(q kᵀ·scale + mask) v with q [B, Hq, S, D] grouped as [B, Hkv, Hq/Hkv·S, D]: GQA
+    without repeating K/V."""
+    b, hq, s, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    r = hq // hkv
+    scores = torch.matmul(q.reshape(b, hkv, r * s, d), k.transpose(-1, -2)).mul_(scale).view(b, hkv, r, s, t)
+    if mask is not None:  # broadcastable to [B, Hq, S, T]; the head axis splits as [Hkv, Hq/Hkv]
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        m = m.view(m.shape[0], hkv, r, *m.shape[-2:]) if m.shape[1] == hq and hq > 1 else m.unsqueeze(1)
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores.add_(m)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.view(b, hkv, r * s, t), v).view(b, hq, s, v.shape[-1])
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -273,6 +293,8 @@ class TorchBackend(Backend):
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
+        if q.device.type == "cpu" and q.shape[2] <= _GROUPED_MAX_QUERIES:
+            return _grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):

@@ -2,25 +2,106 @@
 
 Measured on the 2-core AVX2 CPU this project is developed on (torch 2.13, M=1 decode GEMV,
 1024x4096 weight): f32 matmul 0.42 ms, `_weight_int4pack_mm_for_cpu` 4.7 ms, `_weight_int8pack_mm`
-8.6 ms, bf16 matmul 23 ms; torch's CPU low-bit kernels are scalar without AVX-512. So on CPU the
-weight is dequantized once at load to the activation dtype (f32), the fastest correct path there.
+8.6 ms, bf16 matmul 23 ms. torch's CPU low-bit kernels are scalar without AVX-512, and a
+dequantized f32 copy moves 8x the bytes of 4-bit weights through memory every token. So on AVX2
+CPUs fuselm uses its own kernels (cpu_kernels.cpp, built once per machine by
+torch.utils.cpp_extension): a 4/8-bit GEMV for decode (a few rows) and a dequantize-into-a-
+reusable-buffer + BLAS GEMM for prefill. Without a compiler or AVX2 it falls back to an f32 copy
+made at load ("dequant"), the fastest correct path left.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .base import QuantizedWeight, dequantize_blocked
+
+GEMV_MAX_ROWS = 16  # up to this many rows of x the GEMV wins; beyond, dequantize + GEMM
+_log = logging.getLogger("fuselm.runtime")
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled AVX2 kernels, or None (no AVX2, no compiler, or FUSELM_NO_CPU_KERNELS=1)."""
+    if os.environ.get("FUSELM_NO_CPU_KERNELS", "") not in ("", "0"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = Path(__file__).with_name("cpu_kernels.cpp")
+        return load(name="fuselm_cpu_kernels_v2", sources=[str(src)], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"])
+    except Exception as e:  # noqa: BLE001 - any build failure means the fallback path
+        _log.warning("fuselm: could not build the AVX2 kernels (%s); quantized weights are dequantized at load", e)
+        return None
+
+
+def _register_ops():
+    """The kernels as torch custom ops, so torch.compile can trace a decode step that calls them."""
+
+    @torch.library.custom_op("fuselm::qgemv", mutates_args=())
+    def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zs: torch.Tensor, block: int,
+              bits: int) -> torch.Tensor:
+        return cpu_kernels().gemv(x, q, scale, zs, block, bits)
+
+    @qgemv.register_fake
+    def _(x, q, scale, zs, block, bits):
+        return x.new_empty((x.shape[0], q.shape[0]))
+
+    return qgemv
+
+
+_qgemv = _register_ops()
+_scratch: dict[str, torch.Tensor] = {}
+
+
+def _dequant_buffer(numel: int) -> torch.Tensor:
+    # one reusable f32 buffer for prefill dequantization: the largest weight sets its size
+    buf = _scratch.get("cpu")
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32)
+        _scratch["cpu"] = buf
+    return buf
 
 
 def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int,
             bits: int) -> QuantizedWeight:
     k, n = q.shape
+    kernels = cpu_kernels() if backend.device == "cpu" else None
+    if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8):
+        qt = np.ascontiguousarray(q.T)  # [N, K]
+        if bits == 4:  # per 32 k: byte j = q[j] | q[16 + j] << 4
+            blocks = qt.reshape(n, k // 32, 2, 16)
+            qt = (blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)).astype(np.uint8).reshape(n, k // 2)
+        s = np.ascontiguousarray(scale.T.astype(np.float32))
+        zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        data = (torch.from_numpy(np.ascontiguousarray(qt)), torch.from_numpy(s),
+                torch.from_numpy(np.ascontiguousarray(-zp * s)))
+        return QuantizedWeight(data, k, n, bits, block, "avx2")
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
     return QuantizedWeight(data, k, n, bits, block, "dequant")
 
 
 def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    return torch.matmul(x, w.data)
+    if w.kind == "dequant":
+        return torch.matmul(x, w.data)
+    q, scale, zs = w.data
+    lead = x.shape[:-1]
+    dtype = x.dtype
+    x2 = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = _qgemv(x2, q, scale, zs, w.block, w.bits)
+    else:
+        wt = cpu_kernels().dequant(q, scale, zs, w.block, w.bits, _dequant_buffer(w.in_features * w.out_features))
+        y = F.linear(x2, wt)
+    return y.reshape(*lead, w.out_features).to(dtype)
