@@ -1,0 +1,200 @@
+"""Checks on an ONNX file from anywhere, before anything reads its weights or runs it.
+
+`optimize`, `diff`, `run` and `validate` call `check_graph_file` first. It refuses, with a message
+naming the problem:
+- tensors whose bytes do not match their shape and type (so no later step allocates a buffer sized
+  by an absurd shape), external data that leaves the model's directory (absolute, `..`, or through
+  a symlink), a missing or too short data file, offsets that are not byte counts;
+- a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a cycle;
+- anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), and a
+  `fuselm::FusedRoPE` whose attributes do not fit its input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+from .errors import FuselmError, shown
+
+_FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4, TensorProto.FLOAT4E2M1)
+_FIX = "re-export the model (`fuselm convert`, torch.onnx) or restore the file"
+
+
+def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
+    """Check the .onnx file and its external data; returns the graph (weights not loaded)."""
+    path = Path(onnx_path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError, onnx's own errors, I/O
+        raise FuselmError(f"cannot read {path}: it is not a readable ONNX model ({type(e).__name__}: "
+                          f"{shown(str(e), 200)}); {_FIX}") from None
+    files: dict[Path, int] = {}
+    for tensor in _tensors(model):
+        _check_tensor(tensor, path.parent, files)
+    _check_dag(model.graph, path)
+    try:  # what check_model(full_check=True) does, keeping the inferred shapes for the FusedRoPE check
+        onnx.checker.check_model(str(path))
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as e:  # ValidationError, InferenceError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FuselmError(f"{path} is not a valid ONNX model: onnx.checker says {shown(first, 300)}; {_FIX}") from None
+    _check_fused_rope(inferred, path)
+    return model
+
+
+def _check_fused_rope(model: onnx.ModelProto, path: Path) -> None:
+    """fuselm::FusedRoPE's attributes (DESIGN.md): inv_freq finite, rotary_dim = 2·len(inv_freq) <= head_dim."""
+    shapes = {v.name: v.type.tensor_type.shape for v in [*model.graph.value_info, *model.graph.input]}
+    for n in model.graph.node:
+        if n.domain != "fuselm" or n.op_type != "FusedRoPE":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        inv = attrs.get("inv_freq")
+        problem = None
+        if not isinstance(inv, list) or not inv or not all(math.isfinite(f) for f in inv):
+            problem = "inv_freq is missing, empty or not finite"
+        elif attrs.get("interleaved", 0) not in (0, 1) or not math.isfinite(attrs.get("attention_scaling", 1.0)):
+            problem = "interleaved is not 0/1 or attention_scaling is not finite"
+        else:
+            dims = shapes[n.input[0]].dim if n.input[0] in shapes else []
+            head_dim = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+            if head_dim is not None and 2 * len(inv) > head_dim:
+                problem = f"rotary dim 2*{len(inv)} exceeds the head dim {head_dim} of its input"
+        if problem:
+            raise FuselmError(f"{path}: node {shown(n.name, 80)} (fuselm::FusedRoPE): {problem}; {_FIX}")
+
+
+def _tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    """Every tensor stored in the model: initializers and constant attributes, subgraphs and functions too."""
+    def graph(g: onnx.GraphProto):
+        yield from g.initializer
+        for sparse in g.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        yield from nodes(g.node)
+
+    def nodes(ns):
+        for n in ns:
+            for a in n.attribute:
+                if a.type == AttributeProto.TENSOR:
+                    yield a.t
+                elif a.type == AttributeProto.TENSORS:
+                    yield from a.tensors
+                elif a.type == AttributeProto.GRAPH:
+                    yield from graph(a.g)
+                elif a.type == AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        yield from graph(g)
+
+    yield from graph(model.graph)
+    for f in model.functions:
+        yield from nodes(f.node)
+
+
+def _check_tensor(t: TensorProto, base: Path, files: dict[Path, int]) -> None:
+    name = shown(t.name, 80)
+    if t.data_type == TensorProto.UNDEFINED or t.data_type not in helper.get_all_tensor_dtypes():
+        raise FuselmError(f"tensor {name}: element type {t.data_type} is not an ONNX type; {_FIX}")
+    if any(d < 0 for d in t.dims):
+        raise FuselmError(f"tensor {name}: negative dimension in shape {list(t.dims)}; {_FIX}")
+    count = math.prod(t.dims)
+    if t.data_type == TensorProto.STRING:
+        if t.data_location == TensorProto.EXTERNAL or len(t.string_data) != count:
+            raise FuselmError(f"tensor {name}: {len(t.string_data)} strings for shape {list(t.dims)}; {_FIX}")
+        return
+    itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    nbytes = -(-count // 2) if t.data_type in _FOUR_BIT else count * itemsize
+    if t.data_location == TensorProto.EXTERNAL:
+        _check_external(t, name, nbytes, base, files)
+    elif t.raw_data:
+        if len(t.raw_data) != nbytes:
+            raise FuselmError(f"tensor {name}: {len(t.raw_data)} bytes of data for shape {list(t.dims)} "
+                              f"({helper.tensor_dtype_to_string(t.data_type)}, {nbytes} bytes); {_FIX}")
+    else:
+        field = helper.tensor_dtype_to_field(t.data_type)
+        stored = len(getattr(t, field))
+        allowed = {count, -(-count // 2), 2 * count} if count else {0}  # 4-bit packed, complex pairs
+        if stored not in allowed:
+            raise FuselmError(f"tensor {name}: {stored} values for shape {list(t.dims)} "
+                              f"({helper.tensor_dtype_to_string(t.data_type)}); {_FIX}")
+
+
+def _check_external(t: TensorProto, name: str, nbytes: int, base: Path, files: dict[Path, int]) -> None:
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if not location:
+        raise FuselmError(f"tensor {name}: external data without a location; {_FIX}")
+    if os.path.isabs(location) or ".." in Path(location).parts:
+        raise FuselmError(f"tensor {name}: external data location {shown(location, 120)} leaves the model directory; "
+                          "refusing to read it (keep the data file beside model.onnx)")
+    numbers = {}
+    for key in ("offset", "length"):
+        value = info.get(key, "0" if key == "offset" else None)
+        if value is not None and not (value.isascii() and value.isdigit()):
+            raise FuselmError(f"tensor {name}: external data {key} {shown(value)} is not a byte count; {_FIX}")
+        numbers[key] = None if value is None else int(value)
+    path = base / location
+    real, root = path.resolve(), base.resolve()
+    if root not in real.parents:
+        raise FuselmError(f"tensor {name}: external data {shown(location, 120)} resolves to {real}, outside the model "
+                          "directory (a symlink?); refusing to read it (copy the file into the directory)")
+    if real not in files:
+        if not real.is_file():
+            raise FuselmError(f"tensor {name}: external data file {path} is missing; copy the whole model directory "
+                              "(model.onnx and its data file belong together)")
+        files[real] = real.stat().st_size
+    length = numbers["length"] if numbers["length"] is not None else nbytes
+    if length < nbytes:
+        raise FuselmError(f"tensor {name}: external data length {length} is shorter than its shape {list(t.dims)} "
+                          f"needs ({nbytes} bytes); {_FIX}")
+    if numbers["offset"] + length > files[real]:
+        raise FuselmError(f"tensor {name}: {location} is {files[real]} bytes, but the tensor needs bytes "
+                          f"{numbers['offset']}..{numbers['offset'] + length}; the file is truncated or the shape "
+                          f"is wrong; {_FIX}")
+
+
+def _check_dag(g: onnx.GraphProto, path: Path) -> None:
+    """Main graph only (subgraphs may read outer values): every input produced once, no cycle."""
+    produced: dict[str, int] = {}
+    known = {i.name for i in g.input} | {t.name for t in g.initializer} | \
+        {s.values.name for s in g.sparse_initializer}
+    for i, n in enumerate(g.node):
+        for o in n.output:
+            if not o:
+                continue
+            if o in produced or o in known:
+                raise FuselmError(f"{path}: value {shown(o, 80)} is produced twice (node {shown(n.name, 80)}); "
+                                  f"a graph assigns each value once; {_FIX}")
+            produced[o] = i
+    waiting = [0] * len(g.node)
+    users: dict[int, list[int]] = {}
+    for i, n in enumerate(g.node):
+        for x in dict.fromkeys(x for x in n.input if x):
+            if x in produced:
+                waiting[i] += 1
+                users.setdefault(produced[x], []).append(i)
+            elif x not in known:
+                raise FuselmError(f"{path}: node {shown(n.name, 80)} ({n.op_type}) reads {shown(x, 80)}, which no node, "
+                                  f"input or initializer provides (a dangling input); {_FIX}")
+    for o in g.output:
+        if o.name not in produced and o.name not in known:
+            raise FuselmError(f"{path}: graph output {shown(o.name, 80)} is not produced by any node; {_FIX}")
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    done = 0
+    while ready:  # Kahn's algorithm: what never becomes ready sits on a cycle
+        i = ready.pop()
+        done += 1
+        for u in users.get(i, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                ready.append(u)
+    if done < len(g.node):
+        stuck = next(n for i, n in enumerate(g.node) if waiting[i])
+        raise FuselmError(f"{path}: the graph has a cycle (node {shown(stuck.name, 80)}, {stuck.op_type}, depends on "
+                          f"its own output); a graph must be acyclic; {_FIX}")
