@@ -14,21 +14,28 @@ import onnx
 import onnx_ir as ir
 
 from fuselm.errors import FuselmError
+from fuselm.graphcheck import check_graph_file
 from fuselm.modeldir import DATA_NAME, META_NAME, MODEL_NAME, read_meta
 
 
 def resolve(in_path: str | os.PathLike) -> tuple[Path, dict | None]:
-    """(path of the .onnx file, fuselm.json contents or None) for a model dir or a plain .onnx."""
+    """(path of the .onnx file, fuselm.json contents or None) for a model dir or a plain .onnx.
+
+    The file is checked first (fuselm/graphcheck.py: tensor sizes, external data paths, a DAG,
+    onnx.checker), so a bad input stops here with exit 2, not inside a pass."""
     p = Path(in_path)
     if p.is_dir():
         onnx_path = p / MODEL_NAME
         if not onnx_path.is_file():
             raise FuselmError(f"{p} has no {MODEL_NAME}; pass a fuselm model directory (from `fuselm convert`) "
                               "or an .onnx file")
-        return onnx_path, read_meta(p) if (p / META_NAME).is_file() else None
+        meta = read_meta(p) if (p / META_NAME).is_file() else None
+        check_graph_file(onnx_path)
+        return onnx_path, meta
     if p.is_file():
         if p.suffix != ".onnx":
             raise FuselmError(f"{p} is not an .onnx file; pass a fuselm model directory or an .onnx file")
+        check_graph_file(p)
         return p, None
     raise FuselmError(f"{p} does not exist; pass a fuselm model directory or an .onnx file")
 
