@@ -31,6 +31,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 _TMP_MARK = ".fuselm-tmp-"
+_OLD = ".old."  # an OUT moved aside by a --force run; removed once the new OUT is in place
 
 
 def read_meta(model_dir: str | os.PathLike) -> dict:
@@ -87,7 +88,10 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     Nothing half-written ever appears at `out`: on any error (or interrupt) the temporary
     directory is removed, and leftovers of killed earlier runs (their process is gone) are removed
     first. A lock file beside `out` lets one writer in at a time; a second one stops with a clear
-    error. With `force`, an existing `out` is replaced only after the new one is complete.
+    error. With `force`, an existing `out` is replaced only after the new one is complete; a run
+    killed between moving the old `out` aside and moving the new one in is undone by the next run,
+    which puts the old `out` back first. An OSError inside the block (disk full) becomes a
+    FuselmError once the temporary directory is removed.
     """
     out = Path(out).absolute()
     _check_target(out, force)
@@ -97,6 +101,7 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     except OSError as e:
         raise FuselmError(f"Cannot create {parent}: {e.strerror}; choose a writable location") from None
     with _exclusive_lock(parent / f"{_TMP_MARK}{out.name}.lock", out):
+        _restore_replaced(parent, out)
         _check_target(out, force)  # another writer may have finished while we waited for the lock
         _remove_stale_tmp(parent, out.name)
         tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -104,14 +109,17 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
         try:
             yield tmp
             if out.exists():
-                trash = parent / f"{_TMP_MARK}{out.name}.old.{uuid.uuid4().hex[:8]}"
+                trash = parent / f"{_TMP_MARK}{out.name}{_OLD}{uuid.uuid4().hex[:8]}"
                 os.rename(out, trash)
                 os.rename(tmp, out)
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.rename(tmp, out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise FuselmError(f"writing {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); nothing was "
+                                  "written there; free disk space or choose another OUT, then run again") from None
             raise
 
 
@@ -147,6 +155,15 @@ def _exclusive_lock(lock_path: Path, out: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(fd)
+
+
+def _restore_replaced(parent: Path, out: Path) -> None:
+    """OUT missing but an old OUT moved aside: a --force run was killed between its two renames."""
+    if out.exists() or out.is_symlink():
+        return
+    old = sorted(parent.glob(f"{_TMP_MARK}{out.name}{_OLD}*"), key=lambda p: p.stat().st_mtime)
+    if old:
+        os.rename(old[-1], out)
 
 
 def _remove_stale_tmp(parent: Path, name: str) -> None:
