@@ -70,8 +70,12 @@ def encode_prompt(tok, prompt: str | None, prompt_ids: list[int] | None, chat: b
     if chat:
         if not getattr(tok, "chat_template", None):
             raise FuselmError("this checkpoint has no chat template; run without --chat")
-        out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True)
+        try:  # transformers renders it in jinja2's ImmutableSandboxedEnvironment; it refuses unsafe templates
+            out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True)
+        except Exception as e:  # noqa: BLE001 - SecurityError, TemplateError, and whatever a template raises
+            raise FuselmError(f"the checkpoint's chat template failed ({type(e).__name__}: {str(e)[:200]}); it is "
+                              "broken or tried something the sandbox forbids. Run without --chat") from None
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(i) for i in ids]
     return [int(i) for i in tok.encode(prompt)]
