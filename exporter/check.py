@@ -53,7 +53,9 @@ def hf_model(hf_dir: str | Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    # Offline, and safetensors only: transformers would otherwise unpickle a pytorch_model.bin.
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
+                                                 local_files_only=True, use_safetensors=True)
     return model.eval()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     positional = {"convert": ("hf_dir", "out"), "optimize": ("in_path", "out"), "diff": ("in_path",),
                   "run": ("model_dir",), "validate": ("model_dir", "reference")}[command]
     pos = [args.pop(k) for k in positional]
+    # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
+    os.environ["HF_HUB_OFFLINE"] = "1"
     # SIGTERM unwinds like Ctrl-C, so temporary outputs are removed on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
