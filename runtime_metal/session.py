@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 
 from fuselm.errors import FuselmError
 
@@ -64,11 +65,14 @@ class Session:
         self.compile = _compile_default(self.backend) if compile is None else bool(compile)
         self.compiled: CompiledDecode | None = None
         self.compile_failed: str | None = None
-        threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0)
-        if threads and self.backend.name == "torch":
+        self.threads = None
+        if self.backend.name == "torch" and self.backend.device == "cpu":
             import torch
 
-            torch.set_num_threads(threads)
+            from .backends.torch_quant import set_kernel_threads
+
+            self.threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0) or torch.get_num_threads()
+            set_kernel_threads(self.threads)
 
     # --- contract ------------------------------------------------------------------------------
     def _check_contract(self) -> list[CacheSpec]:
@@ -116,6 +120,12 @@ class Session:
         """Empty the cache and preallocate room for `max_len` tokens."""
         b = self.backend
         self.max_len, self.pos = int(max_len), 0
+        need = sum(c.heads * self.max_len * c.head_dim * np.dtype(loader.NP_DTYPES.get(c.dtype, np.float32)).itemsize
+                   for c in self.caches) if self.in_place else 0
+        free = psutil.virtual_memory().available
+        if need > free:  # refuse before allocating (a huge --max-tokens, or absurd cache dims in the graph)
+            raise FuselmError(f"the KV cache for {self.max_len:,} tokens needs {need / 2**30:,.1f} GiB, more than the "
+                              f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
         if self.in_place:
             self.buffers = {c.name: b.full((1, c.heads, self.max_len, c.head_dim), 0, c.dtype) for c in self.caches}
         else:
@@ -137,8 +147,18 @@ class Session:
                 self.buffers[c.name] = out[c.present]
         return out["logits"]
 
+    def _cpu_threads(self, n: int) -> None:
+        # decode on CPU: torch's pool at one thread (tiny ops lose to fork/join), the matmul kernels
+        # keep all cores; prefill: torch's GEMMs get all cores too
+        if self.threads is not None:
+            import torch
+
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+
     def prefill(self, ids: list[int], chunk: int = PREFILL_CHUNK):
         """Run the prompt in chunks; returns the logits of its last token (backend array [vocab])."""
+        self._cpu_threads(self.threads or 1)
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
         if self.pos + len(ids) > self.max_len:
@@ -165,6 +185,7 @@ class Session:
         """One decode step; returns the logits of the new token (backend array [vocab])."""
         if self.pos + 1 > self.max_len:
             raise FuselmError(f"the cache is full ({self.max_len} tokens); reset with a larger max_len")
+        self._cpu_threads(1)
         if not self._use_static():
             return self._step_dynamic([token])
         if not self.static_checked:
