@@ -108,19 +108,31 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
         tmp.mkdir()
         try:
             yield tmp
-            if out.exists():
-                trash = parent / f"{_TMP_MARK}{out.name}{_OLD}{uuid.uuid4().hex[:8]}"
-                os.rename(out, trash)
-                os.rename(tmp, out)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, out)
+            _move_in(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):
                 raise FuselmError(f"writing {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); nothing was "
                                   "written there; free disk space or choose another OUT, then run again") from None
             raise
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; an existing `out` is moved aside first and back on failure."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    trash = out.parent / f"{_TMP_MARK}{out.name}{_OLD}{uuid.uuid4().hex[:8]}"
+    os.rename(out, trash)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(trash, out)
+        raise
+    try:
+        shutil.rmtree(trash, ignore_errors=True)
+    except KeyboardInterrupt:  # the new OUT is complete; the next run removes what is left of the old one
+        pass
 
 
 def _check_target(out: Path, force: bool) -> None:
