@@ -52,7 +52,7 @@ def eos_ids(model_dir: Path, meta: dict, tok) -> set[int]:
     if gen.is_file():
         try:
             add(json.loads(gen.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, AttributeError):  # broken, deeply nested or not an object: as HF, ignore
             pass
     add((meta.get("special_tokens") or {}).get("eos_token_id"))
     if tok is not None:
