@@ -81,7 +81,7 @@ def read_config(hf_dir: Path) -> dict:
                           "(config.json + *.safetensors)")
     try:
         config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
         raise FuselmError(f"{path} is not valid JSON ({e}); restore the checkpoint's config.json") from None
     if not isinstance(config, dict):
         raise FuselmError(f"{path} is not a JSON object; restore the checkpoint's config.json")
@@ -141,7 +141,7 @@ def special_tokens(hf_dir: Path, config: dict) -> dict:
     if path.is_file():
         try:
             gen = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             gen = {}  # HF ignores a broken generation config too; config.json still has the ids
         gen = gen if isinstance(gen, dict) else {}
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -131,7 +131,7 @@ def _read_index(index: Path) -> dict[str, str]:
     """weight_map of model.safetensors.index.json: tensor name -> a file name inside the checkpoint."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (ValueError, RecursionError, KeyError, TypeError) as e:  # bad JSON, bad UTF-8, deep nesting
         raise FuselmError(f"{index} is malformed ({type(e).__name__}: {e}); re-save the checkpoint with "
                           "`save_pretrained` or restore the file") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -42,7 +42,7 @@ def read_meta(model_dir: str | os.PathLike) -> dict:
                           "create one with `fuselm convert`")
     try:
         meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
         raise FuselmError(f"{path} is not valid JSON ({e}); re-create the directory with `fuselm convert`") from None
     if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
         raise FuselmError(f"{path}: unsupported schema_version {meta.get('schema_version') if isinstance(meta, dict) else None!r}"
