@@ -70,7 +70,16 @@ class Executor:
         sig = self.signature(feeds)
         plan = self.plans.get(sig)
         if plan is None or self.debug or self.limit is not None:
-            plan, values = self._trace(feeds)
+            try:
+                plan, values = self._trace(feeds)
+            except Exception as e:  # a graph the checker accepts can still fail here (shapes that do not fit)
+                if isinstance(e, FuselmError):
+                    raise
+                at = getattr(self, "_at", None)
+                where = f"node {at.name!r} ({at.op_type})" if at is not None else "the graph"
+                raise FuselmError(f"{where} failed on this input ({type(e).__name__}: {str(e)[:300]}); "
+                                  "the graph is invalid, or uses the op in a form the runtime does not support "
+                                  "(FUSELM_DEBUG=1 shows every node)") from e
             if plan.reusable and not self.debug and self.limit is None:
                 self.plans[sig] = plan
                 if len(self.plans) > _MAX_PLANS:
@@ -117,6 +126,7 @@ class Executor:
             if self.limit is not None and state["count"] >= self.limit:
                 return
             state["count"] += 1
+            self._at = node  # named in the error if the node fails
             if node.op_type == "If" and not node.domain:
                 self._trace_if(node, env, static, steps, state)
                 continue
