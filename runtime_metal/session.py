@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import psutil
+from onnx import TensorProto
 
 from fuselm.errors import FuselmError
 
@@ -100,6 +101,7 @@ class Session:
             raise FuselmError(f"{self.lm.path} does not follow the fuselm graph contract ({what}); inputs must be "
                               "input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value and outputs "
                               "logits, present.{i}.key/.value (DESIGN.md); re-export with `fuselm convert`")
+        _check_declared(ins)
         return specs
 
     def _in_place_ok(self) -> bool:
@@ -273,6 +275,25 @@ def _compile_default(backend) -> bool:
     if env:
         return env not in ("0", "false", "no")
     return backend.name == "mlx" or backend.device.startswith("cuda")
+
+
+def _check_declared(ins: dict) -> None:
+    """The inputs' declared types and static dims must admit what the session feeds: int64 ids [1, n],
+    float caches [1, kv_heads, past, head_dim] (dims without a size, `[]`, admit anything)."""
+    for name, (elem, dims) in ins.items():
+        ids = not _PAST.match(name)
+        growing = (1,) if ids else (2,)  # seq / past length: different at every step
+        if (elem != TensorProto.INT64) if ids else elem not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            problem = f"element type {TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else elem}"
+        elif dims and (len(dims) != (2 if ids else 4) or dims[0] not in (1, None) and isinstance(dims[0], int)
+                       or any(isinstance(dims[i], int) for i in growing)):
+            problem = f"shape {dims}"
+        else:
+            continue
+        raise FuselmError(f"graph input {name} is declared with {problem}, which the runtime cannot feed: the "
+                          "contract is input_ids / attention_mask / position_ids int64 [batch, sequence] and "
+                          "past_key_values float [batch, kv_heads, past, head_dim], batch 1 or free, sequence and "
+                          "past free (DESIGN.md); re-export with `fuselm convert`")
 
 
 def _cache_order(name: str):
