@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import FuselmError
+from .errors import FuselmError, shown
 
 SCHEMA_VERSION = 1
 META_NAME = "fuselm.json"
@@ -47,7 +47,37 @@ def read_meta(model_dir: str | os.PathLike) -> dict:
     if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
         raise FuselmError(f"{path}: unsupported schema_version {meta.get('schema_version') if isinstance(meta, dict) else None!r}"
                           f" (this fuselm reads {SCHEMA_VERSION}); re-create it with this fuselm's `convert`")
+    for key, (kind, ok) in _META_FIELDS.items():
+        if key in meta and not ok(meta[key]):
+            raise FuselmError(f"{path}: {key} = {shown(meta[key])} is not {kind}; the file is damaged, re-create "
+                              "the directory with `fuselm convert`")
     return meta
+
+
+def _count(v) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0)
+
+
+def _token_ids(v) -> bool:
+    return _count(v) or v == 0 or (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                for i in v))
+
+
+# The fields of fuselm.json (exporter/README.md) that fuselm reads back, and what they must hold.
+_META_FIELDS = {
+    "stage": ("a string", lambda v: isinstance(v, str)),
+    "family": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "dims": ("an object of positive integers", lambda v: isinstance(v, dict) and all(_count(x) for x in v.values())),
+    "sliding_window": ("a positive integer or null", _count),
+    "max_position_embeddings": ("a positive integer or null", _count),
+    "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool)),
+    "rope": ("an object", lambda v: isinstance(v, dict)),
+    "quantization": ("an object with a string mode",
+                     lambda v: isinstance(v, dict) and isinstance(v.get("mode", ""), str)),
+    "special_tokens": ("an object of token ids", lambda v: isinstance(v, dict) and all(_token_ids(x) for x in v.values())),
+    "graph": ("an object", lambda v: isinstance(v, dict)),
+    "passes": ("a list", lambda v: isinstance(v, list)),
+}
 
 
 def write_meta(model_dir: str | os.PathLike, meta: dict) -> None:
