@@ -93,3 +93,35 @@ def same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in Path(a).iterdir())
     return names == sorted(p.name for p in Path(b).iterdir()) and \
         all((Path(a) / n).read_bytes() == (Path(b) / n).read_bytes() for n in names)
+
+
+def ort_runs(model_dir: str) -> bool:
+    """A judge of graph validity for `run`: onnxruntime (its optimizations off) runs a 3-token prefill."""
+    import numpy as np
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    so.log_severity_level = 4
+    try:
+        s = ort.InferenceSession(str(Path(model_dir) / "model.onnx"), so, providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": np.array([[1, 2, 3]], np.int64), "attention_mask": np.ones((1, 3), np.int64),
+                 "position_ids": np.arange(3, dtype=np.int64)[None]}
+        for i in s.get_inputs():
+            if i.name.startswith("past_key_values."):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        return bool(np.isfinite(s.run(None, feeds)[0]).all())
+    except Exception:  # noqa: BLE001 - any failure: the judge rejects the graph
+        return False
+
+
+def checker_accepts(model_dir: str) -> bool:
+    """A judge of graph validity for `optimize` (a graph transform): the full ONNX checker."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(Path(model_dir) / "model.onnx"), full_check=True)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
