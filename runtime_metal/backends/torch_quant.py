@@ -38,8 +38,9 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         src = Path(__file__).with_name("cpu_kernels.cpp")
-        return load(name="fuselm_cpu_kernels_v2", sources=[str(src)], verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"])
+        # -fopenmp: the kernels run their own OpenMP team; the libgomp soname resolves to the copy torch loaded
+        return load(name="fuselm_cpu_kernels_v7", sources=[str(src)], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the fallback path
         _log.warning("fuselm: could not build the AVX2 kernels (%s); quantized weights are dequantized at load", e)
         return None
@@ -49,12 +50,12 @@ def _register_ops():
     """The kernels as torch custom ops, so torch.compile can trace a decode step that calls them."""
 
     @torch.library.custom_op("fuselm::qgemv", mutates_args=())
-    def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zs: torch.Tensor, block: int,
-              bits: int) -> torch.Tensor:
-        return cpu_kernels().gemv(x, q, scale, zs, block, bits)
+    def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block: int,
+              bits: int, threads: int) -> torch.Tensor:
+        return cpu_kernels().gemv(x, q, scale, zero, block, bits, threads)
 
     @qgemv.register_fake
-    def _(x, q, scale, zs, block, bits):
+    def _(x, q, scale, zero, block, bits, threads):
         return x.new_empty((x.shape[0], q.shape[0]))
 
     return qgemv
@@ -62,6 +63,11 @@ def _register_ops():
 
 _qgemv = _register_ops()
 _scratch: dict[str, torch.Tensor] = {}
+KERNEL_THREADS = {"n": torch.get_num_threads()}  # the matmul kernels' team; Session sets it
+
+
+def set_kernel_threads(n: int) -> None:
+    KERNEL_THREADS["n"] = max(1, int(n))
 
 
 def _dequant_buffer(numel: int) -> torch.Tensor:
@@ -83,9 +89,8 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
             blocks = qt.reshape(n, k // 32, 2, 16)
             qt = (blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)).astype(np.uint8).reshape(n, k // 2)
         s = np.ascontiguousarray(scale.T.astype(np.float32))
-        zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        data = (torch.from_numpy(np.ascontiguousarray(qt)), torch.from_numpy(s),
-                torch.from_numpy(np.ascontiguousarray(-zp * s)))
+        zp = zero_point.T.astype(np.uint8) if zero_point is not None else np.zeros(s.shape, np.uint8)
+        data = (torch.from_numpy(np.ascontiguousarray(qt)), torch.from_numpy(s), torch.from_numpy(np.ascontiguousarray(zp)))
         return QuantizedWeight(data, k, n, bits, block, "avx2")
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
@@ -95,13 +100,14 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
 def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     if w.kind == "dequant":
         return torch.matmul(x, w.data)
-    q, scale, zs = w.data
+    q, scale, zp = w.data
     lead = x.shape[:-1]
     dtype = x.dtype
     x2 = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
     if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = _qgemv(x2, q, scale, zs, w.block, w.bits)
+        y = _qgemv(x2, q, scale, zp, w.block, w.bits, KERNEL_THREADS["n"])
     else:
-        wt = cpu_kernels().dequant(q, scale, zs, w.block, w.bits, _dequant_buffer(w.in_features * w.out_features))
+        wt = cpu_kernels().dequant(q, scale, zp, w.block, w.bits, _dequant_buffer(w.in_features * w.out_features),
+                                   KERNEL_THREADS["n"])
         y = F.linear(x2, wt)
     return y.reshape(*lead, w.out_features).to(dtype)
