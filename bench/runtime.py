@@ -49,7 +49,6 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 # --- engines (each runs in a child process) ------------------------------------------------
 def run_fuselm(model: Path, device: str, runs: int, compile_: bool, threads: int | None) -> dict:
     import numpy as np
-
     from fuselm.runtime_metal.session import Session
 
     t0 = time.perf_counter()
@@ -159,9 +158,8 @@ def run_hf(ckpt: Path, device: str, runs: int, dtype: str, cache: str) -> dict:
 def count_dispatches(model: Path, device: str) -> dict:
     """Ops the runtime dispatches per decode token (plan steps), and the aten ops they launch."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fuselm.runtime_metal.session import Session
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self):
