@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import fuselm
 from fuselm.errors import CheckFailed, FuselmError
@@ -79,27 +82,71 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    command = args.pop("command")
-    positional = {"convert": ("hf_dir", "out"), "optimize": ("in_path", "out"), "diff": ("in_path",),
-                  "run": ("model_dir",), "validate": ("model_dir", "reference")}[command]
-    pos = [args.pop(k) for k in positional]
-    # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    # SIGTERM unwinds like Ctrl-C, so temporary outputs are removed on the way out.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with _unwinding_signals() as signals:
+        return _main(argv, signals)
+
+
+def _main(argv: list[str] | None, signals: list[int]) -> int:
+    command = "fuselm"
     try:
-        getattr(fuselm, command)(*pos, **args)
+        args = vars(build_parser().parse_args(argv))
+        command = f"fuselm {args.pop('command')}"
+        positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
+                      "fuselm diff": ("in_path",), "fuselm run": ("model_dir",),
+                      "fuselm validate": ("model_dir", "reference")}[command]
+        pos = [args.pop(k) for k in positional]
+        # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        getattr(fuselm, command.split()[1])(*pos, **args)
     except FuselmError as e:
-        print(f"fuselm {command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except CheckFailed as e:
-        print(f"fuselm {command}: check failed: {e}", file=sys.stderr)
+        print(f"{command}: check failed: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception:
+        if not signals:
+            raise
+        # A KeyboardInterrupt raised inside a library's callback can come back as another
+        # exception (torch turns it into a ValueError): it is still the interrupt.
+        return _interrupted(command)
     except KeyboardInterrupt:
-        print(f"fuselm {command}: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    return 0
+        return _interrupted(command)
+    return _interrupted(command) if signals else 0
+
+
+@contextlib.contextmanager
+def _unwinding_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so temporary outputs are removed on the way out.
+    Yields the signals received, also those a finalizer swallowed (Python would print them as an
+    ignored exception and carry on). Handlers are restored afterwards (main() may be called in-process)."""
+    signals: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    def unraisable(info, previous=sys.unraisablehook):
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            previous(info)
+
+    saved = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        yield signals
+    finally:
+        sys.unraisablehook = saved_hook
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _interrupted(command: str) -> int:
+    # Outputs are atomic: OUT is as it was, or complete if the run had just finished writing it.
+    print(f"{command}: interrupted; nothing half-written was left", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import fcntl
 import json
 import os
 import shutil
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,8 +122,9 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     first. A lock file beside `out` lets one writer in at a time; a second one stops with a clear
     error. With `force`, an existing `out` is replaced only after the new one is complete; a run
     killed between moving the old `out` aside and moving the new one in is undone by the next run,
-    which puts the old `out` back first. An OSError inside the block (disk full) becomes a
-    FuselmError once the temporary directory is removed.
+    which puts the old `out` back first. An OSError (disk full, no permission) becomes a
+    FuselmError once the temporary directory is removed. SIGINT / SIGTERM wait while the lock, the
+    temporary directory or OUT is half changed; the work in between stays interruptible.
     """
     out = Path(out).absolute()
     _check_target(out, force)
@@ -130,21 +133,66 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FuselmError(f"Cannot create {parent}: {e.strerror}; choose a writable location") from None
-    with _exclusive_lock(parent / f"{_TMP_MARK}{out.name}.lock", out):
-        _restore_replaced(parent, out)
-        _check_target(out, force)  # another writer may have finished while we waited for the lock
-        _remove_stale_tmp(parent, out.name)
-        tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            yield tmp
-            _move_in(tmp, out)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise FuselmError(f"writing {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); nothing was "
-                                  "written there; free disk space or choose another OUT, then run again") from None
-            raise
+    deferred = _DeferredSignals()
+    deferred.start()
+    try:
+        with _as_fuselm_error(out), _exclusive_lock(parent / f"{_TMP_MARK}{out.name}.lock", out):
+            _restore_replaced(parent, out)
+            _check_target(out, force)  # another writer may have finished while we waited for the lock
+            _remove_stale_tmp(parent, out.name)
+            tmp = parent / f"{_TMP_MARK}{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                deferred.stop()
+                yield tmp
+                deferred.start()
+                _move_in(tmp, out)
+            except BaseException:
+                deferred.start()
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    finally:
+        deferred.stop()  # a signal that came meanwhile is delivered now
+
+
+@contextlib.contextmanager
+def _as_fuselm_error(out: Path) -> Iterator[None]:
+    """An OSError (disk full, no permission) while writing OUT: exit 2 with a message, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise FuselmError(f"writing {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); nothing was written "
+                          "there; free disk space or choose another OUT, then run again") from None
+
+
+class _DeferredSignals:
+    """Between start() and stop(), SIGINT and SIGTERM are recorded instead of handled; stop() hands a
+    recorded one to the handler that was in place. Main thread only (elsewhere Python cannot set handlers)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.saved: dict | None = None
+        self.pending: list[int] = []
+
+    def start(self) -> None:
+        if self.saved is None and threading.current_thread() is threading.main_thread():
+            self.saved = {s: signal.signal(s, lambda signum, frame: self.pending.append(signum)) for s in self.SIGNALS}
+
+    def stop(self) -> None:
+        if self.saved is None:
+            return
+        for s, handler in self.saved.items():
+            signal.signal(s, handler)
+        self.saved = None
+        if self.pending:
+            signum = self.pending[0]
+            self.pending.clear()
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handler(signum, None)  # default_int_handler: KeyboardInterrupt, here
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def _move_in(tmp: Path, out: Path) -> None:
@@ -159,10 +207,7 @@ def _move_in(tmp: Path, out: Path) -> None:
     except BaseException:
         os.rename(trash, out)
         raise
-    try:
-        shutil.rmtree(trash, ignore_errors=True)
-    except KeyboardInterrupt:  # the new OUT is complete; the next run removes what is left of the old one
-        pass
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _check_target(out: Path, force: bool) -> None:
