@@ -26,6 +26,7 @@ Answer: rc (exit status, None if killed), signal, timed_out, stdout, stderr, exc
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import resource
@@ -64,10 +65,13 @@ class _Faults:
     def __init__(self, fault: dict | None):
         self.fault = fault or {}
         self.io = self.write = 0
+        self.names: list[str] = []  # what each event was, in order (for choosing fault points)
 
-    def event(self, is_write: bool) -> None:
+    def event(self, is_write: bool, name: str) -> None:
         self.io += 1
         self.write += is_write
+        if len(self.names) < 100_000:
+            self.names.append(name)
         action = self.fault.get("action")
         if action is None:
             return
@@ -89,9 +93,9 @@ def _install_hooks(faults: _Faults, guard: bool, blocked: list) -> None:
                 blocked.append(f"open {os.fsdecode(path)}")
                 raise PermissionError(f"reliability guard: {os.fsdecode(path)} is a pickle file")
             if is_write:
-                faults.event(True)
+                faults.event(True, "open")
         elif event in _IO_EVENTS:
-            faults.event(event == "os.truncate")
+            faults.event(event == "os.truncate", event)
         elif guard and event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto"):
             blocked.append(f"{event} {args[1] if event == 'socket.connect' else args[0]!r}")
             raise ConnectionRefusedError(f"reliability guard: {event} blocked")
@@ -103,9 +107,9 @@ def _install_hooks(faults: _Faults, guard: bool, blocked: list) -> None:
     for name in ("pwrite", "write"):  # the convert writer's pwrite and low-level writes: not audited
         real = getattr(os, name)
 
-        def wrapped(fd, *a, _real=real):
+        def wrapped(fd, *a, _real=real, _name=name):
             if fd > 2:
-                faults.event(True)
+                faults.event(True, _name)
             return _real(fd, *a)
         setattr(os, name, wrapped)
 
@@ -138,6 +142,10 @@ def _child(req: dict, out_path: str, err_path: str, result_path: str, go_fd: int
         _install_hooks(faults, bool(req.get("guard")), blocked)
         result.update(events=faults, blocked=blocked)
         try:
+            # Signals were ignored while the harness set up (the server forks with them ignored): a
+            # signal now reaches the command, as it would a fresh `fuselm` process.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if "python" in req:
                 exec(req["python"], {"fuselm": fuselm, "__name__": "__case__"})  # noqa: S102
                 rc = 0
@@ -153,22 +161,33 @@ def _child(req: dict, out_path: str, err_path: str, result_path: str, go_fd: int
         result["exception"] = f"harness: {type(e).__name__}: {e}"
         rc = 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's own bookkeeping is not interruptible
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
             events = result.get("events")
-            result["events"] = {"io": events.io, "write": events.write} if events else None
+            if events:
+                events.fault = {}  # writing the result below is not a fault point
+            result["events"] = {"io": events.io, "write": events.write, "names": list(events.names)} if events else None
             with open(result_path, "w") as f:
                 json.dump(result, f)
         finally:
             os._exit(rc if isinstance(rc, int) else 1)
 
 
+_case_ids = itertools.count()
+
+
 def _start(req: dict, work: str, go_fd: int | None):
-    paths = [os.path.join(work, f"{len(os.listdir(work))}-{n}") for n in ("out", "err", "result")]
+    case = next(_case_ids)
+    paths = [os.path.join(work, f"{case}-{n}") for n in ("out", "err", "result")]
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     pid = os.fork()
     if pid == 0:
         _child(req, *paths, go_fd)
+    for s, handler in saved.items():
+        signal.signal(s, handler)
     return {"pid": pid, "req": req, "paths": paths, "t0": time.monotonic(), "status": None, "timed_out": False,
             "signalled_at": None}
 
