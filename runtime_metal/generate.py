@@ -29,7 +29,8 @@ def load_tokenizer(model_dir: Path, required: bool):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        # trust_remote_code=False: an auto_map in tokenizer_config.json is refused, never prompted for
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for broken tokenizer files
         if required:
             raise FuselmError(f"cannot load the tokenizer in {directory} ({type(e).__name__}: {e}); "

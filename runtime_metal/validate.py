@@ -82,7 +82,8 @@ def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
-                                                     local_files_only=True, use_safetensors=True).eval()
+                                                     local_files_only=True, use_safetensors=True,
+                                                     trust_remote_code=False).eval()
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
         raise FuselmError(f"cannot load the reference checkpoint {hf_dir} ({type(e).__name__}: {e}); pass the HF "
                           "checkpoint directory the model was converted from") from None
