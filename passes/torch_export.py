@@ -22,7 +22,8 @@ def export_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, optimiz
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_implementation,
-                                                 local_files_only=True, use_safetensors=True).eval()
+                                                 local_files_only=True, use_safetensors=True,
+                                                 trust_remote_code=False).eval()
     cfg = model.config
     layers = cfg.num_hidden_layers
     kv_heads = cfg.num_key_value_heads
