@@ -55,7 +55,7 @@ def hf_model(hf_dir: str | Path):
 
     # Offline, and safetensors only: transformers would otherwise unpickle a pytorch_model.bin.
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
-                                                 local_files_only=True, use_safetensors=True)
+                                                 local_files_only=True, use_safetensors=True, trust_remote_code=False)
     return model.eval()
 
 
