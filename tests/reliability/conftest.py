@@ -3,7 +3,7 @@ processes, and a tally of every generated case and injected fault, printed at th
 and written to `<pytest basetemp>/reliability-summary.json` (or $FUSELM_RELIABILITY_SUMMARY).
 
 Budgets (CI runs the small defaults; raise them for long runs):
-  FUSELM_HYPOTHESIS_EXAMPLES=N   valid random configs per property test (default 3 each, 2 tests)
+  FUSELM_HYPOTHESIS_EXAMPLES=N   generated valid configs in the property test (default 4, plus 2 fixed)
   FUSELM_FUZZ_CASES=N            seeded mutations per malformed-input family (default 40)
   FUSELM_FAULT_CASES=N           random kill / disk-full points per command (default 6)
   FUSELM_FUZZ_SEED=S             the seed of the mutations and fault points (default 0)
@@ -53,7 +53,8 @@ def pytest_terminal_summary(terminalreporter, config):
     w.section("fuselm reliability")
     names = {"valid": "valid random configs (convert f32+q4, optimize, validate)",
              "malformed": "malformed inputs (must exit 2: message, no traceback, nothing written)",
-             "fault": "injected faults (kills, disk full, concurrent writers: nothing lost or half written)"}
+             "fault": "injected faults (kills, disk full, concurrent writers: nothing lost or half written)",
+             "rerun": "reruns in fresh processes (every output file byte-identical)"}
     for kind, label in names.items():
         d = data[kind]
         w.write_line(f"{d['tried']:6d} {label}: {d['broken']} broke a promise")

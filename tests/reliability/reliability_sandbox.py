@@ -17,7 +17,8 @@ Request fields (all optional but one of argv / python):
   kill_after    [seconds, "SIGINT" | "SIGKILL" | "SIGTERM"]: the server signals the child, from outside
   fault         {"at": N, "action": "SIGINT" | "SIGKILL" | "ENOSPC"}: at the child's N-th file-system
                 event the child signals itself, or that call fails with ENOSPC (write events only)
-  guard         record and refuse network connections, opens of pickle files, unpickling
+  guard         record and refuse network connections (TCP/UDP, name lookups), opens of pickle files,
+                unpickling (the client turns it on for every case)
   group         a list of requests run at once (released together); the answer is a list
 Answer: rc (exit status, None if killed), signal, timed_out, stdout, stderr, exception, events
 (file-system events seen: {"io": n, "write": n}), blocked (guard records), seconds.
@@ -31,6 +32,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -96,8 +98,12 @@ def _install_hooks(faults: _Faults, guard: bool, blocked: list) -> None:
                 faults.event(True, "open")
         elif event in _IO_EVENTS:
             faults.event(event == "os.truncate", event)
-        elif guard and event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto"):
-            blocked.append(f"{event} {args[1] if event == 'socket.connect' else args[0]!r}")
+        elif guard and event in ("socket.connect", "socket.sendto") and \
+                getattr(args[0], "family", None) in (socket.AF_INET, socket.AF_INET6):
+            blocked.append(f"{event} {args[1]!r}")
+            raise ConnectionRefusedError(f"reliability guard: {event} blocked")
+        elif guard and event in ("socket.getaddrinfo", "socket.gethostbyname"):
+            blocked.append(f"{event} {args[0]!r}")
             raise ConnectionRefusedError(f"reliability guard: {event} blocked")
         elif guard and event == "pickle.find_class":
             blocked.append(f"unpickle {args[0]}.{args[1]}")
@@ -126,6 +132,7 @@ def _child(req: dict, out_path: str, err_path: str, result_path: str, go_fd: int
     try:
         fd_out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         fd_err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # never the protocol pipe (transformers may prompt)
         os.dup2(fd_out, 1)
         os.dup2(fd_err, 2)
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115

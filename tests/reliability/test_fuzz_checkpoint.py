@@ -21,7 +21,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from reliability_helpers import FUZZ_CASES, FUZZ_SEED, refused, same_files
 from safetensors import safe_open
@@ -90,7 +90,8 @@ def config_mutation(draw):
 
 
 @given(mutation=config_mutation())
-@settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
+@seed(FUZZ_SEED)
+@settings(max_examples=FUZZ_CASES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_wrong_config_fields_are_refused(mutation, work, sandbox, tally, tmp_path):
     family, field, value = mutation
