@@ -187,10 +187,22 @@ def count_dispatches(model: Path, device: str) -> dict:
     if device.startswith("cuda"):
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            sess.decode(5)
-            torch.cuda.synchronize()
-        out["cuda_kernels_per_token"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        def kernels(fn) -> int:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+        out["cuda_kernels_per_token"] = kernels(lambda: sess.decode(5))
+        comp = Session(model, backend="torch", device=device, compile=True)
+        comp.reset(16)
+        comp.prefill(_ids(4))
+        for _ in range(4):
+            comp.decode(5)
+        graph = getattr(comp.compiled, "fn", None)
+        if graph is not None and hasattr(graph, "static"):  # the compiled step inside the CUDA graph
+            out["cuda_kernels_per_token_compiled"] = kernels(lambda: graph.fn(*graph.static))
+            out["compiled"] = comp.compiled.what
     return out
 
 
@@ -310,14 +322,14 @@ def main(argv=None) -> int:
         child(args)
         return 0
     cuda = args.device.startswith("cuda")
-    engines = args.engines or (["fuselm", "fuselm-f16", "hf-bf16-dynamic", "hf-bf16-static", "dispatches"] if cuda
+    engines = args.engines or (["fuselm", "hf-bf16-dynamic", "hf-bf16-static", "dispatches"] if cuda
                                else ["fuselm", "ort", "hf-bf16-dynamic", "hf-f32-dynamic", "dispatches"])
     rows, kernels, extra = [], {}, {}
     if cuda:
         extra["copy_gb_s"] = spawn("bandwidth", Path("."), Path("."), args).get("copy_gb_s")
     for shape in args.shapes:
         t0 = time.perf_counter()
-        ckpt, models = prepare(shape, args.work, ["q4", "f16"] if cuda else ["q4"])
+        ckpt, models = prepare(shape, args.work, ["q4", "f16"] if "fuselm-f16" in engines else ["q4"])
         print(f"[{shape}] models ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for engine in engines:
             if engine == "dispatches":
@@ -387,7 +399,9 @@ def _report(rows, kernels, extra, cuda) -> dict:
                 summary[f"{shape} {stage} ops/layer"] = k["ops_per_layer"]
                 summary[f"{shape} {stage} aten ops/token"] = k["aten_ops_per_token"]
                 if "cuda_kernels_per_token" in k:
-                    summary[f"{shape} {stage} CUDA kernels/token"] = k["cuda_kernels_per_token"]
+                    summary[f"{shape} {stage} CUDA kernels/token (eager)"] = k["cuda_kernels_per_token"]
+                if "cuda_kernels_per_token_compiled" in k:
+                    summary[f"{shape} {stage} CUDA kernels/token (compiled)"] = k["cuda_kernels_per_token_compiled"]
     for k, v in sorted(summary.items()):
         console.print(f"  {k}: {v}")
     return summary

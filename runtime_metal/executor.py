@@ -104,6 +104,7 @@ class Executor:
     # --- tracing: one walk that runs the graph and records the device steps --------------------
     def _trace(self, feeds: dict) -> tuple[Plan, dict]:
         g, b = self.graph, self.b
+        b.new_step()
         env: dict[str, object] = dict(feeds)
         static: dict[str, np.ndarray] = dict(g.constants)
         steps: list[Step] = []
@@ -198,6 +199,7 @@ class Executor:
     def _execute(self, plan: Plan, feeds: dict) -> dict:
         env = dict(feeds)
         b, ctx, prof = self.b, self.ctx, self.profiler
+        b.new_step()
         for step in plan.steps:
             args = list(step.args)
             for pos, x, host in step.slots:

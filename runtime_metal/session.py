@@ -264,7 +264,8 @@ class Session:
         extra = f", quantized matmul: {'/'.join(sorted(kind))}" if kind else ""
         mode = "static-shape decode" if self._use_static() else "dynamic decode"
         if self._use_static() and self.compile:
-            mode += ", compiled" if self.compile_failed is None else f", compile failed ({self.compile_failed})"
+            mode += (f", compiled: {self.compiled.what}" if self.compiled is not None else ", compiles after the first decode steps") \
+                if self.compile_failed is None else f", compile failed ({self.compile_failed})"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra})"
 
 

@@ -149,6 +149,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
               "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
               "compiled": sess.compiled is not None, "compile_failed": sess.compile_failed,
+              "describe": sess.describe(),
               "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
                                        None)}
     if quantized and hf_drift is not None:

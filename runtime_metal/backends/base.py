@@ -69,6 +69,9 @@ class Backend:
     def sync(self, x) -> None:
         """Wait until `x` is computed (profiling); a no-op where execution is eager and synchronous."""
 
+    def new_step(self) -> None:
+        """A graph run begins (backends that memoize within a step reset here)."""
+
     # --- math ---------------------------------------------------------------------------
     def unary(self, op: str, x):
         raise NotImplementedError

@@ -81,6 +81,7 @@ class TorchBackend(Backend):
         self.device = str(torch.device(device or "cpu"))
         self._dev = torch.device(self.device)
         self._rope_memo: tuple | None = None
+        self._inv_freq: dict[int, tuple] = {}
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
@@ -282,13 +283,18 @@ class TorchBackend(Backend):
         memo = self._rope_memo
         if memo is not None and memo[0] is position_ids and memo[1] is inv_freq and memo[2] == scaling:
             return memo[3], memo[4]
-        inv = torch.as_tensor(np.asarray(inv_freq, np.float32), device=position_ids.device)
-        freqs = position_ids.to(torch.float32)[..., None] * inv  # [B, S, rd/2]
+        key = id(inv_freq)
+        if key not in self._inv_freq:  # on the device once: no host copies inside a captured step
+            self._inv_freq[key] = (inv_freq, torch.as_tensor(np.asarray(inv_freq, np.float32), device=self._dev))
+        freqs = position_ids.to(torch.float32)[..., None] * self._inv_freq[key][1]  # [B, S, rd/2]
         cos = (torch.cos(freqs) * scaling).to(dtype)[:, :, None, :]
         sin = (torch.sin(freqs) * scaling).to(dtype)[:, :, None, :]
-        if not torch.compiler.is_compiling():
-            self._rope_memo = (position_ids, inv_freq, scaling, cos, sin)
+        self._rope_memo = (position_ids, inv_freq, scaling, cos, sin)
         return cos, sin
+
+    def new_step(self):
+        """A graph run begins: nothing computed in an earlier step may be reused."""
+        self._rope_memo = None
 
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:

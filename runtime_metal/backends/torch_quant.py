@@ -82,6 +82,8 @@ def _dequant_buffer(numel: int) -> torch.Tensor:
 def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int,
             bits: int) -> QuantizedWeight:
     k, n = q.shape
+    if backend.device.startswith("cuda"):
+        return _prepare_cuda(backend, q, scale, zero_point, block, bits)
     kernels = cpu_kernels() if backend.device == "cpu" else None
     if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8):
         qt = np.ascontiguousarray(q.T)  # [N, K]
@@ -97,9 +99,35 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
     return QuantizedWeight(data, k, n, bits, block, "dequant")
 
 
+def _prepare_cuda(backend, q, scale, zero_point, block, bits) -> QuantizedWeight:
+    """CUDA: 4-bit weights go to tinygemm (aten._weight_int4pack_mm, bf16 activations, as gpt-fast and
+    torchao run int4); 8-bit blocked weights fit no torch kernel (_weight_int8pack_mm is per channel),
+    so they are dequantized once to bf16."""
+    k, n = q.shape
+    dev = torch.device(backend.device)
+    if bits == 4 and block in (32, 64, 128, 256) and k % 128 == 0 and n % 8 == 0:  # tinygemm's tiles
+        qt = torch.from_numpy(np.ascontiguousarray(q.T)).to(dev, torch.int32)  # [N, K]
+        packed = ((qt[:, ::2] << 4) | qt[:, 1::2]).to(torch.uint8)  # tinygemm: even k in the high nibble
+        w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        s = torch.from_numpy(scale.astype(np.float32)).to(dev)  # [K/block, N]
+        zp = torch.from_numpy(zero_point.astype(np.float32)).to(dev) if zero_point is not None else torch.zeros_like(s)
+        # tinygemm dequantizes (q - 8) * scale + zero; ours is (q - zp) * scale
+        sz = torch.stack([s, (8 - zp) * s], dim=-1).to(torch.bfloat16).contiguous()
+        return QuantizedWeight((w, sz), k, n, bits, block, "tinygemm")
+    w = dequantize_blocked(q, scale, zero_point, block)
+    return QuantizedWeight(torch.from_numpy(w).to(dev, torch.bfloat16), k, n, bits, block, "dequant-bf16")
+
+
 def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     if w.kind == "dequant":
         return torch.matmul(x, w.data)
+    if w.kind == "dequant-bf16":
+        return torch.matmul(x.to(torch.bfloat16), w.data).to(x.dtype)
+    if w.kind == "tinygemm":
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, w.in_features).to(torch.bfloat16), w.data[0], w.block,
+                                               w.data[1])
+        return y.reshape(*lead, w.out_features).to(x.dtype)
     q, scale, zp = w.data
     lead = x.shape[:-1]
     dtype = x.dtype
