@@ -14,6 +14,7 @@ def convert(hf_dir, out, **kwargs):
     """Convert a local HF checkpoint directory to a fuselm model directory (see `fuselm convert -h`)."""
     from .exporter.convert import convert as _convert
 
+    _input_not_inside(hf_dir, out)
     return _convert(hf_dir, out, **kwargs)
 
 
@@ -21,7 +22,16 @@ def optimize(in_path, out, **kwargs):
     """Run the pass pipeline on a model directory or .onnx file (see `fuselm optimize -h`)."""
     from .passes.pipeline import optimize as _optimize
 
+    _input_not_inside(in_path, out)
     return _optimize(in_path, out, **kwargs)
+
+
+def _input_not_inside(source, out) -> None:
+    """Replacing OUT (--force) must never delete the input it is made from."""
+    from pathlib import Path
+
+    if Path(out).resolve() in Path(source).resolve().parents:
+        raise FuselmError(f"{source} lies inside OUT {out}: replacing OUT would delete it; choose another OUT")
 
 
 def diff(in_path, **kwargs):

@@ -122,19 +122,22 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     first. A lock file beside `out` lets one writer in at a time; a second one stops with a clear
     error. With `force`, an existing `out` is replaced only after the new one is complete; a run
     killed between moving the old `out` aside and moving the new one in is undone by the next run,
-    which puts the old `out` back first. An OSError (disk full, no permission) becomes a
+    which puts the old `out` back first; `force` replaces only a fuselm model directory (or an
+    empty one), never a folder of other files. An OSError (disk full, no permission) becomes a
     FuselmError once the temporary directory is removed. SIGINT / SIGTERM wait while the lock, the
     temporary directory or OUT is half changed; the work in between stays interruptible.
     """
     out = Path(out).absolute()
     _check_target(out, force)
     parent = out.parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # removed again if the run fails
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FuselmError(f"Cannot create {parent}: {e.strerror}; choose a writable location") from None
     deferred = _DeferredSignals()
     deferred.start()
+    done = False
     try:
         with _as_fuselm_error(out), _exclusive_lock(parent / f"{_TMP_MARK}{out.name}.lock", out):
             _restore_replaced(parent, out)
@@ -147,11 +150,16 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
                 yield tmp
                 deferred.start()
                 _move_in(tmp, out)
+                done = True
             except BaseException:
                 deferred.start()
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
     finally:
+        if not done:
+            for p in created:  # deepest first; only if nothing else appeared in them
+                with contextlib.suppress(OSError):
+                    p.rmdir()
         deferred.stop()  # a signal that came meanwhile is delivered now
 
 
@@ -196,9 +204,16 @@ class _DeferredSignals:
 
 
 def _move_in(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out`; an existing `out` is moved aside first and back on failure."""
+    """Rename the finished `tmp` to `out`; an existing `out` is moved aside first and back on failure.
+
+    The files reach the disk before the rename (fsync), so a crash or power loss after it cannot
+    leave an OUT whose names are there but whose bytes are not."""
+    for p in tmp.iterdir():
+        _fsync(p)
+    _fsync(tmp)
     if not out.exists():
         os.rename(tmp, out)
+        _fsync(out.parent)
         return
     trash = out.parent / f"{_TMP_MARK}{out.name}{_OLD}{uuid.uuid4().hex[:8]}"
     os.rename(out, trash)
@@ -207,7 +222,16 @@ def _move_in(tmp: Path, out: Path) -> None:
     except BaseException:
         os.rename(trash, out)
         raise
+    _fsync(out.parent)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_target(out: Path, force: bool) -> None:
@@ -215,6 +239,9 @@ def _check_target(out: Path, force: bool) -> None:
         raise FuselmError(f"Cannot write to {out}: it exists; pass --force or choose another directory")
     if out.exists() and not out.is_dir():
         raise FuselmError(f"Cannot write to {out}: it is a file, not a directory; choose another path")
+    if out.exists() and not (out / META_NAME).is_file() and any(out.iterdir()):
+        raise FuselmError(f"Cannot replace {out}: it is not a fuselm model directory (no {META_NAME}) and not "
+                          "empty; --force only replaces fuselm outputs. Choose another OUT or remove it yourself")
 
 
 @contextlib.contextmanager

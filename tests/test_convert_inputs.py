@@ -123,6 +123,7 @@ def test_existing_out_needs_force(make_ckpt, tmp_path, capsys):
     code = cli.main(["convert", str(make_ckpt("qwen3")), "-o", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "it exists; pass --force" in err and (out / "keep.txt").read_text() == "mine"
+    (out / "fuselm.json").write_text("{}")  # --force replaces fuselm model directories only
     assert cli.main(["convert", str(make_ckpt("qwen3")), "-o", str(out), "--quiet", "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / DATA_NAME).is_file()
 

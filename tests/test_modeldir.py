@@ -33,6 +33,9 @@ def test_existing_out_needs_force(tmp_path):
     (out / "old").write_text("old")
     with pytest.raises(FuselmError, match="--force"), atomic_output_dir(out):
         pass
+    with pytest.raises(FuselmError, match="not a fuselm model directory"), atomic_output_dir(out, force=True):
+        pass
+    write_meta(out, {"stage": "exported"})  # a model directory: --force replaces it
     with atomic_output_dir(out, force=True) as tmp:
         (tmp / "new").write_text("new")
     assert [p.name for p in out.iterdir()] == ["new"]
