@@ -16,7 +16,8 @@ Request fields (all optional but one of argv / python):
   timeout       seconds before the child is killed (answer: timed_out)
   kill_after    [seconds, "SIGINT" | "SIGKILL" | "SIGTERM"]: the server signals the child, from outside
   fault         {"at": N, "action": "SIGINT" | "SIGKILL" | "ENOSPC"}: at the child's N-th file-system
-                event the child signals itself, or that call fails with ENOSPC (write events only)
+                event the child signals itself, or that call fails with ENOSPC (write events only);
+                events: opens for writing, renames, mkdir/remove/rmtree, truncate, pwrite/write, fsync
   guard         record and refuse network connections (TCP/UDP, name lookups), opens of pickle files,
                 unpickling (the client turns it on for every case)
   group         a list of requests run at once (released together); the answer is a list
@@ -118,6 +119,12 @@ def _install_hooks(faults: _Faults, guard: bool, blocked: list) -> None:
                 faults.event(True, _name)
             return _real(fd, *a)
         setattr(os, name, wrapped)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        faults.event(False, "fsync")
+        return real_fsync(fd)
+    os.fsync = fsync
 
 
 def _vm_size() -> int:

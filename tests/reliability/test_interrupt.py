@@ -14,6 +14,7 @@ Most runs are children of the fork server; two go through `python -m fuselm.cli`
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,8 +99,6 @@ def _next_run(sandbox, argv: list, out: Path, new: Path, old: Path | None) -> li
 
 
 def _prepare(case_dir: Path, old: Path | None) -> Path:
-    import shutil
-
     case_dir.mkdir(parents=True)
     out = case_dir / "out"
     if old is not None:
@@ -137,6 +136,7 @@ def test_disk_full_at_any_write(name, commands, sandbox, tally, tmp_path):
     failures = []
     for i, at in enumerate(sorted(set(rng.sample(range(1, writes + 1), min(writes, FAULT_CASES))) | {1, writes})):
         out = tmp_path / f"case{i}" / "out"
+        out.parent.mkdir()
         answer = sandbox.run([*argv, "-o", out], timeout=120, fault={"at": at, "action": "ENOSPC"})
         why = []
         if answer["rc"] != 2 or "No space left on device" not in answer["stderr"] or "Traceback" in answer["stderr"]:
@@ -219,4 +219,42 @@ def test_real_processes_signalled_while_writing(make_ckpt, exported, sandbox, ta
         why += _next_run(sandbox, argv, out, new, None)
         if not tally.record("fault", f"python -m fuselm.cli convert, {r['sig'].name} while writing", not why):
             failures.append((r["sig"].name, r["at"], code, why, err[-300:]))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("name", ["convert", "optimize"])
+def test_files_reach_the_disk_before_the_rename(name, commands, sandbox, tmp_path):
+    """Power loss: every file of OUT and the temporary directory are fsynced before the rename that
+    publishes OUT, and its parent after it (else a crash could leave names without their bytes)."""
+    argv, _, _ = commands[name]
+    out = tmp_path / "out"
+    events = sandbox.run([*argv, "-o", out], timeout=120)["events"]["names"]
+    publish = max(i for i, e in enumerate(events) if e == "os.rename")
+    assert events[:publish].count("fsync") >= len(list(out.iterdir())) + 1, events
+    assert "fsync" in events[publish + 1:], events
+
+
+def test_force_replaces_only_fuselm_outputs(make_ckpt, exported, sandbox, tally, tmp_path):
+    """--force onto a folder of other files (a typo'd home directory), or onto a folder that holds the
+    input, is refused: nothing there is touched; a failed run removes the parent folders it created."""
+    hf = make_ckpt("qwen3")
+    home = tmp_path / "home"
+    (home / "notes").mkdir(parents=True)
+    (home / "notes" / "thesis.txt").write_text("years of work")
+    cases = [("folder of other files", ["convert", hf, "-o", home, "--force"], home),
+             ("input inside OUT", ["optimize", exported("qwen3"), "-o", exported("qwen3").parent, "--force"],
+              exported("qwen3").parent)]
+    failures = []
+    for what, argv, target in cases:
+        before = sorted(p.relative_to(target) for p in target.rglob("*"))
+        answer = sandbox.run(argv, timeout=120)
+        after = sorted(p.relative_to(target) for p in target.rglob("*"))
+        if answer["rc"] != 2 or before != after or "Traceback" in answer["stderr"]:
+            failures.append((what, answer["rc"], answer["stderr"][-200:]))
+        tally.record("malformed", "--force onto something not a fuselm output", answer["rc"] == 2 and before == after)
+    deep = tmp_path / "new" / "deeper" / "out"  # the disk fills up at the third write
+    answer = sandbox.run(["convert", hf, "-o", deep], timeout=120, fault={"at": 3, "action": "ENOSPC"})
+    if answer["rc"] != 2 or (tmp_path / "new").exists():
+        failures.append(("parents of a failed OUT", answer["rc"], sorted(p.name for p in tmp_path.iterdir())))
+    assert (home / "notes" / "thesis.txt").read_text() == "years of work"
     assert not failures, failures
