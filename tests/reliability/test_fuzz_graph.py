@@ -216,6 +216,8 @@ def _command(command: str, model: Path, out: Path, ckpt: Path) -> list:
         return ["optimize", model, "-o", out, "--quiet"]
     if command == "run":
         return ["run", model, "--prompt-ids", "1,2,3", "--max-tokens", "2", "--backend", "torch"]
+    if command == "diff":
+        return ["diff", model, "--json", out.parent / "diff.json"]
     return ["validate", model, "--reference", ckpt, "--tokens", "2", "--backend", "torch"]
 
 
@@ -238,17 +240,17 @@ def _mutated(sources, tmp_path, rng, mutation) -> tuple[Path, tuple]:
     return d, key
 
 
-@pytest.mark.parametrize("command", ["optimize", "run", "validate"])
+@pytest.mark.parametrize("command", ["optimize", "run", "validate", "diff"])
 def test_invalid_graphs_are_refused(command, sources, sandbox, tally, make_ckpt, tmp_path):
     rng = random.Random(f"{FUZZ_SEED}-{command}")
-    n = {"optimize": FUZZ_CASES, "run": FUZZ_CASES, "validate": FUZZ_CASES // 4}[command]
+    n = {"optimize": FUZZ_CASES, "run": FUZZ_CASES, "validate": FUZZ_CASES // 4, "diff": FUZZ_CASES // 4}[command]
     mutations = [INVALID[i % len(INVALID)] for i in range(n)]  # every kind, then round again
     failures = []
     for mutation in mutations:
         d, key = _mutated(sources, tmp_path, rng, mutation)
         out = d.parent / "out"
         answer = sandbox.run(_command(command, d, out, make_ckpt(key[0])), memory_gib=MEMORY_GIB, timeout=120)
-        why = refused(answer, out)
+        why = refused(answer, out) + (["diff wrote its report"] if (d.parent / "diff.json").exists() else [])
         if not tally.record("malformed", f"graph {command}: invalid", not why):
             failures.append((mutation.__name__, key, why, answer["stderr"][-400:]))
     assert not failures, failures
@@ -295,4 +297,19 @@ def test_damaged_fuselm_json(command, sources, sandbox, tally, make_ckpt, tmp_pa
         ok = (answer["rc"] == 0 and not answer.get("exception")) or not refused(answer, out)
         if not tally.record("malformed", f"fuselm.json for {command}", ok):
             failures.append((field, value, answer["rc"], answer.get("exception"), answer["stderr"][-300:]))
+    assert not failures, failures
+
+
+TOKENIZER_DAMAGE = [b"", b"{", b"[]", b"null", b"[" * 100_000, b"\xff\xfe garbage", b'{"model": {"type": "BPE", "vocab": 5}}']
+
+
+def test_damaged_tokenizer(sources, sandbox, tally, tmp_path):
+    """tokenizer.json comes with the model too: `run --prompt` refuses a damaged one with exit 2."""
+    failures = []
+    for content in TOKENIZER_DAMAGE:
+        d = shutil.copytree(sources[("qwen3", "f32", "exported")], tmp_path / f"case{next(_case)}" / "model")
+        (d / "tokenizer.json").write_bytes(content)
+        answer = sandbox.run(["run", d, "--prompt", "hello", "--max-tokens", "2"], memory_gib=MEMORY_GIB, timeout=120)
+        if not tally.record("malformed", "tokenizer.json for run", not refused(answer)):
+            failures.append((content[:20], refused(answer), answer["stderr"][-300:]))
     assert not failures, failures
