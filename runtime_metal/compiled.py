@@ -108,10 +108,12 @@ class _CudaGraph:
         return self.out.clone()
 
 
-def agrees(backend, a, b, scale_floor: float = 1.0) -> bool:
-    x = np.asarray(backend.to_numpy(a), np.float64)
-    y = np.asarray(backend.to_numpy(b), np.float64)
-    return bool(np.allclose(x, y, atol=1e-3 * max(scale_floor, float(np.abs(x).max())), rtol=0))
+def agrees(backend, a, b, tol: float = 1e-3) -> bool:
+    """Same logits up to `tol` of their largest magnitude (at least 1), and the same argmax."""
+    x = np.asarray(backend.to_numpy(a), np.float64).reshape(-1)
+    y = np.asarray(backend.to_numpy(b), np.float64).reshape(-1)
+    close = np.allclose(x, y, atol=tol * max(1.0, float(np.abs(x).max())), rtol=0)
+    return bool(close and np.argmax(x) == np.argmax(y))
 
 
 __all__ = ["CompiledDecode", "agrees", "_log"]

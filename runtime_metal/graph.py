@@ -279,6 +279,12 @@ def _fold_constants(graph: Graph) -> None:
         except NotImplementedError:
             kept.append(n)
             continue
+        except FuselmError:
+            raise
+        except Exception as e:  # attributes the checker lets through (an axis out of range) fail here
+            raise FuselmError(f"node {n.name!r} ({n.op_type}) fails on its constant inputs ({type(e).__name__}: "
+                              f"{str(e)[:300]}); the graph is invalid, or uses the op in a form the runtime does "
+                              "not support") from e
         for name, v in zip(n.outputs, out, strict=False):
             if name:
                 consts[name] = np.asarray(v)

@@ -51,7 +51,13 @@ class Session:
         self.meta = self.lm.meta or {}
         self.backend = make_backend(backend, device)
         self.caches = self._check_contract()
-        self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
+        try:
+            self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
+        except Exception as e:  # load-time rewrites on attributes the checker lets through (a negative block size)
+            if isinstance(e, FuselmError):
+                raise
+            raise FuselmError(f"{self.lm.path} cannot be prepared for the runtime ({type(e).__name__}: {str(e)[:300]}); "
+                              "the graph is invalid, or uses an op in a form the runtime does not support") from e
         self.executor = Executor(self.graph, self.backend)
         self.fused = fused
         self.in_place = self._in_place_ok()
@@ -231,8 +237,13 @@ class Session:
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.compile_failed = f"{type(e).__name__}: {e}"[:300]
             return
-        if not agrees(self.backend, eager_logits, logits):
-            self.compile_failed = "compiled logits differ from the eager step"
+        # bf16 activations (CUDA int4/int8 kernels) reorder roundings that f32 paths do not
+        tol = 3e-2 if any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes
+                          if n.op_type == "QMatMul") else 1e-3
+        if not agrees(self.backend, eager_logits, logits, tol=tol):
+            d = np.abs(np.asarray(self.backend.to_numpy(eager_logits), np.float64)
+                       - np.asarray(self.backend.to_numpy(logits), np.float64)).max()
+            self.compile_failed = f"compiled logits differ from the eager step by {d:.3g}"
             return
         self.compiled = compiled
 

@@ -86,6 +86,9 @@ class TorchBackend(Backend):
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
         value = np.asarray(value)
+        if value.ndim == 0 and self._dev.type != "cpu" and value.dtype.name != "bfloat16":
+            # a fill kernel, not a host-to-device copy: scalars made mid-step stay capturable in CUDA graphs
+            return torch.full((), value.item(), dtype=self._from_numpy(value.reshape(1)).dtype, device=self._dev)
         if value.dtype.name == "bfloat16":
             t = self._from_numpy(value.view(np.uint16)).view(torch.bfloat16)
         else:
