@@ -259,10 +259,10 @@ def child(args) -> None:
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
+def spawn(engine: str, model: Path, ckpt: Path, args, eager: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--ckpt", str(ckpt),
            "--device", args.device, "--runs", str(args.runs)]
-    if args.no_compile:
+    if args.no_compile or eager:
         cmd.append("--no-compile")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
         return 0
     cuda = args.device.startswith("cuda")
     engines = args.engines or (["fuselm", "hf-bf16-dynamic", "hf-bf16-static", "dispatches"] if cuda
-                               else ["fuselm", "ort", "hf-bf16-dynamic", "hf-f32-dynamic", "dispatches"])
+                               else ["fuselm", "fuselm-eager", "ort", "hf-bf16-dynamic", "hf-f32-dynamic", "dispatches"])
     rows, kernels, extra = [], {}, {}
     if cuda:
         extra["copy_gb_s"] = spawn("bandwidth", Path("."), Path("."), args).get("copy_gb_s")
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
                 continue
             quant = "f16" if engine == "fuselm-f16" else "q4"
             name = "fuselm" if engine.startswith("fuselm") else engine
-            r = spawn(name, models[quant][1], ckpt, args)
+            r = spawn(name, models[quant][1], ckpt, args, eager=engine == "fuselm-eager")
             r.update(shape=shape, engine=engine, graph=f"{quant} optimized" if not engine.startswith("hf") else "HF checkpoint")
             if cuda and "decode_tok_s" in r and engine.startswith("fuselm"):
                 bpt = weight_bytes_per_token(models[quant][1])
