@@ -6,6 +6,7 @@ naming the problem:
   by an absurd shape), external data that leaves the model's directory (absolute, `..`, or through
   a symlink), a missing or too short data file, offsets that are not byte counts;
 - a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a cycle;
+- names and other strings that are not valid UTF-8;
 - anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), and a
   `fuselm::FusedRoPE` whose attributes do not fit its input.
 """
@@ -34,6 +35,7 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     except Exception as e:  # protobuf's DecodeError, onnx's own errors, I/O
         raise FuselmError(f"cannot read {path}: it is not a readable ONNX model ({type(e).__name__}: "
                           f"{shown(str(e), 200)}); {_FIX}") from None
+    _check_text(model, path)
     files: dict[Path, int] = {}
     for tensor in _tensors(model):
         _check_tensor(tensor, path.parent, files)
@@ -68,6 +70,20 @@ def _check_fused_rope(model: onnx.ModelProto, path: Path) -> None:
                 problem = f"rotary dim 2*{len(inv)} exceeds the head dim {head_dim} of its input"
         if problem:
             raise FuselmError(f"{path}: node {shown(n.name, 80)} (fuselm::FusedRoPE): {problem}; {_FIX}")
+
+
+def _check_text(message, path: Path) -> None:
+    """Every string field is text: protobuf hands invalid UTF-8 (a damaged name or data location)
+    back as bytes, which later code would trip over."""
+    for field, value in message.ListFields():
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue
+        for v in (value if field.is_repeated else [value]):
+            if field.type == field.TYPE_MESSAGE:
+                _check_text(v, path)
+            elif not isinstance(v, str):
+                raise FuselmError(f"{path}: a {field.full_name} field is not valid UTF-8 ({shown(v)}); the file is "
+                                  f"damaged; {_FIX}")
 
 
 def _tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
