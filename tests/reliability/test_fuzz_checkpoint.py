@@ -62,9 +62,10 @@ FIELDS = {
     "max_position_embeddings": "length", "rms_norm_eps": "eps", "tie_word_embeddings": "bool", "model_type": "name",
     "hidden_act": "act", "architectures": "architectures", "rope_parameters": "rope",
 }
-FAMILY_FIELDS = {"qwen3": {"head_dim": "count", "attention_bias": "bool"}, "qwen2": {"use_sliding_window": "bool"},
+# head_dim is optional (deleting it means hidden / heads, which is right for the tiny mistral)
+FAMILY_FIELDS = {"qwen3": {"head_dim": "dim", "attention_bias": "bool"}, "qwen2": {"use_sliding_window": "bool"},
                  "llama": {"attention_bias": "bool", "mlp_bias": "bool"},
-                 "mistral": {"head_dim": "count", "sliding_window": "length"}}
+                 "mistral": {"head_dim": "dim", "sliding_window": "length"}}
 # Whole-file damage to config.json.
 BROKEN_FILES = [b"", b"{", b"[1, 2]", b"null", b'"qwen3"', b"\xff\xfe\x00garbage", b"[" * 100_000,
                 b'{"model_type": "qwen3", "hidden_size": 64' + b', "x": 1' * 50_000]
