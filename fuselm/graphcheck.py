@@ -7,8 +7,9 @@ naming the problem:
   a symlink), a missing or too short data file, offsets that are not byte counts;
 - a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a cycle;
 - names and other strings that are not valid UTF-8;
-- anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), and a
-  `fuselm::FusedRoPE` whose attributes do not fit its input.
+- anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), a
+  `fuselm::FusedRoPE` whose attributes do not fit its input or whose function body is not fuselm's,
+  and Attention head counts that contradict its inputs.
 """
 
 from __future__ import annotations
@@ -46,14 +47,48 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     except Exception as e:  # ValidationError, InferenceError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FuselmError(f"{path} is not a valid ONNX model: onnx.checker says {shown(first, 300)}; {_FIX}") from None
-    _check_fused_rope(inferred, path)
+    _check_functions(model, path)
+    _check_ops(inferred, path)
     return model
 
 
-def _check_fused_rope(model: onnx.ModelProto, path: Path) -> None:
-    """fuselm::FusedRoPE's attributes (DESIGN.md): inv_freq finite, rotary_dim = 2·len(inv_freq) <= head_dim."""
+def _check_functions(model: onnx.ModelProto, path: Path) -> None:
+    """A model-local function of the fuselm domain must be fuselm's own definition: the runtime runs
+    its kernel for the op while onnxruntime and Netron read the body, so a different body would make
+    them compute different things."""
+    from fuselm.exporter.rope import fused_rope_function
+
+    canonical = {("fuselm", "FusedRoPE"): fused_rope_function()}
+    for f in model.functions:
+        if f.domain != "fuselm":
+            continue
+        given, expected = onnx.FunctionProto(), canonical.get((f.domain, f.name))
+        given.CopyFrom(f)
+        given.doc_string = ""
+        if expected is not None:
+            expected.doc_string = ""
+        if expected is None or given != expected:
+            raise FuselmError(f"{path}: the model-local function fuselm::{shown(f.name, 60)} is not fuselm's definition "
+                              f"of that op (domain version 1); a runtime would compute something else than its body; {_FIX}")
+
+
+def _check_ops(model: onnx.ModelProto, path: Path) -> None:
+    """What onnx.checker does not check: fuselm::FusedRoPE's attributes (DESIGN.md: inv_freq finite,
+    rotary_dim = 2·len(inv_freq) <= head_dim), and Attention's head counts against 4-D inputs."""
     shapes = {v.name: v.type.tensor_type.shape for v in [*model.graph.value_info, *model.graph.input]}
+
+    def static_dim(name: str, axis: int) -> int | None:
+        dims = shapes[name].dim if name in shapes else []
+        return dims[axis].dim_value if len(dims) == 4 and dims[axis].HasField("dim_value") else None
+
     for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type == "Attention":
+            attrs = {a.name: a.i for a in n.attribute if a.name in ("q_num_heads", "kv_num_heads")}
+            for attr, x in (("q_num_heads", 0), ("kv_num_heads", 1)):
+                heads = static_dim(n.input[x], 1) if len(n.input) > x else None
+                if attr in attrs and heads is not None and attrs[attr] != heads:
+                    raise FuselmError(f"{path}: node {shown(n.name, 80)} (Attention): {attr} = {attrs[attr]}, but its "
+                                      f"input has {heads} heads; {_FIX}")
         if n.domain != "fuselm" or n.op_type != "FusedRoPE":
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
@@ -143,6 +178,10 @@ def _check_tensor(t: TensorProto, base: Path, files: dict[Path, int]) -> None:
 
 def _check_external(t: TensorProto, name: str, nbytes: int, base: Path, files: dict[Path, int]) -> None:
     info = {e.key: e.value for e in t.external_data}
+    unknown = sorted(set(info) - {"location", "offset", "length", "checksum"})  # the keys ONNX defines
+    if unknown:
+        raise FuselmError(f"tensor {name}: unknown external data key {shown(unknown[0])} (a damaged 'offset'/'length' "
+                          f"would silently read other bytes); {_FIX}")
     location = info.get("location", "")
     if not location:
         raise FuselmError(f"tensor {name}: external data without a location; {_FIX}")
@@ -166,9 +205,9 @@ def _check_external(t: TensorProto, name: str, nbytes: int, base: Path, files: d
                               "(model.onnx and its data file belong together)")
         files[real] = real.stat().st_size
     length = numbers["length"] if numbers["length"] is not None else nbytes
-    if length < nbytes:
-        raise FuselmError(f"tensor {name}: external data length {length} is shorter than its shape {list(t.dims)} "
-                          f"needs ({nbytes} bytes); {_FIX}")
+    if length != nbytes:  # as onnxruntime: a length that disagrees with the shape means a damaged file
+        raise FuselmError(f"tensor {name}: external data length {length} does not match its shape {list(t.dims)} "
+                          f"({helper.tensor_dtype_to_string(t.data_type)}, {nbytes} bytes); {_FIX}")
     if numbers["offset"] + length > files[real]:
         raise FuselmError(f"tensor {name}: {location} is {files[real]} bytes, but the tensor needs bytes "
                           f"{numbers['offset']}..{numbers['offset'] + length}; the file is truncated or the shape "
@@ -177,6 +216,10 @@ def _check_external(t: TensorProto, name: str, nbytes: int, base: Path, files: d
 
 def _check_dag(g: onnx.GraphProto, path: Path) -> None:
     """Main graph only (subgraphs may read outer values): every input produced once, no cycle."""
+    names = [n.name for n in g.node if n.name]
+    if len(set(names)) != len(names):  # onnxruntime refuses such a graph too
+        twice = next(x for x in names if names.count(x) > 1)
+        raise FuselmError(f"{path}: two nodes are named {shown(twice, 80)}; node names must be unique; {_FIX}")
     produced: dict[str, int] = {}
     known = {i.name for i in g.input} | {t.name for t in g.initializer} | \
         {s.values.name for s in g.sparse_initializer}
