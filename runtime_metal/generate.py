@@ -120,6 +120,14 @@ class _Streamer:
         self.out.flush()
 
 
+def _checked(logits: np.ndarray, step: int) -> np.ndarray:
+    """NaN or +inf logits mean broken weights or a broken graph: stop rather than emit garbage tokens."""
+    if np.isnan(logits).any() or np.isposinf(logits).any():
+        raise FuselmError(f"the model produced NaN or infinite logits at step {step}; its weights or graph are broken "
+                          "(`fuselm validate` compares it with the checkpoint)")
+    return logits
+
+
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
         compile=None, threads=None, stream=None, quiet=False) -> dict:
@@ -147,7 +155,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
 
     sess.reset(len(ids) + max_tokens)
     t0 = time.perf_counter()
-    logits = sess.logits_to_numpy(sess.prefill(ids))
+    logits = _checked(sess.logits_to_numpy(sess.prefill(ids)), 0)
     t_prefill = time.perf_counter() - t0
     streamer = _Streamer(tok, out)
     generated: list[int] = []
@@ -161,7 +169,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         if profile and len(decode_times) == PROFILE_SKIP_TOKENS:
             sess.profiler.enabled = True
         t = time.perf_counter()
-        logits = sess.logits_to_numpy(sess.decode(token))
+        logits = _checked(sess.logits_to_numpy(sess.decode(token)), len(generated))
         decode_times.append(time.perf_counter() - t)
         token = sample(logits, temperature, top_k, top_p, rng)
     out.write("\n")
