@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fuselm.errors import FuselmError
+
 from .kvcache import CacheView
 from .ops import _axis, _np_dtype, _scalar, op
 
@@ -117,6 +119,10 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     three_d = len(b.shape(Q)) == 3
     if three_d:
         Q, K, V = _heads_first(b, Q, q_num_heads), _heads_first(b, K, kv_num_heads), _heads_first(b, V, kv_num_heads)
+    elif (q_num_heads and b.shape(Q)[1] != q_num_heads) or (kv_num_heads and b.shape(K)[1] != kv_num_heads):
+        # onnxruntime refuses this too: heads that contradict the attributes mean a damaged graph
+        raise FuselmError(f"Attention: q_num_heads {q_num_heads} / kv_num_heads {kv_num_heads} contradict the inputs' "
+                          f"{b.shape(Q)[1]} / {b.shape(K)[1]} heads; the graph is invalid")
     s = b.shape(Q)[2]
     K, V = _append(b, past_key, K), _append(b, past_value, V)
     t = b.shape(K)[2]
