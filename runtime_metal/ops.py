@@ -208,9 +208,9 @@ def _reduce(name: str, prim: str, pre: str | None = None, post: str | None = Non
         axes_t = tuple(_axis(a, rank) for a in ax) if ax else tuple(range(rank))
         shape = b.shape(x)
         if any(shape[a] == 0 for a in axes_t):  # the reduction of an empty set is the op's identity
-            out_shape = tuple(1 if i in axes_t else d for i, d in enumerate(shape) if keepdims or i not in axes_t)
+            out_shape = tuple(1 if i in axes_t else d for i, d in enumerate(shape) if keepdims == 1 or i not in axes_t)
             return b.full(out_shape, _IDENTITY[name](b.dtype(x)), b.dtype(x))
-        out = b.reduce(prim, x, axes_t if ax else None, bool(keepdims))
+        out = b.reduce(prim, x, axes_t if ax else None, keepdims == 1)  # as ONNX's shape inference: only 1 keeps
         if post == "sqrt":
             out = b.unary("sqrt", out)
         elif post == "log":
@@ -238,12 +238,12 @@ for _name, _args in {"ReduceSum": ("sum",), "ReduceMean": ("mean",), "ReduceMax"
 
 @op("ArgMax")
 def ArgMax(b, x, *, axis=0, keepdims=1, select_last_index=0):
-    return b.arg_reduce("max", x, _axis(axis, len(b.shape(x))), bool(keepdims), bool(select_last_index))
+    return b.arg_reduce("max", x, _axis(axis, len(b.shape(x))), keepdims == 1, bool(select_last_index))
 
 
 @op("ArgMin")
 def ArgMin(b, x, *, axis=0, keepdims=1, select_last_index=0):
-    return b.arg_reduce("min", x, _axis(axis, len(b.shape(x))), bool(keepdims), bool(select_last_index))
+    return b.arg_reduce("min", x, _axis(axis, len(b.shape(x))), keepdims == 1, bool(select_last_index))
 
 
 @op("MatMul")
