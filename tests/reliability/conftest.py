@@ -3,8 +3,8 @@ processes, and a tally of every generated case and injected fault, printed at th
 and written to `<pytest basetemp>/reliability-summary.json` (or $FUSELM_RELIABILITY_SUMMARY).
 
 Budgets (CI runs the small defaults; raise them for long runs):
-  FUSELM_HYPOTHESIS_EXAMPLES=N   generated valid configs in the property test (default 4, plus 2 fixed)
-  FUSELM_FUZZ_CASES=N            seeded mutations per malformed-input family (default 40)
+  FUSELM_HYPOTHESIS_EXAMPLES=N   generated valid configs in the property test (default 8, plus 2 fixed)
+  FUSELM_FUZZ_CASES=N            seeded mutations per malformed-input family (default 50)
   FUSELM_FAULT_CASES=N           random kill / disk-full points per command (default 6)
   FUSELM_FUZZ_SEED=S             the seed of the mutations and fault points (default 0)
 """

@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).parent
-HYPOTHESIS_EXAMPLES = int(os.environ.get("FUSELM_HYPOTHESIS_EXAMPLES", "4"))
-FUZZ_CASES = int(os.environ.get("FUSELM_FUZZ_CASES", "40"))
+HYPOTHESIS_EXAMPLES = int(os.environ.get("FUSELM_HYPOTHESIS_EXAMPLES", "8"))
+FUZZ_CASES = int(os.environ.get("FUSELM_FUZZ_CASES", "50"))
 FAULT_CASES = int(os.environ.get("FUSELM_FAULT_CASES", "6"))
 FUZZ_SEED = int(os.environ.get("FUSELM_FUZZ_SEED", "0"))
 

@@ -9,7 +9,7 @@ their parameters; mistral's sliding window. Partial rotary is not generated: HF'
 for these four families rotates the whole head_dim, so such a config does not run in transformers.
 
 Budget: two fixed examples (the riskiest corners) plus FUSELM_HYPOTHESIS_EXAMPLES generated ones
-(default 4; e.g. FUSELM_HYPOTHESIS_EXAMPLES=200 for a long run). The seed is FUSELM_FUZZ_SEED
+(default 8; e.g. FUSELM_HYPOTHESIS_EXAMPLES=200 for a long run). The seed is FUSELM_FUZZ_SEED
 (default 0), so CI repeats the same examples.
 """
 
