@@ -4,8 +4,10 @@
 naming the problem:
 - tensors whose bytes do not match their shape and type (so no later step allocates a buffer sized
   by an absurd shape), external data that leaves the model's directory (absolute, `..`, or through
-  a symlink), a missing or too short data file, offsets that are not byte counts;
-- a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a cycle;
+  a symlink), a missing or too short data file, offsets that are not byte counts, lengths that
+  disagree with the shape, unknown external-data keys;
+- a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a
+  cycle; two nodes with one name;
 - names and other strings that are not valid UTF-8;
 - anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), a
   `fuselm::FusedRoPE` whose attributes do not fit its input or whose function body is not fuselm's,
@@ -41,7 +43,7 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     for tensor in _tensors(model):
         _check_tensor(tensor, path.parent, files)
     _check_dag(model.graph, path)
-    try:  # what check_model(full_check=True) does, keeping the inferred shapes for the FusedRoPE check
+    try:  # what check_model(full_check=True) does, keeping the inferred shapes for _check_ops
         onnx.checker.check_model(str(path))
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except Exception as e:  # ValidationError, InferenceError
