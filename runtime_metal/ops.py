@@ -50,7 +50,10 @@ def ints(v) -> list[int]:
     return [int(i) for i in np.asarray(v).reshape(-1)]
 
 
-def _axis(axis: int, rank: int) -> int:
+def _axis(axis: int, rank: int, end: bool = False) -> int:
+    """A possibly negative axis as an index; `end`: `rank` itself is allowed too (Flatten)."""
+    if not -rank <= axis < rank + end:  # out of range: a damaged graph (onnxruntime refuses it too)
+        raise FuselmError(f"axis {axis} is out of range for a tensor of rank {rank}; the graph is invalid")
     return axis + rank if axis < 0 else axis
 
 
@@ -308,7 +311,7 @@ def Reshape(b, x, shape, *, allowzero=0):
 @op("Flatten")
 def Flatten(b, x, *, axis=1):
     shape = b.shape(x)
-    axis = _axis(axis, len(shape))
+    axis = _axis(axis, len(shape), end=True)
     return b.reshape(x, (int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis:], dtype=np.int64))))
 
 

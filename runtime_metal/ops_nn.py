@@ -242,8 +242,12 @@ def _expand_blocks(b, v, axis: int, block: int, size: int):
     return b.slice(v, tuple(index))
 
 
+def _per_tensor(b, scale, block: int) -> bool:
+    return len(b.shape(scale)) == 0 or (len(b.shape(scale)) == 1 and b.shape(scale)[0] == 1 and not block)
+
+
 def _per_axis(b, v, x_shape, axis: int, block: int):
-    if len(b.shape(v)) == 0 or (len(b.shape(v)) == 1 and b.shape(v)[0] == 1 and not block):
+    if _per_tensor(b, v, block):
         return v
     if block:
         return _expand_blocks(b, v, axis, block, x_shape[axis])
@@ -255,7 +259,7 @@ def _per_axis(b, v, x_shape, axis: int, block: int):
 @op("DequantizeLinear")
 def DequantizeLinear(b, x, scale, zero_point=None, *, axis=1, block_size=0, output_dtype=0):
     shape = b.shape(x)
-    axis = _axis(axis, len(shape)) if shape else 0
+    axis = _axis(axis, len(shape)) if shape and not _per_tensor(b, scale, block_size) else 0  # else ignored
     xf = b.cast(x, 1)
     if zero_point is not None:
         xf = b.binary("sub", xf, b.cast(_per_axis(b, zero_point, shape, axis, block_size), 1))
@@ -267,7 +271,7 @@ def DequantizeLinear(b, x, scale, zero_point=None, *, axis=1, block_size=0, outp
 def QuantizeLinear(b, x, scale, zero_point=None, *, axis=1, block_size=0, output_dtype=0, saturate=1,
                    precision=0):
     shape = b.shape(x)
-    axis = _axis(axis, len(shape)) if shape else 0
+    axis = _axis(axis, len(shape)) if shape and not _per_tensor(b, scale, block_size) else 0  # else ignored
     to = b.dtype(zero_point) if zero_point is not None else (output_dtype or 2)
     lo, hi = {2: (0, 255), 3: (-128, 127), 4: (0, 65535), 5: (-32768, 32767)}[to]
     y = b.unary("round", b.binary("div", b.cast(x, 1), b.cast(_per_axis(b, scale, shape, axis, block_size), 1)))
