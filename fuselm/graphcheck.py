@@ -11,7 +11,8 @@ naming the problem:
 - names and other strings that are not valid UTF-8;
 - anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), a
   `fuselm::FusedRoPE` whose attributes do not fit its input or whose function body is not fuselm's,
-  and Attention head counts that contradict its inputs.
+  Attention head counts that contradict its inputs, and blocked DequantizeLinear scales that do
+  not match their weight.
 """
 
 from __future__ import annotations
@@ -78,12 +79,15 @@ def _check_ops(model: onnx.ModelProto, path: Path) -> None:
     """What onnx.checker does not check: fuselm::FusedRoPE's attributes (DESIGN.md: inv_freq finite,
     rotary_dim = 2·len(inv_freq) <= head_dim), and Attention's head counts against 4-D inputs."""
     shapes = {v.name: v.type.tensor_type.shape for v in [*model.graph.value_info, *model.graph.input]}
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
 
     def static_dim(name: str, axis: int) -> int | None:
         dims = shapes[name].dim if name in shapes else []
         return dims[axis].dim_value if len(dims) == 4 and dims[axis].HasField("dim_value") else None
 
     for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type == "DequantizeLinear":
+            _check_blocked(n, weights, path)
         if n.domain in ("", "ai.onnx") and n.op_type == "Attention":
             attrs = {a.name: a.i for a in n.attribute if a.name in ("q_num_heads", "kv_num_heads")}
             for attr, x in (("q_num_heads", 0), ("kv_num_heads", 1)):
@@ -107,6 +111,29 @@ def _check_ops(model: onnx.ModelProto, path: Path) -> None:
                 problem = f"rotary dim 2*{len(inv)} exceeds the head dim {head_dim} of its input"
         if problem:
             raise FuselmError(f"{path}: node {shown(n.name, 80)} (fuselm::FusedRoPE): {problem}; {_FIX}")
+
+
+def _check_blocked(n: onnx.NodeProto, weights: dict[str, list[int]], path: Path) -> None:
+    """Blocked DequantizeLinear on constant weights: scales (and zero points) hold ceil(D / block_size)
+    rows along the axis, as the ONNX spec and onnxruntime require; a runtime that folds it into a
+    quantized matmul would otherwise read the wrong scale for most blocks."""
+    attrs = {a.name: a.i for a in n.attribute if a.name in ("axis", "block_size")}
+    block = attrs.get("block_size", 0)
+    x, scale = (weights.get(i) for i in (list(n.input) + [""])[:2])
+    if block < 0 or (block and x is not None and scale is not None and not _blocks_fit(x, scale, attrs.get("axis", 1), block)):
+        raise FuselmError(f"{path}: node {shown(n.name, 80)} (DequantizeLinear): scale shape {scale} does not hold "
+                          f"the blocks of {x} (block_size {block}, axis {attrs.get('axis', 1)}); {_FIX}")
+    zero = weights.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+    if zero is not None and scale is not None and zero != scale:
+        raise FuselmError(f"{path}: node {shown(n.name, 80)} (DequantizeLinear): zero point shape {zero} differs from "
+                          f"the scale shape {scale}; {_FIX}")
+
+
+def _blocks_fit(x: list[int], scale: list[int], axis: int, block: int) -> bool:
+    if len(x) != len(scale) or not -len(x) <= axis < len(x):
+        return False
+    axis %= len(x)
+    return all(s == (-(-d // block) if i == axis else d) for i, (d, s) in enumerate(zip(x, scale, strict=True)))
 
 
 def _check_text(message, path: Path) -> None:
