@@ -75,11 +75,13 @@ def run_fuselm(model: Path, device: str, runs: int, compile_: bool, threads: int
             "compile_s": getattr(sess.compiled, "seconds", None), "threads": sess.threads}
 
 
-def run_ort(model: Path, runs: int, accuracy_level: int | None) -> dict:
+def run_ort(model: Path, runs: int, accuracy_level: int | None, threads: int | None) -> dict:
     import numpy as np
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
     if accuracy_level is not None:
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
     t0 = time.perf_counter()
@@ -114,11 +116,13 @@ def run_ort(model: Path, runs: int, accuracy_level: int | None) -> dict:
             "what": f"onnxruntime {ort.__version__} CPU, accuracy level {accuracy_level or 'default (4: int8 activations)'}"}
 
 
-def run_hf(ckpt: Path, device: str, runs: int, dtype: str, cache: str) -> dict:
+def run_hf(ckpt: Path, device: str, runs: int, dtype: str, cache: str, threads: int | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    if threads:
+        torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
@@ -203,7 +207,46 @@ def count_dispatches(model: Path, device: str) -> dict:
         if graph is not None and hasattr(graph, "static"):  # the compiled step inside the CUDA graph
             out["cuda_kernels_per_token_compiled"] = kernels(lambda: graph.fn(*graph.static))
             out["compiled"] = comp.compiled.what
+            out["kernel_time_compiled"] = kernel_times(lambda: graph.fn(*graph.static))
+            out["kernel_time_compiled"]["graph_replay_us"] = replay_time(graph.graph)
     return out
+
+
+def kernel_times(fn, reps: int = 5) -> dict:
+    """GPU time per token of the captured decode step, by kernel (what the bandwidth is spent on)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = by.setdefault(e.name[:70], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(v[1] for v in by.values()) / reps
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"gpu_us_per_token": round(total, 1), "kernels_per_token": sum(v[0] for v in by.values()) // reps,
+            "top": [[name, n // reps, round(t / reps, 1)] for name, (n, t) in top]}
+
+
+def replay_time(graph, reps: int = 50) -> float:
+    """Wall time of one CUDA-graph replay of the decode step, in microseconds (median of `reps`)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -246,10 +289,10 @@ def child(args) -> None:
     if engine == "fuselm":
         r = run_fuselm(model, args.device, args.runs, not args.no_compile, args.threads)
     elif engine.startswith("ort"):
-        r = run_ort(model, args.runs, 1 if engine == "ort-acc1" else None)
+        r = run_ort(model, args.runs, 1 if engine == "ort-acc1" else None, args.threads)
     elif engine.startswith("hf"):
         _, dtype, cache = engine.split("-")
-        r = run_hf(ckpt, args.device, args.runs, {"bf16": "bfloat16", "f32": "float32"}[dtype], cache)
+        r = run_hf(ckpt, args.device, args.runs, {"bf16": "bfloat16", "f32": "float32"}[dtype], cache, args.threads)
     elif engine == "dispatches":
         r = count_dispatches(model, args.device)
     elif engine == "bandwidth":
@@ -259,7 +302,7 @@ def child(args) -> None:
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def spawn(engine: str, model: Path, ckpt: Path, args, eager: bool = False) -> dict:
+def spawn(engine: str, model: Path, ckpt: Path, args, eager: bool = False, env: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--ckpt", str(ckpt),
            "--device", args.device, "--runs", str(args.runs)]
     if args.no_compile or eager:
@@ -268,7 +311,7 @@ def spawn(engine: str, model: Path, ckpt: Path, args, eager: bool = False) -> di
         cmd += ["--threads", str(args.threads)]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -313,7 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-runtime")
     ap.add_argument("--engines", nargs="*", default=None, help="subset of the engines to run")
     ap.add_argument("--no-compile", action="store_true", help="fuselm eager (default: compiled decode step)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for every engine (fuselm, onnxruntime intra-op, torch for HF); default: each one's own")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
@@ -342,7 +386,9 @@ def main(argv=None) -> int:
                 continue
             quant = "f16" if engine == "fuselm-f16" else "q4"
             name = "fuselm" if engine.startswith("fuselm") else engine
-            r = spawn(name, models[quant][1], ckpt, args, eager=engine == "fuselm-eager")
+            # fuselm-tinygemm: CUDA 4-bit through torch's tinygemm instead of fuselm's Triton GEMV (A/B)
+            r = spawn(name, models[quant][1], ckpt, args, eager=engine == "fuselm-eager",
+                      env={"FUSELM_CUDA_QMATMUL": "tinygemm"} if engine == "fuselm-tinygemm" else None)
             r.update(shape=shape, engine=engine, graph=f"{quant} optimized" if not engine.startswith("hf") else "HF checkpoint")
             if cuda and "decode_tok_s" in r and engine.startswith("fuselm"):
                 bpt = weight_bytes_per_token(models[quant][1])

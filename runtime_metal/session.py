@@ -237,15 +237,21 @@ class Session:
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.compile_failed = f"{type(e).__name__}: {e}"[:300]
             return
-        # bf16 activations (CUDA int4/int8 kernels) reorder roundings that f32 paths do not
-        tol = 3e-2 if any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes
-                          if n.op_type == "QMatMul") else 1e-3
-        if not agrees(self.backend, eager_logits, logits, tol=tol):
+        if not agrees(self.backend, eager_logits, logits, tol=self._tolerance()):
             d = np.abs(np.asarray(self.backend.to_numpy(eager_logits), np.float64)
                        - np.asarray(self.backend.to_numpy(logits), np.float64)).max()
             self.compile_failed = f"compiled logits differ from the eager step by {d:.3g}"
             return
         self.compiled = compiled
+
+    def _tolerance(self) -> float:
+        """How far two orders of the same float work may drift, as a share of the largest logit: bf16
+        activations (CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit difference
+        upstream (attention over a padded static buffer vs the exact length) flips roundings that
+        grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
+        bf16 = any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes
+                   if n.op_type == "QMatMul")
+        return 3e-2 if bf16 else 1e-3
 
     def _checked_static(self, token: int):
         """First decode step: run it dynamic and static; keep static decode only if both agree.
@@ -262,7 +268,7 @@ class Session:
         st = b.to_numpy(out).astype(np.float64)
         scale = max(1.0, float(np.abs(dyn).max()))
         self.static_checked = True
-        if not np.allclose(dyn, st, atol=1e-3 * scale, rtol=0):
+        if not np.allclose(dyn, st, atol=self._tolerance() * scale, rtol=0):
             self.static_decode = False
         return out
 

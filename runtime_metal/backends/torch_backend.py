@@ -54,8 +54,10 @@ _BINARY = {
 }
 
 
-# Decode on CPU: SDPA's kernel splits tiny problems across threads (milliseconds of fork/join on a
-# busy 2-core box); two batched matmuls over the query heads grouped per kv head are faster there.
+# Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA's
+# kernel splits tiny problems across threads (milliseconds of fork/join on a busy 2-core box); on
+# CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V out to every
+# query head (2 more kernels and Hq/Hkv times the cache bytes per layer and token).
 _GROUPED_MAX_QUERIES = 16
 
 
@@ -302,7 +304,7 @@ class TorchBackend(Backend):
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
-        if q.device.type == "cpu" and q.shape[2] <= _GROUPED_MAX_QUERIES:
+        if q.shape[2] <= _GROUPED_MAX_QUERIES:
             return _grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 

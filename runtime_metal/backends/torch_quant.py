@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cuda_kernels
 from .base import QuantizedWeight, dequantize_blocked
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x the GEMV wins; beyond, dequantize + GEMM
@@ -100,11 +101,20 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
 
 
 def _prepare_cuda(backend, q, scale, zero_point, block, bits) -> QuantizedWeight:
-    """CUDA: 4-bit weights go to tinygemm (aten._weight_int4pack_mm, bf16 activations, as gpt-fast and
-    torchao run int4); 8-bit blocked weights fit no torch kernel (_weight_int8pack_mm is per channel),
-    so they are dequantized once to bf16."""
+    """CUDA: fuselm's Triton GEMV (cuda_kernels.py) reads the 4/8-bit blocks as stored, f32 activations,
+    for decode, and dequantizes to bf16 for cuBLAS in prefill. Without Triton (or with
+    FUSELM_CUDA_QMATMUL=tinygemm, kept for A/B): 4-bit weights go to tinygemm (aten._weight_int4pack_mm,
+    bf16 activations, as gpt-fast and torchao run int4); 8-bit blocked weights fit no torch kernel
+    (_weight_int8pack_mm is per channel), so they are dequantized once to bf16."""
     k, n = q.shape
     dev = torch.device(backend.device)
+    if cuda_kernels.available() and os.environ.get("FUSELM_CUDA_QMATMUL", "triton") == "triton" \
+            and k % block == 0 and block % 2 == 0 and bits in (4, 8):
+        qn = cuda_kernels.pack(torch.from_numpy(np.ascontiguousarray(q.T)).to(dev), bits)  # [N, K(/2)]
+        s = torch.from_numpy(np.ascontiguousarray(scale.T.astype(np.float32))).to(dev)  # [N, K/block]
+        zp = torch.from_numpy(np.ascontiguousarray(zero_point.T)).to(dev) if zero_point is not None \
+            else torch.zeros(s.shape, dtype=torch.uint8, device=dev)
+        return QuantizedWeight((qn, s, zp.to(torch.uint8)), k, n, bits, block, "triton")
     if bits == 4 and block in (32, 64, 128, 256) and k % 128 == 0 and n % 8 == 0:  # tinygemm's tiles
         qt = torch.from_numpy(np.ascontiguousarray(q.T)).to(dev, torch.int32)  # [N, K]
         packed = ((qt[:, ::2] << 4) | qt[:, 1::2]).to(torch.uint8)  # tinygemm: even k in the high nibble
@@ -123,6 +133,14 @@ def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return torch.matmul(x, w.data)
     if w.kind == "dequant-bf16":
         return torch.matmul(x.to(torch.bfloat16), w.data).to(x.dtype)
+    if w.kind == "triton":
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, w.in_features).to(torch.float32)
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            y = cuda_kernels.gemv_op(x2, *w.data, w.block, w.bits)
+        else:  # prefill: dequantize once per call into bf16, then cuBLAS
+            y = F.linear(x2.to(torch.bfloat16), cuda_kernels.dequantize(*w.data, w.block, w.bits)).float()
+        return y.reshape(*lead, w.out_features).to(x.dtype)
     if w.kind == "tinygemm":
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, w.in_features).to(torch.bfloat16), w.data[0], w.block,
