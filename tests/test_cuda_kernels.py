@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+if torch.cuda.is_available():  # (before TRITON_INTERPRET is set: it would reach every Triton user here)
+    pytest.skip("a GPU is present: bench/qmatmul_cuda.py checks the compiled kernels there", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: it reads its settings then
 pytest.importorskip("triton")
 
 from fuselm.runtime_metal.backends import cuda_kernels, torch_quant  # noqa: E402
 from fuselm.runtime_metal.backends.base import dequantize_blocked  # noqa: E402
-
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: bench/qmatmul_cuda.py checks the compiled kernels there", allow_module_level=True)
 
 
 def blocked(bits: int, block: int, k: int, n: int, seed: int = 0):
