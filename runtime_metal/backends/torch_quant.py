@@ -40,7 +40,7 @@ def cpu_kernels():
 
         src = Path(__file__).with_name("cpu_kernels.cpp")
         # -fopenmp: the kernels run their own OpenMP team; the libgomp soname resolves to the copy torch loaded
-        return load(name="fuselm_cpu_kernels_v7", sources=[str(src)], verbose=False,
+        return load(name="fuselm_cpu_kernels_v8", sources=[str(src)], verbose=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the fallback path
         _log.warning("fuselm: could not build the AVX2 kernels (%s); quantized weights are dequantized at load", e)
@@ -51,12 +51,12 @@ def _register_ops():
     """The kernels as torch custom ops, so torch.compile can trace a decode step that calls them."""
 
     @torch.library.custom_op("fuselm::qgemv", mutates_args=())
-    def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block: int,
-              bits: int, threads: int) -> torch.Tensor:
-        return cpu_kernels().gemv(x, q, scale, zero, block, bits, threads)
+    def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+              threads: int) -> torch.Tensor:
+        return cpu_kernels().gemv(x, q, scale, zero, bits, threads)
 
     @qgemv.register_fake
-    def _(x, q, scale, zero, block, bits, threads):
+    def _(x, q, scale, zero, bits, threads):
         return x.new_empty((x.shape[0], q.shape[0]))
 
     return qgemv
@@ -87,13 +87,10 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
         return _prepare_cuda(backend, q, scale, zero_point, block, bits)
     kernels = cpu_kernels() if backend.device == "cpu" else None
     if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8):
-        qt = np.ascontiguousarray(q.T)  # [N, K]
-        if bits == 4:  # per 32 k: byte j = q[j] | q[16 + j] << 4
-            blocks = qt.reshape(n, k // 32, 2, 16)
-            qt = (blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)).astype(np.uint8).reshape(n, k // 2)
-        s = np.ascontiguousarray(scale.T.astype(np.float32))
-        zp = zero_point.T.astype(np.uint8) if zero_point is not None else np.zeros(s.shape, np.uint8)
-        data = (torch.from_numpy(np.ascontiguousarray(qt)), torch.from_numpy(s), torch.from_numpy(np.ascontiguousarray(zp)))
+        zp = zero_point if zero_point is not None else np.zeros(scale.shape, np.uint8)
+        # [N, K] rows, sub-blocks of 32 with their own scale and zero point (cpu_kernels.cpp: the layout)
+        data = tuple(kernels.pack(*(torch.from_numpy(np.require(a, t, ["C", "W"])) for a, t in
+                                    ((q, np.uint8), (scale, np.float32), (zp, np.uint8))), block, bits))
         return QuantizedWeight(data, k, n, bits, block, "avx2")
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
@@ -151,9 +148,9 @@ def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     dtype = x.dtype
     x2 = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
     if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = _qgemv(x2, q, scale, zp, w.block, w.bits, KERNEL_THREADS["n"])
+        y = _qgemv(x2, q, scale, zp, w.bits, KERNEL_THREADS["n"])
     else:
-        wt = cpu_kernels().dequant(q, scale, zp, w.block, w.bits, _dequant_buffer(w.in_features * w.out_features),
+        wt = cpu_kernels().dequant(q, scale, zp, w.in_features, w.bits, _dequant_buffer(w.in_features * w.out_features),
                                    KERNEL_THREADS["n"])
         y = F.linear(x2, wt)
     return y.reshape(*lead, w.out_features).to(dtype)
