@@ -154,3 +154,29 @@ def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
                                    KERNEL_THREADS["n"])
         y = F.linear(x2, wt)
     return y.reshape(*lead, w.out_features).to(dtype)
+
+
+@torch.library.custom_op("fuselm::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  threads: int) -> torch.Tensor:
+    return cpu_kernels().attention(q, k, v, mask, scale, threads)
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, scale, threads):
+    return q.new_empty(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """softmax(q kᵀ·scale + mask) v on CPU with grouped kv heads (q [B, Hq, S, D], k/v [B, Hkv, T, D]),
+    over the kernels' threads, reading each kv head once for its whole query group and skipping keys
+    masked for every query (the unwritten tail of a static cache); mask: None, bool (True attends) or
+    additive f32, broadcastable. Returns None where the kernel does not apply (the caller's path runs)."""
+    if cpu_kernels() is None or q.device.type != "cpu" or q.shape[-1] % 16 or \
+            any(t.dtype != torch.float32 or t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
+        return None
+    if mask is not None:
+        if mask.dtype not in (torch.bool, torch.float32) or mask.dim() > 4:
+            return None
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return _attention_op(q, k, v, mask, float(scale), KERNEL_THREADS["n"])
