@@ -125,24 +125,29 @@ void gemv_rows(const int16_t* xa, const float* dx, const float* xsum, int64_t S,
   }
 }
 
+// Rows of x in tiles of 4, 2, 1; with more than one tile, weight rows in blocks of 16 so that each
+// block is read from memory once and from cache by the other tiles.
 template <int BITS>
 void gemv_range(int64_t M, const int16_t* xa, const float* dx, const float* xsum, int64_t S, const uint8_t* q,
                 const float* scale, const uint8_t* zero, int64_t n0, int64_t n1, int64_t N, float* y) {
-  const int64_t Kp = S * 32;
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t left = M - m0;
-    const int16_t* xm = xa + m0 * Kp;
-    const float *dm = dx + m0 * S, *sm = xsum + m0 * S;
-    float* ym = y + m0 * N;
-    if (left >= 4) {
-      gemv_rows<BITS, 4>(xm, dm, sm, S, q, scale, zero, n0, n1, N, ym);
-      m0 += 4;
-    } else if (left >= 2) {
-      gemv_rows<BITS, 2>(xm, dm, sm, S, q, scale, zero, n0, n1, N, ym);
-      m0 += 2;
-    } else {
-      gemv_rows<BITS, 1>(xm, dm, sm, S, q, scale, zero, n0, n1, N, ym);
-      m0 += 1;
+  const int64_t Kp = S * 32, rows = M <= 4 ? n1 - n0 : 16;
+  for (int64_t nb = n0; nb < n1; nb += rows) {
+    const int64_t ne = std::min(n1, nb + rows);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int16_t* xm = xa + m0 * Kp;
+      const float *dm = dx + m0 * S, *sm = xsum + m0 * S;
+      float* ym = y + m0 * N;
+      if (left >= 4) {
+        gemv_rows<BITS, 4>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
+        m0 += 4;
+      } else if (left >= 2) {
+        gemv_rows<BITS, 2>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
+        m0 += 2;
+      } else {
+        gemv_rows<BITS, 1>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
+        m0 += 1;
+      }
     }
   }
 }
@@ -370,7 +375,6 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, 
   const int64_t row_bytes = S * 32 * bits / 8;
   split_rows(N, threads, [&](int64_t n0, int64_t n1) {
     const __m256i lo_lanes = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi_lanes = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    alignas(32) float tmp[GROUP];  // one group in k order; the padding never reaches `out`
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < S; b += 8) {
         const __m256 s = _mm256_loadu_ps(sp + n * S + b);
@@ -379,27 +383,30 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, 
         const __m256 s_lo = _mm256_permutevar8x32_ps(s, lo_lanes), s_hi = _mm256_permutevar8x32_ps(s, hi_lanes);
         const __m256 c_lo = _mm256_permutevar8x32_ps(c, lo_lanes), c_hi = _mm256_permutevar8x32_ps(c, hi_lanes);
         const uint8_t* w = qp + n * row_bytes + b * 4 * bits;
-        for (int t = 0; t < 16; ++t) {  // the weights multiply-add t sees, as 16 int16 words
-          __m256i e;
-          if (bits == 4) {
-            const __m256i v = load256(w + 32 * (t / 4));
-            e = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (t % 4)), _mm256_set1_epi16(0x000F));
-          } else {
-            const __m256i v = load256(w + 32 * (t / 2));
-            e = _mm256_and_si256(_mm256_srli_epi16(v, 8 * (t % 2)), _mm256_set1_epi16(0x00FF));
+        float* o = op + n * K + b * 32;
+        const int64_t subs = std::min<int64_t>(8, (K - b * 32) / 32);  // sub-blocks of this group inside K
+        for (int t0 = 0; t0 < 16; t0 += 4) {
+          __m256d f[2][4];  // the floats multiply-adds t0..t0+3 see, lanes j 0-3 | 4-7, as pairs (one double each)
+          for (int i = 0; i < 4; ++i) {
+            const int t = t0 + i;
+            __m256i e;  // the weights multiply-add t sees, as 16 int16 words
+            if (bits == 4) {
+              e = _mm256_and_si256(_mm256_srli_epi16(load256(w + 32 * (t / 4)), 4 * (t % 4)), _mm256_set1_epi16(0x000F));
+            } else {
+              e = _mm256_and_si256(_mm256_srli_epi16(load256(w + 32 * (t / 2)), 8 * (t % 2)), _mm256_set1_epi16(0x00FF));
+            }
+            f[0][i] = _mm256_castps_pd(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(e))), s_lo, c_lo));
+            f[1][i] = _mm256_castps_pd(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(e, 1))), s_hi, c_hi));
           }
-          const __m256 f_lo = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(e))), s_lo, c_lo);
-          const __m256 f_hi = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(e, 1))), s_hi, c_hi);
-          alignas(32) float pr[16];
-          _mm256_store_ps(pr, f_lo);
-          _mm256_store_ps(pr + 8, f_hi);
-          for (int j = 0; j < 8; ++j) {  // the pair k = 32 j + 2 t, +1
-            tmp[32 * j + 2 * t] = pr[2 * j];
-            tmp[32 * j + 2 * t + 1] = pr[2 * j + 1];
+          for (int h = 0; h < 2; ++h) {  // 4x4 transpose of pairs: sub-block j's k = 32 j + 2 t0 .. +7 in one store
+            const __m256d u0 = _mm256_unpacklo_pd(f[h][0], f[h][1]), u1 = _mm256_unpackhi_pd(f[h][0], f[h][1]);
+            const __m256d u2 = _mm256_unpacklo_pd(f[h][2], f[h][3]), u3 = _mm256_unpackhi_pd(f[h][2], f[h][3]);
+            const __m256d r[4] = {_mm256_permute2f128_pd(u0, u2, 0x20), _mm256_permute2f128_pd(u1, u3, 0x20),
+                                  _mm256_permute2f128_pd(u0, u2, 0x31), _mm256_permute2f128_pd(u1, u3, 0x31)};
+            for (int j = 0; j < 4 && 4 * h + j < subs; ++j)
+              _mm256_storeu_ps(o + 32 * (4 * h + j) + 2 * t0, _mm256_castpd_ps(r[j]));
           }
         }
-        const int64_t k0 = b * 32, len = std::min<int64_t>(GROUP, K - k0);
-        std::copy(tmp, tmp + len, op + n * K + k0);
       }
     }
   });
