@@ -1,0 +1,192 @@
+"""Side by side on this CPU: the quantized matmuls of one decode token (M = 1), fuselm vs onnxruntime.
+
+    python bench/gemv_cpu.py                    # Qwen3-0.6B's shapes: 28 layers + the 8-bit lm_head
+    python bench/gemv_cpu.py --shape 4b --layers 8
+
+Random blocked weights (block 32, asymmetric) for every matmul of a decode token in model order
+(fused qkv, o, gate_up, down per layer; the lm_head at 8 bits), so the bytes come from memory as
+in a real token, through:
+- fuselm's AVX2 GEMV (runtime_metal/backends/cpu_kernels.cpp, int16 activations), 2 threads;
+- onnxruntime on a graph of the same weights as blocked DequantizeLinear -> MatMul (what fuselm
+  writes; onnxruntime fuses it into MatMulNBits), at its default accuracy level 4 (int8
+  activations) and at level 1 (f32 activations, the reference fuselm validates against).
+Each engine runs alone in a child process (no other engine's threads spinning beside it); median
+of the runs per token; GB/s counts the bytes each token must read (weights, scales, zero points as
+fuselm stores them); the roof is a 2-thread torch sum over 512 MB. Also reports how far each
+engine's outputs are from f64 math on the same weights. Writes bench/results/gemv-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fuselm.runtime_metal.backends.torch_quant import cpu_kernels  # noqa: E402
+
+SHAPES = {  # layers, (K, N) per 4-bit weight of a layer, the 8-bit lm_head (K, N)
+    "0.6b": (28, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)], (1024, 151936)),
+    "4b": (36, [(2560, 6144), (4096, 2560), (2560, 19456), (9728, 2560)], (2560, 151936)),
+}
+BLOCK = 32
+RESULTS = Path(__file__).parent / "results"
+
+
+def weights(k: int, n: int, bits: int, rng) -> tuple:
+    q = rng.integers(0, 2**bits, (k, n), dtype=np.uint8)
+    scale = (rng.random((k // BLOCK, n), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
+    zp = rng.integers(0, 2**bits, (k // BLOCK, n), dtype=np.uint8)
+    return q, scale, zp
+
+
+def onnx_model(mats: list, threads: int):
+    """x{K} [1, K] -> DequantizeLinear(q, scale, zp, axis 0, block 32) -> MatMul, one output per weight."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def tensor(name, a, dtype):
+        t = TensorProto(name=name, data_type=dtype, dims=list(a.shape))
+        if dtype == TensorProto.UINT4:  # element i in nibble i, low nibble first
+            flat = a.reshape(-1)
+            flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.uint8)])
+            t.raw_data = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+        else:
+            t.raw_data = np.ascontiguousarray(a).tobytes()
+        return t
+
+    nodes, inits, outs, ks = [], [], [], sorted({m[0].shape[0] for m in mats})
+    for i, (q, scale, zp, bits) in enumerate(mats):
+        dt = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
+        inits += [tensor(f"q{i}", q, dt), tensor(f"s{i}", scale, TensorProto.FLOAT), tensor(f"z{i}", zp, dt)]
+        nodes += [helper.make_node("DequantizeLinear", [f"q{i}", f"s{i}", f"z{i}"], [f"w{i}"], axis=0, block_size=BLOCK),
+                  helper.make_node("MatMul", [f"x{q.shape[0]}", f"w{i}"], [f"y{i}"])]
+        outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, q.shape[1]]))
+    graph = helper.make_graph(nodes, "gemv", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]) for k in ks],
+                              outs, inits)
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def roof(threads: int, runs: int) -> float:
+    torch.set_num_threads(threads)
+    a = torch.ones(128 << 20)  # 512 MB
+    a.sum()
+    return a.numel() * 4 / statistics.median(timed(a.sum) for _ in range(runs)) / 1e9
+
+
+def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int) -> dict:
+    """One engine in this process (spawned alone: no other engine's threads spinning beside it)."""
+    n_layers, per_layer, head = SHAPES[shape]
+    rng = np.random.default_rng(0)
+    mats = [(*weights(k, n, 4, rng), 4) for _ in range(layers or n_layers) for k, n in per_layer] + \
+        [(*weights(*head, 8, rng), 8)]
+    xs = {k: rng.standard_normal((1, k), dtype=np.float32) for k in sorted({m[0].shape[0] for m in mats})}
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("fuselm's AVX2 kernels are not available on this machine")
+    # the bytes a token reads, counted as fuselm stores them (both engines read about the same)
+    nbytes = sum(t.numel() * t.element_size() for q, s, z, bits in mats[:4] + mats[-1:]
+                 for t in kernels.pack(torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z), BLOCK, bits))
+    nbytes += (len(mats) - 5) // 4 * (nbytes - sum(t.numel() * t.element_size() for t in kernels.pack(
+        *(torch.from_numpy(a) for a in mats[-1][:3]), BLOCK, 8)))
+    if engine == "fuselm":
+        packed = [(torch.from_numpy(xs[q.shape[0]]), kernels.pack(torch.from_numpy(q), torch.from_numpy(s),
+                                                                 torch.from_numpy(z), BLOCK, bits), bits)
+                  for q, s, z, bits in mats]
+
+        def token():
+            return [kernels.gemv(x, *p, bits, threads).numpy() for x, p, bits in packed]
+    else:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", engine.removeprefix("ort-level"))
+        sess = ort.InferenceSession(onnx_model(mats, threads).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        feeds = {f"x{k}": x for k, x in xs.items()}
+
+        def token():
+            return sess.run(None, feeds)
+
+    outs = token()  # accuracy, and warm-up: first touch, onnxruntime's prepacking (the first few tokens are slow)
+    for _ in range(3):
+        token()
+    err = 0.0
+    for i in list(range(4)) + [len(mats) - 1]:  # against f64 math on the same weights
+        q, s, z, _ = mats[i]
+        w = (q.astype(np.float64) - np.repeat(z, BLOCK, 0)) * np.repeat(s.astype(np.float64), BLOCK, 0)
+        ref = (xs[q.shape[0]].astype(np.float64) @ w).reshape(-1)
+        err = max(err, float(np.abs(np.asarray(outs[i]).reshape(-1) - ref).max() / np.abs(ref).max()))
+    times = [timed(token) for _ in range(runs)]
+    return {"engine": engine, "ms_per_token": statistics.median(times) * 1e3, "runs_ms": [t * 1e3 for t in times],
+            "bytes_per_token": nbytes, "matmuls": len(mats), "max_rel_error": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    ap.add_argument("--layers", type=int, help="fewer layers than the model (memory)")
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--engines", nargs="+", default=["fuselm", "ort-level4", "ort-level1"])
+    ap.add_argument("--engine", help=argparse.SUPPRESS)  # child process: run one engine, print JSON
+    args = ap.parse_args()
+    if args.engine:
+        print(json.dumps(run_engine(args.engine, args.shape, args.layers, args.runs, args.threads)))
+        return
+    rows = []
+    for engine in args.engines:
+        runs = 2 if engine == "ort-level1" else args.runs  # f32 activations through MLAS: ~1 s per token
+        load = os.getloadavg()[0]
+        cmd = [sys.executable, __file__, "--engine", engine, "--shape", args.shape, "--runs", str(runs),
+               "--threads", str(args.threads)] + (["--layers", str(args.layers)] if args.layers else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{engine} failed:\n{out.stderr[-3000:]}")
+        rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_before": load})
+    bw = roof(args.threads, 5)
+    base = next((r["ms_per_token"] for r in rows if r["engine"] == "ort-level4"), None)
+    for r in rows:
+        r["gb_s"] = r["bytes_per_token"] / r["ms_per_token"] / 1e6
+        r["share_of_roof"] = r["gb_s"] / bw
+        r["speedup_vs_ort_level4"] = base / r["ms_per_token"] if base else None
+    nbytes, mats = rows[0]["bytes_per_token"], rows[0]["matmuls"]
+    result = {"shape": args.shape, "layers": args.layers or SHAPES[args.shape][0], "threads": args.threads,
+              "roof_gb_s": bw, "rows": rows}
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.shape}-shaped decode token: {mats} quantized matmuls, {nbytes / 1e6:.0f} MB, "
+                        f"{args.threads} threads, roof {bw:.1f} GB/s (2-thread sum)")
+    for col in ("engine", "ms/token", "GB/s", "of roof", "vs ort level 4", "max rel. error", "load"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for r in rows:
+        table.add_row(r["engine"], f"{r['ms_per_token']:.2f}", f"{r['gb_s']:.1f}", f"{r['share_of_roof']:.0%}",
+                      f"{r['speedup_vs_ort_level4']:.2f}x" if base else "-", f"{r['max_rel_error']:.1e}",
+                      f"{r['load_before']:.1f}")
+    Console().print(table)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "gemv-cpu.json"
+    old = json.loads(out.read_text()) if out.exists() else {}
+    old[args.shape] = result
+    out.write_text(json.dumps(old, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
