@@ -305,6 +305,10 @@ class TorchBackend(Backend):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         if q.shape[2] <= _GROUPED_MAX_QUERIES:
+            if q.device.type == "cpu":  # the AVX2 kernel: K/V read once per query group, masked tail skipped
+                out = torch_quant.attention(q, k, v, mask, scale)
+                if out is not None:
+                    return out
             return _grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
