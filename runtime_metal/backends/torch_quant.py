@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,23 @@ GEMV_MAX_ROWS = 16  # up to this many rows of x the GEMV wins; beyond, dequantiz
 _log = logging.getLogger("fuselm.runtime")
 
 
+STALE_BUILD_LOCK_S = 600  # a build takes under a minute; a lock this old was left by a killed one
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """torch.utils.cpp_extension waits forever on a build lock whose builder was killed (Ctrl-C or
+    SIGKILL during the first run): every later fuselm process would hang. Remove a lock that old."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+            lock.unlink()
+            _log.warning("fuselm: removed a stale kernel build lock (%s) left by an interrupted build", lock)
+    except (OSError, ImportError):  # no lock (the usual case), or torch moved its helper
+        pass
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled AVX2 kernels, or None (no AVX2, no compiler, or FUSELM_NO_CPU_KERNELS=1)."""
@@ -40,6 +58,7 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         src = Path(__file__).with_name("cpu_kernels.cpp")
+        _clear_stale_build_lock("fuselm_cpu_kernels_v8")
         # -fopenmp: the kernels run their own OpenMP team; the libgomp soname resolves to the copy torch loaded
         return load(name="fuselm_cpu_kernels_v8", sources=[str(src)], verbose=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
