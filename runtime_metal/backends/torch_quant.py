@@ -30,6 +30,7 @@ GEMV_MAX_ROWS = 16  # up to this many rows of x the GEMV wins; beyond, dequantiz
 _log = logging.getLogger("fuselm.runtime")
 
 
+KERNELS_NAME = "fuselm_cpu_kernels_v8"  # bump when the kernels' interface changes
 STALE_BUILD_LOCK_S = 600  # a build takes under a minute; a lock this old was left by a killed one
 
 
@@ -58,9 +59,9 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         src = Path(__file__).with_name("cpu_kernels.cpp")
-        _clear_stale_build_lock("fuselm_cpu_kernels_v8")
+        _clear_stale_build_lock(KERNELS_NAME)
         # -fopenmp: the kernels run their own OpenMP team; the libgomp soname resolves to the copy torch loaded
-        return load(name="fuselm_cpu_kernels_v8", sources=[str(src)], verbose=False,
+        return load(name=KERNELS_NAME, sources=[str(src)], verbose=False,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the fallback path
         _log.warning("fuselm: could not build the AVX2 kernels (%s); quantized weights are dequantized at load", e)
