@@ -27,6 +27,9 @@ SHAPES = {
                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
     "4b": dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
+    # seconds to write, convert and run: for benchmarks' --tiny test modes (kernel-friendly: K % 256 == 0)
+    "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True),
 }
 SHARD_BYTES = 2 * 1024**3
 RESULTS = Path(__file__).parent / "results"
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
     if args.make_checkpoint:
         print(write_checkpoint(args.make_checkpoint, args.shapes[0]))
         return 0
-    runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"]}
+    runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"], "tiny": ["f32", "q4"]}
     rows = []
     for shape in args.shapes:
         t0 = time.perf_counter()

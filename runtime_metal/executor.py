@@ -24,7 +24,7 @@ import numpy as np
 from fuselm.errors import FuselmError
 
 from .backends.numpy_backend import NumpyBackend
-from .graph import Graph, Node, call
+from .graph import Graph, Node, call, reads
 from .kvcache import CacheView
 from .ops import OPS
 
@@ -109,7 +109,7 @@ class Executor:
         static: dict[str, np.ndarray] = dict(g.constants)
         steps: list[Step] = []
         state = {"reusable": True, "count": 0}
-        self._walk(g.nodes, env, static, steps, state)
+        self._walk(g.nodes, env, static, steps, state, release=_release_before(g.nodes, g.outputs))
         outputs, values = [], {}
         for name in g.outputs:
             if name in env:
@@ -122,8 +122,12 @@ class Executor:
         _liveness(steps, [n for n, c in outputs if c is None])
         return Plan(steps, outputs, state["reusable"]), values
 
-    def _walk(self, nodes, env, static, steps, state) -> None:
-        for node in nodes:
+    def _walk(self, nodes, env, static, steps, state, release: dict | None = None) -> None:
+        """`release`: node index -> values dead before it (the trace of a long prompt would otherwise
+        hold every layer's activations at once)."""
+        for i, node in enumerate(nodes):
+            for name in (release or {}).get(i, ()):
+                env.pop(name, None)
             if self.limit is not None and state["count"] >= self.limit:
                 return
             state["count"] += 1
@@ -222,6 +226,19 @@ class Executor:
         desc = lambda vs: ", ".join(_describe(self.b, v) for v in vs)  # noqa: E731
         print(f"[fuselm] {node.op_type:<18} {node.name}  ({where})\n    in:  {desc(ins)}\n    out: {desc(outs)}",
               file=sys.stderr)
+
+
+def _release_before(nodes: list[Node], keep: list[str]) -> dict[int, list[str]]:
+    """Node index -> the values whose last reader (an If reads what its branches read) came before it."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for x in reads(n):
+            last[x] = i
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            out.setdefault(i + 1, []).append(name)
+    return out
 
 
 def _liveness(steps: list[Step], keep: list[str]) -> None:

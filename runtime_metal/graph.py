@@ -6,6 +6,8 @@ Load-time rewrites (each keeps what the graph computes):
 - DequantizeLinear -> MatMul with constant weights becomes QMatMul (the backend's quantized
   matmul, weights converted once); DequantizeLinear -> Gather(axis 0) becomes QGather;
 - Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
+- unless all positions' logits are asked for, the lm_head reads only the last position (LastPosition):
+  a 512-token prefill chunk would otherwise make 512 x vocab logits (311 MB at Qwen3's vocab);
 - nodes whose inputs are all constants are folded on the host.
 """
 
@@ -22,7 +24,7 @@ from fuselm.errors import FuselmError
 
 from . import ops_nn  # noqa: F401 - registers the nn ops into OPS
 from .backends.numpy_backend import NumpyBackend
-from .loader import LoadedModel, tensor_to_array
+from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
 from .ops_nn import RUNTIME
 
@@ -155,8 +157,10 @@ def _inline(node: Node, proto: onnx.NodeProto, f: onnx.FunctionProto, functions,
     return body, {name(k): v for k, v in consts.items()}
 
 
-def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
-    """The executable graph for `backend`: functions handled, load-time rewrites applied."""
+def build(lm: LoadedModel, backend, fused: bool = True, all_logits: bool = True) -> Graph:
+    """The executable graph for `backend`: functions handled, load-time rewrites applied.
+
+    all_logits=False: `logits` only for the last position ([B, 1, vocab]; what generation reads)."""
     nodes, consts = _nodes(lm.graph.node, lm.functions, fused)
     consts.update(lm.initializers)
     inputs = [i.name for i in lm.graph.input if i.name not in lm.initializers]
@@ -165,8 +169,12 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     check_ops(graph.nodes, graph.opsets)
     _bypass_identity(graph)
     _fold_dequantize(graph, backend)
+    _unpack_or_drop_packed(graph)
+    lm.release_pages()  # the backend holds its own copies of the folded weights now
     _kv_append(graph)
     _fold_constants(graph)
+    if not all_logits:
+        _last_position_logits(graph)
     return graph
 
 
@@ -182,32 +190,24 @@ def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
                               "runtime_metal/ops.py")
 
 
-def _consumers(nodes: list[Node]) -> dict[str, list[Node]]:
-    uses: dict[str, list[Node]] = {}
-    for n in nodes:
-        for x in n.inputs:
-            uses.setdefault(x, []).append(n)
-        for br in n.branches.values():
-            for sub in br.nodes:
-                for x in sub.inputs:
-                    uses.setdefault(x, []).append(n)
-    return uses
-
-
 def _fold_dequantize(graph: Graph, backend) -> None:
-    """DQ(const) -> MatMul(x, DQ) becomes QMatMul; DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather."""
-    uses = _consumers(graph.nodes)
+    """DQ(const) -> MatMul(x, DQ) becomes QMatMul; so does MatMul(x, Transpose(DQ)) of a table stored
+    [out, in] with blocks along `in` (a tied lm_head sharing the embedding's quantized table);
+    DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather (a 4-bit table gathered from its packed rows).
+    No dequantized copy of a weight is made: a 4-bit weight is unpacked only while it is prepared."""
     producers = {o: n for n in graph.nodes for o in n.outputs}
     consts = graph.constants
     prepared: dict[str, object] = {}
     replace: dict[int, Node] = {}
-    dead: set[int] = set()
     for n in graph.nodes:
         if n.key not in (("", "MatMul"), ("", "Gather")) or len(n.inputs) < 2:
             continue
         w = n.inputs[1] if n.op_type == "MatMul" else n.inputs[0]
-        dq = producers.get(w)
-        if dq is None or dq.key != ("", "DequantizeLinear") or w in graph.outputs:
+        dq, transposed = producers.get(w), False
+        if n.op_type == "MatMul" and dq is not None and dq.key == ("", "Transpose") and \
+                list(dq.attrs.get("perm", [1, 0])) == [1, 0] and dq.outputs[0] not in graph.outputs:
+            dq, transposed = producers.get(dq.inputs[0]), True
+        if dq is None or dq.key != ("", "DequantizeLinear") or w in graph.outputs or dq.outputs[0] in graph.outputs:
             continue
         if not all(x in consts for x in dq.inputs if x):
             continue
@@ -216,21 +216,63 @@ def _fold_dequantize(graph: Graph, backend) -> None:
         block, axis = int(dq.attrs.get("block_size", 0)), int(dq.attrs.get("axis", 1))
         if q.ndim != 2 or not block or q.dtype.kind not in "u" or dq.attrs.get("output_dtype", 0) not in (0, 1):
             continue
-        if n.op_type == "MatMul" and axis in (0, -2):
+        if n.op_type == "MatMul" and axis in ((1, -1) if transposed else (0, -2)):
             if w not in prepared:
                 bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
+                q, scale, zp = (_values(t) for t in (q, scale, zp))
+                if transposed:  # [out, in] blocks along in = the [in, out] weight with blocks along axis 0
+                    q, scale, zp = q.T, scale.T, (zp.T if zp is not None else None)
                 prepared[w] = backend.prepare_quantized(q, scale, zp, block, bits)
             replace[id(n)] = Node("QMatMul", RUNTIME, n.name, [n.inputs[0]], n.outputs,
                                   {"weight": prepared[w], "source": dq.name})
         elif n.op_type == "Gather" and int(n.attrs.get("axis", 0)) == 0:
-            replace[id(n)] = Node("QGather", RUNTIME, n.name, [dq.inputs[0], dq.inputs[1], dq.inputs[2] if zp is not None else "",
+            table, packed = dq.inputs[0], 0
+            if isinstance(q, Packed4) and q.rows is not None:  # gather packed rows, unpack only those
+                table, packed = f"{table}#packed_rows", 1
+                consts[table] = q.rows
+            replace[id(n)] = Node("QGather", RUNTIME, n.name, [table, dq.inputs[1], dq.inputs[2] if zp is not None else "",
                                                                n.inputs[1]], n.outputs,
-                                  {"axis": 0 if axis in (0, -2) else 1, "block_size": block})
-        else:
-            continue
-        if all(id(u) in replace for u in uses.get(w, [])):
-            dead.add(id(dq))
-    graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+                                  {"axis": 0 if axis in (0, -2) else 1, "block_size": block, "packed4": packed})
+    nodes = [replace.get(id(n), n) for n in graph.nodes]
+    graph.nodes = _drop_unread(nodes, graph.outputs, lambda n: n.key in (("", "DequantizeLinear"), ("", "Transpose")))
+
+
+def _values(v):
+    return v.unpack() if isinstance(v, Packed4) else v
+
+
+def _drop_unread(nodes: list[Node], outputs: list[str], droppable) -> list[Node]:
+    """Remove `droppable` nodes whose outputs nobody reads (repeated: a DQ read only by a dead Transpose)."""
+    while True:
+        read = set(outputs)
+        for n in nodes:
+            read.update(reads(n))
+        kept = [n for n in nodes if not droppable(n) or any(o in read for o in n.outputs)]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept
+
+
+def reads(n: Node):
+    """Every value name node `n` reads (an If reads what its branches read)."""
+    yield from n.inputs
+    for br in n.branches.values():
+        yield from br.outputs
+        for sub in br.nodes:
+            yield from reads(sub)
+
+
+def _unpack_or_drop_packed(graph: Graph) -> None:
+    """Constants nobody reads any more are dropped (a folded weight's source); a 4-bit constant that
+    a node still reads as values (a DequantizeLinear the folds left) is unpacked for it."""
+    read = set(graph.outputs)
+    for n in graph.nodes:
+        read.update(reads(n))
+    for name in list(graph.constants):
+        if name not in read:
+            del graph.constants[name]
+        elif isinstance(graph.constants[name], Packed4):
+            graph.constants[name] = graph.constants[name].unpack()
 
 
 def _bypass_identity(graph: Graph) -> None:
@@ -262,6 +304,24 @@ def _kv_append(graph: Graph) -> None:
     for i, n in enumerate(graph.nodes):
         if n.key == ("", "Concat") and len(n.inputs) == 2 and n.inputs[0] in pasts and n.attrs.get("axis") in (2, -2):
             graph.nodes[i] = Node("KVAppend", RUNTIME, n.name, list(n.inputs), list(n.outputs))
+
+
+def _last_position_logits(graph: Graph, output: str = "logits") -> bool:
+    """MatMul/QMatMul(x [B, S, H], W) -> logits becomes MatMul(LastPosition(x), W): the head's
+    matmul and its output shrink from S rows to one. Fires only when `logits` is a graph output made
+    by that matmul directly and read by no other node (a softcap, a bias or a Cast after the head, or
+    another reader of the logits, leaves the graph as it is)."""
+    head = next((n for n in graph.nodes if output in n.outputs), None)
+    if head is None or head.key not in (("", "MatMul"), (RUNTIME, "QMatMul")) or output not in graph.outputs \
+            or any(output in n.inputs for n in graph.nodes):
+        return False
+    x = head.inputs[0]
+    if x in graph.constants:
+        return False
+    last = f"{x}/last_position"
+    graph.nodes.insert(graph.nodes.index(head), Node("LastPosition", RUNTIME, f"{head.name}/LastPosition", [x], [last]))
+    head.inputs = [last, *head.inputs[1:]]
+    return True
 
 
 def _fold_constants(graph: Graph) -> None:

@@ -1,13 +1,15 @@
 """Load a model directory or .onnx file: graph, initializers (memory-mapped), functions, meta.
 
 External data is mapped, not read: every tensor stored in `model.onnx.data` becomes a numpy view
-of one `np.memmap` per file, so loading a multi-GB model costs page-table entries, not RAM. A
+of one `np.memmap` per file, so loading a multi-GB model costs page-table entries, not RAM; a
+4-bit tensor stays packed (`Packed4`: unpacked only by whoever needs the values, one at a time). A
 location that leaves the model's directory (absolute, `..`, or a symlink pointing outside) is
 refused, as is a data file too short for the tensors that point into it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,41 @@ class LoadedModel:
     meta: dict | None = None
     input_types: dict[str, tuple[int, list]] = field(default_factory=dict)
     output_names: list[str] = field(default_factory=list)
+    data_files: _DataFiles | None = None
+
+    def release_pages(self) -> None:
+        """Drop the mapped weight pages this process has read (the page cache keeps them): after the
+        backend has made its own copies, what is read again (embedding rows) faults back in."""
+        if self.data_files is not None:
+            self.data_files.release()
+
+
+@dataclass
+class Packed4:
+    """A 4-bit tensor as stored (ONNX packing: two values per byte, the first in the low nibble),
+    a view of the mapped data file. `unpack()` makes the one-value-per-byte array; `rows` is the
+    packed data as [rows, cols / 2] bytes when whole rows are whole bytes (cols even), else None."""
+
+    raw: np.ndarray
+    shape: tuple
+    data_type: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(NP_DTYPES[self.data_type])
+
+    def unpack(self) -> np.ndarray:
+        return _unpack4(np.asarray(self.raw), self.shape, self.data_type)
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        if len(self.shape) != 2 or self.shape[1] % 2 or self.data_type != TensorProto.UINT4:
+            return None
+        return np.asarray(self.raw).reshape(self.shape[0], self.shape[1] // 2)
 
 
 def model_path(path: str | os.PathLike) -> tuple[Path, dict | None]:
@@ -73,7 +110,7 @@ def load(path: str | os.PathLike) -> LoadedModel:
                           "re-create it with `fuselm convert`") from None
     base = onnx_path.parent
     maps = _DataFiles(base)
-    inits = {t.name: tensor_to_array(t, maps) for t in model.graph.initializer}
+    inits = {t.name: tensor_to_array(t, maps, packed=True) for t in model.graph.initializer}
     for t in model.graph.sparse_initializer:
         raise FuselmError(f"sparse initializer {t.values.name!r} is not supported; densify the model first")
     functions = {(f.domain, f.name): f for f in model.functions}
@@ -86,7 +123,7 @@ def load(path: str | os.PathLike) -> LoadedModel:
         dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
         input_types[vi.name] = (tt.elem_type, dims)
     return LoadedModel(model.graph, inits, functions, opsets, onnx_path, meta, input_types,
-                       [o.name for o in model.graph.output])
+                       [o.name for o in model.graph.output], maps)
 
 
 class _DataFiles:
@@ -117,9 +154,16 @@ class _DataFiles:
             return np.zeros(0, np.uint8)
         return np.memmap(path, dtype=np.uint8, mode="r")
 
+    def release(self) -> None:
+        for mm in self.maps.values():
+            handle = getattr(mm, "_mmap", None)
+            if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+                handle.madvise(mmap.MADV_DONTNEED)
 
-def tensor_to_array(t: TensorProto, maps: _DataFiles | None = None) -> np.ndarray:
-    """A TensorProto as a host array: 4-bit types unpacked to one value per byte, bf16 via ml_dtypes."""
+
+def tensor_to_array(t: TensorProto, maps: _DataFiles | None = None, packed: bool = False) -> np.ndarray | Packed4:
+    """A TensorProto as a host array: 4-bit types unpacked to one value per byte (packed=True: a
+    4-bit tensor in a data file stays a `Packed4` view), bf16 via ml_dtypes."""
     shape = tuple(t.dims)
     if t.data_type not in NP_DTYPES:
         raise FuselmError(f"tensor {t.name!r}: element type {helper.tensor_dtype_to_string(t.data_type)} "
@@ -148,7 +192,7 @@ def tensor_to_array(t: TensorProto, maps: _DataFiles | None = None) -> np.ndarra
                           f"bytes {offset}..{offset + nbytes}); copy the complete file or re-create the model")
     raw = mm[offset:offset + nbytes]
     if t.data_type in _FOUR_BIT:
-        return _unpack4(np.asarray(raw), shape, t.data_type)
+        return Packed4(raw, shape, t.data_type) if packed else _unpack4(np.asarray(raw), shape, t.data_type)
     if offset % dtype.itemsize:
         raw = np.array(raw)  # unaligned: copy once
     return np.asarray(raw).view(dtype).reshape(shape)

@@ -288,11 +288,18 @@ def QMatMul(b, x, *, weight, source=""):
 
 
 @op("QGather", domain=RUNTIME)
-def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0):
-    """DequantizeLinear -> Gather(axis 0) folded at load: gather quantized rows, dequantize only those."""
-    out_shape = tuple(b.shape(ids)) + (b.shape(q)[1],)
+def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0, packed4=0):
+    """DequantizeLinear -> Gather(axis 0) folded at load: gather quantized rows, dequantize only those.
+    packed4=1: q is a uint4 table as stored, [rows, cols / 2] bytes (low nibble first)."""
+    cols = b.shape(q)[1] * (2 if packed4 else 1)
+    out_shape = tuple(b.shape(ids)) + (cols,)
     ids = b.reshape(ids, (-1,))
     rows = b.gather(q, ids, 0)
+    if packed4:
+        n = b.shape(ids)[0]
+        lo = b.binary("bitwise_and", rows, _scalar(b, rows, 15))
+        hi = b.binary("div", rows, _scalar(b, rows, 16))
+        rows = b.reshape(b.concat([b.reshape(lo, (n, cols // 2, 1)), b.reshape(hi, (n, cols // 2, 1))], 2), (n, cols))
     if axis == 0:  # blocks run along the rows: row r uses scale row r // block
         sid = b.binary("div", ids, _scalar(b, ids, block_size))
         s, z = b.gather(scale, sid, 0), (b.gather(zero_point, sid, 0) if zero_point is not None else None)
@@ -304,6 +311,12 @@ def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0):
     if z is not None:
         y = b.binary("sub", y, b.cast(per(z), 1))
     return b.reshape(b.binary("mul", y, b.cast(per(s), 1)), out_shape)
+
+
+@op("LastPosition", domain=RUNTIME)
+def LastPosition(b, x):
+    """x [B, S, H] -> [B, 1, H]: inserted at load before the lm_head (graph.py, _last_position_logits)."""
+    return b.slice(x, (slice(None), slice(-1, None)))
 
 
 @op("KVAppend", domain=RUNTIME)

@@ -46,13 +46,14 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
                  fused: bool = True, static_decode: bool = True, compile: bool | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, all_logits: bool = False):
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
         self.backend = make_backend(backend, device)
         self.caches = self._check_contract()
         try:
-            self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
+            # all_logits=False: logits of the last position only (what prefill and decode return)
+            self.graph = graph_mod.build(self.lm, self.backend, fused=fused, all_logits=all_logits)
         except Exception as e:  # load-time rewrites on attributes the checker lets through (a negative block size)
             if isinstance(e, FuselmError):
                 raise
@@ -187,7 +188,7 @@ class Session:
             views = dict(self.buffers)
         logits = self._run(part, pos, mask, positions, views, static=False)
         self.pos += s
-        return b.slice(logits, (0, s - 1))
+        return b.slice(logits, (0, -1))  # the last position ([B, 1, vocab] unless all_logits)
 
     def decode(self, token: int):
         """One decode step; returns the logits of the new token (backend array [vocab])."""

@@ -1,0 +1,382 @@
+"""fuselm vs onnxruntime-genai on this CPU, side by side: what a user of either tool runs.
+
+    python bench/cpu_peer.py                          # Qwen3-0.6B shape, 3 runs
+    python bench/cpu_peer.py --shapes 0.6b 4b --runs 3
+    python bench/cpu_peer.py --tiny                   # a tiny config in seconds (tests/test_bench_cpu_peer.py)
+
+One random-weight Qwen3-shaped checkpoint per shape (bench/convert.py --make-checkpoint), then each
+tool's own q4 path with its defaults: `fuselm convert --quant q4` + `fuselm optimize`, and
+`python -m onnxruntime_genai.models.builder -i CKPT -o OUT -p int4 -e cpu`. Every engine runs in
+its own process with the same number of threads (default 2) and reports, as medians over --runs
+runs after one warm-up run:
+- decode tok/s at 128 tokens of context (64 greedy steps after a 128-token prompt) and at 2048
+  (32 steps after a 2048-token prompt): the median step time of each run,
+- prefill tok/s of a 512- and a 2048-token prompt (to its first logits),
+- the peak RSS of that benchmark process.
+Then two fresh processes per engine, timed whole from the parent (imports + load + prefill):
+- first token of a 16-token prompt (`fuselm run --prompt-ids ... --max-tokens 1`, and the
+  equivalent onnxruntime-genai script), with its peak RSS,
+- a 512-token prompt and 16 generated tokens: the peak RSS of a `fuselm run`-like process.
+The box may be shared: every row records the 1-minute load average before it started. Prints a
+table with ratios, writes bench/results/cpu-peer.json (--tiny: cpu-peer-tiny.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+ENGINES = ("fuselm", "genai")
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(seed).integers(10, min(vocab, 50000), n)]
+
+
+def _peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
+
+
+# --- engines: one protocol, each in a child process -------------------------------------------
+class FuselmEngine:
+    def __init__(self, model: Path, threads: int, compile_: bool | None):
+        from fuselm.runtime_metal.session import Session
+
+        self.sess = Session(model, backend="torch", device="cpu", threads=threads, compile=compile_)
+        self.what = self.sess.describe()
+
+    def prefill(self, ids: list[int], room: int) -> int:
+        import numpy as np
+
+        self.sess.reset(len(ids) + room)
+        return int(np.argmax(self.sess.logits_to_numpy(self.sess.prefill(ids))))
+
+    def step(self, token: int) -> int:
+        import numpy as np
+
+        return int(np.argmax(self.sess.logits_to_numpy(self.sess.decode(token))))
+
+
+class GenaiEngine:
+    """onnxruntime-genai's own loop: append_tokens runs the prompt, generate_next_token picks the
+    token from the current logits and (from its second call on) first runs the model on the last one."""
+
+    def __init__(self, model: Path, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.gen = None
+        self.what = f"onnxruntime-genai {og.__version__} (onnxruntime MatMulNBits + GroupQueryAttention), CPU"
+
+    def prefill(self, ids: list[int], room: int) -> int:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        # max_length sizes its shared past/present buffers; min_length keeps eos from ending the run
+        params.set_search_options(max_length=len(ids) + room, min_length=len(ids) + room, do_sample=False)
+        self.gen = None  # free the previous generator's cache first
+        self.gen = og.Generator(self.model, params)
+        self.gen.append_tokens(ids)
+        self.gen.generate_next_token()  # greedy pick from the prompt's logits (no model run)
+        return int(self.gen.get_next_tokens()[0])
+
+    def step(self, token: int) -> int:
+        self.gen.generate_next_token()
+        return int(self.gen.get_next_tokens()[0])
+
+
+def measure(engine, vocab: int, runs: int, contexts: tuple, prefills: tuple, steps: tuple) -> dict:
+    """Decode at each context length (median step time per run) and prefill of each length."""
+    decode = {c: [] for c in contexts}
+    prefill = {n: [] for n in prefills}
+    for r in range(runs + 1):  # run 0 warms up
+        for c, n_steps in zip(contexts, steps, strict=True):
+            ids = _ids(c, vocab, 100 + r)
+            t = time.perf_counter()
+            token = engine.prefill(ids, n_steps + 1)
+            took = time.perf_counter() - t
+            if r and c in prefill:
+                prefill[c].append(c / took)
+            times = []
+            for _ in range(n_steps):
+                t = time.perf_counter()
+                token = engine.step(token)
+                times.append(time.perf_counter() - t)
+            if r:
+                decode[c].append(1 / statistics.median(times))
+        for n in prefills:
+            if n in contexts:
+                continue
+            ids = _ids(n, vocab, 200 + r)
+            t = time.perf_counter()
+            engine.prefill(ids, 1)
+            if r:
+                prefill[n].append(n / (time.perf_counter() - t))
+    out = {}
+    for c, v in decode.items():
+        out[f"decode_{c}_tok_s"], out[f"decode_{c}_runs"] = round(statistics.median(v), 2), [round(x, 2) for x in v]
+    for n, v in prefill.items():
+        out[f"prefill_{n}_tok_s"], out[f"prefill_{n}_runs"] = round(statistics.median(v), 1), [round(x, 1) for x in v]
+    return out
+
+
+def child(args) -> None:
+    """The benchmark process of one engine: load, measure, report (one JSON line on stdout)."""
+    model = Path(args.model)
+    vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
+    t0 = time.perf_counter()
+    if args.child == "genai":
+        engine = GenaiEngine(model, args.threads)
+    else:
+        engine = FuselmEngine(model, args.threads, True if args.child == "fuselm-compile" else None)
+    load = time.perf_counter() - t0
+    r = measure(engine, vocab, args.runs, tuple(args.contexts), tuple(args.prefills), tuple(args.steps))
+    r.update(load_s=round(load, 2), what=engine.what, peak_rss_mb=_peak_rss_mb())
+    print("RESULT " + json.dumps(r), flush=True)
+
+
+GENAI_RUN = r"""
+import sys, time
+import onnxruntime_genai as og
+model_dir, ids, new, threads = sys.argv[1], [int(i) for i in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+config = og.Config(model_dir)
+config.overlay('{"model": {"decoder": {"session_options": {"intra_op_num_threads": %d, "inter_op_num_threads": 1}}}}' % threads)
+model = og.Model(config)
+tok = og.Tokenizer(model)  # as a user's script would: fuselm run loads its tokenizer too
+params = og.GeneratorParams(model)
+params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+gen = og.Generator(model, params)
+gen.append_tokens(ids)
+out = []
+while len(out) < new:
+    gen.generate_next_token()
+    out.append(int(gen.get_next_tokens()[0]))
+    if len(out) == 1:
+        print("FIRST", time.time(), flush=True)
+print(" ".join(map(str, out)))
+"""
+
+
+def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: int) -> dict:
+    """A whole user process (imports + load + prefill + `new` tokens): wall time to its first token
+    (the child prints it), total wall time and the process's peak RSS (os.wait4)."""
+    ids_arg = ",".join(map(str, ids))
+    if engine == "genai":
+        cmd = [sys.executable, "-c", GENAI_RUN, str(model), ids_arg, str(new), str(threads)]
+    else:
+        cmd = [sys.executable, "-m", "fuselm.cli", "run", str(model), "--prompt-ids", ids_arg, "--max-tokens",
+               str(new), "--ignore-eos", "--threads", str(threads), "--backend", "torch", "--device", "cpu"]
+        if engine == "fuselm-compile":
+            cmd.append("--compile")
+    load = os.getloadavg()[0]
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = None
+    out_lines = []
+    for line in proc.stdout:  # fuselm run prints the token and its newline as it comes: stamp its arrival
+        if first is None:
+            first = time.time()
+        out_lines.append(line)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.time() - start
+    err = proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        return {"error": " | ".join(err.strip().splitlines()[-3:])[:500]}
+    stamp = next((float(ln.split()[1]) for ln in out_lines if ln.startswith("FIRST ")), None)
+    first = stamp or first
+    return {"first_token_s": round(first - start, 2) if first else None, "wall_s": round(wall, 2),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "load_before": round(load, 2)}
+
+
+def fresh_runs(engine: str, model: Path, ids: list[int], new: int, args) -> dict:
+    """`fresh_process` --runs times: medians of the times, the largest peak RSS, every run kept
+    (the first one may include a one-time cost: building the CPU kernels, a cold page cache)."""
+    runs = [fresh_process(engine, model, ids, new, args.threads) for _ in range(max(1, args.runs))]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = {k: round(statistics.median(r[k] for r in ok), 2) for k in ("first_token_s", "wall_s") if ok[0][k] is not None}
+    out.update(peak_rss_mb=max(r["peak_rss_mb"] for r in ok), runs=runs)
+    return out
+
+
+def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--ckpt", str(ckpt),
+           "--runs", str(args.runs), "--threads", str(args.threads),
+           "--contexts", *map(str, args.contexts), "--steps", *map(str, args.steps),
+           "--prefills", *map(str, args.prefills)]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"engine": engine, "error": " | ".join(tail)[:500], "load_before": round(load, 2)}
+    r = json.loads(line[len("RESULT "):])
+    r.update(engine=engine, wall_s=round(time.perf_counter() - t0, 1), load_before=round(load, 2),
+             load_after=round(os.getloadavg()[0], 2))
+    return r
+
+
+# --- preparation -------------------------------------------------------------------------------
+def prepare(shape: str, work: Path) -> tuple[Path, dict[str, Path]]:
+    """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation) and genai's int4 build."""
+    ckpt, models = _bench_module("runtime").prepare(shape, work, ["q4"])
+    genai = work / f"qwen3-{shape}-genai-int4"
+    if not (genai / "genai_config.json").is_file():
+        shutil.rmtree(genai, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
+                        "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai}
+
+
+def _dir_mb(path: Path) -> float:
+    return round(sum(p.stat().st_size for p in path.iterdir() if p.is_file()) / 2**20, 1)
+
+
+def machine() -> dict:
+    import onnxruntime
+
+    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__}
+    try:
+        import onnxruntime_genai
+
+        info["onnxruntime_genai"] = onnxruntime_genai.__version__
+    except ImportError:
+        pass
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        fields = dict(ln.split(":", 1) for ln in lscpu.splitlines() if ":" in ln)
+        info["processor"] = fields.get("Model name", "").strip()
+        flags = fields.get("Flags", "").split()
+        info["simd"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")
+                        if f in flags]
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        pass
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=["0.6b"], choices=["0.6b", "4b"])
+    ap.add_argument("--tiny", action="store_true", help="a tiny config, short prompts, 1 run: a test in seconds")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=["fuselm", "fuselm-compile", "genai"])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
+    ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[128, 2048], help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, nargs="*", default=[64, 32], help=argparse.SUPPRESS)
+    ap.add_argument("--prefills", type=int, nargs="*", default=[512, 2048], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    shapes = args.shapes
+    first_prompt, run_prompt, run_tokens = 16, 512, 16
+    if args.tiny:
+        shapes, args.runs = ["tiny"], 1
+        args.contexts, args.steps, args.prefills = [16, 64], [4, 4], [32, 64]
+        run_prompt, run_tokens = 32, 4
+    args.run_prompt = run_prompt
+    rows = []
+    for shape in shapes:
+        t0 = time.perf_counter()
+        ckpt, models = prepare(shape, args.work / shape)
+        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+        print(f"[{shape}] models ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        for engine in args.engines:
+            r = spawn(engine, models[engine], ckpt, args)
+            r.update(shape=shape, model_mb=_dir_mb(models[engine]))
+            if not args.no_fresh and "error" not in r:
+                r["first_token"] = fresh_runs(engine, models[engine], _ids(first_prompt, vocab, 7), 1, args)
+                r[f"run_{run_prompt}"] = fresh_runs(engine, models[engine], _ids(run_prompt, vocab, 8), run_tokens, args)
+            rows.append(r)
+            print(f"[{shape}] {engine}: " + json.dumps({k: v for k, v in r.items() if not k.endswith("_runs")}),
+                  flush=True)
+    summary = report(rows, args)
+    out = args.out or RESULTS / ("cpu-peer-tiny.json" if args.tiny else "cpu-peer.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "protocol": {
+        "threads": args.threads, "runs": args.runs, "decode_contexts": args.contexts, "decode_steps": args.steps,
+        "prefills": args.prefills, "first_token_prompt": first_prompt, "run_prompt": run_prompt,
+        "run_tokens": run_tokens}, "rows": rows, "summary": summary}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def report(rows: list[dict], args) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"fuselm vs onnxruntime-genai on CPU, {args.threads} threads each (medians)")
+    cols = [f"decode@{c}" for c in args.contexts] + [f"prefill {n}" for n in args.prefills]
+    for col in ("shape", "engine", *cols, "peak RSS MB", "1st token s", "load avg"):
+        table.add_column(col)
+    keys = [f"decode_{c}_tok_s" for c in args.contexts] + [f"prefill_{n}_tok_s" for n in args.prefills]
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["shape"], r["engine"], r["error"][:100])
+            continue
+        ft = r.get("first_token", {})
+        table.add_row(r["shape"], r["engine"], *[f"{r[k]:.1f}" for k in keys], f"{r['peak_rss_mb']:.0f}",
+                      f"{ft.get('first_token_s', '')}", f"{r['load_before']:.1f}")
+    console.print(table)
+    summary = {}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        by = {r["engine"]: r for r in rows if r["shape"] == shape and "error" not in r}
+        peer = by.get("genai")
+        for name, ours in by.items():
+            if name == "genai" or peer is None:
+                continue
+            for k in keys + ["peak_rss_mb"]:
+                summary[f"{shape} {k} {name}/genai"] = round(ours[k] / peer[k], 2)
+            run = f"run_{args.run_prompt}"
+            for sub in ("first_token", run):
+                if "peak_rss_mb" in ours.get(sub, {}) and "peak_rss_mb" in peer.get(sub, {}):
+                    summary[f"{shape} {sub} peak_rss_mb {name}/genai"] = round(
+                        ours[sub]["peak_rss_mb"] / peer[sub]["peak_rss_mb"], 2)
+    for k, v in summary.items():
+        console.print(f"  {k}: {v}")
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
