@@ -326,7 +326,9 @@ def main(argv=None) -> int:
             r.update(shape=shape, model_mb=_dir_mb(models[engine]))
             if not args.no_fresh and "error" not in r:
                 r["first_token"] = fresh_runs(engine, models[engine], _ids(first_prompt, vocab, 7), 1, args)
-                r[f"run_{run_prompt}"] = fresh_runs(engine, models[engine], _ids(run_prompt, vocab, 8), run_tokens, args)
+                if not args.tiny:  # the tiny test stays short: one fresh process per engine
+                    r[f"run_{run_prompt}"] = fresh_runs(engine, models[engine], _ids(run_prompt, vocab, 8), run_tokens,
+                                                        args)
             rows.append(r)
             print(f"[{shape}] {engine}: " + json.dumps({k: v for k, v in r.items() if not k.endswith("_runs")}),
                   flush=True)

@@ -106,6 +106,12 @@ class Plan:
 
     def __init__(self, linear: Precision, embed: Precision, lm_head: Precision, shapes: dict[str, tuple]):
         self.linear, self.embed, self.lm_head, self.shapes = linear, embed, lm_head, shapes
+        self._table: tuple[str, ...] | None = None  # the quantized embedding's initializers (q, scales, zp)
+        self._table_dq: str | None = None  # their DequantizeLinear over the whole table, when there is one
+
+    def shares_table(self, tied: bool) -> bool:
+        """A tied head at the embedding's precision reads the embedding's tensor (stored once)."""
+        return tied and self.lm_head == self.embed
 
     def vector(self, b: Builder, name: str, layer: int | None) -> str:
         return b.weight(name, layer, lambda w: [w], [(name, TensorProto.FLOAT, self.shapes[name], False)])[0]
@@ -150,6 +156,7 @@ class Plan:
                            [(f"{name}.qweight", qtype, (vocab, hidden), False),
                             (f"{name}.scales", TensorProto.FLOAT, (vocab, nblk), False),
                             (f"{name}.zero_points", qtype, (vocab, nblk), False)])
+        self._table = (q, s, z)
         if p.bits == 8:
             # Gather the quantized rows first, then dequantize only those (axis 2 of [B,S,hidden]).
             q, s, z = (b.op("Gather", t, ids, name=f"{scope}/{part}/Gather", axis=0)
@@ -157,16 +164,23 @@ class Plan:
             return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=2, block_size=p.block)
         # ONNX Gather has no 4-bit types: dequantize the table, then gather (a runtime folds this).
         table = b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=1, block_size=p.block)
+        self._table_dq = table
         return b.op("Gather", table, ids, name=f"{scope}/Gather", axis=0)
 
     def logits(self, b: Builder, x: str, embed_name: str, head_name: str | None) -> str:
-        """lm_head MatMul. head_name None = tied: share the embedding when it has the same
-        precision (MatMul on its Transpose), else write a copy under `lm_head.weight`."""
+        """lm_head MatMul. head_name None = tied: share the embedding's tensor when it has the same
+        precision (MatMul on the Transpose of the [vocab, hidden] table: for a quantized table,
+        of its DequantizeLinear, blocks along hidden either way), else write a copy under
+        `lm_head.weight`."""
         scope = "/model/lm_head"
-        if head_name is None and self.lm_head == self.embed and self.embed.kind in ("f32", "f16"):
-            table = embed_name
-            if self.embed.kind == "f16":
-                table = b.op("Cast", table, name=f"{scope}/Cast", to=TensorProto.FLOAT)
+        if self.shares_table(head_name is None):
+            if self.embed.kind in ("f32", "f16"):
+                table = embed_name
+                if self.embed.kind == "f16":
+                    table = b.op("Cast", table, name=f"{scope}/Cast", to=TensorProto.FLOAT)
+            else:  # the 8-bit embedding dequantizes gathered rows only: the head needs its own DQ
+                table = self._table_dq or b.op("DequantizeLinear", *self._table, name=f"{scope}/DequantizeLinear",
+                                               axis=1, block_size=self.embed.block)
             w = b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
         else:
             w = self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")

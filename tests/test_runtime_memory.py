@@ -1,0 +1,121 @@
+"""What the runtime keeps in memory: no dequantized copy of a weight, logits only where they are read.
+
+References: onnxruntime on the same graph (all positions' logits, accuracy level 1) and the
+stored tensors themselves (4-bit rows unpacked independently of the runtime).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import onnx
+import pytest
+
+import fuselm
+from fuselm.exporter.check import OrtModel
+from fuselm.modeldir import MODEL_NAME, read_meta
+from fuselm.runtime_metal.loader import Packed4
+from fuselm.runtime_metal.session import Session
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """True when `a` is a view of a memory-mapped file (pages the kernel can drop), not a heap copy."""
+    while a is not None:
+        if isinstance(a, (np.memmap, mmap.mmap)):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+@pytest.fixture(scope="module")
+def shared_q4(make_ckpt, tmp_path_factory):
+    """Tied tiny qwen3, q4 linears, q4 head and q4 embedding stored as one tensor."""
+    out = tmp_path_factory.mktemp("shared-q4") / "model"
+    return fuselm.convert(make_ckpt("qwen3"), out, quant="q4", lm_head="q4", embed="q4", quiet=True)
+
+
+def test_tied_quantized_head_stored_once(shared_q4):
+    graph = onnx.load(str(shared_q4 / MODEL_NAME), load_external_data=False).graph
+    names = [t.name for t in graph.initializer]
+    assert not any(n.startswith("lm_head") for n in names), names
+    assert read_meta(shared_q4)["quantization"]["lm_head"]["shares"] == "embed"
+    head = next(n for n in graph.node if n.name == "/model/lm_head/MatMul")
+    transpose = next(n for n in graph.node if n.output[0] == head.input[1])
+    assert transpose.op_type == "Transpose"
+    dq = next(n for n in graph.node if n.output[0] == transpose.input[0])
+    assert dq.op_type == "DequantizeLinear" and dq.input[0] == "model.embed_tokens.weight.qweight"
+
+
+def test_no_dequantized_weight_copy(shared_q4):
+    """Every weight-sized constant the runtime keeps is a view of the data file; the folded weights'
+    sources are gone; the embedding is gathered from its packed 4-bit rows."""
+    sess = Session(shared_q4, backend="torch", device="cpu")
+    g = sess.graph
+    ops = [n.op_type for n in g.nodes]
+    assert "DequantizeLinear" not in ops and "Transpose" not in ops[-3:]
+    gather = next(n for n in g.nodes if n.op_type == "QGather")
+    assert gather.attrs["packed4"] == 1
+    vocab, hidden = sess.meta["dims"]["vocab"], sess.meta["dims"]["hidden"]
+    assert g.constants[gather.inputs[0]].shape == (vocab, hidden // 2)
+    for name, value in g.constants.items():
+        assert not isinstance(value, Packed4), name
+        if np.asarray(value).size >= 64 * 64:
+            assert _mapped(value), f"{name} is a heap copy of a weight"
+    head = next(n for n in g.nodes if "logits" in n.outputs)
+    assert head.op_type == "QMatMul" and head.attrs["weight"].bits == 4
+
+
+def test_packed_rows_gather_the_stored_values(shared_q4):
+    """QGather over packed uint4 rows = the stored table dequantized (unpacked here with numpy)."""
+    sess = Session(shared_q4, backend="torch")
+    gather = next(n for n in sess.graph.nodes if n.op_type == "QGather")
+    model = onnx.load(str(shared_q4 / MODEL_NAME))
+    stored = {t.name: t for t in model.graph.initializer}
+    raw = np.frombuffer(stored["model.embed_tokens.weight.qweight"].raw_data, np.uint8)
+    vocab, hidden = sess.meta["dims"]["vocab"], sess.meta["dims"]["hidden"]
+    q = np.stack([raw & 15, raw >> 4], axis=1).reshape(vocab, hidden).astype(np.float32)
+    scale = onnx.numpy_helper.to_array(stored["model.embed_tokens.weight.scales"])
+    zraw = np.frombuffer(stored["model.embed_tokens.weight.zero_points"].raw_data, np.uint8)
+    zp = np.stack([zraw & 15, zraw >> 4], axis=1).reshape(-1)[: scale.size].reshape(scale.shape).astype(np.float32)
+    block = gather.attrs["block_size"]
+    want = (q - np.repeat(zp, block, 1)) * np.repeat(scale, block, 1)
+    ids = np.array([[3, 0, vocab - 1, 7]])
+    from fuselm.runtime_metal.ops import OPS
+
+    b = sess.backend
+    args = [b.asarray(sess.graph.constants[x]) if x else None for x in gather.inputs[:3]]
+    got = OPS[("fuselm.runtime", "QGather")].fn(b, *args, b.asarray(ids), **gather.attrs)
+    np.testing.assert_allclose(b.to_numpy(got), want[ids], rtol=0, atol=1e-6)
+
+
+def test_logits_of_the_last_position_only(exported):
+    """Default: the lm_head reads the last position ([1, 1, vocab]); all_logits=True keeps every
+    position, equal to onnxruntime's on the same graph; both give the same last-position logits."""
+    model = exported("qwen3", "q4")
+    ids = list(range(5, 21))
+    last, every = Session(model, backend="torch"), Session(model, backend="torch", all_logits=True)
+    assert any(n.op_type == "LastPosition" for n in last.graph.nodes)
+    assert not any(n.op_type == "LastPosition" for n in every.graph.nodes)
+    outs = {}
+    for name, sess in (("last", last), ("every", every)):
+        sess.reset(32)
+        feeds = {"input_ids": sess._ids(ids), "attention_mask": sess._ids(np.ones(16)),
+                 "position_ids": sess._ids(np.arange(16)),
+                 **{c.name: sess.backend.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in sess.caches}}
+        outs[name] = np.asarray(sess.backend.to_numpy(sess.executor.run(feeds)["logits"]))
+    assert outs["last"].shape == (1, 1, last.meta["dims"]["vocab"])
+    assert outs["every"].shape == (1, 16, last.meta["dims"]["vocab"])
+    ort_logits, _ = OrtModel(model).forward(np.array([ids]), np.ones((1, 16)), np.arange(16)[None])
+    np.testing.assert_allclose(outs["every"], ort_logits, atol=2e-3 * max(1.0, np.abs(ort_logits).max()))
+    np.testing.assert_allclose(outs["last"][0, 0], outs["every"][0, -1], atol=1e-4)
+    for sess in (last, every):  # and through the session's own prefill
+        sess.reset(32)
+    np.testing.assert_allclose(last.logits_to_numpy(last.prefill(ids)), every.logits_to_numpy(every.prefill(ids)),
+                               atol=1e-4)
+
+
+def test_shared_q4_head_validates(shared_q4, make_ckpt):
+    """The shared 4-bit table through `fuselm validate`: tokens equal onnxruntime's on the same graph."""
+    r = fuselm.validate(shared_q4, make_ckpt("qwen3"), tokens=6, backend="torch", quiet=True)
+    assert r["tokens"] == r["onnxruntime"] and max(r["max_logit_diff_ort"]) < 1e-3
