@@ -30,15 +30,17 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`.
 
     quant: f32 | f16 | q8 | q4 for linear layers (blockwise asymmetric, `block_size` 32/64/128);
-    lm_head / embed: their precision (default q8 / f16 when quantizing, else as `quant`).
+    lm_head / embed: their precision (default: the head as `quant`; a tied embedding as the head,
+    one tensor for both; an untied one f16 when quantizing, else as `quant`).
     check: afterwards compare onnxruntime with HF transformers (exporter/check.py).
     """
     t0 = time.perf_counter()
     hf_dir = Path(hf_dir)
-    linear_p, embed_p, head_p = precisions(quant, block_size, lm_head, embed)
+    precisions(quant, block_size, lm_head, embed)  # bad flags fail before the checkpoint is read
     config = read_config(hf_dir)
     family_name, family = families.family_for(config)
     cfg = family.Config.from_dict(config)
+    linear_p, embed_p, head_p = precisions(quant, block_size, lm_head, embed, tied=cfg.tie_word_embeddings)
     ckpt = Checkpoint(hf_dir)
     ckpt.check_bounds(cfg)  # nothing is sized by config.json before this
     rope = rope_inputs(config, cfg.head_dim)

@@ -108,7 +108,9 @@ def _theoretical_bytes(meta) -> int:
         return n_in * n_out * p["bits"] // 8 + nblk * n_out * (4 + p["bits"] / 8)
 
     total = d["layers"] * sum(size(i, o, q["linear"]) for i, o in linears)
-    total += size(hid, d["vocab"], q["embed"]) + size(hid, d["vocab"], q["lm_head"])
+    total += size(hid, d["vocab"], q["embed"])
+    if q["lm_head"].get("shares") != "embed":  # a tied head at the embedding's precision is stored once
+        total += size(hid, d["vocab"], q["lm_head"])
     return int(total)
 
 
@@ -126,4 +128,14 @@ def test_metadata_records_precisions(exported):
     assert q["mode"] == "q4"
     assert q["linear"] == {"bits": 4, "block_size": 32, "symmetric": False, "dtype": "uint4",
                            "scale_dtype": "float32", "zero_point_dtype": "uint4"}
-    assert q["lm_head"]["bits"] == 8 and q["embed"] == {"bits": 16, "dtype": "float16"}
+    # the defaults (README "Defaults"): a tied checkpoint's head as --quant, its embedding the same tensor
+    assert q["lm_head"] == {**q["linear"], "shares": "embed"} and q["embed"] == q["linear"]
+
+
+def test_default_precisions():
+    from fuselm.exporter.quant import Precision, precisions
+
+    assert precisions("q4", 32, None, None, tied=True) == (Precision("q4"),) * 3
+    assert precisions("q4", 64, None, None, tied=False) == (Precision("q4", 64), Precision("f16", 64), Precision("q4", 64))
+    assert precisions("q4", 32, "q8", None, tied=True) == (Precision("q4"), Precision("q8"), Precision("q8"))
+    assert precisions("f16", 32, None, None, tied=True) == (Precision("f16"),) * 3
