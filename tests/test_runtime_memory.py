@@ -119,3 +119,21 @@ def test_shared_q4_head_validates(shared_q4, make_ckpt):
     """The shared 4-bit table through `fuselm validate`: tokens equal onnxruntime's on the same graph."""
     r = fuselm.validate(shared_q4, make_ckpt("qwen3"), tokens=6, backend="torch", quiet=True)
     assert r["tokens"] == r["onnxruntime"] and max(r["max_logit_diff_ort"]) < 1e-3
+
+
+def test_wide_weight_packed_in_slices():
+    """A vocab-wide weight is prepared in column slices: the same matmul as packing it whole."""
+    import torch
+
+    from fuselm.runtime_metal.backends import make_backend, torch_backend, torch_quant
+
+    b = make_backend("torch", "cpu")
+    rng = np.random.default_rng(0)
+    k, n = 64, torch_backend._PREPARE_COLUMNS * 2 + 96
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    scale = rng.uniform(0.01, 0.1, (k // 32, n)).astype(np.float32)
+    zp = rng.integers(0, 16, (k // 32, n), dtype=np.uint8)
+    sliced, whole = b.prepare_quantized(q, scale, zp, 32, 4), torch_quant.prepare(b, q, scale, zp, 32, 4)
+    assert (sliced.kind, sliced.in_features, sliced.out_features) == (whole.kind, k, n)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    np.testing.assert_array_equal(b.quantized_matmul(x, sliced).numpy(), b.quantized_matmul(x, whole).numpy())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from onnx import TensorProto
 
 from . import torch_quant
-from .base import Backend
+from .base import Backend, QuantizedWeight, dequantize_blocked
 
 TORCH_DTYPES = {
     TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
@@ -77,6 +77,7 @@ def _grouped_attention(q, k, v, mask, scale):
 
 
 _MMAP_THRESHOLD = 256 * 1024
+_PREPARE_COLUMNS = 16384
 
 
 def _return_freed_memory() -> None:
@@ -331,7 +332,20 @@ class TorchBackend(Backend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):
-        return torch_quant.prepare(self, q, scale, zero_point, block, bits)
+        n = q.shape[1]
+        if self.device != "cpu" or n <= _PREPARE_COLUMNS:
+            return torch_quant.prepare(self, q, scale, zero_point, block, bits)
+        # a vocab-wide lm_head: the CPU kernels' layout is one row per output column, so it is packed
+        # in slices of columns (the packing's temporaries stay ~50 MB instead of 3x the weight)
+        parts = [torch_quant.prepare(self, q[:, c:c + _PREPARE_COLUMNS], scale[:, c:c + _PREPARE_COLUMNS],
+                                     None if zero_point is None else zero_point[:, c:c + _PREPARE_COLUMNS], block, bits)
+                 for c in range(0, n, _PREPARE_COLUMNS)]
+        if parts[0].kind != "avx2":
+            w = dequantize_blocked(q, scale, zero_point, block)  # the no-kernels fallback: as torch_quant does
+            return QuantizedWeight(self.asarray(w.astype(scale.dtype, copy=False)), q.shape[0], n, bits,
+                                               block, "dequant")
+        data = tuple(torch.cat([p.data[i] for p in parts]) for i in range(len(parts[0].data)))
+        return QuantizedWeight(data, q.shape[0], n, bits, block, parts[0].kind)
 
     def quantized_matmul(self, x, w):
         return torch_quant.matmul(x, w)
