@@ -10,7 +10,11 @@ process (fuselm torch CPU, 2 threads): greedy decode after a 128-token prompt. R
   the f32 model's tokens, so the steps compare the same inputs), as a share of max |f32 logits|;
   the same against the 8-bit head (`q4` linears, `q8` head, `f16` embedding: the old default), and
   how many greedy tokens agree with the f32 model's,
-- decode tok/s (median step), the model's size on disk and the child's peak RSS.
+- decode tok/s (median step), the model's size on disk and the child's peak RSS,
+- the head alone (`head_error`): the tied table quantized as each format, logits of 64 unit-RMS
+  hidden states against f64 math on the bf16 table (max error as a share of max |logit|, top-1
+  agreement). On random weights a whole model's drift is mostly its q4 linears' noise grown over
+  the layers, so this isolates what the head's format adds.
 Writes bench/results/head-formats.json.
 """
 
@@ -69,6 +73,35 @@ def child(model: Path, tokens_path: Path, threads: int, prompt: int) -> None:
                                   "what": sess.describe()}), flush=True)
 
 
+def head_error(ckpt: Path, rows: int = 64) -> dict:
+    """The tied table [vocab, hidden] as each head format (blocks of 32 along hidden, the export's
+    quantization) against f64 math: max |error| / max |logit| and top-1 agreement."""
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from fuselm.exporter.quant import dequantize, quantize
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.embed_tokens.weight"
+    with safe_open(str(ckpt / index[name]), "pt") as f:
+        table = f.get_tensor(name).to(torch.float32).numpy()
+    x = np.random.default_rng(1).standard_normal((rows, table.shape[1]))
+    x /= np.sqrt((x**2).mean(axis=1, keepdims=True))
+    ref = x @ table.astype(np.float64).T
+    out = {}
+    for fmt in ("f16", "q8", "q4"):
+        if fmt == "f16":
+            w = table.astype(np.float16).astype(np.float64)
+        else:
+            q, sc, zp = quantize(table, {"q8": 8, "q4": 4}[fmt], 32, axis=1)
+            w = dequantize(q, sc, zp, 32, axis=1).astype(np.float64)
+        got = x @ w.T
+        out[fmt] = {"max_err_share": round(float(np.abs(got - ref).max() / np.abs(ref).max()), 5),
+                    "top1_agree": f"{int((got.argmax(1) == ref.argmax(1)).sum())}/{rows}"}
+    return out
+
+
 def spawn(model: Path, tokens: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--child", str(model), "--tokens-file", str(tokens), "--threads",
            str(args.threads), "--prompt", str(args.prompt)]
@@ -103,6 +136,8 @@ def main(argv=None) -> int:
     ref_dir = work / "f32"
     if not (ref_dir / "fuselm.json").is_file():
         fuselm.convert(ckpt, ref_dir, quant="f32", force=True, quiet=True)
+    heads = head_error(ckpt)
+    print("head alone:", json.dumps(heads), flush=True)
     tokens = work / "f32-tokens.json"
     tokens.unlink(missing_ok=True)
     ref = spawn(ref_dir, tokens, args)
@@ -136,7 +171,7 @@ def main(argv=None) -> int:
     Console().print(table)
     path = HERE / "results" / ("head-formats-tiny.json" if args.tiny else "head-formats.json")
     path.write_text(json.dumps({"shape": shape, "prompt": args.prompt, "steps": STEPS, "threads": args.threads,
-                                "f32": {k: v for k, v in ref.items() if k != "tokens"}, "rows": rows}, indent=2) + "\n")
+                                "f32": {k: v for k, v in ref.items() if k != "tokens"}, "head_error": heads, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
 
