@@ -168,9 +168,9 @@ def build(lm: LoadedModel, backend, fused: bool = True, all_logits: bool = True)
                   {t.name: t.data_type for t in lm.graph.initializer})
     check_ops(graph.nodes, graph.opsets)
     _bypass_identity(graph)
-    _fold_dequantize(graph, backend)
+    _fold_dequantize(graph, backend, lm.release_pages)
     _unpack_or_drop_packed(graph)
-    lm.release_pages()  # the backend holds its own copies of the folded weights now
+    lm.release_pages()
     _kv_append(graph)
     _fold_constants(graph)
     if not all_logits:
@@ -190,11 +190,12 @@ def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
                               "runtime_metal/ops.py")
 
 
-def _fold_dequantize(graph: Graph, backend) -> None:
+def _fold_dequantize(graph: Graph, backend, release=lambda: None) -> None:
     """DQ(const) -> MatMul(x, DQ) becomes QMatMul; so does MatMul(x, Transpose(DQ)) of a table stored
     [out, in] with blocks along `in` (a tied lm_head sharing the embedding's quantized table);
     DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather (a 4-bit table gathered from its packed rows).
-    No dequantized copy of a weight is made: a 4-bit weight is unpacked only while it is prepared."""
+    No dequantized copy of a weight is made: a 4-bit weight is unpacked only while it is prepared,
+    and `release()` drops the mapped pages read for it once the backend holds its own copy."""
     producers = {o: n for n in graph.nodes for o in n.outputs}
     consts = graph.constants
     prepared: dict[str, object] = {}
@@ -223,6 +224,8 @@ def _fold_dequantize(graph: Graph, backend) -> None:
                 if transposed:  # [out, in] blocks along in = the [in, out] weight with blocks along axis 0
                     q, scale, zp = q.T, scale.T, (zp.T if zp is not None else None)
                 prepared[w] = backend.prepare_quantized(q, scale, zp, block, bits)
+                del q, scale, zp
+                release()
             replace[id(n)] = Node("QMatMul", RUNTIME, n.name, [n.inputs[0]], n.outputs,
                                   {"weight": prepared[w], "source": dq.name})
         elif n.op_type == "Gather" and int(n.attrs.get("axis", 0)) == 0:

@@ -202,8 +202,8 @@ def _unpack4(packed: np.ndarray, shape: tuple, data_type: int) -> np.ndarray:
     """ONNX 4-bit packing: two values per byte, the first in the low nibble."""
     count = int(np.prod(shape, dtype=np.int64))
     out = np.empty(packed.size * 2, np.uint8)
-    out[0::2] = packed & 0x0F
-    out[1::2] = packed >> 4
+    np.bitwise_and(packed, 0x0F, out=out[0::2])  # in place: no weight-sized temporaries
+    np.right_shift(packed, 4, out=out[1::2])
     out = out[:count].reshape(shape)
     if data_type == TensorProto.INT4:
         out = ((out.astype(np.int8) << 4) >> 4).astype(np.int8)
