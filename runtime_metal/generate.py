@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from fuselm.errors import FuselmError
 
 from .sampling import Sampler
