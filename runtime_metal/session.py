@@ -42,7 +42,6 @@ from .executor import Executor, Profiler
 from .kvcache import CacheView
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-PREFILL_CHUNK = 512
 
 
 class Decode(enum.Enum):
@@ -173,6 +172,7 @@ class Session:
     def _run(self, ids, pos, mask, positions, views: dict) -> object:
         feeds = {"input_ids": self._ids(ids), "attention_mask": mask, "position_ids": positions, **views}
         self.executor.ctx["rope_offset"] = pos
+        self.executor.ctx["all_logits"] = False
         out = self.executor.run(feeds)
         if self.in_place:
             for name, view in views.items():
@@ -182,8 +182,11 @@ class Session:
                 self.buffers[c.name] = out[c.present]
         return out["logits"]
 
-    def prefill(self, ids: list[int], chunk: int = PREFILL_CHUNK):
-        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab])."""
+    def prefill(self, ids: list[int], chunk: int | None = None):
+        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]).
+
+        Only the last position of each chunk goes through the lm_head (graph.py's LastRows)."""
+        chunk = chunk or self.backend.prefill_chunk
         self.backend.set_threads(decode=False)
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
@@ -208,7 +211,7 @@ class Session:
             views = dict(self.buffers)
         logits = self._run(part, pos, mask, positions, views)
         self.pos += s
-        return b.slice(logits, (0, s - 1))
+        return b.slice(logits, (0, b.shape(logits)[1] - 1))
 
     def decode(self, token):
         """One decode step for `token` (an int, or a device array from `pick`); returns the logits of the

@@ -49,6 +49,7 @@ class Backend:
     lazy = False
     compile_default = False
     compute = "f32"
+    prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value: np.ndarray):

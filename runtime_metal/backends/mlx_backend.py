@@ -90,6 +90,7 @@ class MLXBackend(Backend):
         if device == "gpu" or (device is None and kind is not None):
             mx.set_default_device(mx.gpu)
             self.device = f"gpu ({kind})"
+            self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
@@ -328,14 +329,17 @@ class MLXBackend(Backend):
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
             w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
             return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        qt = np.ascontiguousarray(q.T.astype(np.uint8))  # [N, K]: MLX quantizes rows along the last dim
+        # [N, K]: MLX quantizes rows along the last dim; transposed and packed on the device (a host
+        # transpose of every weight is most of a load)
+        qt = mx.transpose(mx.array(q.astype(np.uint8, copy=False)))
         if bits == 4:
-            qt = (qt[:, 0::2] | (qt[:, 1::2] << 4)).astype(np.uint8)
-        packed = np.ascontiguousarray(qt).view(np.uint32)  # little endian: first value in the low bits
+            pairs = qt.reshape(n, k // 2, 2)
+            qt = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(qt).view(mx.uint32)  # little endian: first value in the low bits
         s = np.ascontiguousarray(scale.T.astype(np.float32))
         zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
         bias = np.ascontiguousarray(-zp * s)
-        data = (mx.array(packed), self.asarray(s), self.asarray(bias))  # scales in the compute dtype
+        data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
     def quantized_matmul(self, x, w):
