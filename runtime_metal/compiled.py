@@ -40,9 +40,12 @@ class CompiledDecode:
         sess = self.sess
         views = {n: CacheView(buf, pos, 1, static=True) for n, buf in zip(self.names, bufs, strict=True)}
         sess.executor.ctx["rope_offset"] = pos
+        sess.executor.ctx["all_logits"] = False
         feeds = {**static_feeds(sess.backend, ids, pos, self.max_len), **views}
         out = sess.executor._execute(self.plan, feeds)
-        return (out["logits"], *[views[n].buffer for n in self.names])
+        # the next position, on the device: no host array crosses over per token
+        nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
+        return (out["logits"], nxt, *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()
@@ -50,9 +53,9 @@ class CompiledDecode:
         self.seconds = time.perf_counter() - t0
 
     def __call__(self, ids, pos, bufs: list):
-        """One decode step; returns (logits, new buffers)."""
+        """One decode step; returns (logits, the next position as a device array, new buffers)."""
         out = self.fn(ids, pos, *bufs)
-        return out[0], list(out[1:])
+        return out[0], out[1], list(out[2:])
 
 
 def agrees(backend, a, b, tol: float = 1e-3) -> bool:

@@ -160,6 +160,7 @@ class Session:
         if need > free:  # refuse before allocating (a huge --max-tokens, or absurd cache dims in the graph)
             raise FuselmError(f"the KV cache for {self.max_len:,} tokens needs {need / 2**30:,.1f} GiB, more than the "
                               f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
+        self._pos_dev = None  # (position, the same as a device array) the compiled step handed back
         length = self.max_len if self.in_place else 0
         self.buffers = {c.name: b.full((1, c.heads, length, c.head_dim), 0, c.dtype) for c in self.caches}
 
@@ -230,12 +231,14 @@ class Session:
 
     def _step_static(self, token):
         b, pos = self.backend, self.pos
-        pos_dev = b.asarray(np.array(pos, np.int64))
+        pos_dev = self._pos_dev if self._pos_dev is not None and self._pos_dev[0] == pos else None
+        pos_dev = pos_dev[1] if pos_dev is not None else b.asarray(np.array(pos, np.int64))
         ids = self._ids(token)
         step = self.compiled
         if step is not None and not self.profiler.enabled:
-            logits, bufs = step(ids, pos_dev, [self.buffers[c.name] for c in self.caches])
+            logits, nxt, bufs = step(ids, pos_dev, [self.buffers[c.name] for c in self.caches])
             self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
+            self._pos_dev = (pos + 1, nxt)
         else:
             feeds = static_feeds(b, ids, pos_dev, self.max_len)
             views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
@@ -258,7 +261,7 @@ class Session:
         bufs = [self.buffers[c.name] for c in self.caches]
         try:
             compiled.build((ids, pos_dev, *bufs))
-            logits, _ = compiled(ids, pos_dev, bufs)
+            logits, _, _ = compiled(ids, pos_dev, bufs)
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.compile_failed = f"{type(e).__name__}: {e}"[:300]
             return

@@ -59,6 +59,7 @@ _BINARY = {
 HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
+
 def gpu_kind() -> str | None:
     """'Metal' or 'CUDA' when this MLX build has a GPU, else None."""
     if mx.metal.is_available():
@@ -140,6 +141,9 @@ class MLXBackend(Backend):
 
     def async_eval(self, *xs):
         mx.async_eval(*xs)
+
+    def item(self, x):
+        return int(x.item()) if x.size == 1 else int(np.array(x).reshape(-1)[0])
 
     def compile_step(self, fn, args, n_inputs):
         """mx.compile of the whole decode step: KV buffers in and out (written with slice_update)."""

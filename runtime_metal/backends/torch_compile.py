@@ -17,8 +17,8 @@ def compile_step(fn, args: tuple, n_inputs: int, cuda: bool):
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def traced(*a):  # logits only: buffers are written in place
-        return fn(*a)[0]
+    def traced(*a):  # logits and the next position: buffers are written in place
+        return fn(*a)[:2]
 
     gm = make_fx(traced)(*args)
     try:
@@ -32,7 +32,7 @@ def compile_step(fn, args: tuple, n_inputs: int, cuda: bool):
         what += " + CUDA graph"
 
     def step(*a):
-        return (compiled(*a), *a[n_inputs:])
+        return (*compiled(*a), *a[n_inputs:])
 
     step.inner = compiled
     return step, what
@@ -59,4 +59,4 @@ class CudaGraph:
         for dst, src in zip(self.static[:self.n], args[:self.n], strict=True):
             dst.copy_(src, non_blocking=True)
         self.graph.replay()
-        return self.out.clone()
+        return tuple(o.clone() for o in self.out)
