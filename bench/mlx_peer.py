@@ -27,7 +27,6 @@ import io
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -37,9 +36,6 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 DECODE = 64
-# MLX primitives that only make a view (no kernel of their own)
-VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "Slice", "AsStrided", "Flatten",
-         "Unflatten", "StopGradient", "Depends", "Split", "Copy"}
 
 
 def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -49,26 +45,19 @@ def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def count_primitives(outputs, inputs) -> dict:
-    """Primitives in the graph that computes `outputs` from the evaluated `inputs` (mx.export_to_dot)."""
+    """Kernels of the graph that computes `outputs` once `inputs` are evaluated (fuselm's MLX backend counts them)."""
     import mlx.core as mx
+    from fuselm.runtime_metal.backends.mlx_backend import graph_kernels
 
     mx.eval(inputs)
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *outputs)
-    labels = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
-    kernels = [x for x in labels if x not in VIEWS]
-    by: dict[str, int] = {}
-    for x in kernels:
-        by[x] = by.get(x, 0) + 1
-    return {"primitives": len(labels), "kernels": len(kernels),
-            "top": sorted(by.items(), key=lambda kv: -kv[1])[:12]}
+    counts = graph_kernels(outputs)
+    return {**counts, "top": counts["top"][:12]}
 
 
 # --- engines (each runs in a child process) ------------------------------------------------
 class FuselmEngine:
     def __init__(self, model: Path, dtype: str, compile_: bool):
         import mlx.core as mx
-
         from fuselm.runtime_metal.sampling import Sampler
         from fuselm.runtime_metal.session import Session
 
@@ -151,7 +140,7 @@ class MlxLmEngine:
         return f"mlx-lm {mlx_lm.__version__} generate_step"
 
 
-def measure(engine, contexts: list[int], prefills: list[int], runs: int) -> dict:
+def measure(engine, contexts: list[int], prefills: list[int], runs: int, decode_tokens: int = DECODE) -> dict:
     import mlx.core as mx
 
     decode = {c: [] for c in contexts}
@@ -160,7 +149,7 @@ def measure(engine, contexts: list[int], prefills: list[int], runs: int) -> dict
     for r in range(runs + 1):  # run 0 warms up (compiles, first-touches the weights)
         for c in contexts:
             times, t = [], time.perf_counter()
-            for _ in engine.tokens(_ids(c, engine.vocab, r), DECODE):
+            for _ in engine.tokens(_ids(c, engine.vocab, r), decode_tokens):
                 now = time.perf_counter()
                 times.append(now - t)
                 t = now
@@ -169,7 +158,7 @@ def measure(engine, contexts: list[int], prefills: list[int], runs: int) -> dict
             if r:
                 decode[c].append(1 / statistics.median(times[1:]))
             if engine.syncs is not None:
-                syncs = engine.syncs / (DECODE - 1)
+                syncs = engine.syncs / (decode_tokens - 1)
         for p in prefills:
             t = time.perf_counter()
             next(iter(engine.tokens(_ids(p, engine.vocab, 100 + r), 1)))
@@ -238,7 +227,7 @@ def child(args) -> None:
         e = MlxLmEngine(Path(args.model))
     else:
         e = FuselmEngine(Path(args.model), args.dtype, compile_=engine != "fuselm-eager")
-    r = measure(e, args.contexts, args.prefill, args.runs)
+    r = measure(e, args.contexts, args.prefill, args.runs, args.decode)
     print("RESULT " + json.dumps(r), flush=True)
 
 
@@ -269,7 +258,7 @@ def prepare(shape: str, group: int, work: Path, dtype: str) -> dict[str, Path]:
 
 def spawn(engine: str, model: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--runs", str(args.runs),
-           "--dtype", args.dtype, "--contexts", *map(str, args.contexts), "--prefill", *map(str, args.prefill)]
+           "--dtype", args.dtype, "--decode", str(args.decode), "--contexts", *map(str, args.contexts), "--prefill", *map(str, args.prefill)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -288,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", nargs="*", type=int, default=[128, 2048], help="decode at these context lengths")
     ap.add_argument("--prefill", nargs="*", type=int, default=[512, 2048], help="prefill these prompt lengths")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=DECODE, help="greedy tokens timed per context")
     ap.add_argument("--engines", nargs="*", default=["mlx-lm", "fuselm"],
                     help="mlx-lm, fuselm (optimized, compiled), fuselm-exported (no passes), fuselm-eager (not compiled)")
     ap.add_argument("--dtype", default="auto", help="fuselm's --dtype (auto: bf16 on a GPU, as mlx-lm runs)")
@@ -330,7 +320,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "mlx": mx.__version__, "mlx_device": device, "mlx_lm": mlx_lm.__version__},
-        "protocol": {"decode_tokens": DECODE, "contexts": args.contexts, "prefill": args.prefill, "runs": args.runs,
+        "protocol": {"decode_tokens": args.decode, "contexts": args.contexts, "prefill": args.prefill, "runs": args.runs,
                      "dtype": dtype, "command": " ".join(["python", "bench/mlx_peer.py", *(argv or sys.argv[1:])])},
         "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
     print(f"wrote {out}")

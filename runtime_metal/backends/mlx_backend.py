@@ -71,6 +71,27 @@ def gpu_kind() -> str | None:
         return None
 
 
+# MLX primitives that only make a view of their input (no kernel of their own)
+VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "Slice", "AsStrided", "Flatten", "Unflatten",
+         "StopGradient", "Depends", "Split", "Copy"}
+
+
+def graph_kernels(outputs: list) -> dict:
+    """The primitives that compute `outputs` from what is already evaluated (mx.export_to_dot): all of them,
+    the ones that launch work ('kernels': not views), and the kernels by primitive, most frequent first."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    labels = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
+    by: dict[str, int] = {}
+    for x in labels:
+        if x not in VIEWS:
+            by[x] = by.get(x, 0) + 1
+    return {"kernels": sum(by.values()), "primitives": len(labels), "top": sorted(by.items(), key=lambda kv: -kv[1])}
+
+
 class MLXBackend(Backend):
     """`dtype` is the compute type of the graph's float32 values: "f32", or "f16" / "bf16", in which case
     every float32 tensor (weights, activations, the KV cache, quantization scales) lives in half
@@ -168,6 +189,17 @@ class MLXBackend(Backend):
             tok = mx.random.categorical(z, key=sampler.next_key(self))
         bad = mx.any(mx.isnan(x) | (x == mx.inf))
         return mx.where(bad, -1, tok.astype(mx.int32))
+
+    def count_kernels(self, sess) -> dict | None:
+        """The kernels of one decode step as it runs now (compiled when it is); None before a decode step ran."""
+        if not sess.pos or sess.pos + 1 > sess.max_len:
+            return None
+        mx.eval(list(sess.buffers.values()))
+        saved, pos = dict(sess.buffers), sess.pos
+        y = sess.decode(mx.array([1]))
+        counts = graph_kernels([y, *sess.buffers.values()])
+        sess.buffers, sess.pos = saved, pos  # the step is not kept: the same rows are written again later
+        return {**counts, "what": "mx.compile fused graph" if sess.compiled is not None else "eager graph"}
 
     def random_key(self, seed: int):
         return mx.random.key(seed)
