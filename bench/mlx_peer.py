@@ -87,7 +87,7 @@ class FuselmEngine:
         """One decode step built lazily after `prompt`: (outputs, inputs, host seconds to build it)."""
         sess, b = self.sess, self.sess.backend
         sess.reset(len(prompt) + 8)
-        for tok in sess.generate(prompt, 4, self.sampler):  # past the checked step and the compile
+        for _tok in sess.generate(prompt, 4, self.sampler):  # past the checked step and the compile
             pass
         y = b.pick_token(sess.decode(5), self.sampler)
         b.sync(y)
@@ -211,7 +211,7 @@ def token_check(work: Path, n: int = 32) -> dict:
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
         out[f"{backend}-{dtype}"] = json.loads(line[7:]) if line else {"error": res.stderr.strip()[-500:]}
     ref = out["torch-f32"].get("tokens")
-    for k, v in out.items():
+    for _k, v in out.items():
         if "tokens" in v and ref:
             v["equal_to_torch_f32"] = v["tokens"] == ref
     return out
