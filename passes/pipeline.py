@@ -17,6 +17,7 @@ from fuselm.errors import CheckFailed, FuselmError
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
+from .attention_3d import AttentionTo3D
 from .base import Pass
 from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
@@ -34,6 +35,7 @@ PIPELINE: list[Pass] = [
     FuseRMSNorm(),
     FuseAttention(),
     FuseRoPE(),
+    AttentionTo3D(),
 ]
 REQUIRED_OPSET = 23
 

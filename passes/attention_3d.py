@@ -1,0 +1,156 @@
+"""AttentionTo3D: feed Attention-23 its 3-D form and drop the head Transposes around it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from .base import Fusion, attr, const, fail, new_node, only_user, producer, small_constant, static_shape, take_over
+
+_SWAP = [0, 2, 1, 3]  # [B,S,H,D] <-> [B,H,S,D]
+
+
+@dataclass
+class Side:
+    """One of q/k/v: the [B,S,H,D] tensor behind the Transpose, and its [B,S,H*D] form if one exists."""
+
+    heads4: ir.Value
+    flat: ir.Value | None  # the 3-D tensor a Reshape split into heads, when there is one
+    heads: int
+    head_dim: int | None
+
+
+@dataclass
+class Match:
+    node: ir.Node
+    sides: list[Side]
+    merged: ir.Value  # Reshape(Transpose(Y)) = Y in [B,S,H*Dv], which the 3-D Y takes over
+
+
+_SAME_RANK = {"Split", "Cast", "Sigmoid", "Relu", "Neg", "Sqrt", "Reciprocal", "Identity", "Softmax",
+              "RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
+_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "MatMul"}
+
+
+def value_rank(v: ir.Value | None, memo: dict, depth: int = 0) -> int | None:
+    """The rank of `v`: from its shape, else from its producer (elementwise, MatMul, Gather), or None."""
+    if v is None:
+        return None
+    if v.shape is not None:
+        return v.shape.rank()
+    if v in memo or depth > 400:
+        return memo.get(v)
+    node = v.producer()
+    r = None
+    if node is not None and node.domain in ("", "ai.onnx"):
+        ranks = [value_rank(i, memo, depth + 1) for i in node.inputs if i is not None]
+        if node.op_type in _SAME_RANK and ranks:
+            r = ranks[0]
+        elif node.op_type in _BROADCAST and ranks and None not in ranks:
+            r = max(ranks)
+        elif node.op_type == "DequantizeLinear" and ranks:
+            r = ranks[0]
+        elif node.op_type == "Gather" and len(ranks) == 2 and None not in ranks:
+            r = ranks[0] - 1 + ranks[1]
+    memo[v] = r
+    return r
+
+
+def _split_heads(x: ir.Value, heads: int, memo: dict) -> ir.Value | None:
+    """t when x = Reshape(t, [0, 0, H, D]) of a 3-D t (the Reshape that split the heads), else None.
+
+    With the 0s copying B and S, a 3-D t is necessarily [B, S, H*D]."""
+    reshape = producer(x, "Reshape")
+    if reshape is None or attr(reshape, "allowzero", 0):
+        return None
+    target = const(reshape.inputs[1])
+    if target is None or len(target) != 4 or list(target[:2]) != [0, 0] or int(target[2]) != heads or target[3] <= 0:
+        return None
+    t = reshape.inputs[0]
+    return t if value_rank(t, memo) == 3 else None
+
+
+def _merges_heads(reshape: ir.Node) -> bool:
+    """Whether the Reshape turns [B,S,H,D] into [B,S,H*D]: a target [0, 0, W] (allowzero off), where
+    W is -1 or, the element count being fixed, necessarily H*D."""
+    target = const(reshape.inputs[1])
+    if target is None or attr(reshape, "allowzero", 0) or len(target) != 3 or list(target[:2]) != [0, 0]:
+        return False
+    return int(target[2]) == -1 or int(target[2]) > 0
+
+
+class AttentionTo3D(Fusion):
+    """Attention(T(q), T(k), T(v), ...) -> T -> Reshape [B,S,H*Dv]  =>  Attention(q', k', v', ...).
+
+    T is a Transpose with perm [0,2,1,3] ([B,S,H,D] -> [B,H,S,D]). Attention-23 also takes 3-D
+    q/k/v [B,S,heads*D] (with q_num_heads / kv_num_heads) and then returns Y as [B,S,H*Dv], so the
+    Transposes in front, and the Transpose + Reshape behind, go. Each of q/k/v becomes the 3-D
+    tensor a Reshape split into heads (v straight from the fused QKV Split), else one Reshape
+    [0, 0, H*D] of the [B,S,H,D] tensor (q and k after their RMSNorm over head_dim and FusedRoPE,
+    which work on that 4-D view). Mask, past inputs and present outputs ([B, kv_heads, T, D],
+    the graph contract) are untouched; present keeps its names.
+    Must not fire (and says why): an Attention already 3-D or outside the default domain; a
+    q/k/v that is not such a Transpose of a rank-4 tensor; head counts unknown; Y read by
+    anything but one Transpose [0,2,1,3] whose only reader is a Reshape merging the last two
+    axes; a qk_matmul_output that is read.
+    """
+
+    aliases = ("attention-3d", "attention_3d", "3d", "layout")
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        return [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+
+    def apply(self, model: ir.Model, stats) -> bool:
+        self._ranks: dict = {}
+        return super().apply(model, stats)
+
+    def match(self, node: ir.Node) -> Match:
+        if len(node.outputs) > 3 and node.outputs[3].uses():
+            fail("its qk_matmul_output is read")
+        sides = []
+        for i, role in enumerate(("q", "k", "v")):
+            x = node.inputs[i]
+            t = producer(x, "Transpose")
+            if t is None or list(attr(t, "perm", [])) != _SWAP:
+                fail(f"{role} is not a Transpose [0,2,1,3] (already 3-D, or another layout)")
+            heads4 = t.inputs[0]
+            shape = static_shape(heads4)
+            if shape is not None and len(shape) != 4:
+                fail(f"{role} before its Transpose has rank {len(shape)}, not 4")
+            heads = attr(node, "q_num_heads" if role == "q" else "kv_num_heads") or (shape[2] if shape else None)
+            if not heads:
+                fail(f"the number of {role} heads is unknown (no attribute, no static shape)")
+            sides.append(Side(heads4, _split_heads(heads4, int(heads), self._ranks), int(heads),
+                              shape[3] if shape else None))
+        y = node.outputs[0]
+        t = only_user(y, "Transpose")
+        if t is None or list(attr(t, "perm", [])) != _SWAP:
+            fail("Y is not read by one Transpose [0,2,1,3] alone")
+        reshape = only_user(t.outputs[0], "Reshape")
+        if reshape is None or not _merges_heads(reshape):
+            fail("Y's Transpose is not read by one Reshape to [B, S, H*Dv] alone")
+        return Match(node, sides, reshape.outputs[0])
+
+    def rewrite(self, graph: ir.Graph, m: Match) -> str:
+        scope = (m.node.name or "attention").rsplit("/", 1)[0]
+        for i, (role, side) in enumerate(zip(("q", "k", "v"), m.sides, strict=True)):
+            flat = side.flat
+            if flat is None:
+                width = side.heads * side.head_dim if side.head_dim else -1
+                shape = small_constant(graph, "/model/constants/merge_heads_shape", np.array([0, 0, width], np.int64))
+                r = new_node(graph, "Reshape", [side.heads4, shape], f"{scope}/{role}_3d/Reshape")
+                graph.insert_before(m.node, r)
+                if side.heads4.dtype is not None:
+                    r.outputs[0].dtype = side.heads4.dtype
+                flat = r.outputs[0]
+            m.node.replace_input_with(i, flat)
+        for name, side in (("q_num_heads", m.sides[0]), ("kv_num_heads", m.sides[1])):
+            if name not in m.node.attributes:
+                m.node.attributes[name] = ir.AttrInt64(name, side.heads)
+        y = m.node.outputs[0]
+        y.shape = None  # was [B,H,S,Dv]; the 3-D Y takes the merged tensor's shape
+        take_over(m.merged, y)
+        return m.node.name or scope
