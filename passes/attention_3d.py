@@ -8,7 +8,18 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .base import Fusion, attr, const, fail, new_node, only_user, producer, small_constant, static_shape, take_over
+from .base import (
+    Fusion,
+    attr,
+    const,
+    fail,
+    new_node,
+    only_user,
+    producer,
+    small_constant,
+    static_shape,
+    take_over,
+)
 
 _SWAP = [0, 2, 1, 3]  # [B,S,H,D] <-> [B,H,S,D]
 
@@ -30,36 +41,42 @@ class Match:
     merged: ir.Value  # Reshape(Transpose(Y)) = Y in [B,S,H*Dv], which the 3-D Y takes over
 
 
-_SAME_RANK = {"Split", "Cast", "Sigmoid", "Relu", "Neg", "Sqrt", "Reciprocal", "Identity", "Softmax",
-              "RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
+_SAME_RANK = {"Split", "Cast", "Sigmoid", "Relu", "Neg", "Sqrt", "Reciprocal", "Identity", "Softmax", "Transpose",
+              "RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "DequantizeLinear",
+              "FusedRoPE", "Attention", "Concat"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "MatMul"}
+_REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"}
 
 
-def value_rank(v: ir.Value | None, memo: dict, depth: int = 0) -> int | None:
-    """The rank of `v`: from its shape, else from its producer (elementwise, MatMul, Gather), or None."""
-    if v is None:
-        return None
-    if v.shape is not None:
-        return v.shape.rank()
-    if v in memo or depth > 400:
-        return memo.get(v)
-    node = v.producer()
-    r = None
-    if node is not None and node.domain in ("", "ai.onnx"):
-        ranks = [value_rank(i, memo, depth + 1) for i in node.inputs if i is not None]
-        if node.op_type in _SAME_RANK and ranks:
-            r = ranks[0]
-        elif node.op_type in _BROADCAST and ranks and None not in ranks:
-            r = max(ranks)
-        elif node.op_type == "DequantizeLinear" and ranks:
-            r = ranks[0]
-        elif node.op_type == "Gather" and len(ranks) == 2 and None not in ranks:
-            r = ranks[0] - 1 + ranks[1]
-    memo[v] = r
-    return r
+def value_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
+    """The rank of every value one forward sweep can tell: from its shape, else from its producer
+    (rank-keeping ops, broadcasting ops, Gather, Reshape to a constant shape, keepdims reductions)."""
+    ranks: dict[ir.Value, int] = {}
+    for v in [*graph.inputs, *graph.initializers.values()]:
+        if v.shape is not None:
+            ranks[v] = v.shape.rank()
+    for node in graph:
+        known = [ranks.get(v) if v is not None else None for v in node.inputs]
+        r = None
+        if node.op_type in _SAME_RANK and known and known[0] is not None:
+            r = known[0]  # Attention's Y: 3-D for 3-D q, 4-D for 4-D (its present outputs have shapes)
+        elif node.op_type in _BROADCAST and known and None not in known:
+            r = max(known)
+        elif node.op_type == "Gather" and len(known) == 2 and None not in known:
+            r = known[0] - 1 + known[1]
+        elif node.op_type == "Reshape" and (target := const(node.inputs[1])) is not None:
+            r = len(target)
+        elif node.op_type in _REDUCE and attr(node, "keepdims", 1) and known and known[0] is not None:
+            r = known[0]
+        for i, v in enumerate(node.outputs):
+            if v.shape is not None:
+                ranks[v] = v.shape.rank()
+            elif r is not None and (i == 0 or node.op_type == "Split"):
+                ranks[v] = r
+    return ranks
 
 
-def _split_heads(x: ir.Value, heads: int, memo: dict) -> ir.Value | None:
+def _split_heads(x: ir.Value, heads: int, ranks: dict) -> ir.Value | None:
     """t when x = Reshape(t, [0, 0, H, D]) of a 3-D t (the Reshape that split the heads), else None.
 
     With the 0s copying B and S, a 3-D t is necessarily [B, S, H*D]."""
@@ -70,7 +87,7 @@ def _split_heads(x: ir.Value, heads: int, memo: dict) -> ir.Value | None:
     if target is None or len(target) != 4 or list(target[:2]) != [0, 0] or int(target[2]) != heads or target[3] <= 0:
         return None
     t = reshape.inputs[0]
-    return t if value_rank(t, memo) == 3 else None
+    return t if ranks.get(t) == 3 else None
 
 
 def _merges_heads(reshape: ir.Node) -> bool:
@@ -104,7 +121,8 @@ class AttentionTo3D(Fusion):
         return [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
 
     def apply(self, model: ir.Model, stats) -> bool:
-        self._ranks: dict = {}
+        # One sweep is enough: a rewrite gives Y the rank (3) of the Reshape output it takes over.
+        self._ranks = value_ranks(model.graph)
         return super().apply(model, stats)
 
     def match(self, node: ir.Node) -> Match:
