@@ -76,27 +76,43 @@ def value_ranks(graph: ir.Graph) -> dict[ir.Value, int]:
     return ranks
 
 
-def _split_heads(x: ir.Value, heads: int, ranks: dict) -> ir.Value | None:
-    """t when x = Reshape(t, [0, 0, H, D]) of a 3-D t (the Reshape that split the heads), else None.
+def _same_batch_seq(a: ir.Value, b: ir.Value) -> bool:
+    """Whether the shapes of a and b are known and agree on dims 0 and 1 (B, S; symbolic or not)."""
+    if a.shape is None or b.shape is None or a.shape.rank() < 2 or b.shape.rank() < 2:
+        return False
+    dims = (a.shape[0], a.shape[1], b.shape[0], b.shape[1])
+    if any(isinstance(d, ir.SymbolicDim) and d.value is None for d in dims):
+        return False
+    return a.shape[0] == b.shape[0] and a.shape[1] == b.shape[1]
 
-    With the 0s copying B and S, a 3-D t is necessarily [B, S, H*D]."""
+
+def _split_heads(x: ir.Value, heads: int, ranks: dict) -> ir.Value | None:
+    """t when x = Reshape(t) is [B,S,H,D] of a 3-D t = [B,S,H*D] (the Reshape that split the heads):
+    by a constant target [0, 0, H, D] (the 0s copy B and S from t), or by their shapes (torch.onnx)."""
     reshape = producer(x, "Reshape")
-    if reshape is None or attr(reshape, "allowzero", 0):
-        return None
-    target = const(reshape.inputs[1])
-    if target is None or len(target) != 4 or list(target[:2]) != [0, 0] or int(target[2]) != heads or target[3] <= 0:
+    if reshape is None:
         return None
     t = reshape.inputs[0]
-    return t if ranks.get(t) == 3 else None
+    target = const(reshape.inputs[1])
+    if target is not None:
+        if attr(reshape, "allowzero", 0) or len(target) != 4 or list(target[:2]) != [0, 0] or int(target[2]) != heads or target[3] <= 0:
+            return None
+        return t if ranks.get(t) == 3 else None
+    if ranks.get(t) == 3 and x.shape is not None and x.shape.rank() == 4 and x.shape[2] == heads \
+            and _same_batch_seq(x, t):
+        return t
+    return None
 
 
 def _merges_heads(reshape: ir.Node) -> bool:
     """Whether the Reshape turns [B,S,H,D] into [B,S,H*D]: a target [0, 0, W] (allowzero off), where
-    W is -1 or, the element count being fixed, necessarily H*D."""
+    W is -1 or, the element count being fixed, necessarily H*D; or shapes that say so (torch.onnx)."""
     target = const(reshape.inputs[1])
-    if target is None or attr(reshape, "allowzero", 0) or len(target) != 3 or list(target[:2]) != [0, 0]:
-        return False
-    return int(target[2]) == -1 or int(target[2]) > 0
+    if target is not None:
+        return not attr(reshape, "allowzero", 0) and len(target) == 3 and list(target[:2]) == [0, 0] and (int(target[2]) == -1 or int(target[2]) > 0)
+    x, y = reshape.inputs[0], reshape.outputs[0]
+    return y.shape is not None and y.shape.rank() == 3 and x.shape is not None and x.shape.rank() == 4 \
+        and _same_batch_seq(x, y)
 
 
 class AttentionTo3D(Fusion):
@@ -139,6 +155,10 @@ class AttentionTo3D(Fusion):
             if shape is not None and len(shape) != 4:
                 fail(f"{role} before its Transpose has rank {len(shape)}, not 4")
             heads = attr(node, "q_num_heads" if role == "q" else "kv_num_heads") or (shape[2] if shape else None)
+            split = producer(heads4, "Reshape")
+            target = const(split.inputs[1]) if split is not None else None
+            if not heads and target is not None and len(target) == 4 and target[2] > 0:
+                heads = int(target[2])  # the Reshape that split the heads says
             if not heads:
                 fail(f"the number of {role} heads is unknown (no attribute, no static shape)")
             sides.append(Side(heads4, _split_heads(heads4, int(heads), self._ranks), int(heads),
