@@ -184,6 +184,8 @@ _SCRIPT = r"""
     sec.querySelectorAll("g.node[data-g]").forEach(g => g.classList.toggle("hl", mine.some(k => g.dataset.g.includes(" " + k + " "))));
   });
   if (D.layers.length) render(+select.value);
+  else document.querySelectorAll(".pictures").forEach(p => p.innerHTML =
+    '<p class="empty">No node names or weights say which nodes form a decoder layer: nothing to draw.</p>');
 })();
 """
 

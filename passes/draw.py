@@ -2,10 +2,11 @@
 (no graphviz needed), and what a pass removed, added or rewired in each layer.
 
 Which nodes belong to layer i: a node that names it (`/model/layers.i/...`) or reads one of its
-weights (`model.layers.i.*`) belongs to it; any other node takes the earliest layer among its
-readers, and is drawn when it either reads from the layer or feeds only that layer (so the
-shared mask and position subgraphs are not drawn into layer 0). Nodes in no layer are "shared"
-(embedding, mask, final norm, lm_head).
+weights (`model.layers.i.*`) belongs to it; any other node takes the earliest of the layers it
+feeds (through other such nodes), and is drawn when it reads from that layer or feeds only that
+layer (so the mask and position subgraphs, which feed every layer, are not drawn into layer 0).
+Nodes per layer count the nodes inside it: a mere feeder (the embedding Gather feeds layer 0
+only) is drawn but counted as shared, like the mask, the final norm and lm_head.
 
 Marks (`mark_changes`): a node is matched across a pass by its name (else op and first output).
 Removed = in the before picture only; added = in the after picture only; rewired = in both, with
@@ -183,7 +184,7 @@ def _layout(picture: dict) -> None:
         x = (total_w - row_w[r]) / 2
         for i in row:
             n = nodes[i]
-            n["x"], n["y"], n["w"] = round(x, 1), round(GAP_Y / 2 + r * (BOX_H + GAP_Y), 1), round(width[i], 1)
+            n["x"], n["y"], n["w"] = round(x), round(GAP_Y / 2 + r * (BOX_H + GAP_Y)), round(width[i])
             x += width[i] + GAP_X
     picture["width"] = round(total_w)
     picture["height"] = round((max(rows, default=0) + 1) * (BOX_H + GAP_Y) + GAP_Y / 2)
@@ -284,7 +285,27 @@ class Stages:
             i: mark_changes(old.get(i, empty), new.get(i, empty)) for i in sorted(set(old) | set(new))}
         first = self.first_layer
         if first is not None:
-            record["picture_before"], record["picture_after"] = old.get(first, empty), new.get(first, empty)
-            if first in record["marks"]:
-                record["changes_drawn_layer"] = describe(old.get(first, empty), new.get(first, empty),
-                                                         record["marks"][first])
+            marks = record["marks"].get(first)
+            record["picture_before"] = _annotated(old.get(first, empty), marks, "before")
+            record["picture_after"] = _annotated(new.get(first, empty), marks, "after")
+            if marks is not None:
+                record["changes_drawn_layer"] = describe(old.get(first, empty), new.get(first, empty), marks)
+
+
+def _annotated(picture: dict, marks: dict | None, side: str) -> dict:
+    """The picture for the JSON report: nodes {id, op, name, detail} with their "mark" and "groups"."""
+    mark: dict[int, str] = {}
+    groups: dict[int, list[int]] = {}
+    if marks is not None:
+        if side == "before":
+            mark.update((i, "removed") for i in marks["removed"])
+        else:
+            mark.update((i, "rewired") for i in marks["rewired"])
+            mark.update((i, "added") for i in marks["added"])
+        for k, g in enumerate(marks["groups"], 1):
+            for i in g["replaced" if side == "before" else "added"]:
+                groups.setdefault(i, []).append(k)
+    nodes = [{"id": n["id"], "op": n["op"], "name": n["name"], "detail": n["detail"],
+              **({"mark": mark[n["id"]]} if n["id"] in mark else {}),
+              **({"groups": groups[n["id"]]} if n["id"] in groups else {})} for n in picture["nodes"]]
+    return {"layer": picture.get("layer"), "nodes": nodes, "edges": picture["edges"]}
