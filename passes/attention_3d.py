@@ -131,7 +131,7 @@ class AttentionTo3D(Fusion):
     axes; a qk_matmul_output that is read.
     """
 
-    aliases = ("attention-3d", "attention_3d", "3d", "layout")
+    aliases = ("attention-3d", "attention-to-3d", "3d")
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         return [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]

@@ -177,7 +177,7 @@ def _layout(picture: dict) -> None:
             rows[r].sort(key=bary)
             for k, i in enumerate(rows[r]):
                 pos[i] = k
-    width = {n["id"]: max(len(n["op"]), len(n["detail"])) * CHAR_W + 16 for n in nodes}
+    width = {n["id"]: (len(n["op"]) + (len(n["detail"]) + 1 if n["detail"] else 0)) * CHAR_W + 16 for n in nodes}
     row_w = {r: sum(width[i] for i in row) + GAP_X * (len(row) - 1) for r, row in rows.items()}
     total_w = max(row_w.values(), default=100) + 2 * GAP_X
     for r, row in rows.items():
