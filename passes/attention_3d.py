@@ -126,7 +126,8 @@ class AttentionTo3D(Fusion):
     which work on that 4-D view). Mask, past inputs and present outputs ([B, kv_heads, T, D],
     the graph contract) are untouched; present keeps its names.
     Must not fire (and says why): an Attention already 3-D or outside the default domain; a
-    q/k/v that is not such a Transpose of a rank-4 tensor; head counts unknown; Y read by
+    q/k/v that is not such a Transpose of a rank-4 tensor; head counts unknown or contradicting
+    the tensors' shapes; Y read by
     anything but one Transpose [0,2,1,3] whose only reader is a Reshape merging the last two
     axes; a qk_matmul_output that is read.
     """
@@ -161,6 +162,8 @@ class AttentionTo3D(Fusion):
                 heads = int(target[2])  # the Reshape that split the heads says
             if not heads:
                 fail(f"the number of {role} heads is unknown (no attribute, no static shape)")
+            if shape is not None and shape[2] is not None and shape[2] != heads:
+                fail(f"{role} has {shape[2]} heads but the Attention says {heads}")
             sides.append(Side(heads4, _split_heads(heads4, int(heads), self._ranks), int(heads),
                               shape[3] if shape else None))
         y = node.outputs[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from fuselm.passes.attention_3d import AttentionTo3D
 from onnx import TensorProto
@@ -82,6 +83,18 @@ def test_attention_to_3d_must_not_fire(case, kwargs, reason):
     after, modified, stats = apply(AttentionTo3D(), before)
     assert not modified and ops(after) == ops(before), case
     assert any(reason in r for _, r in stats.skipped), (case, stats.skipped)
+
+
+def test_attention_to_3d_refuses_contradicting_head_counts():
+    """A q_num_heads that the q tensor's shape contradicts (a damaged graph): left alone, reason given."""
+    model = layer_graph(qk_norm=False).model()
+    q_heads = next(n for n in model.graph.node if n.op_type == "Reshape").output[0]
+    model.graph.value_info.append(oh.make_tensor_value_info(q_heads, TensorProto.FLOAT, [B, S, 4, D]))
+    attn = next(n for n in model.graph.node if n.op_type == "Attention")
+    next(a for a in attn.attribute if a.name == "q_num_heads").i = 2
+    _, modified, stats = AttentionTo3D()(ir.serde.deserialize_model(model))
+    assert not modified
+    assert any("q has 4 heads but the Attention says 2" in r for _, r in stats.skipped), stats.skipped
 
 
 def test_attention_to_3d_needs_the_head_counts():
