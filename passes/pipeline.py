@@ -17,6 +17,7 @@ from fuselm.errors import CheckFailed, FuselmError
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
+from .attention_3d import AttentionTo3D
 from .base import Pass
 from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
@@ -34,6 +35,7 @@ PIPELINE: list[Pass] = [
     FuseRMSNorm(),
     FuseAttention(),
     FuseRoPE(),
+    AttentionTo3D(),
 ]
 REQUIRED_OPSET = 23
 
@@ -182,17 +184,17 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
     skipped = resolve_skip(skip)
     model = graphio.load(onnx_path)
     _check_opset(model, onnx_path)
-    layer = draw.pick_layer(model.graph)
+    pictures = draw.Stages(model.graph)
     nodes_in = model.graph.num_nodes()
     with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
-        state = {"picture": draw.layer_picture(model.graph, layer), "n": 0}
+        state = {"n": 0}
         try:
             state["outputs"] = check.run_steps(onnx_path)
         except FuselmError as e:  # e.g. inputs outside the graph contract: show the structure anyway
             state["outputs"], state["no_numbers"] = None, str(e)
 
         def on_pass(record: dict, m: ir.Model) -> None:
-            record["picture_before"] = state["picture"]
+            pictures.record(record, m.graph if record["changed"] else None)
             if record["changed"]:
                 state["n"] += 1
                 stage = Path(work) / f"{state['n']}"
@@ -213,18 +215,17 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
                 except Exception as e:
                     record["drift"] = {"error": f"{type(e).__name__}: {e}"}
                 record["check_seconds"] = time.perf_counter() - t0
-                state["picture"] = draw.layer_picture(m.graph, layer)
                 if state.get("stage") is not None:  # one stage on disk at a time (a 4B model is GBs)
                     shutil.rmtree(state["stage"], ignore_errors=True)
                 state["stage"] = stage
             else:
                 record["drift"] = None
-            record["picture_after"] = state["picture"]
 
         records = run_pipeline(model, skipped, on_pass)
-    data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": layer,
+    data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": pictures.first_layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
-            "passes": records}
+            "nodes_per_layer_in": pictures.counts[0], "nodes_per_layer_out": pictures.counts[-1],
+            "passes": records, "_stages": pictures.stages}
     if not quiet:
         print_report(data)
     if json_path:
