@@ -25,8 +25,10 @@ from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rope import FuseRoPE
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
+from .upgrade_opset import UpgradeOpset
 
 PIPELINE: list[Pass] = [
+    UpgradeOpset(),
     RemoveDeadShapeOp(),
     ReorderQKVProjections(),
     FuseQKV(),
@@ -59,14 +61,6 @@ def resolve_skip(skip) -> set[str]:
                 raise FuselmError(f"--skip {part!r}: no such pass; valid passes: {valid}")
             chosen.add(name)
     return chosen
-
-
-def _check_opset(model: ir.Model, source: Path) -> None:
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    if opset != REQUIRED_OPSET:
-        raise FuselmError(f"{source} uses default-domain opset {opset}; fuselm's passes write opset "
-                          f"{REQUIRED_OPSET} (RMSNormalization, Attention): re-export it with opset 23 "
-                          "(torch.onnx.export(..., opset_version=23) or `fuselm convert`)")
 
 
 def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) -> list[dict]:
@@ -115,7 +109,6 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
     skipped = resolve_skip(skip)
     t0 = time.perf_counter()
     model = graphio.load(onnx_path)
-    _check_opset(model, onnx_path)
     records = run_pipeline(model, skipped)
     passes_seconds = time.perf_counter() - t0
     out = Path(out)
@@ -137,8 +130,15 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
         from .report import print_summary
 
         print_summary(records, title=f"fuselm optimize: {in_path} -> {out} "
-                      f"({passes_seconds:.2f} s load + passes, {time.perf_counter() - t0:.2f} s total)")
+                      f"({passes_seconds:.2f} s load + passes, {time.perf_counter() - t0:.2f} s total)"
+                      f"{upgrade_note(records)}")
     return out
+
+
+def upgrade_note(records: list[dict]) -> str:
+    """`; default-domain opset 20 -> 23` when UpgradeOpset converted the graph, else ''."""
+    up = next((r for r in records if r["pass"] == UpgradeOpset().name and r.get("fired")), None)
+    return f"; {up['fired_at'][0]} (onnx version converter)" if up else ""
 
 
 def _meta_record(r: dict) -> dict:
@@ -181,7 +181,6 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
     onnx_path, meta = graphio.resolve(in_path)
     skipped = resolve_skip(skip)
     model = graphio.load(onnx_path)
-    _check_opset(model, onnx_path)
     layer = draw.pick_layer(model.graph)
     nodes_in = model.graph.num_nodes()
     with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
@@ -224,9 +223,11 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
         records = run_pipeline(model, skipped, on_pass)
     data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
-            "passes": records}
+            "passes": records, "opset_upgrade": upgrade_note(records).removeprefix("; ") or None}
     if not quiet:
         print_report(data)
+        if data["opset_upgrade"]:
+            print(f"UpgradeOpset: {data['opset_upgrade']}")
     if json_path:
         write_json(data, json_path)
     if html:
