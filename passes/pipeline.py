@@ -22,6 +22,7 @@ from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
 from .fuse_rms_norm import FuseRMSNorm
+from .from_genai import FromGenAI
 from .fuse_rope import FuseRoPE
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
@@ -29,6 +30,7 @@ from .upgrade_opset import UpgradeOpset
 
 PIPELINE: list[Pass] = [
     UpgradeOpset(),
+    FromGenAI(),
     RemoveDeadShapeOp(),
     ReorderQKVProjections(),
     FuseQKV(),
