@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fuselm.errors import CheckFailed, FuselmError
+from fuselm.genai_config import meta_from_genai_config
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
@@ -121,7 +122,7 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
         except Exception as e:
             raise CheckFailed(f"the optimized graph fails onnx.checker ({e}); run `fuselm diff` on {in_path} "
                               "and --skip the pass that breaks it") from None
-        new_meta = dict(meta) if meta is not None else graph_meta(model, onnx_path)
+        new_meta = dict(meta) if meta is not None else graph_meta(model, onnx_path, onnx_path.parent)
         new_meta.pop("schema_version", None)
         new_meta["stage"] = "optimized"
         new_meta["passes"] = [_meta_record(r) for r in records]
@@ -150,8 +151,9 @@ def _meta_record(r: dict) -> dict:
     return {k: r[k] for k in keep if k in r}
 
 
-def graph_meta(model: ir.Model, source: Path) -> dict:
-    """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits)."""
+def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> dict:
+    """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits);
+    an onnxruntime-genai directory's genai_config.json adds context length and special tokens."""
     past = [v for v in model.graph.inputs if re.fullmatch(r"past_key_values\.\d+\.key", v.name or "")]
     dims: dict = {"layers": len(past) or None}
     if past and past[0].shape is not None and past[0].shape.rank() == 4:
@@ -164,8 +166,10 @@ def graph_meta(model: ir.Model, source: Path) -> dict:
     logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
     if logits is not None and logits.shape is not None and isinstance(logits.shape[-1], int):
         dims["vocab"] = logits.shape[-1]
+    extra = meta_from_genai_config(src_dir) if src_dir is not None else {}
+    dims.update(extra.pop("dims", {}))
     return {"stage": "optimized", "source": {"onnx": os.fspath(source)}, "family": None, "dims": dims,
-            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}}
+            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}, **extra}
 
 
 def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> dict:
