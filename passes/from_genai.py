@@ -18,7 +18,7 @@ from fuselm.errors import FuselmError, shown
 from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
 
 from .base import FUSELM_DOMAIN, Pass, Reject, Stats, attr, fail, initializer, new_node, producer, small_constant, take_over
-from .fuse_rope import attach_function
+from .fuse_rope import attach_function, inv_freq_from_tables
 
 # onnxruntime-genai writes the graph contract's names except position_ids (GQA derives positions
 # from the mask); the mapped graph takes it as an input, as the contract says.
@@ -237,24 +237,10 @@ def _gather_block_quantized(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str
 # ---- rotary embeddings and attention --------------------------------------------------------
 
 def rope_from_cache(cos: ir.Value | None, sin: ir.Value | None) -> tuple[np.ndarray, float]:
-    """(inv_freq, attention_scaling) for cos/sin caches [positions, rotary_dim/2] holding
-    scaling·cos(p·inv_freq) and scaling·sin(p·inv_freq); fail() when they hold anything else."""
+    """(inv_freq, attention_scaling) for GQA / RotaryEmbedding cos/sin caches [positions, rotary_dim/2]."""
     if cos is None or sin is None or cos.const_value is None or sin.const_value is None:
         fail("the cos/sin caches are not constants")
-    c = cos.const_value.numpy().astype(np.float64)
-    s = sin.const_value.numpy().astype(np.float64)
-    if c.ndim != 2 or c.shape != s.shape or c.shape[0] < 2:
-        fail(f"cos/sin caches of shapes {c.shape} / {s.shape}, not one [positions, rotary_dim/2]")
-    scaling = float(c[0, 0])
-    if scaling <= 0 or not np.allclose(c[0], scaling, rtol=1e-6) or np.abs(s[0]).max() > 1e-6:
-        fail("position 0 of the cos/sin caches is not (scaling, 0)")
-    angle = np.unwrap(np.arctan2(s, c), axis=0)  # inv_freq <= 1 rad per position: unwrapping is exact
-    p = np.arange(c.shape[0], dtype=np.float64)[:, None]
-    inv = (p * angle).sum(0) / (p * p).sum()
-    err = max(np.abs(c - scaling * np.cos(p * inv)).max(), np.abs(s - scaling * np.sin(p * inv)).max())
-    if err > 1e-2 * scaling:  # float32 angles of long caches are off by ~1e-3; other formulas by O(1)
-        fail(f"the cos/sin caches are not cos/sin(position × inv_freq) (off by {err:.2g})")
-    return inv.astype(np.float32), scaling
+    return inv_freq_from_tables(cos.const_value.numpy(), sin.const_value.numpy())
 
 
 def _rope(graph: ir.Graph, x: ir.Value, heads: int, head_dim: int, inv: np.ndarray, scaling: float,

@@ -176,7 +176,7 @@ def test_cache_that_is_not_cos_of_positions_is_refused(genai_dir, tmp_path):
                 t.CopyFrom(onnx.numpy_helper.from_array(a, t.name))
 
     src = _edited(genai_dir("qwen3", "int4"), tmp_path / "edited", scramble, weights=True)
-    with pytest.raises(FuselmError, match=r"the cos/sin caches are not cos/sin\(position × inv_freq\)"):
+    with pytest.raises(FuselmError, match=r"the cos/sin tables are not cos/sin\(position × inv_freq\)"):
         fuselm.optimize(src, tmp_path / "opt", quiet=True)
 
 

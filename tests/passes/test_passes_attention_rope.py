@@ -104,16 +104,36 @@ def test_fuse_attention_moves_the_cache_into_a_cacheless_attention():
 H = 2
 
 
-def rope_graph(layout="bhsd", freqs="mul", table=False, sin_scale=1.0, split=D // 2, scale=1.0):
+def rope_graph(layout="bhsd", freqs="mul", table=None, sin_scale=1.0, split=None, scale=1.0, rotary=D,
+               tail_start=None):
+    """x·cos + rotate_half(x)·sin; `rotary` < D: HF's partial rotary (x[..., :rotary] rotated, the rest
+    concatenated back); `table`: cos/sin gathered by position from cached tables ("rows": after a
+    [:n] slice, as older HF; "random": tables that are no cos/sin of positions)."""
     g = G()
     shape = [B, H, S, D] if layout == "bhsd" else [B, S, H, D]
-    x = g.inp("x", shape)
+    x_all = g.inp("x", shape)
     pos = g.inp("position_ids", [B, S], TensorProto.INT64, value=np.array([[5, 6, 7]], np.int64))
-    inv = (1.0 / (10000 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    inv = (1.0 / (10000 ** (np.arange(0, rotary, 2) / rotary))).astype(np.float32)
+    split = rotary // 2 if split is None else split
+    last = g.init("ax_d", np.array([-1], np.int64))
+    zero, end = g.init("zero", np.array([0], np.int64)), g.init("end", np.array([2**62], np.int64))
+    x = x_all
+    if rotary < D:
+        x = g.node("Slice", [x_all, zero, g.init("rd", np.array([rotary], np.int64)), last])
     if table:  # optimum-style: cos/sin gathered from precomputed tables
         emb = np.concatenate([np.outer(np.arange(32), inv)] * 2, axis=-1).astype(np.float32)
-        cos = g.node("Gather", [g.init("cos_cached", np.cos(emb)), pos], axis=0)
-        sin = g.node("Gather", [g.init("sin_cached", np.sin(emb)), pos], axis=0)
+        if table == "random":  # Concat(angles, angles) of angles that grow with no inv_freq
+            emb = np.concatenate([np.random.default_rng(3).uniform(0, 6, (32, rotary // 2))] * 2, -1).astype(np.float32)
+            emb[0] = 0  # position 0 unrotated, as a real table
+        elif table == "unpaired":
+            emb = np.random.default_rng(3).uniform(0, 6, emb.shape).astype(np.float32)
+        cos_t, sin_t = g.init("cos_cached", scale * np.cos(emb)), g.init("sin_cached", scale * sin_scale * np.sin(emb))
+        if table == "rows":
+            n = g.init("n_rows", np.array([16], np.int64))
+            cos_t = g.node("Slice", [cos_t, zero, n, g.init("ax0", np.array([0], np.int64))])
+            sin_t = g.node("Slice", [sin_t, zero, n, "ax0"])
+        cos = g.node("Gather", [cos_t, pos], axis=0)
+        sin = g.node("Gather", [sin_t, pos], axis=0)
     else:
         if freqs == "mul":
             p = g.node("Cast", [g.node("Unsqueeze", [pos, g.init("ax_last", np.array([-1], np.int64))])], to=TensorProto.FLOAT)
@@ -129,37 +149,47 @@ def rope_graph(layout="bhsd", freqs="mul", table=False, sin_scale=1.0, split=D /
     axis = 1 if layout == "bhsd" else 2
     cos = g.node("Unsqueeze", [cos, g.init("ax_h", np.array([axis], np.int64))])
     sin = g.node("Unsqueeze", [sin, "ax_h"])
-    last = g.init("ax_d", np.array([-1], np.int64))
-    x1 = g.node("Slice", [x, g.init("zero", np.array([0], np.int64)), g.init("h", np.array([split], np.int64)), last])
-    x2 = g.node("Slice", [x, "h", g.init("end", np.array([2**62], np.int64)), last])
+    x1 = g.node("Slice", [x, zero, g.init("h", np.array([split], np.int64)), last])
+    x2 = g.node("Slice", [x, "h", end, last])
     rot = g.node("Concat", [g.node("Neg", [x2]), x1], axis=-1)
     y = g.node("Add", [g.node("Mul", [x, cos]), g.node("Mul", [rot, sin])])
+    if rotary < D:
+        start = g.init("tail", np.array([rotary if tail_start is None else tail_start], np.int64))
+        y = g.node("Concat", [y, g.node("Slice", [x_all, start, end, last])], axis=-1)
     g.out(y, "y", rank=4)
     return g
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(layout="bshd"), dict(freqs="matmul"), dict(scale=1.25)])
+@pytest.mark.parametrize("kwargs", [dict(), dict(layout="bshd"), dict(freqs="matmul"), dict(scale=1.25),
+                                    dict(table="gather"), dict(table="rows", layout="bshd"), dict(table="gather", scale=1.25),
+                                    dict(rotary=D // 2), dict(rotary=D // 2, table="gather")])
 def test_fuse_rope_fires(kwargs):
     g = rope_graph(**kwargs)
     before = g.model()
     after, modified, stats = apply(FuseRoPE(), before)
     assert modified and ops(after).count("FusedRoPE") == 1
-    assert not {"Cos", "Sin", "Neg", "Slice"} & set(ops(after))
+    assert not {"Cos", "Sin", "Neg", "Slice", "Gather", "Concat"} & set(ops(after))
     assert ops(after).count("Transpose") == (2 if kwargs.get("layout", "bhsd") == "bhsd" else 0)
     assert [f.name for f in after.functions] == ["FusedRoPE"]
     node = next(n for n in after.graph.node if n.op_type == "FusedRoPE")
     attrs = {a.name: a for a in node.attribute}
-    inv = (1.0 / (10000 ** (np.arange(0, D, 2) / D))).astype(np.float32)
-    assert np.array_equal(np.array(attrs["inv_freq"].floats, np.float32), inv)
+    rotary = kwargs.get("rotary", D)
+    inv = (1.0 / (10000 ** (np.arange(0, rotary, 2) / rotary))).astype(np.float32)
+    if kwargs.get("table"):  # recovered from the tables: equal to float32 rounding
+        np.testing.assert_allclose(np.array(attrs["inv_freq"].floats, np.float32), inv, rtol=1e-5)
+    else:
+        assert np.array_equal(np.array(attrs["inv_freq"].floats, np.float32), inv)
     assert attrs["attention_scaling"].f == pytest.approx(kwargs.get("scale", 1.0))
     assert_same(before, after, g.feeds)
     assert not apply(FuseRoPE(), after)[1]
 
 
 @pytest.mark.parametrize("case,kwargs,reason", [
-    ("cos/sin gathered from a table", dict(table=True), "not computed from position_ids"),
+    ("tables that are not cos/sin of positions", dict(table="random"), "tables are not cos/sin(position × inv_freq)"),
+    ("table halves that differ", dict(table="unpaired"), "the table's halves differ"),
     ("sin scaled differently", dict(sin_scale=2.0), "scaled differently"),
-    ("halves split elsewhere", dict(split=D // 4), "partial rotary"),
+    ("halves split elsewhere", dict(split=D // 4), f"rotate_half splits at {D // 4} but inv_freq has {D // 2} entries"),
+    ("partial rotary, the rest from elsewhere", dict(rotary=D // 2, tail_start=D // 4), "partial rotary: the rotated"),
 ])
 def test_fuse_rope_must_not_fire(case, kwargs, reason):
     g = rope_graph(**kwargs)
