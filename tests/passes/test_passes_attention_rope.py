@@ -14,7 +14,10 @@ B, S, P, D = 1, 3, 2, 8
 
 
 def attn_graph(heads=4, kv_heads=2, scale="mul", mask=True, softmax_axis=-1, scale_input=False,
-               value_layer=0, cache=True, cacheless_op=False):
+               value_layer=0, cache=True, cacheless_op=False, sdpa=None):
+    """HF eager attention; `sdpa` writes torch's SDPA decomposition instead (opsets < 23): sqrt(scale)
+    on Q and Kᵀ, Kᵀ as Reshape-Transpose-Reshape, Where(IsNaN(p), 0, p) after Softmax ("guard":
+    that Where with 1 instead of 0, which is no NaN guard)."""
     g = G()
     q = g.inp("q", [B, S, heads, D])
     k = g.inp("k", [B, S, kv_heads, D])
@@ -38,6 +41,17 @@ def attn_graph(heads=4, kv_heads=2, scale="mul", mask=True, softmax_axis=-1, sca
     if cacheless_op:  # an Attention-23 that reads the expanded cache (onnxscript's rewrite)
         out = g.node("Attention", [q, kv[0], kv[1], g.inp("mask", [B, 1, S, total], value=causal)], scale=D ** -0.5)
         return _finish(g, out, heads, kv_heads, cache, value_layer)
+    if sdpa:
+        half = g.init("sqrt_scale", np.array(D ** -0.25, np.float32))
+        flat = g.node("Reshape", [kv[0], g.init("flat3", np.array([-1, P + S if cache else S, D], np.int64))])
+        kt = g.node("Reshape", [g.node("Transpose", [flat], perm=[0, 2, 1]),
+                                g.init("back4", np.array([B, heads, D, -1], np.int64))])
+        scores = g.node("MatMul", [g.node("Mul", [q, half]), g.node("Mul", [kt, half])])
+        scores = g.node("Add", [scores, g.inp("mask", [B, 1, S, P + S], value=causal)])
+        probs = g.node("Softmax", [scores], axis=-1)
+        fill = g.init("fill", np.array(0.0 if sdpa != "guard" else 1.0, np.float32))
+        probs = g.node("Where", [g.node("IsNaN", [probs]), fill, probs])
+        return _finish(g, g.node("MatMul", [probs, kv[1]]), heads, kv_heads, cache, value_layer)
     scores = g.node("MatMul", [q, g.node("Transpose", [kv[0]], perm=[0, 1, 3, 2])])
     c = g.inp("c", [], value=np.array(D ** -0.5, np.float32)) if scale_input else None
     if scale == "mul":
@@ -60,14 +74,15 @@ def _finish(g, out, heads, kv_heads, cache, value_layer):
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(heads=4, kv_heads=4), dict(heads=4, kv_heads=1, scale="div"),
-                                    dict(mask=False), dict(cache=False)])
+                                    dict(mask=False), dict(cache=False), dict(sdpa=True),
+                                    dict(sdpa=True, heads=2, kv_heads=2)])
 def test_fuse_attention_fires(kwargs):
     g = attn_graph(**kwargs)
     before = g.model()
     after, modified, stats = apply(FuseAttention(), before)
     assert modified and stats.fired
     assert ops(after).count("Attention") == 1
-    assert not {"Softmax", "Expand", "MatMul"} & set(ops(after))
+    assert not {"Softmax", "Expand", "MatMul", "IsNaN", "Where"} & set(ops(after))
     assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
     node = next(n for n in after.graph.node if n.op_type == "Attention")
     attrs = {a.name: a for a in node.attribute}
@@ -81,6 +96,7 @@ def test_fuse_attention_fires(kwargs):
     ("softmax over another axis", dict(softmax_axis=2), "not the last"),
     ("scale from an input", dict(scale_input=True), "scale is not a non-zero constant"),
     ("K and V from different layers", dict(value_layer=1), "different layers"),
+    ("Where after Softmax that is no NaN guard", dict(sdpa="guard"), "not as Where(IsNaN(p), 0, p)"),
 ])
 def test_fuse_attention_must_not_fire(case, kwargs, reason):
     before = attn_graph(**kwargs).model()

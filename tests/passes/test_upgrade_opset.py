@@ -77,25 +77,35 @@ def test_a_node_the_converter_refuses_is_named(monkeypatch):
         apply(UpgradeOpset(), _rms_norm_at(17))
 
 
-def test_weights_stay_lazy_and_numbers_equal_on_a_torchscript_export(make_ckpt, tmp_path):
-    """torch.onnx's TorchScript exporter at its default opset (20): `fuselm optimize` upgrades it, says
-    so in fuselm.json, and onnxruntime gives the same logits and cache before and after."""
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,opset,attn,onnxscript_optimize", [
+    ("torchscript", None, "eager", False),  # dynamo=False at its default opset (20)
+    ("torchscript", 14, "eager", False),  # optimum's exporter and opset, the contract's names
+    ("dynamo", None, "sdpa", True),  # torch's defaults at the default opset: SDPA decomposed
+])
+def test_passes_on_other_exporters_at_their_default_opsets(make_ckpt, tmp_path, kind, opset, attn, onnxscript_optimize):
+    """torch.onnx graphs below opset 23 in the graph contract's (= optimum's) layout: `fuselm optimize`
+    upgrades them (and says so in fuselm.json), fires RoPE (TorchScript's slice bounds computed from
+    Shape), attention (eager with the past concat and repeat_kv, or SDPA's decomposition) and
+    RMSNorm; onnxruntime gives the same logits and cache before and after."""
     import json
 
     from fuselm.passes.torch_export import export_hf
 
-    src = export_hf(make_ckpt("qwen3"), tmp_path / "ts" / "model.onnx", opset=None, dynamo=False)
+    src = export_hf(make_ckpt("qwen3"), tmp_path / "src" / "model.onnx", opset=opset, dynamo=kind == "dynamo",
+                    attn_implementation=attn, optimize=onnxscript_optimize)
     assert onnx.load(str(src), load_external_data=False).opset_import[0].version < 23
     out = fuselm.optimize(src, tmp_path / "opt", quiet=True)
     meta = json.loads((out / "fuselm.json").read_text())
     first = meta["passes"][0]
     assert first["pass"] == "UpgradeOpset" and first["fired_at"][0].endswith("-> 23")
     ops = Counter(n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node)
-    assert ops["RMSNormalization"] == 9 and ops["ReduceMean"] == 0
+    assert ops["RMSNormalization"] == 9 and ops["FusedRoPE"] == 4 and ops["Attention"] == 2, ops
+    assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["ReduceMean"] == 0
     before = run_steps(src)
     after = run_steps(out / "model.onnx", steps=before)
     for step, d in drift(before, after).items():
-        assert d["all_outputs_rel"] <= 1e-5, (step, d)
+        assert d["logits_rel"] <= 1e-5 and d["all_outputs_rel"] <= 1e-5, (step, d)
 
 
 def test_optimize_reports_the_upgrade(capsys):
