@@ -17,7 +17,19 @@ import onnx_ir as ir
 from fuselm.errors import FuselmError, shown
 from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
 
-from .base import FUSELM_DOMAIN, Pass, Reject, Stats, attr, fail, initializer, new_node, producer, small_constant, take_over
+from .base import (
+    FUSELM_DOMAIN,
+    Pass,
+    Reject,
+    Stats,
+    attr,
+    fail,
+    initializer,
+    new_node,
+    producer,
+    small_constant,
+    take_over,
+)
 from .fuse_rope import attach_function, inv_freq_from_tables
 
 # onnxruntime-genai writes the graph contract's names except position_ids (GQA derives positions

@@ -19,11 +19,11 @@ from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
 from .base import Pass
+from .from_genai import FromGenAI
 from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
 from .fuse_rms_norm import FuseRMSNorm
-from .from_genai import FromGenAI
 from .fuse_rope import FuseRoPE
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections

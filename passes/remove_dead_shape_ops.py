@@ -8,13 +8,13 @@ import numpy as np
 import onnx_ir as ir
 
 from .base import (
-    producer,
     SMALL_CONST,
     Pass,
     Stats,
     attr,
     const,
     is_external,
+    producer,
     remove_unused,
     static_shape,
     take_over,

@@ -9,10 +9,9 @@ from __future__ import annotations
 import onnx
 import onnx.version_converter
 import onnx_ir as ir
+from fuselm.exporter.graph import OPSET as TARGET_OPSET
 
 from fuselm.errors import FuselmError, shown
-
-from fuselm.exporter.graph import OPSET as TARGET_OPSET
 
 from .base import Pass, Stats
 

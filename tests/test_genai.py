@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from fuselm.passes.check import drift, run_steps
 
 import fuselm
 from fuselm.errors import FuselmError
-from fuselm.passes.check import drift, run_steps
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a dev dependency (pyproject [dev])")
 

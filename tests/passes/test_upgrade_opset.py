@@ -7,15 +7,14 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
+from fuselm.passes.check import drift, run_steps
+from fuselm.passes.upgrade_opset import UpgradeOpset
 from onnx import TensorProto
 from onnx import helper as oh
+from passes_helpers import G, apply, assert_same
 
 import fuselm
 from fuselm.errors import FuselmError
-from fuselm.passes.check import drift, run_steps
-from fuselm.passes.upgrade_opset import UpgradeOpset
-
-from passes_helpers import G, apply, assert_same
 
 
 def _rms_norm_at(opset: int) -> onnx.ModelProto:
