@@ -111,6 +111,8 @@ def test_genai_graph_diff_and_run(genai_dir, tmp_path):
     """`fuselm diff` walks the same passes with numbers (the genai graph's symbolic head dim comes
     from its genai_config.json); `fuselm run` generates from the optimized directory."""
     src = genai_dir("llama", "fp32")
+    with pytest.raises(FuselmError, match=r"run `fuselm optimize DIR -o OUT` first"):
+        fuselm.run(src, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
     data = fuselm.diff(src, quiet=True)
     first = {r["pass"]: r for r in data["passes"]}
     assert first["FromGenAI"]["changed"] and first["FromGenAI"]["counts"]["GroupQueryAttention"] == 2
