@@ -149,15 +149,18 @@ def inv_freq_from_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, 
     return inv.astype(np.float32), scaling
 
 
-def _from_tables(tc: _Trig, ts: _Trig) -> tuple[np.ndarray, float, ir.Value]:
-    """(inv_freq, scaling, positions) for cos/sin gathered from Concat(freqs, freqs) tables by position."""
+def _from_tables(tc: _Trig, ts: _Trig, interleaved: bool) -> tuple[np.ndarray, float, ir.Value]:
+    """(inv_freq, scaling, positions) for cos/sin gathered by position from tables of Concat(freqs, freqs)
+    (rotate_half) or repeat_interleave(freqs, 2) (interleaved)."""
     if ts.table is None or tc.positions is not ts.positions:
         fail("cos and sin are not gathered from tables by the same positions")
     c, s = tc.table.const_value.numpy(), ts.table.const_value.numpy()
     half = c.shape[-1] // 2
-    if c.shape[-1] % 2 or not np.array_equal(c[:, :half], c[:, half:]) or not np.array_equal(s[:, :half], s[:, half:]):
-        fail("the table's halves differ: not cos/sin of Concat(freqs, freqs) (rotate_half)")
-    inv, scaling = inv_freq_from_tables(c[:, :half], s[:, :half])
+    a, b = (np.s_[:, 0::2], np.s_[:, 1::2]) if interleaved else (np.s_[:, :half], np.s_[:, half:])
+    if c.shape[-1] % 2 or not np.array_equal(c[a], c[b]) or not np.array_equal(s[a], s[b]):
+        fail("the table's halves differ: not cos/sin of Concat(freqs, freqs) (rotate_half)" if not interleaved
+             else "the table's pairs differ: not cos/sin of repeat_interleave(freqs, 2) (interleaved)")
+    inv, scaling = inv_freq_from_tables(np.ascontiguousarray(c[a]), np.ascontiguousarray(s[a]))
     return inv, scaling, _positions(tc.positions)
 
 
@@ -181,6 +184,32 @@ def _half_split(rot: ir.Value) -> ir.Value:
             or int(e_lo.ravel()[0]) != int(s_hi.ravel()[0]):
         fail("not rotate_half: the halves are not x[..., :h] and x[..., h:]")
     return lo.inputs[0]
+
+
+def _pair_split(rot: ir.Value) -> ir.Value:
+    """x for rot = Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., 0::2], -1)), x's shape)
+    (GPT-J / Cohere's rotate_every_two: torch.stack([-x2, x1], -1).flatten(-2))."""
+    reshape = producer(rot, "Reshape")
+    cat = producer(reshape.inputs[0], "Concat")
+    if cat is None or len(cat.inputs) != 2 or attr(cat, "axis") not in (-1, 4):
+        fail("not rotate_every_two: no Concat over a new last axis before the Reshape")
+    ua, ub = producer(cat.inputs[0], "Unsqueeze"), producer(cat.inputs[1], "Unsqueeze")
+    neg = producer(ua.inputs[0], "Neg") if ua is not None else None
+    odd = producer(neg.inputs[0], "Slice") if neg is not None else None
+    even = producer(ub.inputs[0], "Slice") if ub is not None else None
+    if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
+        fail("not rotate_every_two: Concat(Unsqueeze(Neg(Slice(x))), Unsqueeze(Slice(x))) of one x")
+    for u in (ua, ub):
+        axes = const(u.inputs[1]) if len(u.inputs) > 1 else None
+        if axes is None or int(axes.ravel()[0]) not in (-1, 4):
+            fail("not rotate_every_two: the halves are not stacked on a new last axis")
+    for n, first in ((even, 0), (odd, 1)):
+        vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in (1, 3, 4)]
+        start, axes, steps = vals
+        if start is None or axes is None or steps is None or int(start.ravel()[0]) != first \
+                or int(axes.ravel()[0]) not in (-1, 3) or int(steps.ravel()[0]) != 2:
+            fail("not rotate_every_two: the halves are not x[..., 0::2] and x[..., 1::2]")
+    return even.inputs[0]
 
 
 def _partial(x: ir.Value, out: ir.Value, rotary_dim: int) -> tuple[ir.Value, ir.Value]:
@@ -228,7 +257,10 @@ class FuseRoPE(Fusion):
     cos/sin(position × inv_freq) of Concat(freqs, freqs); cos and sin from different angles, tables
     or scalings; halves that are not x[..., :h] / x[..., h:]; a partial rotary whose parts are not
     x[..., :rd] / x[..., rd:]; cos/sin not unsqueezed over the head axis; positions that are not
-    int64 [batch, seq]. Not yet: the interleaved (rotate_every_two) form.
+    int64 [batch, seq]. The interleaved form (GPT-J / Cohere's rotate_every_two: Reshape(Concat(
+    Unsqueeze(-x[..., 1::2]), Unsqueeze(x[..., 0::2]))) with angle repeat_interleave(freqs, 2) by
+    Unsqueeze + Expand/Tile + Reshape, or its tables) gets interleaved=1; its must-not-fire cases:
+    slices that are not x[..., 0::2] / x[..., 1::2], an angle that is not freqs repeated twice.
     """
 
     aliases = ("fuse-rope", "rope")
@@ -241,7 +273,7 @@ class FuseRoPE(Fusion):
             if n.op_type == "RotaryEmbedding":
                 yield n
             elif n.op_type == "Add" and all(producer(v, "Mul") is not None for v in n.inputs) and \
-                    any(producer(i, "Concat") is not None for v in n.inputs for i in producer(v).inputs):
+                    any(producer(i, "Concat", "Reshape") is not None for v in n.inputs for i in producer(v).inputs):
                 yield n
 
     def match(self, anchor: ir.Node) -> RopeMatch:
@@ -249,11 +281,12 @@ class FuseRoPE(Fusion):
             return self._match_standard(anchor)
         m1, m2 = (producer(v) for v in anchor.inputs)
         pairs = [(c, s, r) for c, s in ((m1, m2), (m2, m1))
-                 for r in s.inputs if producer(r, "Concat") is not None]
+                 for r in s.inputs if producer(r, "Concat", "Reshape") is not None]
         if not pairs:
             fail("neither product has a rotate_half factor")
         cos_mul, sin_mul, rot = pairs[0]
-        x = _half_split(rot)
+        interleaved = producer(rot, "Reshape") is not None
+        x = _pair_split(rot) if interleaved else _half_split(rot)
         cos_b = other_input(cos_mul, x)
         if cos_b is None:
             fail("x·cos does not read the tensor rotate_half reads")
@@ -265,24 +298,36 @@ class FuseRoPE(Fusion):
             fail(f"cos and sin scaled differently ({tc.scaling} vs {ts.scaling})")
         scaling = tc.scaling
         if tc.table is not None:
-            inv, table_scaling, pos = _from_tables(tc, ts)
+            inv, table_scaling, pos = _from_tables(tc, ts, interleaved)
             scaling *= table_scaling
         else:
             if ts.emb is None:
                 fail("sin is gathered from a table but cos is computed")
-            inv, pos = self._angle(tc.emb)
-            inv_s, pos_s = self._angle(ts.emb)
+            inv, pos = self._angle(tc.emb, interleaved)
+            inv_s, pos_s = self._angle(ts.emb, interleaved)
             if pos_s is not pos or not np.array_equal(inv, inv_s):
                 fail("cos and sin are computed from different angles")
-        half = producer(rot, "Concat").inputs[1].producer()
-        h = int(const(half.inputs[2]).ravel()[0])
-        if h != len(inv):
-            fail(f"rotate_half splits at {h} but inv_freq has {len(inv)} entries")
+        if not interleaved:
+            half = producer(rot, "Concat").inputs[1].producer()
+            h = int(const(half.inputs[2]).ravel()[0])
+            if h != len(inv):
+                fail(f"rotate_half splits at {h} but inv_freq has {len(inv)} entries")
         x, out = _partial(x, anchor.outputs[0], 2 * len(inv))
-        return RopeMatch(x, pos, inv, scaling, 0, tc.axis == 1, out, anchor)
+        return RopeMatch(x, pos, inv, scaling, int(interleaved), tc.axis == 1, out, anchor)
 
     @staticmethod
-    def _angle(emb: ir.Value) -> tuple[np.ndarray, ir.Value]:
+    def _angle(emb: ir.Value, interleaved: bool) -> tuple[np.ndarray, ir.Value]:
+        if interleaved:  # repeat_interleave(freqs, 2, -1): Reshape(Expand | Tile(Unsqueeze(freqs, -1)))
+            reshape = producer(emb, "Reshape")
+            rep = producer(reshape.inputs[0], "Expand", "Tile") if reshape is not None else None
+            unsq = producer(rep.inputs[0], "Unsqueeze") if rep is not None else None
+            times = const(rep.inputs[1]) if rep is not None else None
+            axes = const(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+            r = unsq.inputs[0].shape.rank() + 1 if unsq is not None and unsq.inputs[0].shape is not None else None
+            last = axes is not None and (int(axes.ravel()[0]) == -1 or (r is not None and int(axes.ravel()[0]) == r - 1))
+            if unsq is None or times is None or int(times.ravel()[-1]) != 2 or np.any(times.ravel()[:-1] > 1) or not last:
+                fail("the interleaved rotation's angle is not repeat_interleave(freqs, 2, -1)")
+            return _freqs(unsq.inputs[0])
         cat = producer(emb, "Concat")
         if cat is None or len(cat.inputs) != 2 or cat.inputs[0] is not cat.inputs[1]:
             fail("the angle is not Concat(freqs, freqs)")

@@ -121,7 +121,7 @@ H = 2
 
 
 def rope_graph(layout="bhsd", freqs="mul", table=None, sin_scale=1.0, split=None, scale=1.0, rotary=D,
-               tail_start=None):
+               tail_start=None, interleaved=False, interleaved_odd=1):
     """x·cos + rotate_half(x)·sin; `rotary` < D: HF's partial rotary (x[..., :rotary] rotated, the rest
     concatenated back); `table`: cos/sin gathered by position from cached tables ("rows": after a
     [:n] slice, as older HF; "random": tables that are no cos/sin of positions)."""
@@ -138,6 +138,8 @@ def rope_graph(layout="bhsd", freqs="mul", table=None, sin_scale=1.0, split=None
         x = g.node("Slice", [x_all, zero, g.init("rd", np.array([rotary], np.int64)), last])
     if table:  # optimum-style: cos/sin gathered from precomputed tables
         emb = np.concatenate([np.outer(np.arange(32), inv)] * 2, axis=-1).astype(np.float32)
+        if interleaved:
+            emb = np.repeat(np.outer(np.arange(32), inv), 2, axis=-1).astype(np.float32)
         if table == "random":  # Concat(angles, angles) of angles that grow with no inv_freq
             emb = np.concatenate([np.random.default_rng(3).uniform(0, 6, (32, rotary // 2))] * 2, -1).astype(np.float32)
             emb[0] = 0  # position 0 unrotated, as a real table
@@ -159,15 +161,28 @@ def rope_graph(layout="bhsd", freqs="mul", table=None, sin_scale=1.0, split=None
                                      g.init("exp_shape", np.array([B, D // 2, 1], np.int64))])
             p = g.node("Cast", [g.node("Unsqueeze", [pos, g.init("ax1", np.array([1], np.int64))])], to=TensorProto.FLOAT)
             f = g.node("Transpose", [g.node("MatMul", [inv3, p])], perm=[0, 2, 1])
-        emb = g.node("Concat", [f, f], axis=-1)
+        if interleaved:  # repeat_interleave(freqs, 2, -1) as torch.onnx writes it
+            f2 = g.node("Unsqueeze", [f, last])
+            f2 = g.node("Expand", [f2, g.init("rep2", np.array([1, 1, 1, 2], np.int64))])
+            emb = g.node("Reshape", [f2, g.init("emb_shape", np.array([B, S, rotary], np.int64))])
+        else:
+            emb = g.node("Concat", [f, f], axis=-1)
         cos = g.node("Mul", [g.node("Cos", [emb]), g.init("scale_c", np.array(scale, np.float32))])
         sin = g.node("Mul", [g.node("Sin", [emb]), g.init("scale_s", np.array(scale * sin_scale, np.float32))])
     axis = 1 if layout == "bhsd" else 2
     cos = g.node("Unsqueeze", [cos, g.init("ax_h", np.array([axis], np.int64))])
     sin = g.node("Unsqueeze", [sin, "ax_h"])
-    x1 = g.node("Slice", [x, zero, g.init("h", np.array([split], np.int64)), last])
-    x2 = g.node("Slice", [x, "h", end, last])
-    rot = g.node("Concat", [g.node("Neg", [x2]), x1], axis=-1)
+    if interleaved:  # rotate_every_two: stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2)
+        two = g.init("two", np.array([2], np.int64))
+        even = g.node("Slice", [x, zero, end, last, two])
+        odd = g.node("Slice", [x, g.init("one", np.array([interleaved_odd], np.int64)), end, last, two])
+        rot = g.node("Concat", [g.node("Unsqueeze", [g.node("Neg", [odd]), last]), g.node("Unsqueeze", [even, last])],
+                     axis=-1)
+        rot = g.node("Reshape", [rot, g.init("flat_shape", np.array(shape[:3] + [rotary], np.int64))])
+    else:
+        x1 = g.node("Slice", [x, zero, g.init("h", np.array([split], np.int64)), last])
+        x2 = g.node("Slice", [x, "h", end, last])
+        rot = g.node("Concat", [g.node("Neg", [x2]), x1], axis=-1)
     y = g.node("Add", [g.node("Mul", [x, cos]), g.node("Mul", [rot, sin])])
     if rotary < D:
         start = g.init("tail", np.array([rotary if tail_start is None else tail_start], np.int64))
@@ -178,7 +193,8 @@ def rope_graph(layout="bhsd", freqs="mul", table=None, sin_scale=1.0, split=None
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(layout="bshd"), dict(freqs="matmul"), dict(scale=1.25),
                                     dict(table="gather"), dict(table="rows", layout="bshd"), dict(table="gather", scale=1.25),
-                                    dict(rotary=D // 2), dict(rotary=D // 2, table="gather")])
+                                    dict(rotary=D // 2), dict(rotary=D // 2, table="gather"),
+                                    dict(interleaved=True), dict(interleaved=True, layout="bshd", table="gather")])
 def test_fuse_rope_fires(kwargs):
     g = rope_graph(**kwargs)
     before = g.model()
@@ -196,6 +212,7 @@ def test_fuse_rope_fires(kwargs):
     else:
         assert np.array_equal(np.array(attrs["inv_freq"].floats, np.float32), inv)
     assert attrs["attention_scaling"].f == pytest.approx(kwargs.get("scale", 1.0))
+    assert attrs["interleaved"].i == int(kwargs.get("interleaved", False))
     assert_same(before, after, g.feeds)
     assert not apply(FuseRoPE(), after)[1]
 
@@ -206,6 +223,8 @@ def test_fuse_rope_fires(kwargs):
     ("sin scaled differently", dict(sin_scale=2.0), "scaled differently"),
     ("halves split elsewhere", dict(split=D // 4), f"rotate_half splits at {D // 4} but inv_freq has {D // 2} entries"),
     ("partial rotary, the rest from elsewhere", dict(rotary=D // 2, tail_start=D // 4), "partial rotary: the rotated"),
+    ("interleaved pairs from the wrong offset", dict(interleaved=True, interleaved_odd=0), "not x[..., 0::2] and x[..., 1::2]"),
+    ("interleaved rotation with a rotate_half angle", dict(interleaved=True, table="unpaired"), "the table's pairs differ"),
 ])
 def test_fuse_rope_must_not_fire(case, kwargs, reason):
     g = rope_graph(**kwargs)

@@ -26,7 +26,7 @@ def test_skip_is_the_ab_switch(exported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("make_args,message", [
-    (lambda src, tmp: ["--skip", "fuse-everything"], "no such pass; valid passes: RemoveDeadShapeOp"),
+    (lambda src, tmp: ["--skip", "fuse-everything"], "no such pass; valid passes: UpgradeOpset"),
     (lambda src, tmp: [], "it exists; pass --force"),
 ])
 def test_bad_usage_exits_2_and_writes_nothing(exported, tmp_path, capsys, make_args, message):
