@@ -122,7 +122,8 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
         except Exception as e:
             raise CheckFailed(f"the optimized graph fails onnx.checker ({e}); run `fuselm diff` on {in_path} "
                               "and --skip the pass that breaks it") from None
-        new_meta = dict(meta) if meta is not None else graph_meta(model, onnx_path, onnx_path.parent)
+        new_meta = dict(meta) if meta is not None else \
+            graph_meta(model, onnx_path, Path(in_path) if Path(in_path).is_dir() else None)
         new_meta.pop("schema_version", None)
         new_meta["stage"] = "optimized"
         new_meta["passes"] = [_meta_record(r) for r in records]

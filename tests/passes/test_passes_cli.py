@@ -48,9 +48,9 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
     (tmp_path / "broken.onnx").write_bytes(b"\x00not a protobuf\xff" * 10)
     g = oh.make_graph([oh.make_node("Relu", ["x"], ["y"])], "g", [oh.make_tensor_value_info("x", 1, [1])],
                       [oh.make_tensor_value_info("y", 1, [1])])
-    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)]), tmp_path / "old.onnx")
+    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 13)]), tmp_path / "old.onnx")
     for name, message in (("missing", "does not exist"), ("notes.txt", "not an .onnx file"),
-                          ("broken.onnx", "cannot read"), ("old.onnx", "opset 17")):
+                          ("broken.onnx", "cannot read"), ("old.onnx", "opset 13; fuselm reads opsets 14..23")):
         assert cli.main(["optimize", str(tmp_path / name), "-o", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
         assert cli.main(["diff", str(tmp_path / name)]) == 2
@@ -80,8 +80,8 @@ def test_diff_html_renders_in_chromium(exported, tmp_path, capsys):
     assert "FuseAttention" in table and "drift" in table
     report = json.loads(data.read_text())
     passes = [p["pass"] for p in report["passes"]]
-    assert passes == ["RemoveDeadShapeOp", "ReorderQKVProjections", "FuseQKV", "FuseGateUp", "FuseRMSNorm",
-                      "FuseAttention", "FuseRoPE"]
+    assert passes == ["UpgradeOpset", "FromGenAI", "RemoveDeadShapeOp", "ReorderQKVProjections", "FuseQKV",
+                      "FuseGateUp", "FuseRMSNorm", "FuseAttention", "FuseRoPE"]
     html = page.read_text()
     assert "<script" not in html and "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     dom = subprocess.run(
