@@ -109,6 +109,14 @@ class Session:
 
     # --- contract ------------------------------------------------------------------------------
     def _check_contract(self) -> list[CacheSpec]:
+        from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
+
+        genai = next((n for n in self.lm.graph.node if n.domain == ORT_DOMAIN or n.op_type in ORT_ONNX_DOMAIN_CONTRIB),
+                     None)
+        if genai is not None:  # onnxruntime-genai's builder output: its contrib ops, no position_ids
+            raise FuselmError(f"{self.lm.path} uses onnxruntime contrib ops ({genai.op_type}, node {genai.name!r}), "
+                              "as onnxruntime-genai's builder writes them; run `fuselm optimize DIR -o OUT` first "
+                              "(it maps them to standard ops and the graph contract) and run OUT")
         ins, outs = self.lm.input_types, set(self.lm.output_names)
         missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
         missing += [n for n in ("logits",) if n not in outs]
