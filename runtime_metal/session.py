@@ -248,9 +248,11 @@ class Session:
         """How far two orders of the same float work may drift, as a share of the largest logit: bf16
         activations (CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit difference
         upstream (attention over a padded static buffer vs the exact length) flips roundings that
-        grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
-        bf16 = any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes
-                   if n.op_type == "QMatMul")
+        grow over the layers (4B-shaped, 36 layers: beyond 1e-3); so do int8 activations (the CPU
+        kernels' *-int8: a last-bit difference moves a value across an int8 rounding step); f32 paths
+        stay within 1e-3."""
+        bf16 = any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") or n.attrs["weight"].kind.endswith("-int8")
+                   for n in self.graph.nodes if n.op_type == "QMatMul")
         return 3e-2 if bf16 else 1e-3
 
     def _checked_static(self, token: int):

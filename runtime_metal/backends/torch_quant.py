@@ -69,13 +69,18 @@ def cpu_activations() -> str:
     return act
 
 
-def cpu_kind(isa: str, act: str) -> str:
-    """The weights' kind as describe() reports it: the kernel that runs, e.g. avx2-int8."""
-    return f"{'avx2' if isa == 'avx512vnni' and act == 'int16' else isa}-{act}"  # int16: the AVX2 kernel
+def cpu_kind(isa: str, act: str, bits: int) -> str:
+    """The kernel a weight runs, as describe() reports it (e.g. avx2-int8). int16 x runs the AVX2 kernel
+    on AVX-512 CPUs too; on AVX2, 8-bit weights take int16 x in both modes: int8 x would need two
+    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and measured no faster than int16
+    (bench/gemv_cpu.py: 20.1 vs 21.6 GB/s for a 1024x32768 8-bit weight, 1 thread), 250x coarser."""
+    if act == "int16" or (isa == "avx2" and bits == 8):
+        return f"{'scalar' if isa == 'scalar' else 'avx2'}-int16"
+    return f"{isa}-{act}"
 
 
-CPU_KINDS = {cpu_kind(i, a): (ISAS[i if not (i == "avx512vnni" and a == "int16") else "avx2"], ACTIVATIONS[a])
-             for i in ISAS for a in ACTIVATIONS}
+CPU_KINDS = {"scalar-int8": (0, 8), "scalar-int16": (0, 16), "avx2-int8": (1, 8), "avx2-int16": (1, 16),
+             "avx512vnni-int8": (2, 8)}  # kind: (cpu_kernels.cpp's instruction set, x's bits)
 
 
 def _register_ops():
@@ -123,7 +128,7 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
         # [N, K] rows, sub-blocks of 32 with their own scale and zero point (cpu_kernels.cpp: the layout)
         data = tuple(kernels.pack(*(torch.from_numpy(np.require(a, t, ["C", "W"])) for a, t in
                                     ((q, np.uint8), (scale, np.float32), (zp, np.uint8))), block, bits))
-        return QuantizedWeight(data, k, n, bits, block, cpu_kind(cpu_isa(), cpu_activations()))
+        return QuantizedWeight(data, k, n, bits, block, cpu_kind(cpu_isa(), cpu_activations(), bits))
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
     return QuantizedWeight(data, k, n, bits, block, "dequant")
