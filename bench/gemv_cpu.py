@@ -12,6 +12,7 @@ in a real token, through:
   (torch_quant.prepare + matmul), on the instruction set it picks, 2 threads: `fuselm-int8` (int8
   activations, integer dots, the same kernel as an integer GEMM for prefill) and `fuselm-int16`
   (int16 activations; prefill dequantizes each weight to f32 for a BLAS GEMM);
+  A prefill chunk runs the layers' matmuls only (the lm_head runs for the last position: a GEMV).
 - onnxruntime on a graph of the same weights as blocked DequantizeLinear -> MatMul (what fuselm
   writes; onnxruntime fuses it into MatMulNBits), at its default accuracy level 4 (int8
   activations) and at level 1 (f32 activations, the reference fuselm validates against).
@@ -102,14 +103,13 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
     mats = [(*weights(k, n, 4, rng), 4) for _ in range(layers or n_layers) for k, n in per_layer] + \
         [(*weights(*head, 8, rng), 8)]
     xs = {k: rng.standard_normal((rows, k), dtype=np.float32) for k in sorted({m[0].shape[0] for m in mats})}
-    kernels = cpu_kernels()
-    if kernels is None:
+    if rows > 1:  # prefill: the layers' matmuls; the lm_head runs for the last position only (a GEMV)
+        mats = mats[:-1]
+    if cpu_kernels() is None:
         raise SystemExit("fuselm's CPU kernels are not available on this machine")
-    # the bytes a token reads, counted as fuselm stores them (both engines read about the same)
-    nbytes = sum(t.numel() * t.element_size() for q, s, z, bits in mats[:4] + mats[-1:]
-                 for t in kernels.pack(torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z), BLOCK, bits))
-    nbytes += (len(mats) - 5) // 4 * (nbytes - sum(t.numel() * t.element_size() for t in kernels.pack(
-        *(torch.from_numpy(a) for a in mats[-1][:3]), BLOCK, 8)))
+    # the bytes a token reads, counted as fuselm stores them (both engines read about the same): per
+    # row, the weights padded to whole groups of 256, an f32 scale and a u8 zero point per 32 values
+    nbytes = sum(q.shape[1] * (-(-q.shape[0] // 256) * 256) * (bits / 8 + 5 / 32) for q, _, _, bits in mats)
     kind = None
     if engine.startswith("fuselm"):
         os.environ["FUSELM_CPU_ACTIVATIONS"] = engine.removeprefix("fuselm-")
@@ -118,7 +118,7 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
         backend = make_backend("torch", "cpu")
         prepared = [(torch.from_numpy(xs[q.shape[0]]), torch_quant.prepare(backend, q, s, z, BLOCK, bits))
                     for q, s, z, bits in mats]
-        kind = prepared[0][1].kind
+        kind = "/".join(sorted({w.kind for _, w in prepared}))
 
         def token():
             return [torch_quant.matmul(x, w).numpy() for x, w in prepared]
@@ -138,7 +138,7 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
     for _ in range(3 if rows == 1 else 1):
         token()
     err = 0.0
-    for i in list(range(4)) + [len(mats) - 1]:  # against f64 math on the same weights
+    for i in sorted(set(range(4)) | {len(mats) - 1}):  # against f64 math on the same weights
         q, s, z, _ = mats[i]
         w = (q.astype(np.float64) - np.repeat(z, BLOCK, 0)) * np.repeat(s.astype(np.float64), BLOCK, 0)
         ref = xs[q.shape[0]].astype(np.float64) @ w
@@ -201,7 +201,7 @@ def main() -> None:
                       "-" if args.prefill else f"{r['share_of_roof']:.0%}",
                       f"{r['speedup_vs_ort_level4']:.2f}x" if base else "-", f"{r['max_rel_error']:.1e}",
                       f"{r['load_before']:.1f}")
-    Console().print(table)
+    Console(width=150).print(table)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "gemv-cpu.json"
     old = json.loads(out.read_text()) if out.exists() else {}

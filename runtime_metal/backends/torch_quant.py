@@ -45,9 +45,10 @@ def cpu_kernels():
     return kernel_build.load()
 
 
-def cpu_isa() -> str:
+def cpu_isa() -> str | None:
     """The instruction set the kernels run: FUSELM_CPU_ISA (scalar, avx2, avx512vnni) if this CPU has
-    it, else the widest this CPU has."""
+    it, else the widest this CPU has; None without kernels or without AVX2 (the scalar kernel is a
+    portable reference, ~20x slower at decode than f32 weights dequantized at load, which run then)."""
     kernels = cpu_kernels()
     want = os.environ.get("FUSELM_CPU_ISA", "")
     if want:
@@ -55,8 +56,17 @@ def cpu_isa() -> str:
             raise FuselmError(f"FUSELM_CPU_ISA={want!r} is not one of {', '.join(ISAS)}")
         if kernels is not None and not kernels.isa_supported(ISAS[want]):
             raise FuselmError(f"FUSELM_CPU_ISA={want}: this CPU lacks it; unset it to use the best this CPU has")
-        return want
-    return next(n for n in ("avx512vnni", "avx2", "scalar") if kernels is not None and kernels.isa_supported(ISAS[n]))
+        return want if kernels is not None else None
+    best = next((n for n in ("avx512vnni", "avx2") if kernels is not None and kernels.isa_supported(ISAS[n])), None)
+    if kernels is not None and best is None:
+        _say_once("fuselm: this CPU lacks AVX2: quantized weights are dequantized to f32 at load "
+                  "(FUSELM_CPU_ISA=scalar keeps them packed, slower)")
+    return best
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    _log.warning(message)
 
 
 def cpu_activations() -> str:
@@ -121,14 +131,15 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
     k, n = q.shape
     if backend.device.startswith("cuda"):
         return _prepare_cuda(backend, q, scale, zero_point, block, bits)
-    kernels = cpu_kernels() if backend.device == "cpu" else None
+    isa = cpu_isa() if backend.device == "cpu" else None
+    kernels = cpu_kernels() if isa is not None else None
     if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8) \
             and q.max(initial=0) < 2**bits:
         zp = zero_point if zero_point is not None else np.zeros(scale.shape, np.uint8)
         # [N, K] rows, sub-blocks of 32 with their own scale and zero point (cpu_kernels.cpp: the layout)
         data = tuple(kernels.pack(*(torch.from_numpy(np.require(a, t, ["C", "W"])) for a, t in
                                     ((q, np.uint8), (scale, np.float32), (zp, np.uint8))), block, bits))
-        return QuantizedWeight(data, k, n, bits, block, cpu_kind(cpu_isa(), cpu_activations(), bits))
+        return QuantizedWeight(data, k, n, bits, block, cpu_kind(isa, cpu_activations(), bits))
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
     return QuantizedWeight(data, k, n, bits, block, "dequant")
@@ -210,7 +221,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     over the kernels' threads, reading each kv head once for its whole query group and skipping keys
     masked for every query (the unwritten tail of a static cache); mask: None, bool (True attends) or
     additive f32, broadcastable. Returns None where the kernel does not apply (the caller's path runs)."""
-    if cpu_kernels() is None or cpu_isa() == "scalar" or q.device.type != "cpu" or q.shape[-1] % 16 or \
+    if cpu_kernels() is None or cpu_isa() in (None, "scalar") or q.device.type != "cpu" or q.shape[-1] % 16 or \
             any(t.dtype != torch.float32 or t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
         return None
     if mask is not None:
