@@ -182,12 +182,16 @@ def test_isa_and_activations_selection(monkeypatch):
 
 
 def test_fallback_without_kernels(monkeypatch, tmp_path, caplog):
-    """No prebuilt kernels and no compiler: load says so and returns None; prepare then dequantizes at load
+    """No prebuilt kernels (or a damaged file) and no compiler: load says so and returns None; prepare then dequantizes at load
     (kind "dequant") and matmul stays correct."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, "fuselm.runtime"):
         assert kernel_build.load(tmp_path / "empty") is None
     assert "no C++ compiler" in caplog.text and "dequantized to f32 at load" in caplog.text
+    damaged = kernel_build.library_path(tmp_path / "damaged")  # not a library: removed, then as above
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not an ELF file")
+    assert kernel_build.load(tmp_path / "damaged") is None and not damaged.exists()
     monkeypatch.setattr(torch_quant, "cpu_kernels", lambda: None)
     q, scale, zp = _weights(320, 21, 32, 4, seed=5)
     w = prepare(make_backend("torch", "cpu"), q, scale, zp, 32, 4)

@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +31,8 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_kernels_gemv.inc"]
 # no -m flags: the baseline is x86-64; each kernel's `#pragma GCC target` enables its instruction set
-CFLAGS = ["-O3", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]  # the libgomp soname resolves to the copy torch loaded
-STALE_BUILD_LOCK_S = 600  # a build takes under a minute; a lock this old was left by a killed one
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)  # the libgomp soname resolves to the copy torch loaded
 _log = logging.getLogger("fuselm.runtime")
 
 
@@ -49,7 +49,7 @@ def module_name() -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, sys.implementation.cache_tag, platform.machine()]).encode())
+    h.update(" ".join([*CFLAGS, *LDFLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine()]).encode())
     return f"fuselm_cpu_kernels_{h.hexdigest()[:16]}"
 
 
@@ -65,31 +65,28 @@ def _import(path: Path):
     return module
 
 
-def clear_stale_build_lock(build_dir: Path) -> None:
-    """torch.utils.cpp_extension waits forever on a build lock whose builder was killed (Ctrl-C or
-    SIGKILL during a build): every later fuselm process would hang. Remove a lock that old."""
-    lock = Path(build_dir) / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-            lock.unlink()
-            _log.warning("fuselm: removed a stale kernel build lock (%s) left by an interrupted build", lock)
-    except OSError:  # no lock: the usual case
-        pass
-
-
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def build(directory: Path | None = None, verbose: bool = False):
-    """Compile the kernels into the cache (or find them there); returns the module."""
+    """Compile the kernels into the cache; returns the module. Each build runs in its own temporary
+    directory and moves the finished library into place (an atomic rename): a build killed mid-way
+    leaves no partial library and no lock for later processes to wait on, and two processes building
+    at once both succeed."""
     from torch.utils.cpp_extension import load as cpp_load
 
     path = library_path(directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clear_stale_build_lock(path.parent)
-    return cpp_load(name=path.parent.name, sources=[str(SOURCES[0])], build_directory=str(path.parent),
-                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)
+    path.parent.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{path.parent.name}.build-", dir=path.parent.parent))
+    try:
+        module = cpp_load(name=path.parent.name, sources=[str(SOURCES[0])], build_directory=str(tmp),
+                          extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=verbose)  # torch appends to them
+        path.parent.mkdir(exist_ok=True)
+        os.replace(tmp / path.name, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return module
 
 
 def load(directory: Path | None = None):
@@ -98,8 +95,9 @@ def load(directory: Path | None = None):
     if path.exists():
         try:
             return _import(path)
-        except ImportError as e:  # a partial file from an interrupted build, or a foreign ABI: rebuild
+        except ImportError as e:  # a damaged file, or a foreign ABI: rebuild
             _log.warning("fuselm: could not load the CPU kernels at %s (%s); rebuilding them", path, e)
+            path.unlink(missing_ok=True)
     if compiler() is None:
         _log.warning("fuselm: no prebuilt CPU kernels in %s and no C++ compiler (%s) to build them: quantized "
                      "weights are dequantized to f32 at load (8x the memory of 4-bit weights, slower decode). "
@@ -117,11 +115,12 @@ def load(directory: Path | None = None):
 
 
 def main() -> None:
+    """Build the kernels into the cache unless they are there (-v: the compiler's output)."""
     t = time.perf_counter()
-    if compiler() is None:
+    if compiler() is None and not library_path().exists():
         raise SystemExit(f"no C++ compiler ({os.environ.get('CXX', 'c++')}): fuselm will dequantize quantized weights "
                          "to f32 at load. Install one (apt install g++) and run this again.")
-    module = build(verbose="-v" in sys.argv)
+    module = _import(library_path()) if library_path().exists() else build(verbose="-v" in sys.argv)
     isas = [name for i, name in enumerate(("scalar", "avx2", "avx512vnni")) if module.isa_supported(i)]
     print(f"fuselm CPU kernels: {library_path()} ({time.perf_counter() - t:.1f} s); this CPU runs: {', '.join(isas)}")
 
