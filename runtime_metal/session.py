@@ -285,9 +285,12 @@ class Session:
         """How far two orders of the same float work may drift, as a share of the largest logit: bf16
         activations (MLX half compute, CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit
         difference upstream (attention over a padded static buffer vs the exact length) flips roundings
-        that grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
+        that grow over the layers (4B-shaped, 36 layers: beyond 1e-3); so do int8 activations (the CPU
+        kernels' *-int8: a last-bit difference moves a value across an int8 rounding step); f32 paths
+        stay within 1e-3."""
         half = self.backend.compute != "f32" or any(
-            n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes if n.op_type == "QMatMul")
+            n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") or n.attrs["weight"].kind.endswith("-int8")
+            for n in self.graph.nodes if n.op_type == "QMatMul")
         return 3e-2 if half else 1e-3
 
     def _checked_static(self, token):
