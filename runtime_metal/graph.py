@@ -6,8 +6,8 @@ Load-time rewrites (each keeps what the graph computes):
 - DequantizeLinear -> MatMul with constant weights becomes QMatMul (the backend's quantized
   matmul, weights converted once); DequantizeLinear -> Gather(axis 0) becomes QGather;
 - Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
-- unless all positions' logits are asked for, the lm_head reads only the last position (LastPosition):
-  a 512-token prefill chunk would otherwise make 512 x vocab logits (311 MB at Qwen3's vocab);
+- the lm_head's input passes through LastRows, so a prefill chunk computes the logits of its last
+  position only, unless the run asks for all of them (ctx["all_logits"]);
 - nodes whose inputs are all constants are folded on the host.
 """
 
@@ -157,10 +157,8 @@ def _inline(node: Node, proto: onnx.NodeProto, f: onnx.FunctionProto, functions,
     return body, {name(k): v for k, v in consts.items()}
 
 
-def build(lm: LoadedModel, backend, fused: bool = True, all_logits: bool = True) -> Graph:
-    """The executable graph for `backend`: functions handled, load-time rewrites applied.
-
-    all_logits=False: `logits` only for the last position ([B, 1, vocab]; what generation reads)."""
+def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
+    """The executable graph for `backend`: functions handled, load-time rewrites applied."""
     nodes, consts = _nodes(lm.graph.node, lm.functions, fused)
     consts.update(lm.initializers)
     inputs = [i.name for i in lm.graph.input if i.name not in lm.initializers]
@@ -173,8 +171,7 @@ def build(lm: LoadedModel, backend, fused: bool = True, all_logits: bool = True)
     lm.release_pages()
     _kv_append(graph)
     _fold_constants(graph)
-    if not all_logits:
-        _last_position_logits(graph)
+    _last_rows(graph)
     return graph
 
 
@@ -309,22 +306,34 @@ def _kv_append(graph: Graph) -> None:
             graph.nodes[i] = Node("KVAppend", RUNTIME, n.name, list(n.inputs), list(n.outputs))
 
 
-def _last_position_logits(graph: Graph, output: str = "logits") -> bool:
-    """MatMul/QMatMul(x [B, S, H], W) -> logits becomes MatMul(LastPosition(x), W): the head's
-    matmul and its output shrink from S rows to one. Fires only when `logits` is a graph output made
-    by that matmul directly and read by no other node (a softcap, a bias or a Cast after the head, or
-    another reader of the logits, leaves the graph as it is)."""
-    head = next((n for n in graph.nodes if output in n.outputs), None)
-    if head is None or head.key not in (("", "MatMul"), (RUNTIME, "QMatMul")) or output not in graph.outputs \
-            or any(output in n.inputs for n in graph.nodes):
-        return False
-    x = head.inputs[0]
-    if x in graph.constants:
-        return False
-    last = f"{x}/last_position"
-    graph.nodes.insert(graph.nodes.index(head), Node("LastPosition", RUNTIME, f"{head.name}/LastPosition", [x], [last]))
-    head.inputs = [last, *head.inputs[1:]]
-    return True
+_LOGIT_TAIL = {"Mul", "Div", "Add", "Sub", "Tanh", "Cast", "Identity"}  # soft-capping, scaling, bias after the head
+
+
+def _last_rows(graph: Graph) -> None:
+    """Put LastRows on the input of the matmul that makes `logits` (through elementwise ops with constants)."""
+    if "logits" not in graph.outputs:
+        return
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    n = producers.get("logits")
+    for _ in range(6):
+        if n is None:
+            return
+        if n.key in (("", "MatMul"), (RUNTIME, "QMatMul")):
+            break
+        if n.domain or n.op_type not in _LOGIT_TAIL:
+            return
+        live = [x for x in n.inputs if x and x not in graph.constants]
+        if len(live) != 1:
+            return
+        n = producers.get(live[0])
+    else:
+        return
+    x = n.inputs[0]
+    if not x or x in graph.constants:
+        return
+    last = x + "/last_rows"
+    graph.nodes.insert(graph.nodes.index(n), Node("LastRows", RUNTIME, n.name + "/LastRows", [x], [last]))
+    n.inputs = [last, *n.inputs[1:]]
 
 
 def _fold_constants(graph: Graph) -> None:
