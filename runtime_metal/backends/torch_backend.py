@@ -7,6 +7,7 @@ the device (runtime_metal/backends/torch_quant.py measures and explains the choi
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -356,8 +357,18 @@ class TorchBackend(Backend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):
+        w = self._prepare_cpu(q, scale, zero_point, block, bits) if self.device == "cpu" else \
+            torch_quant.prepare(self, q, scale, zero_point, block, bits)
+        if w.kind in torch_quant.CPU_KINDS and q.flags.f_contiguous and not q.flags.c_contiguous:
+            # a table stored [out, in] (graph.py passes a tied head's transpose): int16 x (the kernels'
+            # layout is the same): the head's error lands on the logits unamplified, and onnxruntime
+            # runs a tied head (Transpose of a DequantizeLinear, not fused into MatMulNBits) in f32
+            w = replace(w, kind=torch_quant.cpu_kind(w.kind.split("-")[0], "int16", bits))
+        return w
+
+    def _prepare_cpu(self, q, scale, zero_point, block, bits):
         n = q.shape[1]
-        if self.device != "cpu" or n <= _PREPARE_COLUMNS:
+        if n <= _PREPARE_COLUMNS:
             return torch_quant.prepare(self, q, scale, zero_point, block, bits)
         # a vocab-wide lm_head: the CPU kernels' layout is one row per output column, so it is packed
         # in slices of columns (the packing's temporaries stay ~50 MB instead of 3x the weight)
@@ -366,8 +377,8 @@ class TorchBackend(Backend):
                  for c in range(0, n, _PREPARE_COLUMNS)]
         if parts[0].kind not in torch_quant.CPU_KINDS:
             w = dequantize_blocked(q, scale, zero_point, block)  # the no-kernels fallback: as torch_quant does
-            return QuantizedWeight(self.asarray(w.astype(scale.dtype, copy=False)), q.shape[0], n, bits,
-                                               block, "dequant")
+            return QuantizedWeight(self.asarray(w.astype(scale.dtype, copy=False)), q.shape[0], n, bits, block,
+                                   "dequant")
         data = tuple(torch.cat([p.data[i] for p in parts]) for i in range(len(parts[0].data)))
         return QuantizedWeight(data, q.shape[0], n, bits, block, parts[0].kind)
 
