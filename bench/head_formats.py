@@ -50,7 +50,6 @@ def _convert_module():
 def child(model: Path, tokens_path: Path, threads: int, prompt: int) -> None:
     """Run the f32 model's tokens through `model`: logits at every step, decode step times."""
     import numpy as np
-
     from fuselm.runtime_metal.session import Session
 
     tokens = json.loads(tokens_path.read_text()) if tokens_path.is_file() else None
@@ -78,9 +77,8 @@ def head_error(ckpt: Path, rows: int = 64) -> dict:
     quantization) against f64 math: max |error| / max |logit| and top-1 agreement."""
     import numpy as np
     import torch
-    from safetensors import safe_open
-
     from fuselm.exporter.quant import dequantize, quantize
+    from safetensors import safe_open
 
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     name = "model.embed_tokens.weight"

@@ -11,12 +11,12 @@ import mmap
 import numpy as np
 import onnx
 import pytest
-
-import fuselm
 from fuselm.exporter.check import OrtModel
-from fuselm.modeldir import MODEL_NAME, read_meta
 from fuselm.runtime_metal.loader import Packed4
 from fuselm.runtime_metal.session import Session
+
+import fuselm
+from fuselm.modeldir import MODEL_NAME, read_meta
 
 
 def _mapped(a: np.ndarray) -> bool:
@@ -125,7 +125,6 @@ def test_shared_q4_head_validates(shared_q4, make_ckpt):
 def test_wide_weight_packed_in_slices():
     """A vocab-wide weight is prepared in column slices: the same matmul as packing it whole."""
     import torch
-
     from fuselm.runtime_metal.backends import make_backend, torch_backend, torch_quant
 
     b = make_backend("torch", "cpu")
