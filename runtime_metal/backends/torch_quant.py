@@ -24,7 +24,6 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from fuselm.errors import FuselmError
 
 from . import cuda_kernels, kernel_build
