@@ -162,15 +162,17 @@ class Plan:
     def logits(self, b: Builder, x: str, embed_name: str, head_name: str | None) -> str:
         """lm_head MatMul. head_name None = tied: share the embedding when it has the same
         precision (MatMul on its Transpose), else write a copy under `lm_head.weight`."""
+        return b.op("MatMul", x, self.head_weight(b, embed_name, head_name), name="/model/lm_head/MatMul", out="logits")
+
+    def head_weight(self, b: Builder, embed_name: str, head_name: str | None) -> str:
+        """The lm_head weight as float32 [hidden, vocab] (see `logits`)."""
         scope = "/model/lm_head"
         if head_name is None and self.lm_head == self.embed and self.embed.kind in ("f32", "f16"):
             table = embed_name
             if self.embed.kind == "f16":
                 table = b.op("Cast", table, name=f"{scope}/Cast", to=TensorProto.FLOAT)
-            w = b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
-        else:
-            w = self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
-        return b.op("MatMul", x, w, name=f"{scope}/MatMul", out="logits")
+            return b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
+        return self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
 
 
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None) -> tuple[Precision, Precision, Precision]:
