@@ -44,6 +44,34 @@ TINY = {
     "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, sliding_window=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Families only the traced exporter converts (exporter/traced/). Gemma 3: a sliding and a global
+    # layer with their own rope (linear scaling on the global one), one kv head, head_dim 32 != 64/4,
+    # attention and final logit soft-capping, a window shorter than the tests' prompts.
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+                        attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+    # Phi-3: fused qkv_proj and gate_up_proj, partial rotary (half of head_dim).
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # OLMo 2: q/k norms over the whole projection, norms after attention and MLP (no pre-norms).
+    "olmo2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # SmolLM3: layer 1 has no rope (no_rope_layers 0), yarn scaling on the others.
+    "smollm3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=True, no_rope_layers=[1, 0],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 2000000.0, "factor": 2.0,
+                                     "original_max_position_embeddings": 128}),
+    # Granite: embedding, attention, residual multipliers and logits scaling.
+    "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False, embedding_multiplier=3.0,
+                    attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
 
@@ -63,7 +91,7 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def make_config(family: str, vocab_size: int = 384, **overrides):
-    """A transformers config of `family` (qwen3, qwen2, llama, mistral) with tiny defaults."""
+    """A transformers config of `family` (a key of TINY: its model_type) with tiny defaults."""
     from transformers import AutoConfig
 
     if family not in TINY:

@@ -214,20 +214,22 @@ class Skeleton:
             return run
 
         seen: list[dict] = []
+        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
 
         class Stop(Exception):
             pass
 
         class Recorder(nn.Module):
-            def __init__(self, last):
+            def __init__(self, last, returns_tuple):
                 super().__init__()
-                self.last = last
+                self.last, self.returns_tuple = last, returns_tuple
 
             def forward(self, hidden_states, *args, **kwargs):
-                seen.append(kwargs)
+                chained.append(not seen or hidden_states is seen[-1]["_returned"])
+                seen.append({**kwargs, "_returned": hidden_states})
                 if self.last:
                     raise Stop
-                return hidden_states
+                return (hidden_states,) if self.returns_tuple else hidden_states
 
         originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
@@ -235,14 +237,23 @@ class Skeleton:
         try:
             for m in rotaries:
                 m.forward = tagged(m, m.forward)
-            for i in range(len(originals)):
-                self.layers[i] = Recorder(i == len(originals) - 1)
             if window is not None:
                 config.sliding_window = PROBE_WINDOW
             positions = torch.arange(PROBE_LEN)[None]
-            with contextlib.suppress(Stop), torch.no_grad():
-                base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
-                     attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+            for returns_tuple in (False, True):  # transformers 5 layers return a tensor; older ones a tuple
+                seen.clear()
+                chained.clear()
+                for i in range(len(originals)):
+                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple)
+                with contextlib.suppress(Stop), torch.no_grad():
+                    base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
+                         attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+                if all(chained):
+                    self.returns_tuple = returns_tuple
+                    break
+            else:
+                raise FuselmError(f"model_type {self.model_type!r}: its forward changes the hidden state between "
+                                  "decoder layers; not supported by the traced exporter")
         finally:
             config.sliding_window = window
             for i, layer in enumerate(originals):

@@ -41,7 +41,8 @@ class Stamper:
     def build(self, outer: Template, layers: list[Template], sliding: list[bool], window: int | None) -> Builder:
         b = self.b
         ids, mask_in, position_ids = graph_inputs(b)
-        masks = {s: attention_mask(b, ids, mask_in, window if s else None) for s in sorted(set(sliding))}
+        masks = {s: attention_mask(b, ids, mask_in, window if s else None, "/model/attn_mask" + ("_sliding" if s else ""))
+                 for s in sorted(set(sliding))}
         names = {outer.graph.input[0].name: ids}
         self._constants(outer, "outer", names)
         self._weights(outer, names, "/model", None, lambda rel: self.aliases.get(rel, rel))

@@ -172,9 +172,8 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
 def trace_outer(skel: Skeleton) -> Template:
     """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes."""
     originals = list(skel.layers)
-    probe_out = _returns_tuple(originals[0])
     for i in range(len(originals)):
-        skel.layers[i] = _MarkedLayer(i, probe_out)
+        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple)
     undo = _placeholders(skel.model)
     try:
         ids = torch.zeros(2, 3, dtype=torch.long)
@@ -185,13 +184,6 @@ def trace_outer(skel: Skeleton) -> Template:
         for i, layer in enumerate(originals):
             skel.layers[i] = layer
     return _template(program, "lm.")
-
-
-def _returns_tuple(layer: nn.Module) -> bool:
-    import inspect
-
-    ann = inspect.signature(layer.forward).return_annotation
-    return "tuple" in str(ann).lower()
 
 
 def _export(module, args, dynamic, input_names, output_names, model_type):
