@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lm_head precision (default: q8 when --quant is q4/q8, else as --quant)")
     c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
                    help="embedding precision (default: f16 when quantizing, else as --quant)")
+    c.add_argument("--exporter", choices=["auto", "builder", "torch"], default="auto",
+                   help="builder: the hand-written families; torch: trace transformers' modeling code; "
+                        "auto (default): the builder where it has the family, else torch")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--check", action="store_true", help="compare onnxruntime against HF transformers after writing")
     c.add_argument("--quiet", action="store_true")

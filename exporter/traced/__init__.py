@@ -13,6 +13,7 @@ Order of work (exporter/convert.py writes the result exactly as it writes the bu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..quant import Plan
@@ -20,6 +21,9 @@ from ..families import IGNORED_SUFFIXES
 from ..weights import Checkpoint
 
 __all__ = ["build"]
+# The last traced architecture (config.json -> skeleton and templates): converting one checkpoint
+# at several precisions in one process traces it once. Templates are never modified when stamped.
+_TRACED: dict[str, tuple] = {}
 
 
 def build(hf_dir: Path, config: dict, precisions) -> tuple:
@@ -28,20 +32,27 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     from .stamp import Stamper
     from .trace import layer_kinds, trace_layer, trace_outer
 
-    skel = Skeleton(hf_dir, config)
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key in _TRACED:  # the same architecture again in this process (another --quant): no new trace
+        skel, plans, kinds, templates, outer = _TRACED[key]
+    else:
+        skel = Skeleton(hf_dir, config)
     ckpt = Checkpoint(hf_dir)
     expected = skel.expected_tensors()
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
-    plans = skel.probe()
-    kinds = layer_kinds(skel, plans)
-    first = {}
-    for p in plans:
-        first.setdefault(p.kind, p)
-    templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
-    for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
-        p.rope = first[p.kind].rope
-    outer = trace_outer(skel)
+    if key not in _TRACED:
+        plans = skel.probe()
+        kinds = layer_kinds(skel, plans)
+        first = {}
+        for p in plans:
+            first.setdefault(p.kind, p)
+        templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
+        for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
+            p.rope = first[p.kind].rope
+        outer = trace_outer(skel)
+        _TRACED.clear()
+        _TRACED[key] = (skel, plans, kinds, templates, outer)
     inp = templates[0].graph.input
     kv_shape = tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
     plan = Plan(*precisions, expected)

@@ -245,9 +245,17 @@ class Skeleton:
                 chained.clear()
                 for i in range(len(originals)):
                     self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple)
-                with contextlib.suppress(Stop), torch.no_grad():
-                    base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
-                         attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+                try:
+                    with torch.no_grad():
+                        base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
+                             attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+                except Stop:
+                    pass
+                except (RuntimeError, NotImplementedError) as e:  # e.g. a meta parameter used before the layers
+                    why = ("it adds learned absolute positions to the embeddings" if "meta" in str(e) else
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
+                                      f"cannot be probed ({why}); fuselm converts rotary decoders only") from None
                 if all(chained):
                     self.returns_tuple = returns_tuple
                     break

@@ -25,7 +25,7 @@ from onnx import helper as oh
 from fuselm.errors import FuselmError
 
 from ..graph import Builder, attention_mask, graph_inputs
-from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template
+from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
 
 
 class Stamper:
@@ -170,11 +170,6 @@ class Stamper:
             n += 1
             name = f"{base}_{n}"
         return name
-
-
-def _perm(node: onnx.NodeProto) -> list[int] | None:
-    a = next((a for a in node.attribute if a.name == "perm"), None)
-    return list(a.ints) if a is not None else None
 
 
 def _attr(node: onnx.NodeProto, name: str, default):

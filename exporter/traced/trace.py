@@ -224,4 +224,35 @@ def _template(program, prefix: str) -> Template:
             constants[name] = ir.serde.serialize_tensor(value.const_value)
             graph.initializers.pop(name)
     proto = ir.serde.serialize_graph(graph)
+    _simplify(proto)
     return Template(proto, params, constants)
+
+
+def _simplify(graph: onnx.GraphProto) -> None:
+    """Cancel Transpose pairs that compose to the identity (HF's [B,H,S,D] transpose meeting the
+    rope op's [B,S,H,D] one), then drop nodes no output depends on."""
+    producer = {o: n for n in graph.node for o in n.output}
+    replace: dict[str, str] = {}
+    for n in graph.node:
+        src = producer.get(n.input[0]) if n.op_type == "Transpose" and n.input else None
+        if src is not None and src.op_type == "Transpose":
+            p1, p2 = _perm(src), _perm(n)
+            if p1 and p2 and len(p1) == len(p2) and [p1[i] for i in p2] == list(range(len(p1))):
+                replace[n.output[0]] = replace.get(src.input[0], src.input[0])
+    graph_outputs = {o.name for o in graph.output}
+    for n in graph.node:
+        for k, inp in enumerate(n.input):
+            if inp in replace:
+                n.input[k] = replace[inp]
+    live, keep = {o.name for o in graph.output}, []
+    for n in reversed(graph.node):
+        if any(o in live for o in n.output) and not all(o in replace and o not in graph_outputs for o in n.output):
+            keep.append(n)
+            live.update(i for i in n.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(keep))
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    a = next((a for a in node.attribute if a.name == "perm"), None)
+    return list(a.ints) if a is not None else None
