@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
@@ -230,7 +231,9 @@ def _template(program, prefix: str) -> Template:
 
 def _simplify(graph: onnx.GraphProto) -> None:
     """Cancel Transpose pairs that compose to the identity (HF's [B,H,S,D] transpose meeting the
-    rope op's [B,S,H,D] one), then drop nodes no output depends on."""
+    rope op's [B,S,H,D] one), turn `chunk` (SplitToSequence + SequenceAt) into Split, then drop
+    nodes no output depends on."""
+    _sequence_to_split(graph)
     producer = {o: n for n in graph.node for o in n.output}
     replace: dict[str, str] = {}
     for n in graph.node:
@@ -251,6 +254,41 @@ def _simplify(graph: onnx.GraphProto) -> None:
             live.update(i for i in n.input if i)
     del graph.node[:]
     graph.node.extend(reversed(keep))
+
+
+def _sequence_to_split(graph: onnx.GraphProto) -> None:
+    """SplitToSequence(x, chunk c, axis) read only by SequenceAt(const i) -> Split(x, [c]*n) with
+    outputs i (torch's `chunk` at optimize=False); needs x's axis length static in the trace."""
+    from onnx import numpy_helper
+
+    consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in graph.value_info}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    for n in list(graph.node):
+        if n.op_type != "SplitToSequence" or len(n.input) != 2 or n.input[1] not in consts:
+            continue
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        shape, chunk = shapes.get(n.input[0]), consts[n.input[1]]
+        seq_users = users.get(n.output[0], [])
+        if (shape is None or chunk.ndim != 0 or not shape[axis] or shape[axis] % int(chunk)
+                or not all(u.op_type == "SequenceAt" and u.input[1] in consts for u in seq_users)):
+            continue
+        parts = shape[axis] // int(chunk)
+        outputs = [f"{n.output[0]}_split_{k}" for k in range(parts)]
+        sizes = f"{n.output[0]}_split_sizes"
+        at = list(graph.node).index(n)
+        graph.node.insert(at, onnx.helper.make_node("Constant", [], [sizes], name=f"{n.name}_sizes",
+                          value=numpy_helper.from_array(np.full(parts, int(chunk), np.int64))))
+        graph.node.insert(at + 1, onnx.helper.make_node("Split", [n.input[0], sizes], outputs, name=f"{n.name}_split",
+                                                        axis=axis))
+        for u in seq_users:
+            u.CopyFrom(onnx.helper.make_node("Identity", [outputs[int(consts[u.input[1]]) % parts]], [u.output[0]],
+                                             name=u.name))
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:
