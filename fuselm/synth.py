@@ -75,6 +75,11 @@ TINY = {
 }
 
 
+# Sizes for any other model_type (the names most decoder configs share).
+GENERIC_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+
+
 def train_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on the built-in corpus, as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -90,19 +95,20 @@ def train_tokenizer(vocab_size: int = 384):
                                    bos_token=None, chat_template=CHAT_TEMPLATE)
 
 
-def make_config(family: str, vocab_size: int = 384, **overrides):
-    """A transformers config of `family` (a key of TINY: its model_type) with tiny defaults."""
+def make_config(family: str, vocab_size: int = 384, generic: bool = False, **overrides):
+    """A transformers config of `family` (a key of TINY: its model_type) with tiny defaults;
+    `generic`: any model_type, with GENERIC_TINY's sizes (scripts/traced_sweep.py)."""
     from transformers import AutoConfig
 
-    if family not in TINY:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY)}")
-    kwargs = {**TINY[family], "vocab_size": vocab_size, "max_position_embeddings": 256,
+    if family not in TINY and not generic:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY)} (or pass generic=True)")
+    kwargs = {**TINY.get(family, GENERIC_TINY), "vocab_size": vocab_size, "max_position_embeddings": 256,
               "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0, **overrides}
     return AutoConfig.for_model(family, **kwargs)
 
 
 def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0, dtype: str = "float32",
-                    shard_size: str | None = None, train_steps: int = 0, **overrides) -> Path:
+                    shard_size: str | None = None, train_steps: int = 0, generic: bool = False, **overrides) -> Path:
     """Write a random-weight HF checkpoint (config, safetensors, tokenizer, generation config).
 
     With `train_steps` > 0 the model is first trained on the built-in corpus (a few hundred steps
@@ -113,7 +119,7 @@ def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0
 
     out = Path(out)
     tok = train_tokenizer()
-    config = make_config(family, vocab_size=len(tok), **overrides)
+    config = make_config(family, vocab_size=len(tok), generic=generic, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     # HF's default init (std 0.02) makes near-uniform logits; larger weights give decisive greedy

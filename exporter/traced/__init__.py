@@ -21,9 +21,10 @@ from ..families import IGNORED_SUFFIXES
 from ..weights import Checkpoint
 
 __all__ = ["build"]
-# The last traced architecture (config.json -> skeleton and templates): converting one checkpoint
-# at several precisions in one process traces it once. Templates are never modified when stamped.
+# The last few traced architectures (config.json -> skeleton and templates): converting one
+# checkpoint at several precisions in one process traces it once. Stamping never modifies them.
 _TRACED: dict[str, tuple] = {}
+_CACHED = 8
 
 
 def build(hf_dir: Path, config: dict, precisions) -> tuple:
@@ -51,7 +52,8 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
         for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
             p.rope = first[p.kind].rope
         outer = trace_outer(skel)
-        _TRACED.clear()
+        while len(_TRACED) >= _CACHED:
+            _TRACED.pop(next(iter(_TRACED)))
         _TRACED[key] = (skel, plans, kinds, templates, outer)
     inp = templates[0].graph.input
     kv_shape = tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))

@@ -306,8 +306,9 @@ class Skeleton:
             raise FuselmError(f"model_type {self.model_type!r}: its rotary module {type(module).__name__} has no "
                               f"{prefix}inv_freq buffer; not supported by the traced exporter")
         freqs = positions[..., None].float() * inv.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if not (torch.allclose(emb.cos() * scaling, cos, atol=1e-6) and torch.allclose(emb.sin() * scaling, sin, atol=1e-6)):
+        # rotate_half tables repeat the angles as [f, f]; interleaved ones (Cohere) as [f0, f0, f1, f1, ...]
+        if not any(torch.allclose(emb.cos() * scaling, cos, atol=1e-6) and torch.allclose(emb.sin() * scaling, sin, atol=1e-6)
+                   for emb in (torch.cat((freqs, freqs), dim=-1), freqs.repeat_interleave(2, dim=-1))):
             raise FuselmError(f"model_type {self.model_type!r}: {type(module).__name__}'s cos/sin are not "
                               "cos/sin(position x inv_freq) x attention_scaling; not supported by the traced exporter")
         interleaved = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling), self.head_dim,
