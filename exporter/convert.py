@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 
 from fuselm import __version__
-from fuselm.errors import FuselmError
+from fuselm.errors import FuselmError, Unsupported
 from fuselm.modeldir import DATA_NAME, MODEL_NAME, atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import families
@@ -49,7 +49,14 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     else:
         from .traced import build as traced_build
 
-        builder, ckpt, meta, label = traced_build(hf_dir, config, precision)
+        try:
+            builder, ckpt, meta, label = traced_build(hf_dir, config, precision)
+        except Unsupported as e:
+            if exporter != "auto":
+                raise
+            arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+            raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
+                              f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
     plan_meta = {"quantization": quantization_meta(quant, *precision), "special_tokens": special_tokens(hf_dir, config),
                  "graph": {"opset": 23, "domains": {"fuselm": 1}, "kv_dtype": "float32", "logits_dtype": "float32",
                            "linear_layout": "[in, out]"},

@@ -247,3 +247,14 @@ def test_tensors_not_matching_the_model(edit, message, make_ckpt, tmp_path, caps
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, hf / "model.safetensors", metadata={"format": "pt"})
     assert message in _fails(hf, tmp_path, capsys)
+
+
+def test_diff_on_traced_gemma3_skips_with_reasons(traced, tmp_path):
+    """Gemma 3's GELU MLP: FuseGateUp is skipped with its reason; its (1 + w) RMSNorms still fuse
+    (4 per layer, q/k norms, the final norm: 13); every stage checked equal by diff itself."""
+    fuselm.diff(traced("gemma3_text"), json_path=tmp_path / "d.json")
+    passes = {p["pass"]: p for p in json.loads((tmp_path / "d.json").read_text())["passes"]}
+    gate_up = passes["FuseGateUp"]
+    assert gate_up["fired"] == 0 and gate_up["skipped"]
+    assert all("SiLU" in s["reason"] for s in gate_up["skipped"])
+    assert passes["FuseRMSNorm"]["fired"] == 13

@@ -13,11 +13,14 @@ Order of work (exporter/convert.py writes the result exactly as it writes the bu
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from ..quant import Plan
+from fuselm.errors import FuselmError, Unsupported
+
 from ..families import IGNORED_SUFFIXES
+from ..quant import Plan
 from ..weights import Checkpoint
 
 __all__ = ["build"]
@@ -31,27 +34,20 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     """(Builder with every weight declared, Checkpoint, fuselm.json fields, label) for `hf_dir`."""
     from .skeleton import Skeleton
     from .stamp import Stamper
-    from .trace import layer_kinds, trace_layer, trace_outer
 
     key = json.dumps(config, sort_keys=True, default=str)
     if key in _TRACED:  # the same architecture again in this process (another --quant): no new trace
         skel, plans, kinds, templates, outer = _TRACED[key]
     else:
-        skel = Skeleton(hf_dir, config)
+        with _unsupported():
+            skel = Skeleton(hf_dir, config)
     ckpt = Checkpoint(hf_dir)
     expected = skel.expected_tensors()
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
     if key not in _TRACED:
-        plans = skel.probe()
-        kinds = layer_kinds(skel, plans)
-        first = {}
-        for p in plans:
-            first.setdefault(p.kind, p)
-        templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
-        for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
-            p.rope = first[p.kind].rope
-        outer = trace_outer(skel)
+        with _unsupported():
+            plans, kinds, templates, outer = _trace(skel)
         while len(_TRACED) >= _CACHED:
             _TRACED.pop(next(iter(_TRACED)))
         _TRACED[key] = (skel, plans, kinds, templates, outer)
@@ -59,6 +55,33 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     kv_shape = tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
     plan = Plan(*precisions, expected)
     stamper = Stamper(plan, skel.aliases(), skel.layers_name, skel.embed_name(), kv_shape)
-    builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
-                            getattr(skel.config, "sliding_window", None))
+    with _unsupported():
+        builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
+                                getattr(skel.config, "sliding_window", None))
     return builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type
+
+
+def _trace(skel) -> tuple:
+    from .trace import layer_kinds, trace_layer, trace_outer
+
+    plans = skel.probe()
+    kinds = layer_kinds(skel, plans)
+    first = {}
+    for p in plans:
+        first.setdefault(p.kind, p)
+    templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
+    for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
+        p.rope = first[p.kind].rope
+    return plans, kinds, templates, trace_outer(skel)
+
+
+@contextlib.contextmanager
+def _unsupported():
+    """A refusal while reading the architecture is an Unsupported (convert --exporter auto adds the
+    builder's families to its message); checkpoint and config errors stay what they are."""
+    try:
+        yield
+    except Unsupported:
+        raise
+    except FuselmError as e:
+        raise Unsupported(str(e)) from None

@@ -93,7 +93,11 @@ class Skeleton:
             config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as e:
             raise FuselmError(f"model_type {self.model_type!r} is not known to the installed transformers "
-                              f"({str(e).splitlines()[0][:160]}); use a checkpoint of a model_type it implements") from None
+                              f"({_first_line(e)}); use a checkpoint of a model_type it implements") from None
+        except Exception as e:  # transformers' own config validation (types, ranges)
+            raise FuselmError(f"config.json is not a valid {self.model_type!r} config for transformers "
+                              f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the "
+                              "checkpoint") from None
         self._refuse_layer_types(config)
         self._refuse_rope(config)
         register()
@@ -104,7 +108,11 @@ class Skeleton:
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=NAME)
         except ValueError as e:  # no causal-LM class for this config
             raise FuselmError(f"model_type {self.model_type!r}: transformers has no causal LM for it "
-                              f"({str(e).splitlines()[0][:160]}); fuselm converts decoder-only causal LMs") from None
+                              f"({_first_line(e)}); fuselm converts decoder-only causal LMs") from None
+        except Exception as e:  # the model's constructor rejects the config (sizes that do not divide, ...)
+            raise FuselmError(f"model_type {self.model_type!r}: transformers cannot build the model from config.json "
+                              f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the "
+                              "checkpoint") from None
         self.config, self.model = config, model.eval()
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
@@ -253,7 +261,7 @@ class Skeleton:
                     pass
                 except (RuntimeError, NotImplementedError) as e:  # e.g. a meta parameter used before the layers
                     why = ("it adds learned absolute positions to the embeddings" if "meta" in str(e) else
-                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                           f"{type(e).__name__}: {_first_line(e)}")
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
                                       f"cannot be probed ({why}); fuselm converts rotary decoders only") from None
                 if all(chained):
@@ -314,6 +322,10 @@ class Skeleton:
         interleaved = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling), self.head_dim,
                                   self.model_type)
         return RopeSpec(inv, scaling, interleaved)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:160]
 
 
 def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
