@@ -232,11 +232,13 @@ def _report(rows: list[dict], name: str = "convert.json") -> None:
         return next((r for r in rows if r["shape"] == "0.6b" and r["quant"] == "q4" and r["tool"] == tool), None)
 
     genai, traced, builder = q4("onnxruntime-genai builder"), q4("fuselm convert --exporter torch"), q4("fuselm convert")
-    for name, r in (("traced", traced), ("builder", builder)):
+    for exporter, r in (("traced", traced), ("builder", builder)):
         if r and genai:
-            summary[f"0.6b_q4_{name}_vs_genai"] = {"speedup": round(genai["seconds"] / r["seconds"], 2),
-                                                  "peak_rss_ratio": round(r["peak_rss_mb"] / genai["peak_rss_mb"], 3)}
-            print(f"0.6B q4, fuselm {name} vs onnxruntime-genai's builder: {summary[f'0.6b_q4_{name}_vs_genai']}")
+            key = f"0.6b_q4_{exporter}_vs_genai"
+            summary[key] = {"speedup": round(genai["seconds"] / r["seconds"], 2),
+                            "cpu_speedup": round(genai["cpu_seconds"] / r["cpu_seconds"], 2),
+                            "peak_rss_ratio": round(r["peak_rss_mb"] / genai["peak_rss_mb"], 3)}
+            print(f"0.6B q4, fuselm {exporter} vs onnxruntime-genai's builder: {summary[key]}")
     if traced and builder:
         summary["0.6b_q4_traced_over_builder_seconds"] = round(traced["seconds"] / builder["seconds"], 2)
     if base and ours:

@@ -92,10 +92,16 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     return y.transpose(1, 2).contiguous(), None
 
 
-def register() -> None:
-    """Make `attn_implementation="fuselm_trace"` known to transformers (idempotent)."""
+def register(masks: bool = True) -> None:
+    """Make `attn_implementation="fuselm_trace"` known to transformers. `masks`: the model builds its
+    masks as eager attention does (the probe reads them); False: it builds none (the outer trace,
+    where the layers are markers and the graph's mask is the builder's)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
     AttentionInterface.register(NAME, fuselm_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask if masks else _no_mask)
+
+
+def _no_mask(*args, **kwargs):
+    return None

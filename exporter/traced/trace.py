@@ -176,11 +176,13 @@ def trace_outer(skel: Skeleton) -> Template:
     for i in range(len(originals)):
         skel.layers[i] = _MarkedLayer(i, skel.returns_tuple)
     undo = _placeholders(skel.model)
+    attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     try:
         ids = torch.zeros(2, 3, dtype=torch.long)
         dynamic = {"input_ids": {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
         program = _export(_Outer(skel.model).eval(), (ids,), dynamic, ["input_ids"], ["logits"], skel.model_type)
     finally:
+        attention_op.register()
         _restore(undo)
         for i, layer in enumerate(originals):
             skel.layers[i] = layer
