@@ -2,6 +2,7 @@
 
     python scripts/traced_sweep.py                      # the rotary decoder candidates below
     python scripts/traced_sweep.py llama gemma2 phi     # these model_types
+    python scripts/traced_sweep.py --markdown           # the README table from the last results
 
 Each model_type runs in its own child (a crash or hang costs only that one): a 2-layer checkpoint
 from fuselm.synth (GENERIC_TINY sizes unless TINY has the family), `fuselm.convert(...,
@@ -62,8 +63,24 @@ print(json.dumps({**out, "status": "ok" if r["max_abs_logit_diff"] <= 1e-4 else 
 """
 
 
+def markdown() -> str:
+    """The README table from the last sweep's JSON."""
+    rows = ["| model_type | traced result | max abs logit diff vs HF | layer kinds | rope |", "|---|---|---|---|---|"]
+    for mt, r in json.loads(RESULT.read_text())["results"].items():
+        if r["status"] == "ok":
+            rope = ("interleaved" if r["interleaved"] else "rotate_half") + (
+                f", partial {r['rotary_dim']}/{r['head_dim']}" if r["rotary_dim"] < r["head_dim"] else "")
+            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} | {r['layer_kinds']} | {rope} |")
+        else:
+            rows.append(f"| {mt} | {r['status']}: {r['detail'].splitlines()[0][:150]} | | | |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     model_types = (argv if argv is not None else sys.argv[1:]) or CANDIDATES
+    if model_types == ["--markdown"]:
+        print(markdown())
+        return 0
     results = json.loads(RESULT.read_text())["results"] if RESULT.is_file() else {}
     for mt in model_types:
         t0 = time.perf_counter()

@@ -27,12 +27,9 @@ from .rope_op import RopeSpec, rope_layout
 _REFUSED_KEYS = {
     "vision_config": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
     "audio_config": "it has an audio tower (a multimodal model); convert its text-only checkpoint",
-    "num_experts": "it is a mixture-of-experts model (routed experts)",
-    "num_local_experts": "it is a mixture-of-experts model (routed experts)",
-    "n_routed_experts": "it is a mixture-of-experts model (routed experts)",
-    "moe_intermediate_size": "it is a mixture-of-experts model (routed experts)",
 }
-# Module class names (substrings) that mark the same, for configs that name them otherwise.
+# Module class names (substrings) of what the exporter refuses, found in the built model (a config's
+# num_experts alone does not make a model sparse: Doge keeps it with is_moe false).
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
@@ -116,7 +113,7 @@ class Skeleton:
         self.config, self.model = config, model.eval()
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
-                if part in type(module).__name__:
+                if part.lower() in type(module).__name__.lower():
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__} at {name})")
         self.layers_name, self.layers = self._find_layers()
