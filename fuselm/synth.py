@@ -67,6 +67,10 @@ TINY = {
                     num_key_value_heads=2, tie_word_embeddings=True, no_rope_layers=[1, 0],
                     rope_parameters={"rope_type": "yarn", "rope_theta": 2000000.0, "factor": 2.0,
                                      "original_max_position_embeddings": 128}),
+    # GLM-4: interleaved rope on half of head_dim, post-norms, fused gate_up.
+    "glm4": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # Granite: embedding, attention, residual multipliers and logits scaling.
     "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, tie_word_embeddings=False, embedding_multiplier=3.0,

@@ -25,8 +25,9 @@ import fuselm
 
 # Traps per family (fuselm/synth.py TINY): gemma3_text (sliding + global layers, per-layer-type rope,
 # one kv head, soft-capping), phi3 (fused projections, partial rotary), olmo2 (post-norms, full-width
-# q/k norms), smollm3 (a no-rope layer, yarn), granite (multipliers); qwen3 / llama: builder families.
-TRACED = ["gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3", "llama"]
+# q/k norms), smollm3 (a no-rope layer, yarn), granite (multipliers), glm4 (interleaved, partial rope);
+# qwen3 / llama: builder families.
+TRACED = ["gemma3_text", "phi3", "olmo2", "smollm3", "granite", "glm4", "qwen3", "llama"]
 
 
 @pytest.fixture(scope="module")
