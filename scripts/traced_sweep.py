@@ -81,7 +81,6 @@ def main(argv=None) -> int:
     if model_types == ["--markdown"]:
         print(markdown())
         return 0
-    results = json.loads(RESULT.read_text())["results"] if RESULT.is_file() else {}
     for mt in model_types:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:
@@ -93,8 +92,9 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 r = {"model_type": mt, "status": "failed", "detail": "timed out after 600 s"}
         r["wall_s"] = round(time.perf_counter() - t0, 1)
-        results[mt] = r
         print(json.dumps(r), flush=True)
+        results = json.loads(RESULT.read_text())["results"] if RESULT.is_file() else {}  # another sweep may have written
+        results[mt] = r
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps({"results": dict(sorted(results.items()))}, indent=2) + "\n")
     return 0

@@ -135,14 +135,20 @@ def rope_layout(module, cos: torch.Tensor, sin: torch.Tensor, positions: torch.T
                           "traced exporter maps only that function to FusedRoPE")
     gen = torch.Generator().manual_seed(0)
     batch, seq = positions.shape
-    q = torch.randn(batch, 3, seq, head_dim, generator=gen)
-    k = torch.randn(batch, 1, seq, head_dim, generator=gen)
-    with torch.no_grad():
-        want_q, want_k = apply(q, k, cos, sin)
-        for interleaved in (0, 1):
-            got = [reference(t.transpose(1, 2), positions, inv_freq, attention_scaling, interleaved).transpose(1, 2)
-                   for t in (q, k)]
-            if all(torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, (want_q, want_k), strict=True)):
-                return interleaved
+    # head_dim wide (the function handles partial rotary itself), or only the rotary part (the
+    # attention slices q/k before calling it: Phi, StableLM, Persimmon)
+    for width in dict.fromkeys((head_dim, cos.shape[-1])):
+        q = torch.randn(batch, 3, seq, width, generator=gen)
+        k = torch.randn(batch, 1, seq, width, generator=gen)
+        with torch.no_grad():
+            try:
+                want_q, want_k = apply(q, k, cos, sin)
+            except RuntimeError:  # shapes it does not take
+                continue
+            for interleaved in (0, 1):
+                got = [reference(t.transpose(1, 2), positions, inv_freq, attention_scaling, interleaved).transpose(1, 2)
+                       for t in (q, k)]
+                if all(torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, (want_q, want_k), strict=True)):
+                    return interleaved
     raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb matches neither rotate_half nor "
                       "interleaved FusedRoPE with the rotary module's inv_freq; it cannot be exported as FusedRoPE")

@@ -115,7 +115,7 @@ class Skeleton:
             for part, why in _REFUSED_MODULES.items():
                 if part.lower() in type(module).__name__.lower():
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
-                                      f"({type(module).__name__} at {name})")
+                                      f"({type(module).__name__}{f' at {name}' if name else ''})")
         self.layers_name, self.layers = self._find_layers()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         import importlib
