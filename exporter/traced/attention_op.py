@@ -58,6 +58,7 @@ class Context:
 
     def __init__(self):
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.mask: torch.Tensor | None = None  # the layer's mask input: attention must receive it as is
         self.present: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sliding_window: int | None = None
         self.calls = 0
@@ -82,6 +83,9 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
                           "which ONNX Attention cannot express; this model_type is not supported")
     if attention_mask is None:
         raise FuselmError(f"{type(module).__name__}: attention was called without a mask; not supported")
+    if attention_mask is not ctx.mask:
+        raise FuselmError(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
+                          "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
     ctx.calls += 1
     ctx.sliding_window = kwargs.get("sliding_window")
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)

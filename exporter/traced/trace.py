@@ -91,7 +91,7 @@ class _LayerWrapper(nn.Module):
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value):
         ctx = attention_op.CONTEXT
-        ctx.past, ctx.present, ctx.calls = (past_key, past_value), None, 0
+        ctx.past, ctx.present, ctx.calls, ctx.mask = (past_key, past_value), None, 0, attention_mask
         self.rope.positions = position_ids
         out = self.layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=(position_ids, position_ids), past_key_values=None, use_cache=False)
