@@ -24,7 +24,6 @@ from .quant import Plan, Precision, precisions
 from .rope import Rope, fused_rope_function, rope_inputs
 from .weights import Checkpoint, write_data
 
-
 EXPORTERS = ("auto", "builder", "torch")
 
 

@@ -14,14 +14,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from fuselm import cli
 from fuselm.exporter.check import OrtModel, check
 from fuselm.exporter.traced import rope_op
-from fuselm.synth import make_config
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import fuselm
+from fuselm import cli
+from fuselm.synth import make_config
 
 # Traps per family (fuselm/synth.py TINY): gemma3_text (sliding + global layers, per-layer-type rope,
 # one kv head, soft-capping), phi3 (fused projections, partial rotary), olmo2 (post-norms, full-width
