@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="compile the static-shape decode step (default: on for MLX and CUDA, off on CPU)")
         r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        r.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+                       help="compute type of the graph's float32 values (auto: bf16 on an MLX GPU, else f32)")
         if name == "run":
             g = r.add_mutually_exclusive_group(required=True)
             g.add_argument("--prompt")
