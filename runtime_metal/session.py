@@ -26,6 +26,7 @@ from . import loader
 from .backends import make_backend
 from .compiled import CompiledDecode, agrees
 from .executor import Executor, Profiler
+from . import kvcache
 from .kvcache import CacheView
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -46,7 +47,9 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
                  fused: bool = True, static_decode: bool = True, compile: bool | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_bits: int | None = None, kv_bits_k: int | None = None,
+                 kv_bits_v: int | None = None, kv_group_size: int | None = None):
+        self.kv_formats = kvcache.formats(kv_bits, kv_bits_k, kv_bits_v, kv_group_size)  # (key, value)
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
         self.backend = make_backend(backend, device)
@@ -61,6 +64,9 @@ class Session:
         self.executor = Executor(self.graph, self.backend)
         self.fused = fused
         self.in_place = self._in_place_ok()
+        if not self.in_place and any(f.bits is not None for f in self.kv_formats):
+            raise FuselmError(f"{self.lm.path} reads its KV cache with other ops than Attention/Concat, so the cache "
+                              "cannot be stored in another format; run it without --kv-bits")
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
         self.static_decode = static_decode and self.in_place
@@ -128,17 +134,21 @@ class Session:
         """Empty the cache and preallocate room for `max_len` tokens."""
         b = self.backend
         self.max_len, self.pos = int(max_len), 0
-        need = sum(c.heads * self.max_len * c.head_dim * np.dtype(loader.NP_DTYPES.get(c.dtype, np.float32)).itemsize
+        need = sum(kvcache.cache_bytes((1, c.heads, self.max_len, c.head_dim), c.dtype, self._kv_format(c))
                    for c in self.caches) if self.in_place else 0
         free = psutil.virtual_memory().available
         if need > free:  # refuse before allocating (a huge --max-tokens, or absurd cache dims in the graph)
             raise FuselmError(f"the KV cache for {self.max_len:,} tokens needs {need / 2**30:,.1f} GiB, more than the "
                               f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
         if self.in_place:
-            self.buffers = {c.name: b.full((1, c.heads, self.max_len, c.head_dim), 0, c.dtype) for c in self.caches}
+            self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, self.max_len, c.head_dim), c.dtype,
+                                                       self._kv_format(c)) for c in self.caches}
         else:
             self.buffers = {c.name: b.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in self.caches}
         self._static_mask = None
+
+    def _kv_format(self, c: CacheSpec) -> kvcache.KVFormat:
+        return self.kv_formats[c.name.endswith(".value")]
 
     def _ids(self, ids, dtype=np.int64):
         return self.backend.asarray(np.asarray(ids, dtype).reshape(1, -1))
@@ -259,10 +269,10 @@ class Session:
         This proves, for each model, that its mask logic survives static shapes (graphs from other
         exporters may derive positions from shapes in ways that do not)."""
         b = self.backend
-        saved = {k: b.to_numpy(v).copy() for k, v in self.buffers.items()}
+        saved = {k: kvcache.snapshot(b, v) for k, v in self.buffers.items()}
         pos = self.pos
         dyn = b.to_numpy(self._step_dynamic([token])).astype(np.float64)
-        self.buffers = {k: b.asarray(v) for k, v in saved.items()}
+        self.buffers = {k: kvcache.restore(b, v) for k, v in saved.items()}
         self.pos = pos
         out = self._step_static(token)
         st = b.to_numpy(out).astype(np.float64)
@@ -283,7 +293,9 @@ class Session:
         if self._use_static() and self.compile:
             mode += (f", compiled: {self.compiled.what}" if self.compiled is not None else ", compiles after the first decode steps") \
                 if self.compile_failed is None else f", compile failed ({self.compile_failed})"
-        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra})"
+        kv = "/".join(dict.fromkeys(f.describe(self.caches[0].dtype) for f in self.kv_formats)) if self.caches else "-"
+        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra}, " \
+               f"KV cache {kv})"
 
 
 def _compile_default(backend) -> bool:
