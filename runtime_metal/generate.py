@@ -12,7 +12,7 @@ import numpy as np
 
 from fuselm.errors import FuselmError
 
-from .session import Session
+from .session import Session, kv_options
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
 
@@ -130,9 +130,10 @@ def _checked(logits: np.ndarray, step: int) -> np.ndarray:
 
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        compile=None, threads=None, stream=None, quiet=False) -> dict:
+        compile=None, threads=None, stream=None, quiet=False, **kv) -> dict:
     """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
 
+    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
     Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
     from rich.console import Console
 
@@ -141,7 +142,8 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
     path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads)
+    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads,
+                   **kv_options(**kv))
     tok = load_tokenizer(path, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     vocab = sess.meta.get("dims", {}).get("vocab")

@@ -50,10 +50,28 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.bits == 8
 
-    def describe(self, graph_dtype: int) -> str:
+    def describe(self, graph_dtype: int, head_dim: int) -> str:
         if self.bits is None:
             return TensorProto.DataType.Name(graph_dtype).lower()
-        return f"int8/g{self.group}" if self.quantized else f"float{self.bits}"
+        return f"int8/g{group_for(self, head_dim)}" if self.quantized else f"float{self.bits}"
+
+
+def describe(fmts: tuple[KVFormat, KVFormat], graph_dtype: int, head_dim: int) -> str:
+    k, v = (f.describe(graph_dtype, head_dim) for f in fmts)
+    return k if k == v else f"K {k}, V {v}"
+
+
+def check_formats(backend, fmts: tuple[KVFormat, KVFormat], head_dims: list[int], in_place: bool, path) -> None:
+    """Refuse, at load, formats this model and backend cannot store (exit 2)."""
+    if not any(f.bits is not None for f in fmts):
+        return
+    if not in_place:
+        raise FuselmError(f"{path} reads its KV cache with other ops than Attention/Concat, so the cache cannot be "
+                          "stored in another format; run it without --kv-bits")
+    for f in fmts:
+        if f.quantized:
+            for d in sorted(set(head_dims)):
+                kv_quant.check_group(backend.name, d, group_for(f, d), "model's")
 
 
 def formats(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> tuple[KVFormat, KVFormat]:

@@ -64,9 +64,8 @@ class Session:
         self.executor = Executor(self.graph, self.backend)
         self.fused = fused
         self.in_place = self._in_place_ok()
-        if not self.in_place and any(f.bits is not None for f in self.kv_formats):
-            raise FuselmError(f"{self.lm.path} reads its KV cache with other ops than Attention/Concat, so the cache "
-                              "cannot be stored in another format; run it without --kv-bits")
+        kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
+                              self.lm.path)
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
         self.static_decode = static_decode and self.in_place
@@ -293,9 +292,14 @@ class Session:
         if self._use_static() and self.compile:
             mode += (f", compiled: {self.compiled.what}" if self.compiled is not None else ", compiles after the first decode steps") \
                 if self.compile_failed is None else f", compile failed ({self.compile_failed})"
-        kv = "/".join(dict.fromkeys(f.describe(self.caches[0].dtype) for f in self.kv_formats)) if self.caches else "-"
+        kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra}, " \
                f"KV cache {kv})"
+
+
+def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
+    """The KV cache keywords run/validate pass on to Session (any other keyword is a TypeError, as before)."""
+    return {"kv_bits": kv_bits, "kv_bits_k": kv_bits_k, "kv_bits_v": kv_bits_v, "kv_group_size": kv_group_size}
 
 
 def _compile_default(backend) -> bool:

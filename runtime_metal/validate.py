@@ -16,7 +16,7 @@ import numpy as np
 from fuselm.errors import CheckFailed, FuselmError
 
 from .generate import load_tokenizer
-from .session import Session
+from .session import Session, kv_options
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"
 
@@ -106,7 +106,7 @@ def _max_diff(a: Trace, b: Trace) -> list[float]:
 
 
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None) -> dict:
+             prompt_ids=None, quiet=False, compile=None, threads=None, **kv) -> dict:
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
     from rich.console import Console
     from rich.table import Table
@@ -119,7 +119,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
                           "checkpoint the model was converted from")
     path = Path(model_dir)
     sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                   threads=threads)
+                   threads=threads, **kv_options(**kv))
     if prompt_ids is None:
         tok = load_tokenizer(path, required=False)
         prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))

@@ -116,14 +116,14 @@ def scores(b, q, block: tuple):
     if qf.shape[2] > FOLD_MAX_QUERIES:
         return qf @ dequantize(b, block, qf.dtype).transpose(-1, -2)
     k = kq.float()
-    if g == 1:
-        dots = qf @ k.transpose(-1, -2)
-        return dots.mul_(ks.float().transpose(-1, -2)).add_(qf.sum(-1, keepdim=True) @ kz.float().transpose(-1, -2))
-    r = qf.shape[2]
-    qg = qf.reshape(bsz, h, r, g, group).transpose(2, 3)  # [B, H, G, R, gs]
-    kg = k.reshape(bsz, h, t, g, group).permute(0, 1, 3, 4, 2)  # [B, H, G, gs, T]
-    dots = (qg @ kg).mul_(ks.float().permute(0, 1, 3, 2)[:, :, :, None, :]).sum(2)
-    return dots.add_(qg.sum(-1).transpose(2, 3) @ kz.float().transpose(-1, -2))
+    ks, kz = ks.float().transpose(-1, -2), kz.float().transpose(-1, -2)  # [B, H, G, T]
+    out = None
+    for j in range(g):  # column slices of k keep unit stride: the matmuls read them in place
+        c = slice(j * group, (j + 1) * group)
+        dots = (qf[..., c] @ k[..., c].transpose(-1, -2)).mul_(ks[:, :, j:j + 1])
+        dots.add_(qf[..., c].sum(-1, keepdim=True) * kz[:, :, j:j + 1])
+        out = dots if out is None else out.add_(dots)
+    return out
 
 
 def values(b, p, block: tuple):
@@ -135,19 +135,21 @@ def values(b, p, block: tuple):
         vq, vs, vz = block
         return mx.quantized_matmul(p, vq, vs, vz, transpose=False, group_size=group, bits=BITS)
     # Σ_t p_t (v_td·s_tg + z_tg) = (p ⊙ s_g) · v_g + p · z_g, per group g of channels
+    import torch
+
     vq, vs, vz = block
     bsz, h, t, d = vq.shape
     g = d // group
     if p.shape[2] > FOLD_MAX_QUERIES:
         return p @ dequantize(b, block, p.dtype)
     v = vq.float()
-    if g == 1:
-        return (p * vs.float().transpose(-1, -2)) @ v + p @ vz.float()
-    r = p.shape[2]
-    ps = p[:, :, None] * vs.float().permute(0, 1, 3, 2)[:, :, :, None, :]  # [B, H, G, R, T]
-    out = ps @ v.reshape(bsz, h, t, g, group).transpose(2, 3)  # [B, H, G, R, gs]
-    out = out + (p @ vz.float()).transpose(2, 3)[..., None]
-    return out.permute(0, 1, 3, 2, 4).reshape(bsz, h, r, d)
+    vs, vz = vs.float().transpose(-1, -2), vz.float().transpose(-1, -2)  # [B, H, G, T]
+    parts = []
+    for j in range(g):
+        c = slice(j * group, (j + 1) * group)
+        part = (p * vs[:, :, j:j + 1]) @ v[..., c]
+        parts.append(part.add_(p @ vz[:, :, j, :, None]))
+    return parts[0] if g == 1 else torch.cat(parts, -1)
 
 
 def write(b, stored: tuple, parts: tuple, pos) -> tuple:
