@@ -121,17 +121,18 @@ def nbytes(backend, storage) -> int:
     return sum(int(a.nbytes) for a in arrays)
 
 
-def snapshot(backend, storage):
-    """A host copy of a cache (arrays or tuples of arrays), and `restore` to put it back."""
-    if isinstance(storage, tuple):
-        return tuple(backend.to_numpy(a).copy() for a in storage)
-    return backend.to_numpy(storage).copy()
+def snapshot(backend, storage, t0: int, t1: int) -> tuple:
+    """A host copy of rows t0..t1 of a cache (an array or a tuple of arrays); `restore` puts them back.
+    Only the rows a step writes: a copy of the whole cache would double its memory at long contexts."""
+    arrays = storage if isinstance(storage, tuple) else (storage,)
+    return t0, tuple(backend.to_numpy(a[:, :, t0:t1]).copy() for a in arrays)
 
 
-def restore(backend, saved):
-    if isinstance(saved, tuple):
-        return tuple(backend.asarray(a) for a in saved)
-    return backend.asarray(saved)
+def restore(backend, storage, saved: tuple):
+    t0, rows = saved
+    arrays = storage if isinstance(storage, tuple) else (storage,)
+    out = tuple(backend.cache_write(a, backend.asarray(r), t0) for a, r in zip(arrays, rows, strict=True))
+    return out if isinstance(storage, tuple) else out[0]
 
 
 @dataclass

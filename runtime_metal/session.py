@@ -268,10 +268,10 @@ class Session:
         This proves, for each model, that its mask logic survives static shapes (graphs from other
         exporters may derive positions from shapes in ways that do not)."""
         b = self.backend
-        saved = {k: kvcache.snapshot(b, v) for k, v in self.buffers.items()}
         pos = self.pos
+        saved = {k: kvcache.snapshot(b, v, pos, pos + 1) for k, v in self.buffers.items()}
         dyn = b.to_numpy(self._step_dynamic([token])).astype(np.float64)
-        self.buffers = {k: kvcache.restore(b, v) for k, v in saved.items()}
+        self.buffers = {k: kvcache.restore(b, self.buffers[k], v) for k, v in saved.items()}
         self.pos = pos
         out = self._step_static(token)
         st = b.to_numpy(out).astype(np.float64)
