@@ -173,9 +173,9 @@ def _host_int(backend, pos) -> int | None:
     if isinstance(pos, int):
         return pos
     if backend.name == "torch" and getattr(pos, "device", None) is not None and pos.device.type == "cpu":
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        import torch
 
-        if get_proxy_mode() is None:
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:  # not inside make_fx
             return int(pos)
     return None
 
