@@ -28,6 +28,9 @@ SHAPES = {
     "4b": dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
 }
+# tests and MLX's CPU backend: a Qwen3 of the same layout, small enough to run in seconds
+SHAPES["tiny"] = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True)
 SHARD_BYTES = 2 * 1024**3
 RESULTS = Path(__file__).parent / "results"
 

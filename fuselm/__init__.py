@@ -6,7 +6,7 @@ stays cheap.
 
 from .errors import CheckFailed, FuselmError
 
-__all__ = ["convert", "optimize", "diff", "run", "validate", "FuselmError", "CheckFailed"]
+__all__ = ["convert", "optimize", "diff", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
 __version__ = "0.1.0"
 
 
@@ -46,6 +46,14 @@ def run(model_dir, **kwargs):
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, **kwargs)
+
+
+def stream_generate(model, **kwargs):
+    """Yield one Response (token, text, speeds, finish_reason) per generated token; `model` is a model
+    directory, an .onnx file or a loaded runtime Session (mlx-lm's stream_generate shape)."""
+    from .runtime_metal.generate import stream_generate as _stream
+
+    return _stream(model, **kwargs)
 
 
 def validate(model_dir, reference, **kwargs):

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--kv-bits-v", type=int, default=None, metavar="{8,16,32}", help="values only (overrides --kv-bits)")
         r.add_argument("--kv-group-size", type=int, default=None, metavar="N",
                        help="channels per int8 scale (32, 64, 128; default 64, or head_dim when smaller)")
+        r.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+                       help="compute type of the graph's float32 values (auto: bf16 on an MLX GPU, else f32)")
         if name == "run":
             g = r.add_mutually_exclusive_group(required=True)
             g.add_argument("--prompt")

@@ -1,111 +1,61 @@
 """Compiled static-shape decode: the per-token plan as one compiled function.
 
-Static-shape decode runs the same plan every token (kvcache.py), so it can be captured once:
-- torch: the plan is traced to an aten-level FX graph (make_fx; host shape work is already
-  constants) and compiled by inductor (torch._inductor.compile: CPU fused C++ loops around the
-  matmul kernels, CUDA Triton kernels). The KV
-  buffers are graph inputs written in place. On CUDA the compiled step is then captured in a CUDA
-  graph (torch.cuda.CUDAGraph) over static input tensors and replayed each token: one launch per
-  token. (inductor's own mode="reduce-overhead" refuses graphs that mutate their inputs.)
-- MLX: mx.compile of the same function, KV buffers in and out.
+Static-shape decode runs the same plan every token (kvcache.py), so it can be captured once. The
+step takes the token and its position; the attention mask and position_ids are computed from the
+position on the device, so no host array crosses over per token. The backend compiles it
+(`Backend.compile_step`): MLX mx.compile (KV buffers in and out), torch make_fx + inductor and a
+CUDA graph on CUDA (runtime_metal/backends/torch_compile.py; KV buffers written in place).
 
 The first compiled step is checked against the eager step (same inputs) before it is used.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
 
 from .kvcache import CacheView
 
-_log = logging.getLogger("fuselm.runtime")
+N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
+
+
+def static_feeds(b, ids, pos, max_len: int) -> dict:
+    """The graph's small inputs for one static decode step at 0-d device position `pos`."""
+    mask = b.cast(b.binary("less_equal", b.reshape(b.arange(0, max_len, 1, 7), (1, max_len)), b.cast(pos, 7)), 7)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": b.reshape(b.cast(pos, 7), (1, 1))}
 
 
 class CompiledDecode:
-    """Wraps the static decode plan of `sess` (which must exist) as one compiled step."""
+    """The static decode plan of `sess` for one cache length as one compiled step."""
 
-    def __init__(self, sess, plan):
-        self.sess = sess
-        self.plan = plan
+    def __init__(self, sess, plan, max_len: int):
+        self.sess, self.plan, self.max_len = sess, plan, max_len
         self.names = [c.name for c in sess.caches]
         self.seconds = 0.0
         self.fn = None
-        self.what = "mx.compile" if sess.backend.name == "mlx" else ""
+        self.what = ""
 
-    def _step(self, ids, mask, positions, pos, *bufs):
+    def _step(self, ids, pos, *bufs):
         sess = self.sess
         views = {n: CacheView(buf, pos, 1, static=True) for n, buf in zip(self.names, bufs, strict=True)}
         sess.executor.ctx["rope_offset"] = pos
-        out = sess.executor._execute(self.plan, {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                                                 **views})
-        return (out["logits"], *[views[n].buffer for n in self.names])
+        sess.executor.ctx["all_logits"] = False
+        feeds = {**static_feeds(sess.backend, ids, pos, self.max_len), **views}
+        out = sess.executor._execute(self.plan, feeds)
+        # the next position, on the device: no host array crosses over per token
+        nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
+        return (out["logits"], nxt, *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()
-        b = self.sess.backend
-        if b.name == "torch":
-            import torch
-            import torch._inductor
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            def traced(*a):  # logits only: buffers are written in place
-                return self._step(*a)[0]
-
-            gm = make_fx(traced)(*args)
-            try:  # inductor straight on the aten graph: no dynamo between us and the compiler
-                self.fn = torch._inductor.compile(gm, list(args))
-                self.what = "inductor"
-            except Exception as e:  # noqa: BLE001 - on CUDA the graph capture alone still pays off
-                if not b.device.startswith("cuda"):
-                    raise
-                self.fn, self.what = gm, f"aten graph (inductor failed: {type(e).__name__})"
-            if b.device.startswith("cuda"):
-                self.fn = _CudaGraph(self.fn, args)
-                self.what += " + CUDA graph"
-        else:
-            import mlx.core as mx
-
-            self.fn = mx.compile(self._step)
+        self.fn, self.what = self.sess.backend.compile_step(self._step, args, N_INPUTS)
         self.seconds = time.perf_counter() - t0
 
-    def __call__(self, ids, mask, positions, pos, bufs: list):
-        """One decode step; returns (logits, new buffers)."""
-        b = self.sess.backend
-        if b.name == "torch":
-            logits = self.fn(ids, mask, positions, pos, *bufs)
-            return logits, bufs
-        out = self.fn(ids, mask, positions, pos, *bufs)
-        return out[0], list(out[1:])
-
-
-class _CudaGraph:
-    """Replays `fn` captured once over static copies of its inputs (the KV buffers are used as they are:
-    their addresses never change)."""
-
-    def __init__(self, fn, args: tuple):
-        import torch
-
-        n_small = 4  # ids, mask, positions, pos are copied in; the KV buffers are the graph's own
-        self.fn = fn
-        self.static = [a.clone() for a in args[:n_small]] + list(args[n_small:])
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: compile, autotune, allocate outside the capture
-                fn(*self.static)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn(*self.static)
-
-    def __call__(self, *args):
-        for dst, src in zip(self.static[:4], args[:4], strict=True):
-            dst.copy_(src, non_blocking=True)
-        self.graph.replay()
-        return self.out.clone()
+    def __call__(self, ids, pos, bufs: list):
+        """One decode step; returns (logits, the next position as a device array, new buffers)."""
+        out = self.fn(ids, pos, *bufs)
+        return out[0], out[1], list(out[2:])
 
 
 def agrees(backend, a, b, tol: float = 1e-3) -> bool:
@@ -116,4 +66,4 @@ def agrees(backend, a, b, tol: float = 1e-3) -> bool:
     return bool(close and np.argmax(x) == np.argmax(y))
 
 
-__all__ = ["CompiledDecode", "agrees", "_log"]
+__all__ = ["CompiledDecode", "agrees", "static_feeds", "N_INPUTS"]

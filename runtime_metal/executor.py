@@ -105,6 +105,7 @@ class Executor:
     def _trace(self, feeds: dict) -> tuple[Plan, dict]:
         g, b = self.graph, self.b
         b.new_step()
+        b.step_memo = {}
         env: dict[str, object] = dict(feeds)
         static: dict[str, np.ndarray] = dict(g.constants)
         steps: list[Step] = []
@@ -200,6 +201,7 @@ class Executor:
         env = dict(feeds)
         b, ctx, prof = self.b, self.ctx, self.profiler
         b.new_step()
+        b.step_memo = {}
         for step in plan.steps:
             args = list(step.args)
             for pos, x, host in step.slots:

@@ -6,12 +6,13 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from fuselm.errors import FuselmError
 
+from .sampling import Sampler
 from .session import Session, kv_options
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
@@ -82,112 +83,116 @@ def encode_prompt(tok, prompt: str | None, prompt_ids: list[int] | None, chat: b
     return [int(i) for i in tok.encode(prompt)]
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) sampling."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    if top_k and top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p)
-        cum = np.cumsum(p[order])
-        cut = order[np.searchsorted(cum, top_p) + 1:]
-        p[cut] = 0.0
-        p /= p.sum()
-    return int(rng.choice(p.size, p=p))
+class _Detokenizer:
+    """The text each new token adds; holds back an incomplete UTF-8 sequence. Without a tokenizer, the ids."""
 
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
 
-class _Streamer:
-    """Prints the decoded text as it grows; holds back an incomplete UTF-8 sequence."""
-
-    def __init__(self, tok, out):
-        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
-
-    def put(self, token: int) -> None:
-        self.ids.append(token)
+    def add(self, token: int) -> str:
         if self.tok is None:
-            self.out.write(f"{token} ")
-        else:
-            text = self.tok.decode(self.ids, skip_special_tokens=False)
-            if text.endswith("\ufffd"):
-                return
-            self.out.write(text[len(self.shown):] if text.startswith(self.shown) else text)
-            self.shown = text
-        self.out.flush()
+            return f"{token} "
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[len(self.shown):] if text.startswith(self.shown) else text
+        self.shown = text
+        return new
 
 
-def _checked(logits: np.ndarray, step: int) -> np.ndarray:
-    """NaN or +inf logits mean broken weights or a broken graph: stop rather than emit garbage tokens."""
-    if np.isnan(logits).any() or np.isposinf(logits).any():
-        raise FuselmError(f"the model produced NaN or infinite logits at step {step}; its weights or graph are broken "
-                          "(`fuselm validate` compares it with the checkpoint)")
-    return logits
+@dataclass
+class Response:
+    """One generated token, as `stream_generate` yields it (mlx-lm's GenerationResponse shape)."""
+
+    token: int
+    text: str  # the text this token adds (may be empty while a UTF-8 sequence is incomplete)
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float | None  # decode tokens/s so far (None for the first token)
+    finish_reason: str | None  # "stop" (eos), "length", or None while generating
 
 
-def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
-        top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        compile=None, threads=None, stream=None, quiet=False, **kv) -> dict:
-    """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
+def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False,
+                    temperature=0.0, top_k=0, top_p=1.0, seed=None, backend="auto", device=None, dtype="auto",
+                    no_fused_kernels=False, compile=None, threads=None, profile=False, **kv) -> Iterator[Response]:
+    """Generate from `model` (a model directory, an .onnx file, or a loaded Session), one Response per token.
 
     `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
-    Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
-    from rich.console import Console
 
+    Tokens are picked on the device and the next step is queued while this one is read (Session.generate)."""
     if max_tokens < 1:
         raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
-    path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads,
-                   **kv_options(**kv))
+    sampler = Sampler(temperature, top_k, top_p, seed)
+    if isinstance(model, Session):
+        sess, path = model, model.lm.path.parent if model.lm.path.name == "model.onnx" else model.lm.path
+    else:
+        path = Path(model)
+        sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
+                       threads=threads, dtype=dtype, **kv_options(**kv))
     tok = load_tokenizer(path, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     vocab = sess.meta.get("dims", {}).get("vocab")
     if vocab and any(not 0 <= i < vocab for i in ids):
         raise FuselmError(f"prompt ids must lie in [0, {vocab}); got {[i for i in ids if not 0 <= i < vocab][:5]}")
     stops = set() if ignore_eos else eos_ids(path, sess.meta, tok)
-    rng = np.random.default_rng(seed)
+    detok = _Detokenizer(tok)
+    sess.reset(len(ids) + max_tokens)
+    t0 = time.perf_counter()
+    t_first = None
+    for n, token in enumerate(sess.generate(ids, max_tokens, sampler)):
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+        if profile and n == PROFILE_SKIP_TOKENS - 1:  # the step after this token is queued already
+            sess.profiler.enabled = True
+        done = "stop" if token in stops else ("length" if n + 1 >= max_tokens else None)
+        yield Response(token, detok.add(token), len(ids), len(ids) / max(t_first - t0, 1e-9), n + 1,
+                       n / (now - t_first) if n else None, done)
+        if done:
+            return
+
+
+def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
+        top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
+        compile=None, threads=None, stream=None, quiet=False, dtype="auto", **kv) -> dict:
+    """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
+
+    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
+    Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
+    from rich.console import Console
+
+    Sampler(temperature, top_k, top_p, seed)  # bad sampling values fail before the model loads
+    path = Path(model_dir)
+    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads,
+                   dtype=dtype, **kv_options(**kv))
     out = stream or sys.stdout
     console = Console(stderr=True, quiet=quiet)
     console.print(f"[dim]fuselm run: {sess.describe()}[/dim]")
-
-    sess.reset(len(ids) + max_tokens)
-    t0 = time.perf_counter()
-    logits = _checked(sess.logits_to_numpy(sess.prefill(ids)), 0)
-    t_prefill = time.perf_counter() - t0
-    streamer = _Streamer(tok, out)
-    generated: list[int] = []
-    decode_times: list[float] = []
-    token = sample(logits, temperature, top_k, top_p, rng)
-    while True:
-        generated.append(token)
-        streamer.put(token)
-        if token in stops or len(generated) >= max_tokens:
-            break
-        if profile and len(decode_times) == PROFILE_SKIP_TOKENS:
-            sess.profiler.enabled = True
-        t = time.perf_counter()
-        logits = _checked(sess.logits_to_numpy(sess.decode(token)), len(generated))
-        decode_times.append(time.perf_counter() - t)
-        token = sample(logits, temperature, top_k, top_p, rng)
+    generated, last = [], None
+    for r in stream_generate(sess, prompt, prompt_ids, max_tokens, ignore_eos, chat, temperature, top_k, top_p, seed,
+                             profile=profile):
+        generated.append(r.token)
+        out.write(r.text)
+        out.flush()
+        last = r
     out.write("\n")
     out.flush()
+    tok = load_tokenizer(path, required=False) if prompt is not None else None
     text = tok.decode(generated, skip_special_tokens=True) if tok is not None else None
+    decode_n = last.generation_tokens - 1
     result = {
-        "tokens": generated, "text": text, "prompt_tokens": len(ids), "backend": sess.backend.name,
-        "device": sess.backend.device, "prefill_tok_s": len(ids) / t_prefill if t_prefill else float("inf"),
-        "decode_tok_s": len(decode_times) / sum(decode_times) if decode_times else None,
-        "stopped_at_eos": bool(generated and generated[-1] in stops),
+        "tokens": generated, "text": text, "prompt_tokens": last.prompt_tokens, "backend": sess.backend.name,
+        "device": sess.backend.device, "dtype": sess.backend.compute, "prefill_tok_s": last.prompt_tps,
+        "decode_tok_s": last.generation_tps, "stopped_at_eos": last.finish_reason == "stop",
+        "what": sess.describe(),
     }
-    decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_times else "n/a (one token)"
-    console.print(f"[dim]prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode "
-                  f"{len(decode_times)} tokens: {decode}[/dim]")
+    decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
+    console.print(f"[dim]prefill {last.prompt_tokens} tokens: {result['prefill_tok_s']:.1f} tok/s (to the first token) "
+                  f"· decode {decode_n} tokens: {decode} · {sess.describe()}[/dim]")
     if profile:
         from .profile import report
 
-        result["profile"] = report(sess, len(decode_times) - PROFILE_SKIP_TOKENS, console)
+        result["profile"] = report(sess, decode_n - PROFILE_SKIP_TOKENS, console)
     return result

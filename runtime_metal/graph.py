@@ -6,6 +6,8 @@ Load-time rewrites (each keeps what the graph computes):
 - DequantizeLinear -> MatMul with constant weights becomes QMatMul (the backend's quantized
   matmul, weights converted once); DequantizeLinear -> Gather(axis 0) becomes QGather;
 - Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
+- the lm_head's input passes through LastRows, so a prefill chunk computes the logits of its last
+  position only, unless the run asks for all of them (ctx["all_logits"]);
 - nodes whose inputs are all constants are folded on the host.
 """
 
@@ -167,6 +169,7 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     _fold_dequantize(graph, backend)
     _kv_append(graph)
     _fold_constants(graph)
+    _last_rows(graph)
     return graph
 
 
@@ -262,6 +265,36 @@ def _kv_append(graph: Graph) -> None:
     for i, n in enumerate(graph.nodes):
         if n.key == ("", "Concat") and len(n.inputs) == 2 and n.inputs[0] in pasts and n.attrs.get("axis") in (2, -2):
             graph.nodes[i] = Node("KVAppend", RUNTIME, n.name, list(n.inputs), list(n.outputs))
+
+
+_LOGIT_TAIL = {"Mul", "Div", "Add", "Sub", "Tanh", "Cast", "Identity"}  # soft-capping, scaling, bias after the head
+
+
+def _last_rows(graph: Graph) -> None:
+    """Put LastRows on the input of the matmul that makes `logits` (through elementwise ops with constants)."""
+    if "logits" not in graph.outputs:
+        return
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    n = producers.get("logits")
+    for _ in range(6):
+        if n is None:
+            return
+        if n.key in (("", "MatMul"), (RUNTIME, "QMatMul")):
+            break
+        if n.domain or n.op_type not in _LOGIT_TAIL:
+            return
+        live = [x for x in n.inputs if x and x not in graph.constants]
+        if len(live) != 1:
+            return
+        n = producers.get(live[0])
+    else:
+        return
+    x = n.inputs[0]
+    if not x or x in graph.constants:
+        return
+    last = x + "/last_rows"
+    graph.nodes.insert(graph.nodes.index(n), Node("LastRows", RUNTIME, n.name + "/LastRows", [x], [last]))
+    n.inputs = [last, *n.inputs[1:]]
 
 
 def _fold_constants(graph: Graph) -> None:

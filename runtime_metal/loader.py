@@ -9,6 +9,7 @@ refused, as is a data file too short for the tensors that point into it.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,10 @@ def load(path: str | os.PathLike) -> LoadedModel:
                           "re-create it with `fuselm convert`") from None
     base = onnx_path.parent
     maps = _DataFiles(base)
-    inits = {t.name: tensor_to_array(t, maps) for t in model.graph.initializer}
+    # unpacking 4-bit weights is most of a load: numpy releases the GIL, so one thread per core
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        arrays = list(pool.map(lambda t: tensor_to_array(t, maps), model.graph.initializer))
+    inits = {t.name: a for t, a in zip(model.graph.initializer, arrays, strict=True)}
     for t in model.graph.sparse_initializer:
         raise FuselmError(f"sparse initializer {t.values.name!r} is not supported; densify the model first")
     functions = {(f.domain, f.name): f for f in model.functions}

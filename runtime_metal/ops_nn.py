@@ -75,9 +75,29 @@ def _append(b, past, new, stored_ok: bool = False):
     return b.concat([past, new], 2)
 
 
+def _step_memo(b, key: tuple, keep: tuple, make):
+    """One value per graph run for `key` (every layer's Attention builds the same mask from the same inputs):
+    the executor gives the backend a fresh `step_memo` per run. The memo holds `keep`, the objects whose ids
+    are in the key, so no id is reused by another array within the run."""
+    memo = getattr(b, "step_memo", None)
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = (make(), keep)
+    return memo[key][0]
+
+
 def _attention_bias(b, attn_mask, past, s: int, t: int, is_causal: int, nonpad=None, left: int = -1, right: int = -1):
     """The mask Attention applies (bool or additive) or None. Causal and windows are aligned bottom-right:
     query i sits at position offset + i, offset = the keys before it (past length, nonpad - S, or pos)."""
+    static = isinstance(past, CacheView) and past.static
+    key = ("bias", id(attn_mask), id(past.pos) if static else None, None if past is None else b.shape(past)[2], s, t,
+           is_causal, id(nonpad), left, right)
+    keep = (attn_mask, past.pos if static else None, nonpad)
+    return _step_memo(b, key, keep, lambda: _make_bias(b, attn_mask, past, s, t, is_causal, nonpad, left, right))
+
+
+def _make_bias(b, attn_mask, past, s, t, is_causal, nonpad, left, right):
     mask = attn_mask
     if mask is not None and b.shape(mask)[-1] < t:  # a short mask is padded as masked
         pad = [(0, 0)] * (len(b.shape(mask)) - 1) + [(0, t - b.shape(mask)[-1])]
@@ -139,7 +159,8 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
         if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
             # a query row with every key masked attends nothing (Y = 0), as the spec says; the graph's
             # own float masks (finite minimum) never mask a whole row, so decode skips this
-            Y = b.where(_row_attends(b, mask), Y, _scalar(b, Y, 0))
+            attends = _step_memo(b, ("attends", id(mask)), (mask,), lambda: _row_attends(b, mask))
+            Y = b.where(attends, Y, _scalar(b, Y, 0))
     else:
         Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
     if three_d:
@@ -308,6 +329,15 @@ def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0):
     if z is not None:
         y = b.binary("sub", y, b.cast(per(z), 1))
     return b.reshape(b.binary("mul", y, b.cast(per(s), 1)), out_shape)
+
+
+@op("LastRows", domain=RUNTIME, wants_context=True)
+def LastRows(b, x, *, _ctx=None):
+    """The lm_head's input [B, S, hidden] cut to its last position when the run needs only the next token's
+    logits (a prefill chunk of a generation); all positions otherwise (validation, other callers)."""
+    if (_ctx or {}).get("all_logits", True) or b.shape(x)[1] == 1:
+        return x
+    return b.slice(x, (slice(None), slice(b.shape(x)[1] - 1, None)))
 
 
 @op("KVAppend", domain=RUNTIME)

@@ -22,11 +22,18 @@ def report(sess, tokens: int, console) -> dict:
         console.print("[yellow]--profile: generate more tokens (--max-tokens > 4, --ignore-eos) to profile decode[/yellow]")
         return {"tokens": 0, "ops": []}
     console.print(table)
+    layers = (sess.meta.get("dims") or {}).get("layers")
     console.print(f"ops dispatched per decode token: {per_token:.0f}"
-                  + (f" ({per_token / sess.meta['dims']['layers']:.1f} per layer)" if sess.meta.get("dims") else ""))
-    if sess.backend.name == "mlx":
-        console.print("[yellow]MLX evaluates lazily: each op was forced with mx.eval to time it, so absolute times are "
-                      "inflated; read the ordering, not the totals.[/yellow]")
-    return {"tokens": tokens, "ops_per_token": per_token,
+                  + (f" ({per_token / layers:.1f} per layer)" if layers else ""))
+    kernels = sess.backend.count_kernels(sess) if hasattr(sess.backend, "count_kernels") else None
+    if kernels:
+        console.print(f"kernels per decode token ({kernels['what']}): {kernels['kernels']}"
+                      + (f" ({kernels['kernels'] / layers:.1f} per layer)" if layers else "")
+                      + f"; most frequent: {', '.join(f'{k} {n}' for k, n in kernels['top'][:6])}")
+    if sess.backend.lazy:
+        console.print("[yellow]synchronised timings: the backend evaluates lazily, so each op was forced (and waited "
+                      "for) on its own to time it; absolute times are inflated, read the ordering, not the totals. The "
+                      "compiled step fuses ops (see kernels per token).[/yellow]")
+    return {"tokens": tokens, "ops_per_token": per_token, "kernels": kernels,
             "ops": [{"op": op, "calls": n, "total_ms": secs * 1e3, "avg_us": secs / n * 1e6, "share": secs / total}
                     for op, n, secs in rows]}

@@ -4,15 +4,28 @@
     sess.reset(max_len=256)
     logits = sess.prefill([1, 2, 3])      # chunked; logits of the last prompt token
     logits = sess.decode(next_token)      # one token; static shapes, one plan reused every step
+    for token in sess.generate([1, 2, 3], 32, Sampler()):   # picked on the device, pipelined
+        ...
 
 The graph contract (DESIGN.md) is checked at load: input_ids, attention_mask, position_ids,
 past_key_values.{i}.key/.value in; logits and present.{i}.key/.value out.
+
+Decode runs in one of four modes (`Decode`), which only move forward:
+  DYNAMIC  — every step is traced at its own shapes (graphs whose cache cannot live in place, or a
+             sliding window shorter than the cache);
+  CHECKING — the next decode step runs dynamic and static and compares them: graphs from other
+             exporters may derive positions from shapes in ways static shapes break;
+  STATIC   — one plan over the whole preallocated cache, the same shapes every token;
+  COMPILED — that plan as one compiled function (mx.compile; inductor + CUDA graph), built on the
+             first static step and kept only if it reproduces the eager step.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +37,19 @@ from fuselm.errors import FuselmError
 from . import graph as graph_mod
 from . import loader
 from .backends import make_backend
-from .compiled import CompiledDecode, agrees
+from .compiled import CompiledDecode, agrees, static_feeds
 from .executor import Executor, Profiler
 from . import kvcache
 from .kvcache import CacheView
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-PREFILL_CHUNK = 512
+
+
+class Decode(enum.Enum):
+    DYNAMIC = "dynamic decode"
+    CHECKING = "static-shape decode, checked on the first step"
+    STATIC = "static-shape decode"
+    COMPILED = "static-shape decode, compiled"
 
 
 @dataclass
@@ -47,12 +66,12 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
                  fused: bool = True, static_decode: bool = True, compile: bool | None = None,
-                 threads: int | None = None, kv_bits: int | None = None, kv_bits_k: int | None = None,
-                 kv_bits_v: int | None = None, kv_group_size: int | None = None):
+                 threads: int | None = None, dtype: str = "auto", kv_bits: int | None = None,
+                 kv_bits_k: int | None = None, kv_bits_v: int | None = None, kv_group_size: int | None = None):
         self.kv_formats = kvcache.formats(kv_bits, kv_bits_k, kv_bits_v, kv_group_size)  # (key, value)
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
-        self.backend = make_backend(backend, device)
+        self.backend = make_backend(backend, device, dtype=dtype, threads=threads)
         self.caches = self._check_contract()
         try:
             self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
@@ -68,23 +87,30 @@ class Session:
                               self.lm.path)
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
-        self.static_decode = static_decode and self.in_place
-        self.static_checked = False
+        self.mode = Decode.CHECKING if static_decode and self.in_place else Decode.DYNAMIC
         self.profiler = Profiler()
         self.executor.profiler = self.profiler
         self.max_len = 0
         self.pos = 0
-        self.compile = _compile_default(self.backend) if compile is None else bool(compile)
-        self.compiled: CompiledDecode | None = None
+        env = os.environ.get("FUSELM_COMPILE", "")
+        self.compile = (env not in ("0", "false", "no") if env else self.backend.compile_default) \
+            if compile is None else bool(compile)
+        self.compiled_steps: dict[int, CompiledDecode] = {}  # by cache length: compiled shapes are fixed
         self.compile_failed: str | None = None
-        self.threads = None
-        if self.backend.name == "torch" and self.backend.device == "cpu":
-            import torch
+        self.threads = getattr(self.backend, "threads", None)
 
-            from .backends.torch_quant import set_kernel_threads
+    # --- what ran (validate, bench, describe) ---------------------------------------------------
+    @property
+    def static_decode(self) -> bool:
+        return self.mode is not Decode.DYNAMIC
 
-            self.threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0) or torch.get_num_threads()
-            set_kernel_threads(self.threads)
+    @property
+    def static_checked(self) -> bool:
+        return self.mode in (Decode.STATIC, Decode.COMPILED)
+
+    @property
+    def compiled(self) -> CompiledDecode | None:
+        return self.compiled_steps.get(self.max_len)
 
     # --- contract ------------------------------------------------------------------------------
     def _check_contract(self) -> list[CacheSpec]:
@@ -139,22 +165,24 @@ class Session:
         if need > free:  # refuse before allocating (a huge --max-tokens, or absurd cache dims in the graph)
             raise FuselmError(f"the KV cache for {self.max_len:,} tokens needs {need / 2**30:,.1f} GiB, more than the "
                               f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
-        if self.in_place:
-            self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, self.max_len, c.head_dim), c.dtype,
-                                                       self._kv_format(c)) for c in self.caches}
-        else:
-            self.buffers = {c.name: b.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in self.caches}
-        self._static_mask = None
+        self._pos_dev = None  # (position, the same as a device array) the compiled step handed back
+        length = self.max_len if self.in_place else 0
+        self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, length, c.head_dim), c.dtype, self._kv_format(c))
+                        for c in self.caches}
 
     def _kv_format(self, c: CacheSpec) -> kvcache.KVFormat:
         return self.kv_formats[c.name.endswith(".value")]
 
-    def _ids(self, ids, dtype=np.int64):
-        return self.backend.asarray(np.asarray(ids, dtype).reshape(1, -1))
+    def _ids(self, ids):
+        """Token ids as the graph's [1, n] int64 input: a list, or a device array (a picked token)."""
+        if isinstance(ids, (list, tuple, np.ndarray)):
+            return self.backend.asarray(np.asarray(ids, np.int64).reshape(1, -1))
+        return self.backend.reshape(self.backend.cast(ids, TensorProto.INT64), (1, -1))
 
-    def _run(self, ids: list[int], pos, mask, positions, views: dict, static: bool) -> object:
+    def _run(self, ids, pos, mask, positions, views: dict) -> object:
         feeds = {"input_ids": self._ids(ids), "attention_mask": mask, "position_ids": positions, **views}
         self.executor.ctx["rope_offset"] = pos
+        self.executor.ctx["all_logits"] = False
         out = self.executor.run(feeds)
         if self.in_place:
             for name, view in views.items():
@@ -164,18 +192,12 @@ class Session:
                 self.buffers[c.name] = out[c.present]
         return out["logits"]
 
-    def _cpu_threads(self, n: int) -> None:
-        # decode on CPU: torch's pool at one thread (tiny ops lose to fork/join), the matmul kernels
-        # keep all cores; prefill: torch's GEMMs get all cores too
-        if self.threads is not None:
-            import torch
+    def prefill(self, ids: list[int], chunk: int | None = None):
+        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]).
 
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
-
-    def prefill(self, ids: list[int], chunk: int = PREFILL_CHUNK):
-        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab])."""
-        self._cpu_threads(self.threads or 1)
+        Only the last position of each chunk goes through the lm_head (graph.py's LastRows)."""
+        chunk = chunk or self.backend.prefill_chunk
+        self.backend.set_threads(decode=False)
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
         if self.pos + len(ids) > self.max_len:
@@ -184,65 +206,71 @@ class Session:
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             logits = self._step_dynamic(part)
+            if self.backend.lazy and start + chunk < len(ids):  # compute the cache, never these logits
+                self.backend.sync(list(self.buffers.values()))
         return logits
 
-    def _step_dynamic(self, part: list[int]):
-        b, s, pos = self.backend, len(part), self.pos
-        mask = self._ids(np.ones(pos + s))
-        positions = self._ids(np.arange(pos, pos + s))
+    def _step_dynamic(self, part):
+        b, pos = self.backend, self.pos
+        s = len(part) if isinstance(part, (list, tuple)) else 1
+        mask = b.asarray(np.ones((1, pos + s), np.int64))
+        positions = b.asarray(np.arange(pos, pos + s, dtype=np.int64).reshape(1, -1))
         if self.in_place:
             views = {c.name: CacheView(self.buffers[c.name], pos, s) for c in self.caches}
         else:
             views = dict(self.buffers)
-        logits = self._run(part, pos, mask, positions, views, static=False)
+        logits = self._run(part, pos, mask, positions, views)
         self.pos += s
-        return b.slice(logits, (0, s - 1))
+        return b.slice(logits, (0, b.shape(logits)[1] - 1))
 
-    def decode(self, token: int):
-        """One decode step; returns the logits of the new token (backend array [vocab])."""
+    def decode(self, token):
+        """One decode step for `token` (an int, or a device array from `pick`); returns the logits of the
+        new token (backend array [vocab])."""
         if self.pos + 1 > self.max_len:
             raise FuselmError(f"the cache is full ({self.max_len} tokens); reset with a larger max_len")
-        self._cpu_threads(1)
-        if not self._use_static():
-            return self._step_dynamic([token])
-        if not self.static_checked:
+        self.backend.set_threads(decode=True)
+        token = [int(token)] if isinstance(token, (int, np.integer)) else token
+        # a sliding-window mask is computed from the cache index: static shapes would move the query
+        # to the end of the buffer, so the window only stays right while the buffer fits in it
+        if self.mode is Decode.DYNAMIC or (self.window is not None and self.max_len > self.window):
+            return self._step_dynamic(token)
+        if self.mode is Decode.CHECKING:
             return self._checked_static(token)
         return self._step_static(token)
 
-    def _use_static(self) -> bool:
-        # a sliding-window mask is computed from the cache index: static shapes would move the query
-        # to the end of the buffer, so the window only stays right while the buffer fits in it
-        return self.static_decode and (self.window is None or self.max_len <= self.window)
-
-    def _step_static(self, token: int):
+    def _step_static(self, token):
         b, pos = self.backend, self.pos
-        if self._static_mask is None:
-            self._static_mask = np.zeros((1, self.max_len), np.int64)
-        self._static_mask[0, : pos + 1] = 1
-        pos_dev = b.asarray(np.array(pos, np.int64))
-        args = (self._ids([token]), b.asarray(self._static_mask), self._ids([pos]), pos_dev)
-        if self.compiled is not None and self.compiled.fn is not None and not self.profiler.enabled:
-            logits, bufs = self.compiled(*args, [self.buffers[c.name] for c in self.caches])
+        pos_dev = self._pos_dev if self._pos_dev is not None and self._pos_dev[0] == pos else None
+        pos_dev = pos_dev[1] if pos_dev is not None else b.asarray(np.array(pos, np.int64))
+        ids = self._ids(token)
+        step = self.compiled
+        if step is not None and not self.profiler.enabled:
+            logits, nxt, bufs = step(ids, pos_dev, [self.buffers[c.name] for c in self.caches])
             self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
+            self._pos_dev = (pos + 1, nxt)
         else:
+            feeds = static_feeds(b, ids, pos_dev, self.max_len)
             views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
-            logits = self._run([token], pos_dev, args[1], args[2], views, static=True)
-            if self.compile and self.compiled is None and self.static_checked and self.compile_failed is None:
-                self._build_compiled(args, logits)
+            logits = self._run(ids, pos_dev, feeds["attention_mask"], feeds["position_ids"], views)
+            if step is None and self.compile and self.compile_failed is None:
+                self._build_compiled(ids, pos_dev, logits)
         self.pos += 1
         return b.slice(logits, (0, 0))
 
-    def _build_compiled(self, args: tuple, eager_logits) -> None:
+    def _build_compiled(self, ids, pos_dev, eager_logits) -> None:
         """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
 
         Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
-        plan = self.executor.plan_for({"input_ids": args[0], "attention_mask": args[1], "position_ids": args[2],
-                                       **{c.name: CacheView(self.buffers[c.name], args[3], 1, static=True)
-                                          for c in self.caches}})
-        compiled = CompiledDecode(self, plan)
+        feeds = static_feeds(self.backend, ids, pos_dev, self.max_len)
+        plan = self.executor.plan_for({**feeds, **{c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True)
+                                                   for c in self.caches}})
+        if plan is None:
+            return
+        compiled = CompiledDecode(self, plan, self.max_len)
+        bufs = [self.buffers[c.name] for c in self.caches]
         try:
-            compiled.build(args + tuple(self.buffers[c.name] for c in self.caches))
-            logits, _ = compiled(*args, [self.buffers[c.name] for c in self.caches])
+            compiled.build((ids, pos_dev, *bufs))
+            logits, _, _ = compiled(ids, pos_dev, bufs)
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.compile_failed = f"{type(e).__name__}: {e}"[:300]
             return
@@ -251,35 +279,55 @@ class Session:
                        - np.asarray(self.backend.to_numpy(logits), np.float64)).max()
             self.compile_failed = f"compiled logits differ from the eager step by {d:.3g}"
             return
-        self.compiled = compiled
+        self.compiled_steps[self.max_len] = compiled
+        self.mode = Decode.COMPILED
 
     def _tolerance(self) -> float:
         """How far two orders of the same float work may drift, as a share of the largest logit: bf16
-        activations (CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit difference
-        upstream (attention over a padded static buffer vs the exact length) flips roundings that
-        grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
-        bf16 = any(n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes
-                   if n.op_type == "QMatMul")
-        return 3e-2 if bf16 else 1e-3
+        activations (MLX half compute, CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit
+        difference upstream (attention over a padded static buffer vs the exact length) flips roundings
+        that grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
+        half = self.backend.compute != "f32" or any(
+            n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes if n.op_type == "QMatMul")
+        return 3e-2 if half else 1e-3
 
-    def _checked_static(self, token: int):
-        """First decode step: run it dynamic and static; keep static decode only if both agree.
-
-        This proves, for each model, that its mask logic survives static shapes (graphs from other
-        exporters may derive positions from shapes in ways that do not)."""
+    def _checked_static(self, token):
+        """First decode step: run it dynamic and static; keep static decode only if both agree."""
         b = self.backend
         pos = self.pos
         saved = {k: kvcache.snapshot(b, v, pos, pos + 1) for k, v in self.buffers.items()}
-        dyn = b.to_numpy(self._step_dynamic([token])).astype(np.float64)
+        dyn = np.asarray(b.to_numpy(self._step_dynamic(token)), np.float64)
         self.buffers = {k: kvcache.restore(b, self.buffers[k], v) for k, v in saved.items()}
         self.pos = pos
+        self.mode = Decode.STATIC
         out = self._step_static(token)
-        st = b.to_numpy(out).astype(np.float64)
+        st = np.asarray(b.to_numpy(out), np.float64)
         scale = max(1.0, float(np.abs(dyn).max()))
-        self.static_checked = True
         if not np.allclose(dyn, st, atol=self._tolerance() * scale, rtol=0):
-            self.static_decode = False
+            self.mode = Decode.DYNAMIC
         return out
+
+    # --- generation -------------------------------------------------------------------------------
+    def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
+        """Prefill `ids`, then yield up to `max_new` tokens (the caller stops early at eos).
+
+        Tokens are picked on the device and, on a lazy backend (MLX), the next step is queued before
+        this token is read (mx.async_eval), so the host builds step n+1 while the device runs step n.
+        The cache must have room: reset(len(ids) + max_new) first."""
+        b = self.backend
+        y = b.pick_token(self.prefill(ids), sampler)
+        b.async_eval(y)
+        for n in range(max_new):
+            nxt = None
+            if n + 1 < max_new:
+                nxt = b.pick_token(self.decode(y), sampler)
+                b.async_eval(nxt)
+            token = b.item(y)
+            if token < 0:
+                raise FuselmError(f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
+                                  "broken (`fuselm validate` compares it with the checkpoint)")
+            yield token
+            y = nxt
 
     def logits_to_numpy(self, logits) -> np.ndarray:
         return np.asarray(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
@@ -288,27 +336,21 @@ class Session:
         b = self.backend
         kind = {w.kind for n in self.graph.nodes if n.op_type == "QMatMul" for w in [n.attrs["weight"]]}
         extra = f", quantized matmul: {'/'.join(sorted(kind))}" if kind else ""
-        mode = "static-shape decode" if self._use_static() else "dynamic decode"
-        if self._use_static() and self.compile:
-            mode += (f", compiled: {self.compiled.what}" if self.compiled is not None else ", compiles after the first decode steps") \
-                if self.compile_failed is None else f", compile failed ({self.compile_failed})"
+        mode = self.mode.value
+        if self.static_decode and self.compile and self.mode is not Decode.COMPILED:
+            mode += ", compiles on the first static step" if self.compile_failed is None else \
+                f", compile failed ({self.compile_failed})"
+        elif self.mode is Decode.COMPILED:
+            mode += f": {self.compiled.what}" if self.compiled is not None else ""
+        dtype = f", {b.compute} compute" if b.compute != "f32" else ""
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
-        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{extra}, " \
+        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
                f"KV cache {kv})"
 
 
 def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
     """The KV cache keywords run/validate pass on to Session (any other keyword is a TypeError, as before)."""
     return {"kv_bits": kv_bits, "kv_bits_k": kv_bits_k, "kv_bits_v": kv_bits_v, "kv_group_size": kv_group_size}
-
-
-def _compile_default(backend) -> bool:
-    """mx.compile and CUDA graphs are cheap to build; inductor on CPU takes ~45 s for a 28-layer model,
-    so there it is opt-in (FUSELM_COMPILE=1 or compile=True)."""
-    env = os.environ.get("FUSELM_COMPILE", "")
-    if env:
-        return env not in ("0", "false", "no")
-    return backend.name == "mlx" or backend.device.startswith("cuda")
 
 
 def _check_declared(ins: dict) -> None:

@@ -35,16 +35,18 @@ class Trace:
         return self.tokens[-1]
 
 
-def runtime_greedy(sess: Session, ids: list[int], n: int) -> Trace:
+def runtime_greedy(sess: Session, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
+    """Greedy tokens of the runtime; with `force`, each step is fed force[i] instead (teacher forcing,
+    so two runs see the same context and their logits can be compared at every step)."""
     sess.reset(len(ids) + n)
     trace = Trace()
     token = trace.add(sess.logits_to_numpy(sess.prefill(ids)))
-    for _ in range(n - 1):
-        token = trace.add(sess.logits_to_numpy(sess.decode(token)))
+    for i in range(n - 1):
+        token = trace.add(sess.logits_to_numpy(sess.decode(force[i] if force is not None else token)))
     return trace
 
 
-def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool) -> Trace:
+def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool, force: list[int] | None = None) -> Trace:
     """The same graph in onnxruntime, past/present fed back by hand."""
     import onnxruntime as ort
 
@@ -60,18 +62,19 @@ def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool) -> Trac
             pasts[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dtype)
     outs = [o.name for o in s.get_outputs()]
     trace, pos, step = Trace(), 0, list(ids)
-    for _ in range(n):
+    for i in range(n):
         feeds = {"input_ids": np.array([step], np.int64), "attention_mask": np.ones((1, pos + len(step)), np.int64),
                  "position_ids": np.arange(pos, pos + len(step), dtype=np.int64)[None], **pasts}
         res = dict(zip(outs, s.run(None, feeds), strict=True))
         pasts = {k: res[k.replace("past_key_values.", "present.")] for k in pasts}
         pos += len(step)
-        step = [trace.add(res["logits"][0, -1])]
+        token = trace.add(res["logits"][0, -1])
+        step = [force[i] if force is not None and i < len(force) else token]
     return trace
 
 
-def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
-    """HF transformers on the checkpoint, float32, eager attention: the reference."""
+def hf_greedy(hf_dir: Path, ids: list[int], n: int, dtype: str = "f32", force: list[int] | None = None) -> Trace:
+    """HF transformers on the checkpoint, eager attention: the reference (float32 unless `dtype`)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,7 +84,8 @@ def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
     hf_logging.set_verbosity_error()
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
+        torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, attn_implementation="eager",
                                                      local_files_only=True, use_safetensors=True,
                                                      trust_remote_code=False).eval()
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
@@ -90,10 +94,11 @@ def hf_greedy(hf_dir: Path, ids: list[int], n: int) -> Trace:
     trace = Trace()
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), use_cache=True)
-        token = trace.add(out.logits[0, -1].numpy())
-        for _ in range(n - 1):
-            out = model(input_ids=torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
-            token = trace.add(out.logits[0, -1].numpy())
+        token = trace.add(out.logits[0, -1].float().numpy())
+        for i in range(n - 1):
+            step = force[i] if force is not None else token
+            out = model(input_ids=torch.tensor([[step]]), cache=out.past_key_values, use_cache=True)
+            token = trace.add(out.logits[0, -1].float().numpy())
     return trace
 
 
@@ -105,8 +110,13 @@ def _max_diff(a: Trace, b: Trace) -> list[float]:
     return [float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits, strict=False)]
 
 
+# What a half-precision run may drift from the f32 reference beyond HF's own run in that format: one
+# rounding of the format's mantissa (bf16 8 bits, f16 11) of the largest logit.
+HALF_FLOOR = {"bf16": 2.0**-8, "f16": 2.0**-11}
+
+
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None, **kv) -> dict:
+             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", **kv) -> dict:
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
     from rich.console import Console
     from rich.table import Table
@@ -119,7 +129,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
                           "checkpoint the model was converted from")
     path = Path(model_dir)
     sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                   threads=threads, **kv_options(**kv))
+                   threads=threads, dtype=dtype, **kv_options(**kv))
     if prompt_ids is None:
         tok = load_tokenizer(path, required=False)
         prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
@@ -127,6 +137,8 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     mode = (sess.meta.get("quantization") or {}).get("mode")
     quantized = mode in ("q4", "q8") or any(n.op_type in ("QMatMul", "QGather", "DequantizeLinear")
                                             for n in sess.graph.nodes)
+    if sess.backend.compute != "f32":
+        return _validate_half(sess, ref, ids, tokens, quantized, mode, quiet)
     ours = runtime_greedy(sess, ids, tokens)
     onnxrt = ort_greedy(sess.lm.path, ids, tokens, quantized)
     hf = hf_greedy(ref, ids, tokens)
@@ -159,4 +171,53 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
                           f"{target_name} {target.tokens[first]} (max |Δlogit| there "
                           f"{(d_ort if quantized else d_hf)[first]:.3g})")
     console.print(f"[green]OK[/green]: {tokens} greedy tokens equal {target_name}'s")
+    return result
+
+
+def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: bool, mode, quiet: bool) -> dict:
+    """Half-precision compute against the f32 reference, HF transformers' own run in the same dtype as the
+    yardstick. All runs are teacher-forced on the reference's greedy tokens, so every step compares logits
+    over the same context: fuselm's drift from the f32 reference must stay within twice HF's drift in that
+    format plus one rounding of the largest logit (HALF_FLOOR). Free-running greedy tokens are reported
+    (first step that differs from the reference, for fuselm and for HF in that dtype), not required equal:
+    near-ties flip under any rounding."""
+    from rich.console import Console
+    from rich.table import Table
+
+    dtype = sess.backend.compute
+    f32 = ort_greedy(sess.lm.path, ids, n, quantized) if quantized else hf_greedy(ref, ids, n)
+    target_name = "onnxruntime (f32 activations)" if quantized else "HF transformers f32"
+    force = f32.tokens
+    ours = runtime_greedy(sess, ids, n, force=force)
+    hf32 = f32 if not quantized else hf_greedy(ref, ids, n, force=force)
+    hf_half = hf_greedy(ref, ids, n, dtype=dtype, force=force)
+    drift, yard = _max_diff(ours, f32), _max_diff(hf_half, hf32)
+    scale = max(1.0, max(float(np.abs(x).max()) for x in f32.logits))
+    tol = [2 * y + HALF_FLOOR[dtype] * scale for y in yard]
+    free = runtime_greedy(sess, ids, n)
+    first = _first_diff(free.tokens, f32.tokens)
+    hf_first = _first_diff(hf_greedy(ref, ids, n, dtype=dtype).tokens, hf32.tokens if not quantized else
+                           hf_greedy(ref, ids, n).tokens)
+    console = Console(quiet=quiet)
+    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph in {dtype}, reference {target_name}")
+    for col in ("step", "reference", f"fuselm {dtype} (forced)", f"max|Δlogit| fuselm {dtype}",
+                f"max|Δlogit| HF {dtype}", "allowed"):
+        table.add_column(col, justify="right")
+    for i in range(n):
+        mark = f"[red]{drift[i]:.2e}[/red]" if drift[i] > tol[i] else f"{drift[i]:.2e}"
+        table.add_row(str(i), str(f32.tokens[i]), str(ours.tokens[i]), mark, f"{yard[i]:.2e}", f"{tol[i]:.2e}")
+    console.print(table)
+    console.print(f"free-running greedy tokens first differ from the reference at step {first} (fuselm {dtype}) "
+                  f"and {hf_first} (HF {dtype})")
+    result = {"dtype": dtype, "reference": target_name, "tokens": free.tokens, "reference_tokens": f32.tokens,
+              "first_mismatch": first, "hf_half_first_mismatch": hf_first, "drift": drift, "hf_half_drift": yard,
+              "allowed": tol, "quantized": quantized, "backend": sess.backend.name, "device": sess.backend.device,
+              "static_decode": sess.static_checked, "compiled": sess.compiled is not None,
+              "compile_failed": sess.compile_failed, "describe": sess.describe()}
+    bad = [i for i in range(n) if drift[i] > tol[i]]
+    if bad:
+        i = bad[0]
+        raise CheckFailed(f"{dtype} logits drift {drift[i]:.3g} from {target_name} at step {i}, beyond the "
+                          f"{tol[i]:.3g} allowed (HF transformers in {dtype} drifts {yard[i]:.3g} there)")
+    console.print(f"[green]OK[/green]: {n} steps within the {dtype} tolerance of {target_name}")
     return result

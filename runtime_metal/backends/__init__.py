@@ -18,8 +18,16 @@ def mlx_metal_available() -> bool:
         return False
 
 
-def make_backend(backend: str = "auto", device: str | None = None):
-    """auto: MLX on a Mac with Metal, else torch on CUDA when there, else torch on CPU."""
+DTYPES = ("auto", "f32", "f16", "bf16")
+
+
+def make_backend(backend: str = "auto", device: str | None = None, dtype: str = "auto", threads: int | None = None):
+    """auto: MLX on a Mac with Metal, else torch on CUDA when there, else torch on CPU.
+
+    `dtype` is the compute type of the graph's float32 values: auto = bf16 on a GPU (as mlx-lm and
+    the checkpoints run), f32 on a CPU and for validation against onnxruntime."""
+    if dtype not in DTYPES:
+        raise FuselmError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if backend == "auto":
         if mlx_metal_available():
             backend = "mlx"
@@ -33,7 +41,9 @@ def make_backend(backend: str = "auto", device: str | None = None):
         except ImportError as e:
             raise FuselmError(f"--backend mlx needs MLX ({e}); install it with `pip install mlx` (on Linux "
                               "`pip install 'mlx[cpu]'`)") from None
-        return MLXBackend(device)
+        b = MLXBackend(device)
+        want = ("bf16" if b.device.startswith("gpu") else "f32") if dtype == "auto" else dtype
+        return MLXBackend(device, want) if want != "f32" else b
     if backend == "torch":
         import torch
 
@@ -47,5 +57,8 @@ def make_backend(backend: str = "auto", device: str | None = None):
             raise FuselmError(f"--device {device} asks for CUDA, but torch sees no CUDA device; use --device cpu")
         if dev.type == "mps" and not torch.backends.mps.is_available():
             raise FuselmError("--device mps asks for Metal through torch, but MPS is not available; use --device cpu")
-        return TorchBackend(str(dev))
+        if dtype not in ("auto", "f32"):
+            raise FuselmError(f"--dtype {dtype} runs on the MLX backend; the torch backend computes in f32 (its CUDA "
+                              "kernels take f32 activations): pass --dtype f32 or --backend mlx")
+        return TorchBackend(str(dev), threads=threads)
     raise FuselmError(f"unknown backend {backend!r}; choose auto, mlx or torch")

@@ -36,11 +36,20 @@ class QuantizedWeight:
 
 
 class Backend:
-    """One array library on one device. Subclasses implement every method below."""
+    """One array library on one device. Subclasses implement every method below.
+
+    Capabilities (class attributes the session reads instead of checking backend names):
+    `lazy` — arrays are computed on demand (MLX), so the next decode step is queued while the
+    device runs this one; `compile_default` — compiling the static decode step is cheap enough to
+    do without being asked; `compute` — the compute type of the graph's float32 values."""
 
     name = "base"
     device = "cpu"
     host = False  # True only for the numpy backend that evaluates shape subgraphs
+    lazy = False
+    compile_default = False
+    compute = "f32"
+    prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value: np.ndarray):
@@ -71,6 +80,38 @@ class Backend:
 
     def new_step(self) -> None:
         """A graph run begins (backends that memoize within a step reset here)."""
+
+    def async_eval(self, *xs) -> None:
+        """Start computing `xs` without waiting (lazy backends); a no-op where execution is eager."""
+
+    def item(self, x) -> int:
+        """A one-element integer array as a Python int (waits for it)."""
+        return int(self.to_numpy(x).reshape(-1)[0])
+
+    def set_threads(self, decode: bool) -> None:
+        """Size the backend's CPU thread pools for a decode step (True) or a prefill chunk (False)."""
+
+    def compile_step(self, fn, args: tuple, n_inputs: int):
+        """Compile `fn(*args) -> (logits, *buffers)`, whose first `n_inputs` args are small per-step
+        inputs and the rest KV buffers; returns (callable with the same signature and result, what)."""
+        raise NotImplementedError
+
+    def pick_token(self, logits, sampler):
+        """The next token as a one-element device integer array, -1 when the logits hold NaN or +inf.
+
+        This default picks greedily on the device and samples on the host."""
+        if not sampler.greedy:
+            from ..sampling import sample
+
+            x = np.asarray(self.to_numpy(logits), np.float32).reshape(-1)
+            tok = -1 if np.isnan(x).any() or np.isposinf(x).any() else \
+                sample(x, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+            return self.asarray(np.array([tok], np.int64))
+        x = self.reshape(logits, (-1,))
+        tok = self.arg_reduce("max", x, 0, True, False)
+        bad = self.binary("or", self.unary("isnan", x), self.binary("equal", x, self.full((1,), np.inf, self.dtype(x))))
+        bad = self.reduce("max", self.cast(bad, 6), (0,), True)  # int32
+        return self.where(self.cast(bad, 9), self.full((1,), -1, 7), tok)
 
     # --- math ---------------------------------------------------------------------------
     def unary(self, op: str, x):

@@ -56,20 +56,72 @@ _BINARY = {
 }
 
 
+HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
+
+
+
+def gpu_kind() -> str | None:
+    """'Metal' or 'CUDA' when this MLX build has a GPU, else None."""
+    if mx.metal.is_available():
+        return "Metal"
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return "CUDA" if cuda is not None and cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a build without the CUDA backend
+        return None
+
+
+# MLX primitives that only make a view of their input (no kernel of their own)
+VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "Slice", "AsStrided", "Flatten", "Unflatten",
+         "StopGradient", "Depends", "Split", "Copy"}
+
+
+def graph_kernels(outputs: list) -> dict:
+    """The primitives that compute `outputs` from what is already evaluated (mx.export_to_dot): all of them,
+    the ones that launch work ('kernels': not views), and the kernels by primitive, most frequent first."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    labels = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue())
+    by: dict[str, int] = {}
+    for x in labels:
+        if x not in VIEWS:
+            by[x] = by.get(x, 0) + 1
+    return {"kernels": sum(by.values()), "primitives": len(labels), "top": sorted(by.items(), key=lambda kv: -kv[1])}
+
+
 class MLXBackend(Backend):
+    """`dtype` is the compute type of the graph's float32 values: "f32", or "f16" / "bf16", in which case
+    every float32 tensor (weights, activations, the KV cache, quantization scales) lives in half
+    precision, as mlx-lm runs; the fused kernels accumulate in float32 either way."""
+
     name = "mlx"
+    lazy = True
+    compile_default = True
 
-    def __init__(self, device: str | None = None):
+    def __init__(self, device: str | None = None, dtype: str = "f32"):
+        from fuselm.errors import FuselmError
+
         if device not in (None, "gpu", "cpu"):
-            from fuselm.errors import FuselmError
-
             raise FuselmError(f"--device {device!r} is not an MLX device; use gpu or cpu")
-        if device == "gpu" or (device is None and mx.metal.is_available()):
+        kind = gpu_kind()
+        if device == "gpu" and kind is None:
+            raise FuselmError("--device gpu: this MLX build has no GPU (Metal or CUDA); use --device cpu")
+        if device == "gpu" or (device is None and kind is not None):
             mx.set_default_device(mx.gpu)
-            self.device = "gpu (Metal)"
+            self.device = f"gpu ({kind})"
+            self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
+        if dtype not in ("f32", *HALF):
+            raise FuselmError(f"--dtype {dtype!r} is not one of f32, f16, bf16")
+        self.compute = dtype
+        self._float = HALF.get(dtype, mx.float32)
+        self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
+        self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict[int, mx.array] = {}
 
     # --- data movement ---------------------------------------------------------------
@@ -79,6 +131,8 @@ class MLXBackend(Backend):
             return mx.array(value.view(np.uint16)).view(mx.bfloat16)
         if value.dtype == np.float64:  # Metal has no float64; MLX's CPU backend has
             return mx.array(value, dtype=mx.float32 if "gpu" in self.device else mx.float64)
+        if value.dtype == np.float32 and self._float != mx.float32:
+            return mx.array(value).astype(self._float)
         return mx.array(value)
 
     def to_numpy(self, x):
@@ -89,22 +143,70 @@ class MLXBackend(Backend):
         return np.array(x)
 
     def dtype(self, x):
-        return _ONNX_OF[x.dtype]
+        return self._of_mx[x.dtype]
 
     def cast(self, x, to):
-        return x.astype(MX_DTYPES[to])
+        return x.astype(self._to_mx[to])
 
     def full(self, shape, value, to):
-        return mx.full(tuple(shape), value, dtype=MX_DTYPES[to])
+        return mx.full(tuple(shape), value, dtype=self._to_mx[to])
 
     def arange(self, start, limit, delta, to):
-        dt = MX_DTYPES[to]
+        dt = self._to_mx[to]
         if dt in _INTEGER:
             return mx.arange(int(start), int(limit), int(delta)).astype(dt)
         return mx.arange(start, limit, delta, dtype=dt)
 
     def sync(self, x):
         mx.eval(x)
+
+    def async_eval(self, *xs):
+        mx.async_eval(*xs)
+
+    def item(self, x):
+        return int(x.item()) if x.size == 1 else int(np.array(x).reshape(-1)[0])
+
+    def compile_step(self, fn, args, n_inputs):
+        """mx.compile of the whole decode step: KV buffers in and out (written with slice_update)."""
+        return mx.compile(fn), "mx.compile"
+
+    def pick_token(self, logits, sampler):
+        """The next token on the device: greedy argmax, or sampling (temperature, top-k, top-p) with
+        MLX's random ops; -1 when the logits hold NaN or +inf."""
+        x = logits.reshape(-1).astype(mx.float32)
+        if sampler.temperature <= 0:
+            tok = mx.argmax(x)
+        else:
+            z = x / sampler.temperature
+            if sampler.top_k and sampler.top_k < z.size:
+                kth = mx.sort(z)[-sampler.top_k]
+                z = mx.where(z < kth, -mx.inf, z)
+            if sampler.top_p < 1.0:
+                order = mx.argsort(-z)
+                p = mx.softmax(z[order], precise=True)
+                drop = (mx.cumsum(p) - p) >= sampler.top_p  # keep the smallest prefix reaching top_p
+                z = mx.put_along_axis(z, order, mx.where(drop, -mx.inf, z[order]), axis=0)
+            tok = mx.random.categorical(z, key=sampler.next_key(self))
+        bad = mx.any(mx.isnan(x) | (x == mx.inf))
+        return mx.where(bad, -1, tok.astype(mx.int32))
+
+    def count_kernels(self, sess) -> dict | None:
+        """The kernels of one decode step as it runs now (compiled when it is); None before a decode step ran."""
+        if not sess.pos or sess.pos + 1 > sess.max_len:
+            return None
+        mx.eval(list(sess.buffers.values()))
+        saved, pos = dict(sess.buffers), sess.pos
+        y = sess.decode(mx.array([1]))
+        counts = graph_kernels([y, *sess.buffers.values()])
+        sess.buffers, sess.pos = saved, pos  # the step is not kept: the same rows are written again later
+        return {**counts, "what": "mx.compile fused graph" if sess.compiled is not None else "eager graph"}
+
+    def random_key(self, seed: int):
+        return mx.random.key(seed)
+
+    def split_key(self, key):
+        k = mx.random.split(key)
+        return k[0], k[1]
 
     # --- math ---------------------------------------------------------------------------
     def unary(self, op, x):
@@ -263,14 +365,17 @@ class MLXBackend(Backend):
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
             w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
             return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        qt = np.ascontiguousarray(q.T.astype(np.uint8))  # [N, K]: MLX quantizes rows along the last dim
+        # [N, K]: MLX quantizes rows along the last dim; transposed and packed on the device (a host
+        # transpose of every weight is most of a load)
+        qt = mx.transpose(mx.array(q.astype(np.uint8, copy=False)))
         if bits == 4:
-            qt = (qt[:, 0::2] | (qt[:, 1::2] << 4)).astype(np.uint8)
-        packed = np.ascontiguousarray(qt).view(np.uint32)  # little endian: first value in the low bits
+            pairs = qt.reshape(n, k // 2, 2)
+            qt = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(qt).view(mx.uint32)  # little endian: first value in the low bits
         s = np.ascontiguousarray(scale.T.astype(np.float32))
         zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
         bias = np.ascontiguousarray(-zp * s)
-        data = (mx.array(packed), mx.array(s), mx.array(bias))
+        data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
     def quantized_matmul(self, x, w):

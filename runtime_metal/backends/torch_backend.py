@@ -77,13 +77,37 @@ def _grouped_attention(q, k, v, mask, scale):
 
 
 class TorchBackend(Backend):
+    """`threads` (CPU): the matmul kernels' and prefill's threads (default FUSELM_THREADS, else torch's);
+    decode steps run torch's own pool at one thread (tiny ops lose to fork/join), the kernels keep all."""
+
     name = "torch"
 
-    def __init__(self, device: str | None = None):
+    def __init__(self, device: str | None = None, threads: int | None = None):
+        import os
+
         self.device = str(torch.device(device or "cpu"))
         self._dev = torch.device(self.device)
         self._rope_memo: tuple | None = None
         self._inv_freq: dict[int, tuple] = {}
+        self.threads = None
+        if self._dev.type == "cpu":
+            self.threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0) or torch.get_num_threads()
+            torch_quant.set_kernel_threads(self.threads)
+
+    @property
+    def compile_default(self) -> bool:
+        """CUDA graphs are cheap to build; inductor on CPU takes ~45 s for a 28-layer model."""
+        return self._dev.type == "cuda"
+
+    def set_threads(self, decode):
+        n = 1 if decode else self.threads
+        if self.threads is not None and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def compile_step(self, fn, args, n_inputs):
+        from .torch_compile import compile_step
+
+        return compile_step(fn, args, n_inputs, cuda=self._dev.type == "cuda")
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):

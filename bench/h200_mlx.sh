@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The MLX-on-GPU figures of bench/mlx_peer.py, as they were taken on the lent H200 (MLX's CUDA backend):
+# the same MLX ops and mx.compile as on a Mac's Metal GPU, CUDA kernels underneath. The machine has no
+# internet; the MLX wheels travel from here (../shared/tools/mlx-cuda-wheels.sh writes .mlxcuda/), and a
+# call carries at most 64 MiB, so the ~90 MB mlx-cuda wheel comes in two halves over two calls:
+#   bash bench/h200_mlx.sh stash  SHAPES   # carry .mlxcuda/p1 .mlxcuda/w: keep half 1; write checkpoints, convert
+#   bash bench/h200_mlx.sh bench  SHAPES   # carry .mlxcuda/p2 (within 30 s): install MLX, run the benchmark
+# Later calls on the same warm machine run `bench` again without carrying anything.
+# Results land in $OUT (the device tool brings them back): mlx-peer-gpu.json and the logs.
+set -uo pipefail
+phase=$1; shift
+shapes=${*:-0.6b}
+repo=$PWD
+stash=/root/stash
+work=/root/work
+export PYTHONPATH=/root/fl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+mkdir -p "$stash" "$work" "${OUT:-/tmp/out}"
+if [ ! -d /root/fl/fuselm ]; then  # fuselm itself, installed outside the checkout
+    python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
+fi
+case $phase in
+stash)
+    cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    # the CPU half of the preparation (checkpoints, fuselm convert + optimize): no GPU needed
+    cd /root
+    for s in $shapes; do
+        python3 "$repo/bench/convert.py" --shapes "$s" --make-checkpoint "$work/qwen3-$s-hf" >/dev/null || exit 1
+        for g in ${QGROUPS:-32 64}; do  # the group sizes side by side: each conversion is one core's work
+            exp=$work/qwen3-$s-q4-g$g-exported opt=$work/qwen3-$s-q4-g$g
+            ( [ -f "$exp/fuselm.json" ] || python3 -m fuselm.cli convert "$work/qwen3-$s-hf" -o "$exp" --quant q4 \
+                --block-size $g --lm-head q4 --embed q4 --force --quiet
+              [ -f "$opt/fuselm.json" ] || python3 -m fuselm.cli optimize "$exp" -o "$opt" --force --quiet ) &
+        done
+        wait
+        echo "prepared $s"
+    done
+    ;;
+bench)
+    if ! python3 -c "import mlx.core" 2>/dev/null; then
+        cat "$stash/part00" .mlxcuda/p2/part01 > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/*.whl || exit 1
+    fi
+    python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device())"
+    cd /root && python3 "$repo/bench/mlx_peer.py" --shapes $shapes --work "$work" --out "$OUT/mlx-peer-gpu.json" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/mlx-peer.log"
+    ;;
+esac

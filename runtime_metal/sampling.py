@@ -1,0 +1,63 @@
+"""How the next token is picked from the logits: greedy, or temperature / top-k / top-p sampling.
+
+A backend picks on the device where it can (`Backend.pick_token`): the logits never leave it and
+the next step can be queued before this one is read. `sample` is the host version, used where a
+backend has no device sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fuselm.errors import FuselmError
+
+
+@dataclass
+class Sampler:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    _rng: np.random.Generator | None = field(default=None, repr=False)
+    _key: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
+        self._rng = np.random.default_rng(self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self._rng
+
+    def next_key(self, backend):
+        """A fresh device random key (backends with device sampling), seeded once from `seed`."""
+        if self._key is None:
+            self._key = backend.random_key(int(self._rng.integers(0, 2**31 - 1)))
+        self._key, sub = backend.split_key(self._key)
+        return sub
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) sampling."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if top_k and top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        cum = np.cumsum(p[order])
+        cut = order[np.searchsorted(cum, top_p) + 1:]
+        p[cut] = 0.0
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))

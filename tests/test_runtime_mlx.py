@@ -1,0 +1,129 @@
+"""The MLX path and the generation loop (issue 10): device-side token picks, the pipelined generator,
+fuselm.stream_generate, decode modes, half-precision compute against HF in the same dtype, the profile's
+kernel count, and the side-by-side benchmark against mlx-lm on MLX's CPU backend."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FAMILIES
+from fuselm.runtime_metal.sampling import Sampler
+from fuselm.runtime_metal.session import Decode, Session
+
+import fuselm
+from fuselm import cli
+
+BENCH = Path(__file__).parent.parent / "bench" / "mlx_peer.py"
+
+
+def _host_greedy(sess, ids, n):
+    """The reference loop: logits to the host, argmax there, one step at a time."""
+    sess.reset(len(ids) + n)
+    tok = int(np.argmax(sess.logits_to_numpy(sess.prefill(ids))))
+    out = [tok]
+    for _ in range(n - 1):
+        tok = int(np.argmax(sess.logits_to_numpy(sess.decode(tok))))
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_generate_picks_on_device_as_the_host_loop(optimized, backend):
+    sess = Session(optimized("qwen3", "q4"), backend=backend)
+    ids = [5, 9, 2, 7]
+    want = _host_greedy(sess, ids, 10)
+    sess.reset(len(ids) + 10)
+    assert list(sess.generate(ids, 10, Sampler())) == want
+    if backend == "mlx":  # compiled after the checked step, fed positions from the device
+        assert sess.mode is Decode.COMPILED and sess.compiled is not None
+
+
+def test_device_sampling(optimized):
+    sess = Session(optimized("qwen2", "f32"), backend="mlx")
+    ids = [3, 4, 5]
+    greedy = _host_greedy(sess, ids, 8)
+    sess.reset(len(ids) + 8)  # top-k 1 is greedy whatever the temperature
+    assert list(sess.generate(ids, 8, Sampler(temperature=0.9, top_k=1, seed=3))) == greedy
+    runs = []
+    for _ in range(2):
+        sess.reset(len(ids) + 8)
+        runs.append(list(sess.generate(ids, 8, Sampler(temperature=1.5, top_p=0.9, seed=11))))
+    assert runs[0] == runs[1]  # seeded
+    vocab = sess.meta["dims"]["vocab"]
+    assert all(0 <= t < vocab for t in runs[0])
+
+
+def test_stream_generate(optimized):
+    model = optimized("qwen3", "f32")
+    out = list(fuselm.stream_generate(model, prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx"))
+    assert [r.generation_tokens for r in out] == [1, 2, 3, 4, 5]
+    assert out[-1].finish_reason == "length" and all(r.finish_reason is None for r in out[:-1])
+    assert out[0].prompt_tokens == 3 and out[0].prompt_tps > 0 and out[-1].generation_tps > 0
+    ran = fuselm.run(model, prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx", quiet=True)
+    assert ran["tokens"] == [r.token for r in out]
+
+
+def test_nan_logits_stop_on_device_pick(optimized, tmp_path):
+    """The device pick flags NaN logits (-1) and generation stops with exit 2, as the host check did."""
+    sess = Session(optimized("qwen3", "f32"), backend="mlx")
+    import mlx.core as mx
+
+    bad = mx.array(np.array([0.0, np.nan, 1.0], np.float32))
+    assert sess.backend.item(sess.backend.pick_token(bad, Sampler())) == -1
+    assert sess.backend.item(sess.backend.pick_token(mx.array(np.array([0.0, 3.0, 1.0], np.float32)), Sampler())) == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_validate_bf16_within_hf_bf16_drift(optimized, make_ckpt, family):
+    """bf16 compute on MLX: every step's logits stay within twice HF's own bf16 drift from the f32 reference
+    plus one bf16 rounding of the largest logit (validate's HALF_FLOOR), teacher-forced on the reference tokens."""
+    r = fuselm.validate(optimized(family, "f32"), make_ckpt(family), tokens=6, backend="mlx", dtype="bf16",
+                        quiet=True)
+    assert r["dtype"] == "bf16" and len(r["drift"]) == 6
+    assert all(d <= a for d, a in zip(r["drift"], r["allowed"], strict=True))
+    assert max(r["drift"]) > 0  # it did run in half precision
+
+
+def test_validate_bf16_quantized(optimized, make_ckpt):
+    r = fuselm.validate(optimized("llama", "q4"), make_ckpt("llama"), tokens=4, backend="mlx", dtype="bf16",
+                        quiet=True)
+    assert r["quantized"] and r["reference"].startswith("onnxruntime")
+
+
+def test_dtype_errors(exported, capsys):
+    model = str(exported("qwen3", "f32"))
+    assert cli.main(["run", model, "--prompt-ids", "1", "--backend", "torch", "--dtype", "bf16"]) == 2
+    assert "--dtype bf16 runs on the MLX backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", model, "--prompt-ids", "1", "--dtype", "f8"])
+    assert e.value.code == 2
+
+
+def test_profile_counts_kernels_on_mlx(optimized, capsys):
+    r = fuselm.run(optimized("qwen3", "q4"), prompt_ids=[1, 2, 3], max_tokens=9, ignore_eos=True, profile=True,
+                   backend="mlx")
+    err = capsys.readouterr().err
+    assert "synchronised timings" in err and "kernels per decode token" in err
+    k = r["profile"]["kernels"]
+    assert k["what"] == "mx.compile fused graph" and 0 < k["kernels"] <= k["primitives"]
+    assert any(name == "QuantizedMatmul" for name, _ in k["top"])
+
+
+def test_mlx_peer_bench_tiny(tmp_path):
+    """bench/mlx_peer.py on MLX's CPU backend at the tiny shape: both engines run, ratios are reported."""
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "peer.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--shapes", "tiny", "--groups", "32", "--contexts", "24",
+                        "--prefill", "16", "--runs", "1", "--decode", "6", "--work", str(tmp_path / "work"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    rows = {row["engine"]: row for row in data["rows"]}
+    assert set(rows) == {"mlx-lm", "fuselm"} and not any("error" in row for row in rows.values())
+    for row in rows.values():
+        assert row["decode_tok_s"]["24"] > 0 and row["prefill_tok_s"]["16"] > 0 and row["per_token"]["kernels"] > 0
+    assert "tiny g32 fuselm/mlx-lm decode@24" in data["summary"]
+    assert data["machine"]["mlx_lm"] and data["protocol"]["dtype"] == "f32"
