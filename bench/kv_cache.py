@@ -117,6 +117,43 @@ def child_context(args) -> dict:
             "static_decode": sess.static_decode, "describe": sess.describe()}
 
 
+def child_attention(args) -> dict:
+    """One decode token's attention in one layer of a Qwen3 shape at `context`, cache in `format`:
+    the runtime's own code (the AVX2 kernel for f32, attention_blocks for f16/int8), median of runs."""
+    import numpy as np
+    import torch
+
+    from fuselm.runtime_metal import attention_blocks, kvcache
+    from fuselm.runtime_metal.backends import make_backend
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    b = make_backend("torch", "cpu")
+    hq, hkv, d, t = 16, 8, 128, args.context  # Qwen3-0.6B (and 4B: 32 query heads share the same 8 kv heads)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn((1, hq, 1, d), generator=g)
+    kv = []
+    for _ in range(2):
+        x = torch.randn((1, hkv, t, d), generator=g)
+        fmt = kvcache.KVFormat(FORMATS[args.format])
+        view = kvcache.CacheView(kvcache.make_cache(b, (1, hkv, t, d), 1, fmt), 0, t)
+        kv.append(view.append(b, x, stored_ok=True))
+        del x
+    mask = torch.zeros((1, 1, 1, t))
+    scale = d ** -0.5
+
+    def step():
+        if isinstance(kv[0], kvcache.StoredKV):
+            return attention_blocks.attention(b, q, kv[0], kv[1], mask, scale)
+        return b.sdpa(q, kv[0], kv[1], mask, scale)
+
+    times = []
+    for _ in range(args.decode + 2):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"ms_per_layer": round(1e3 * float(np.median(times[2:])), 2), "runs": len(times) - 2}
+
+
 def child_quality(args) -> dict:
     """f16-cache greedy run, then each other format teacher-forced on its tokens."""
     import numpy as np
@@ -174,6 +211,8 @@ def measure(kind: str, model: Path, extra: list[str]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="demo,0.6b")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only one decode token's attention, one Qwen3-0.6B-shaped layer, per format and context")
     ap.add_argument("--contexts", default="2048,8192,32768")
     ap.add_argument("--formats", default="f32,f16,int8")
     ap.add_argument("--fill", choices=["auto", "prefill", "synthetic"], default="auto",
@@ -185,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/fuselm-bench-kv")
     ap.add_argument("--out", default=str(RESULTS / "kv-cache.json"))
     # child mode
-    ap.add_argument("--child", choices=["context", "quality"])
+    ap.add_argument("--child", choices=["context", "quality", "attention"])
     ap.add_argument("--model")
     ap.add_argument("--format", choices=sorted(FORMATS))
     ap.add_argument("--context", type=int)
@@ -194,7 +233,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        r = child_context(args) if args.child == "context" else child_quality(args)
+        r = {"context": child_context, "quality": child_quality, "attention": child_attention}[args.child](args)
         print("RESULT " + json.dumps(r), flush=True)
         return 0
 
@@ -205,7 +244,19 @@ def main(argv=None) -> int:
                            "python": platform.python_version()}, "models": {}}
     out_path = Path(args.out)
     if out_path.is_file():  # keep earlier models' rows (a run per model on a busy box)
-        results["models"] = json.loads(out_path.read_text()).get("models", {})
+        old = json.loads(out_path.read_text())
+        results["models"], results["attention_0.6b_layer"] = old.get("models", {}), old.get("attention_0.6b_layer", {})
+    if args.attention_only:
+        for ctx in args.contexts.split(","):
+            row = results.setdefault("attention_0.6b_layer", {}).setdefault(ctx, {})
+            for fmt in args.formats.split(","):
+                row[fmt] = measure("attention", Path("-"), ["--format", fmt, "--context", ctx,
+                                                            "--decode", str(args.decode), *threads])
+                print(f"attention ctx {ctx} {fmt}: {json.dumps(row[fmt])}", flush=True)
+            if row.get("int8", {}).get("ms_per_layer") and row.get("f16", {}).get("ms_per_layer"):
+                row["int8"]["speed_vs_f16"] = round(row["f16"]["ms_per_layer"] / row["int8"]["ms_per_layer"], 3)
+            out_path.write_text(json.dumps(results, indent=2))
+        return 0
     for name in args.models.split(","):
         model = prepare(name, work)
         rows = results["models"].setdefault(name, {"contexts": {}})

@@ -31,7 +31,7 @@ def _have_mlx() -> bool:
         return False
 
 
-def _logits(path, backend, steps=12, prompt=PROMPT, **kv) -> np.ndarray:
+def _logits(path, backend, steps=6, prompt=PROMPT, **kv) -> np.ndarray:
     if backend == "mlx" and not _have_mlx():
         pytest.skip("mlx not installed")
     s = Session(path, backend=backend, **kv)
