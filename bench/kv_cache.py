@@ -76,7 +76,6 @@ def child_context(args) -> dict:
     """Cache bytes, memory, prefill and decode speed of one format at one context."""
     import numpy as np
     import torch
-
     from fuselm.runtime_metal import kvcache
 
     sess = _session(args.model, args.format, args.threads)
@@ -122,7 +121,6 @@ def child_attention(args) -> dict:
     the runtime's own code (the AVX2 kernel for f32, attention_blocks for f16/int8), median of runs."""
     import numpy as np
     import torch
-
     from fuselm.runtime_metal import attention_blocks, kvcache
     from fuselm.runtime_metal.backends import make_backend
 

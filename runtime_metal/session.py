@@ -35,11 +35,10 @@ from onnx import TensorProto
 from fuselm.errors import FuselmError
 
 from . import graph as graph_mod
-from . import loader
+from . import kvcache, loader
 from .backends import make_backend
 from .compiled import CompiledDecode, agrees, static_feeds
 from .executor import Executor, Profiler
-from . import kvcache
 from .kvcache import CacheView
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")

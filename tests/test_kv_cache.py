@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from fuselm.errors import FuselmError
 from fuselm.runtime_metal import attention_blocks
 from fuselm.runtime_metal.session import Session
+
+from fuselm.errors import FuselmError
 
 BACKENDS = ["torch", "mlx"]
 DRIFT_BOUND = 1e-2  # of the largest |logit|; see the module docstring
@@ -96,10 +96,9 @@ def test_online_softmax_guards_masked_rows(backend, monkeypatch):
 
 def test_int8_cache_bytes_ratio():
     """int8 with float16 scales and biases, groups of 64 at head_dim 128: (128 + 8) / 512 of f32."""
-    from onnx import TensorProto
-
     from fuselm.runtime_metal.backends import make_backend
     from fuselm.runtime_metal.kvcache import KVFormat, cache_bytes, make_cache, nbytes
+    from onnx import TensorProto
 
     b = make_backend("torch", "cpu")
     shape = (1, 8, 256, 128)
