@@ -1,7 +1,7 @@
 """Benchmark the pass pipeline on Qwen3-0.6B- and Qwen3-4B-shaped graphs (weights external).
 
     python bench/passes.py                          # 0.6b + 4b (q4), onnxslim side by side, scaling
-    python bench/passes.py --shapes 0.6b --quant f32 --no-onnxslim
+    python bench/passes.py --shapes 0.6b --quant f32 --no-onnxslim --no-scaling --json passes-f32.json
 
 For each shape: a random bf16 checkpoint (bench/convert.py's streaming writer), `fuselm convert`,
 then, in this process, the pipeline timed pass by pass: load (graph only; weights stay mapped on
@@ -53,6 +53,7 @@ def child(cmd: list[str]) -> dict:
 def time_pipeline(onnx_path: Path, out_dir: Path | None = None) -> dict:
     """Load + each pass + (optionally) save, timed in this process."""
     from fuselm.passes import graphio
+    from fuselm.passes.draw import nodes_per_layer
     from fuselm.passes.pipeline import PIPELINE
 
     t0 = time.perf_counter()
@@ -64,6 +65,7 @@ def time_pipeline(onnx_path: Path, out_dir: Path | None = None) -> dict:
         row["passes"][p.name] = {"seconds": round(time.perf_counter() - t, 4), "fired": len(stats.fired)}
     row["pipeline_s"] = time.perf_counter() - t0  # load + passes: what the < 2 s goal is about
     row["nodes_out"] = model.graph.num_nodes()
+    row["nodes_per_layer"] = nodes_per_layer(model.graph)  # {"layers": [...], "per_layer", "shared"}
     row["ops_out"] = dict(Counter(n.op_type for n in model.graph).most_common())
     if out_dir is not None:
         t = time.perf_counter()
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="where checkpoints and conversions go (kept for reruns)")
     ap.add_argument("--no-onnxslim", action="store_true")
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--json", default="passes.json", help="file name under bench/results/ (default passes.json)")
     args = ap.parse_args(argv)
     work = Path(args.work or Path(tempfile.gettempdir()) / "fuselm-bench")
     work.mkdir(parents=True, exist_ok=True)
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
         result["scaling"] = scaling()
         print("scaling (tiny qwen3, q4):", json.dumps(result["scaling"]))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "passes.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -147,7 +150,8 @@ def _print(row: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"Qwen3-{row['shape']}-shaped ({row['layers']} layers, {row['quant']}): "
-              f"{row['nodes_in']} -> {row['nodes_out']} nodes (MNN: {MNN_QWEN3_06B_OPS} for 0.6B)",
+              f"{row['nodes_in']} -> {row['nodes_out']} nodes, {row['nodes_per_layer']['per_layer']} per layer + "
+              f"{row['nodes_per_layer']['shared']} shared (MNN: {MNN_QWEN3_06B_OPS} for 0.6B)",
               title_justify="left")
     t.add_column("step")
     t.add_column("seconds", justify="right")

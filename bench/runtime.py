@@ -203,7 +203,7 @@ def count_dispatches(model: Path, device: str) -> dict:
         comp.prefill(_ids(4))
         for _ in range(4):
             comp.decode(5)
-        graph = getattr(comp.compiled, "fn", None)
+        graph = getattr(getattr(comp.compiled, "fn", None), "inner", None)
         if graph is not None and hasattr(graph, "static"):  # the compiled step inside the CUDA graph
             out["cuda_kernels_per_token_compiled"] = kernels(lambda: graph.fn(*graph.static))
             out["compiled"] = comp.compiled.what

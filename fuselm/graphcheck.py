@@ -29,6 +29,10 @@ from .errors import FuselmError, shown
 
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4, TensorProto.FLOAT4E2M1)
 _FIX = "re-export the model (`fuselm convert`, torch.onnx) or restore the file"
+# onnxruntime registers these contrib ops in the ONNX domain and onnxruntime-genai's builder writes
+# them there; passes/from_genai.py maps them to RMSNormalization. onnx.checker knows no schema for them.
+ORT_ONNX_DOMAIN_CONTRIB = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+ORT_DOMAIN = "com.microsoft"
 
 
 def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
@@ -44,15 +48,52 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     for tensor in _tensors(model):
         _check_tensor(tensor, path.parent, files)
     _check_dag(model.graph, path)
+    view = _contrib_view(model, path)
     try:  # what check_model(full_check=True) does, keeping the inferred shapes for _check_ops
-        onnx.checker.check_model(str(path))
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        onnx.checker.check_model(str(path) if view is None else view)
+        inferred = onnx.shape_inference.infer_shapes(model if view is None else view, check_type=True,
+                                                     strict_mode=True)
     except Exception as e:  # ValidationError, InferenceError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FuselmError(f"{path} is not a valid ONNX model: onnx.checker says {shown(first, 300)}; {_FIX}") from None
     _check_functions(model, path)
     _check_ops(inferred, path)
     return model
+
+
+def _contrib_view(model: onnx.ModelProto, path: Path) -> onnx.ModelProto | None:
+    """For a graph with onnxruntime contrib ops (onnxruntime-genai's builder writes them): a copy
+    onnx.checker can check, else None. An ONNX-domain node whose op is no ONNX op is refused here
+    by name, unless it is one of the contrib ops onnxruntime registers in that domain."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    held = []
+    for n in model.graph.node:
+        if n.domain not in ("", "ai.onnx") or onnx.defs.has(n.op_type, opset, ""):
+            continue
+        if n.op_type not in ORT_ONNX_DOMAIN_CONTRIB:
+            raise FuselmError(f"{path}: node {shown(n.name, 80)} uses op {shown(n.op_type, 60)}, which is not an "
+                              f"ONNX op at default-domain opset {opset} (onnxruntime contrib ops fuselm maps: "
+                              f"{', '.join(ORT_ONNX_DOMAIN_CONTRIB)} and the {ORT_DOMAIN} ops in "
+                              "passes/from_genai.py); export the model with torch.onnx or `fuselm convert`")
+        held.append(n.name)
+    if not held and not any(n.domain == ORT_DOMAIN for n in model.graph.node):
+        return None
+    view = onnx.ModelProto()
+    view.CopyFrom(model)
+    for n in view.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_CONTRIB:
+            n.domain = ORT_DOMAIN
+    if ORT_DOMAIN not in {o.domain for o in view.opset_import}:
+        view.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+    # The builder's value_info contradicts its own Constant nodes (rank 0 for [1]): infer afresh.
+    del view.graph.value_info[:]
+    # Weights as typed inputs: the data file was checked above, and a proto's external paths would
+    # resolve against the working directory.
+    names = {i.name for i in view.graph.input}
+    view.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                            for t in view.graph.initializer if t.name not in names)
+    del view.graph.initializer[:]
+    return view
 
 
 def _check_functions(model: onnx.ModelProto, path: Path) -> None:

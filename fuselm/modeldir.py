@@ -83,8 +83,13 @@ _META_FIELDS = {
 
 
 def write_meta(model_dir: str | os.PathLike, meta: dict) -> None:
+    """Write fuselm.json and, from the same fields, genai_config.json (fuselm/genai_config.py), so
+    onnxruntime-genai runs the directory as it is; model.onnx must be written first."""
+    from .genai_config import write_genai_config
+
     meta = {"schema_version": SCHEMA_VERSION, **meta}
     (Path(model_dir) / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_genai_config(model_dir, meta)
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:

@@ -50,8 +50,9 @@ def vocab_size(model: onnx.ModelProto) -> int:
 
 
 def feeds(model: onnx.ModelProto, seq: int, past: int, vocab: int, seed: int = 0,
-          past_values: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Inputs for one step; `past_values` maps `past_key_values.*` names to arrays (else random)."""
+          past_values: dict[str, np.ndarray] | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Inputs for one step; `past_values` maps `past_key_values.*` names to arrays (else random);
+    `head_dim` stands in for a symbolic last dim of the cache inputs."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for inp in model.graph.input:
@@ -66,6 +67,8 @@ def feeds(model: onnx.ModelProto, seq: int, past: int, vocab: int, seed: int = 0
             if past_values is not None:
                 out[name] = past_values[name]
                 continue
+            if len(dims) == 4 and not isinstance(dims[3], int) and head_dim is not None:
+                dims[3] = head_dim
             if len(dims) != 4 or not isinstance(dims[1], int) or not isinstance(dims[3], int):
                 raise FuselmError(f"input {name} has shape {dims}; expected [batch, kv_heads, past, head_dim] "
                                   "with static kv_heads and head_dim (graph contract v1)")
@@ -74,6 +77,31 @@ def feeds(model: onnx.ModelProto, seq: int, past: int, vocab: int, seed: int = 0
             raise FuselmError(f"cannot make a test input for graph input {name!r}: the numeric check knows the "
                               "graph contract's inputs (input_ids, attention_mask, position_ids, past_key_values.*)")
     return out
+
+
+def _genai_head_size(path: str | os.PathLike) -> int | None:
+    """decoder.head_size from a genai_config.json beside the model: onnxruntime-genai's builder
+    writes the cache inputs' head dim symbolic ('kv_cache_dim')."""
+    import json
+    from pathlib import Path
+
+    config = Path(path).parent / "genai_config.json"
+    try:
+        size = json.loads(config.read_text())["model"]["decoder"]["head_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _complete(model: onnx.ModelProto, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An earlier stage's feeds, plus `position_ids` when this stage takes it and that one did not
+    (FromGenAI adds the contract's input to onnxruntime-genai graphs, which derive positions)."""
+    names = {i.name for i in model.graph.input}
+    feeds = {k: v for k, v in given.items() if k in names}
+    if "position_ids" in names and "position_ids" not in feeds:
+        seq, total = given["input_ids"].shape[1], given["attention_mask"].shape[1]
+        feeds["position_ids"] = np.arange(total - seq, total, dtype=np.int64)[None]
+    return feeds
 
 
 def run_steps(path: str | os.PathLike, model: onnx.ModelProto | None = None, seed: int = 0,
@@ -88,9 +116,9 @@ def run_steps(path: str | os.PathLike, model: onnx.ModelProto | None = None, see
     result: dict[str, dict] = {}
     if steps is None:
         vocab = vocab_size(model)
-        prefill = feeds(model, PREFILL_TOKENS, 0, vocab, seed)
+        prefill = feeds(model, PREFILL_TOKENS, 0, vocab, seed, head_dim=_genai_head_size(path))
     else:
-        prefill = steps["prefill"]["feeds"]
+        prefill = _complete(model, steps["prefill"]["feeds"])
     out = dict(zip(names, sess.run(None, prefill), strict=False))
     result["prefill"] = {"feeds": prefill, "outputs": out}
     if any(n.startswith("past_key_values.") for n in prefill):
@@ -98,7 +126,7 @@ def run_steps(path: str | os.PathLike, model: onnx.ModelProto | None = None, see
             past = {n: out[n.replace("past_key_values.", "present.")] for n in prefill if n.startswith("past_key_values.")}
             decode = feeds(model, 1, PREFILL_TOKENS, vocab_size(model), seed + 1, past_values=past)
         else:
-            decode = steps["decode"]["feeds"]
+            decode = _complete(model, steps["decode"]["feeds"])
         result["decode"] = {"feeds": decode, "outputs": dict(zip(names, sess.run(None, decode), strict=False))}
     return result
 

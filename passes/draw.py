@@ -1,14 +1,23 @@
-"""Draw one decoder layer as an SVG: a layered DAG laid out here (no graphviz needed).
+"""Pictures of decoder layers for `fuselm diff`: which nodes a layer holds, a layered-DAG layout
+(no graphviz needed), and what a pass removed, added or rewired in each layer.
 
 Which nodes belong to layer i: a node that names it (`/model/layers.i/...`) or reads one of its
-weights (`model.layers.i.*`) belongs to it; any other node takes the earliest layer among its
-readers, and is drawn when it either reads from the layer or feeds only that layer (so the
-shared mask and position subgraphs are not drawn into layer 0).
+weights (`model.layers.i.*`) belongs to it; any other node takes the earliest of the layers it
+feeds (through other such nodes), and is drawn when it reads from that layer or feeds only that
+layer (so the mask and position subgraphs, which feed every layer, are not drawn into layer 0).
+Nodes per layer count the nodes inside it: a mere feeder (the embedding Gather feeds layer 0
+only) is drawn but counted as shared, like the mask, the final norm and lm_head.
+
+Marks (`mark_changes`): a node is matched across a pass by its name (else op and first output).
+Removed = in the before picture only; added = in the after picture only; rewired = in both, with
+other inputs. Each connected group of added nodes is traced back to the removed nodes it
+replaced: those reachable forward from the group's inputs AND backward from the nodes reading
+its outputs, through removed nodes only (a fused op's inputs lead to the subgraph it replaced).
 """
 
 from __future__ import annotations
 
-from html import escape
+from collections import Counter
 
 import onnx_ir as ir
 
@@ -21,7 +30,8 @@ _SHAPE = {"Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", 
           "Expand", "ConstantOfShape", "Constant", "Transpose", "Split", "Identity", "Where", "Equal",
           "CastLike", "GatherND", "Max", "Min", "LessOrEqual", "And"}
 COLORS = {"fused": "#b7e4c7", "matmul": "#a9c6f5", "shape": "#e6e6e6", "math": "#fff3bf"}
-BOX_H, GAP_X, GAP_Y, CHAR_W = 26, 14, 30, 7.2
+MARK_COLORS = {"removed": "#d62828", "added": "#2b9348", "rewired": "#f77f00"}
+BOX_H, GAP_X, GAP_Y, CHAR_W = 24, 14, 18, 7.2
 
 
 def category(op: str) -> str:
@@ -35,16 +45,16 @@ def category(op: str) -> str:
 
 
 def pick_layer(graph: ir.Graph) -> int | None:
-    """The layer to draw: 0 when the graph's names say which nodes are layer 0, else None."""
+    """The layer to draw first: 0 when the graph's names say which nodes are layer 0, else None."""
     for node in graph:
         if node_layer(node) == 0:
             return 0
     return None
 
 
-def layer_nodes(graph: ir.Graph, layer: int | None) -> list[ir.Node]:
-    if layer is None:
-        return []
+def _assign(graph: ir.Graph) -> tuple[dict[ir.Node, int], set[ir.Node]]:
+    """(the layer of every drawn node, the nodes inside a layer: not mere feeders such as the
+    embedding Gather, which only feeds layer 0 but computes nothing of it)."""
     nodes = [n for n in graph if n.op_type != "Constant"]
     own: dict[ir.Node, int | None] = {}
     const_only: set[ir.Node] = set()
@@ -56,32 +66,56 @@ def layer_nodes(graph: ir.Graph, layer: int | None) -> list[ir.Node]:
         own[n] = node_layer(n)
         if own[n] is None:
             own[n] = next((own[p] for p in producers if p in const_only and own.get(p) is not None), None)
-    tag: dict[ir.Node, int | None] = {}
-    for n in reversed(nodes):  # readers first
-        if own[n] is not None:
-            tag[n] = own[n]
-            continue
-        readers = [tag.get(u.node) for o in n.outputs for u in o.uses()]
-        readers = [t for t in readers if t is not None]
-        tag[n] = min(readers) if readers else None
-    chosen: list[ir.Node] = []
-    taken: set[ir.Node] = set()
+    reach: dict[ir.Node, frozenset] = {}  # the layers a node feeds, through nodes of no layer
+    for n in reversed(nodes):
+        layers: set[int] = set()
+        for u in (u for o in n.outputs for u in o.uses()):
+            r = own.get(u.node)
+            layers |= {r} if r is not None else reach.get(u.node, frozenset())
+        reach[n] = frozenset(layers)
+    chosen: dict[ir.Node, int] = {}
+    inside: set[ir.Node] = set()
     for n in nodes:
-        if tag[n] != layer:
+        if own[n] is not None:
+            chosen[n] = own[n]
+            inside.add(n)
             continue
-        readers = {tag.get(u.node) for o in n.outputs for u in o.uses()} - {None}
-        reads_layer = any(v is not None and v.producer() in taken for v in n.inputs)
-        if own[n] is not None or readers == {layer} or reads_layer:
-            chosen.append(n)
-            taken.add(n)
-    return chosen
+        if not reach[n]:
+            continue
+        layer = min(reach[n])
+        if any(v is not None and v.producer() in inside and chosen[v.producer()] == layer for v in n.inputs):
+            chosen[n] = layer
+            inside.add(n)
+        elif reach[n] == {layer}:
+            chosen[n] = layer
+    return chosen, inside
 
 
-def layer_picture(graph: ir.Graph, layer: int | None) -> dict:
-    """{"nodes": [{id, op, name, detail}], "edges": [[src, dst]]} for the layer's nodes."""
-    nodes = layer_nodes(graph, layer)
+def layer_assignment(graph: ir.Graph) -> dict[ir.Node, int]:
+    """The decoder layer each drawn node belongs to (nodes in no layer are left out)."""
+    return _assign(graph)[0]
+
+
+def layer_nodes(graph: ir.Graph, layer: int | None) -> list[ir.Node]:
+    if layer is None:
+        return []
+    return [n for n, i in layer_assignment(graph).items() if i == layer]
+
+
+def nodes_per_layer(graph: ir.Graph) -> dict:
+    """{"layers": [nodes inside layer 0, 1, ...], "per_layer": the largest, "uniform": whether all
+    layers have the same, "shared": every other node (embedding, mask, positions, final norm, lm_head)}."""
+    chosen, inside = _assign(graph)
+    counts = Counter(chosen[n] for n in inside)
+    layers = [counts.get(i, 0) for i in range(max(counts, default=-1) + 1)]
+    return {"layers": layers, "per_layer": max(layers, default=0), "uniform": len(set(layers)) <= 1,
+            "shared": graph.num_nodes() - sum(layers)}
+
+
+def _picture(nodes: list[ir.Node], layer: int) -> dict:
     index = {n: i for i, n in enumerate(nodes)}
     out = []
+    names = Counter(n.name for n in nodes)
     for n in nodes:
         detail = ""
         if n.op_type == "Attention":
@@ -89,13 +123,37 @@ def layer_picture(graph: ir.Graph, layer: int | None) -> dict:
             detail = f"q{a['q_num_heads'].value}/kv{a['kv_num_heads'].value}" if "q_num_heads" in a else ""
         elif n.op_type == "Split":
             detail = f"{len(n.outputs)} outputs"
-        out.append({"id": index[n], "op": n.op_type, "name": n.name or "", "detail": detail})
+        first = n.outputs[0].name if n.outputs else ""
+        key = n.name if n.name and names[n.name] == 1 else f"{n.op_type}:{first}"
+        out.append({"id": index[n], "op": n.op_type, "name": n.name or "", "detail": detail, "key": key,
+                    "inputs": [v.name or "" if v is not None else "" for v in n.inputs],
+                    "outputs": [v.name or "" for v in n.outputs]})
     edges = sorted({(index[v.producer()], index[n]) for n in nodes for v in n.inputs
                     if v is not None and v.producer() in index})
-    return {"layer": layer, "nodes": out, "edges": [list(e) for e in edges]}
+    picture = {"layer": layer, "nodes": out, "edges": [list(e) for e in edges]}
+    _layout(picture)
+    return picture
 
 
-def _layout(picture: dict) -> tuple[dict, dict, float, float]:
+def layer_pictures(graph: ir.Graph) -> dict[int, dict]:
+    """{layer: picture} for every layer; a picture is {"layer", "nodes": [{id, op, name, detail,
+    key, inputs, outputs, x, y, w}], "edges": [[src, dst]], "width", "height"}."""
+    by_layer: dict[int, list[ir.Node]] = {}
+    for n, i in layer_assignment(graph).items():
+        by_layer.setdefault(i, []).append(n)
+    return {i: _picture(nodes, i) for i, nodes in sorted(by_layer.items())}
+
+
+def layer_picture(graph: ir.Graph, layer: int | None) -> dict:
+    """The picture of one layer (empty when the graph does not say which nodes it holds)."""
+    if layer is None:
+        return {"layer": None, "nodes": [], "edges": [], "width": 0, "height": 0}
+    return _picture(layer_nodes(graph, layer), layer)
+
+
+def _layout(picture: dict) -> None:
+    """Give every node x, y, w and the picture its width and height (rows by longest path, rows
+    ordered by barycenter sweeps)."""
     nodes, edges = picture["nodes"], picture["edges"]
     preds: dict[int, list[int]] = {n["id"]: [] for n in nodes}
     succs: dict[int, list[int]] = {n["id"]: [] for n in nodes}
@@ -119,39 +177,135 @@ def _layout(picture: dict) -> tuple[dict, dict, float, float]:
             rows[r].sort(key=bary)
             for k, i in enumerate(rows[r]):
                 pos[i] = k
-    width = {n["id"]: max(len(n["op"]), len(n["detail"])) * CHAR_W + 16 for n in nodes}
+    width = {n["id"]: (len(n["op"]) + (len(n["detail"]) + 1 if n["detail"] else 0)) * CHAR_W + 16 for n in nodes}
     row_w = {r: sum(width[i] for i in row) + GAP_X * (len(row) - 1) for r, row in rows.items()}
     total_w = max(row_w.values(), default=100) + 2 * GAP_X
-    xy = {}
     for r, row in rows.items():
         x = (total_w - row_w[r]) / 2
         for i in row:
-            xy[i] = (x, GAP_Y / 2 + r * (BOX_H + GAP_Y))
+            n = nodes[i]
+            n["x"], n["y"], n["w"] = round(x), round(GAP_Y / 2 + r * (BOX_H + GAP_Y)), round(width[i])
             x += width[i] + GAP_X
-    total_h = (max(rows, default=0) + 1) * (BOX_H + GAP_Y) + GAP_Y / 2
-    return xy, width, total_w, total_h
+    picture["width"] = round(total_w)
+    picture["height"] = round((max(rows, default=0) + 1) * (BOX_H + GAP_Y) + GAP_Y / 2)
 
 
-def render_svg(picture: dict, title: str = "") -> str:
-    """An inline SVG of the picture (boxes coloured by kind: fused, matmul, shape, math)."""
-    if not picture["nodes"]:
-        return f'<p class="empty">no nodes of layer {picture.get("layer")} to draw</p>'
-    xy, width, w, h = _layout(picture)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="graph" viewBox="0 0 {w:.0f} {h:.0f}" '
-             f'width="{w:.0f}" height="{h:.0f}" role="img" aria-label="{escape(title)}">']
-    for a, b in picture["edges"]:
-        (xa, ya), (xb, yb) = xy[a], xy[b]
-        x1, y1 = xa + width[a] / 2, ya + BOX_H
-        x2, y2 = xb + width[b] / 2, yb
-        mid = (y1 + y2) / 2
-        parts.append(f'<path d="M{x1:.1f},{y1:.1f} C{x1:.1f},{mid:.1f} {x2:.1f},{mid:.1f} {x2:.1f},{y2:.1f}" '
-                     'class="edge"/>')
-    for n in picture["nodes"]:
-        x, y = xy[n["id"]]
-        label = escape(n["op"] + (f" {n['detail']}" if n["detail"] else ""))
-        parts.append(f'<g class="node {category(n["op"])}"><title>{escape(n["name"])}</title>'
-                     f'<rect x="{x:.1f}" y="{y:.1f}" width="{width[n["id"]]:.1f}" height="{BOX_H}" rx="5" '
-                     f'fill="{COLORS[category(n["op"])]}"/>'
-                     f'<text x="{x + width[n["id"]] / 2:.1f}" y="{y + BOX_H / 2 + 4:.1f}">{label}</text></g>')
-    parts.append("</svg>")
-    return "".join(parts)
+def mark_changes(before: dict, after: dict) -> dict:
+    """What a pass did to one layer's picture.
+
+    Returns {"removed": [before ids], "added": [after ids], "rewired": [after ids],
+    "groups": [{"added": [after ids], "replaced": [before ids]}]}, groups in the after order.
+    """
+    b_nodes, a_nodes = before["nodes"], after["nodes"]
+    b_key, a_key = {n["key"]: n for n in b_nodes}, {n["key"]: n for n in a_nodes}
+    removed = {n["id"] for n in b_nodes if n["key"] not in a_key}
+    added = {n["id"] for n in a_nodes if n["key"] not in b_key}
+    rewired = [n["id"] for n in a_nodes if n["key"] in b_key and n["inputs"] != b_key[n["key"]]["inputs"]]
+    b_prod = {v: n["id"] for n in b_nodes for v in n["outputs"] if v}
+    b_readers: dict[str, list[int]] = {}
+    for n in b_nodes:
+        for v in n["inputs"]:
+            b_readers.setdefault(v, []).append(n["id"])
+    a_prod = {v: n["id"] for n in a_nodes for v in n["outputs"] if v}
+    a_readers: dict[str, list[int]] = {}
+    for n in a_nodes:
+        for v in n["inputs"]:
+            a_readers.setdefault(v, []).append(n["id"])
+    groups = []
+    seen: set[int] = set()
+    for start in sorted(added):
+        if start in seen:
+            continue
+        comp, todo = set(), [start]
+        while todo:  # the connected group of added nodes around `start`
+            i = todo.pop()
+            if i in comp:
+                continue
+            comp.add(i)
+            n = a_nodes[i]
+            near = [a_prod.get(v) for v in n["inputs"]] + [r for v in n["outputs"] for r in a_readers.get(v, [])]
+            todo += [j for j in near if j in added and j not in comp]
+        seen |= comp
+        inputs = {v for i in comp for v in a_nodes[i]["inputs"] if v and a_prod.get(v) not in comp}
+        outputs = {v for i in comp for v in a_nodes[i]["outputs"] if v}
+        readers = {r for v in outputs for r in a_readers.get(v, []) if r not in comp}
+        # Forward from the group's inputs through removed nodes (in the before picture).
+        fwd, todo = set(), [r for v in inputs for r in b_readers.get(v, []) if r in removed]
+        while todo:
+            i = todo.pop()
+            if i not in fwd:
+                fwd.add(i)
+                todo += [r for v in b_nodes[i]["outputs"] for r in b_readers.get(v, []) if r in removed]
+        # Backward from what reads the group now (and from outputs it took over, e.g. present.*).
+        seeds = [b_prod.get(v) for v in outputs]
+        for r in readers:
+            old = b_key.get(a_nodes[r]["key"])
+            if old is not None:
+                seeds += [b_prod.get(v) for v in old["inputs"]]
+        bwd, todo = set(), [s for s in seeds if s in removed]
+        while todo:
+            i = todo.pop()
+            if i not in bwd:
+                bwd.add(i)
+                todo += [p for v in b_nodes[i]["inputs"] if (p := b_prod.get(v)) in removed]
+        groups.append({"added": sorted(comp), "replaced": sorted(fwd & bwd)})
+    return {"removed": sorted(removed), "added": sorted(added), "rewired": rewired, "groups": groups}
+
+
+def describe(before: dict, after: dict, marks: dict) -> list[dict]:
+    """The groups in words: [{"added": ["RMSNormalization"], "replaced": ["Pow", ...]}]."""
+    return [{"added": [after["nodes"][i]["op"] for i in g["added"]],
+             "replaced": [before["nodes"][i]["op"] for i in g["replaced"]]} for g in marks["groups"]]
+
+
+class Stages:
+    """The pictures `fuselm diff` keeps: every layer at every stage the graph changed, and per
+    pass the marks of each layer."""
+
+    def __init__(self, graph: ir.Graph):
+        self.first_layer = pick_layer(graph)
+        self.stages = [layer_pictures(graph)]
+        self.counts = [nodes_per_layer(graph)]
+
+    def record(self, record: dict, graph: ir.Graph | None) -> None:
+        """Annotate a pass's record; `graph` is the graph after the pass when it changed it, else None."""
+        before = len(self.stages) - 1
+        record["stage_before"] = before
+        record["nodes_per_layer_before"] = self.counts[before]
+        if graph is not None:
+            self.stages.append(layer_pictures(graph))
+            self.counts.append(nodes_per_layer(graph))
+        after = len(self.stages) - 1
+        record["stage_after"] = after
+        record["nodes_per_layer_after"] = self.counts[after]
+        old, new = self.stages[before], self.stages[after]
+        empty = layer_picture(graph, None) if graph is not None else {"nodes": [], "edges": [], "width": 0,
+                                                                      "height": 0, "layer": None}
+        record["marks"] = {} if after == before else {
+            i: mark_changes(old.get(i, empty), new.get(i, empty)) for i in sorted(set(old) | set(new))}
+        first = self.first_layer
+        if first is not None:
+            marks = record["marks"].get(first)
+            record["picture_before"] = _annotated(old.get(first, empty), marks, "before")
+            record["picture_after"] = _annotated(new.get(first, empty), marks, "after")
+            if marks is not None:
+                record["changes_drawn_layer"] = describe(old.get(first, empty), new.get(first, empty), marks)
+
+
+def _annotated(picture: dict, marks: dict | None, side: str) -> dict:
+    """The picture for the JSON report: nodes {id, op, name, detail} with their "mark" and "groups"."""
+    mark: dict[int, str] = {}
+    groups: dict[int, list[int]] = {}
+    if marks is not None:
+        if side == "before":
+            mark.update((i, "removed") for i in marks["removed"])
+        else:
+            mark.update((i, "rewired") for i in marks["rewired"])
+            mark.update((i, "added") for i in marks["added"])
+        for k, g in enumerate(marks["groups"], 1):
+            for i in g["replaced" if side == "before" else "added"]:
+                groups.setdefault(i, []).append(k)
+    nodes = [{"id": n["id"], "op": n["op"], "name": n["name"], "detail": n["detail"],
+              **({"mark": mark[n["id"]]} if n["id"] in mark else {}),
+              **({"groups": groups[n["id"]]} if n["id"] in groups else {})} for n in picture["nodes"]]
+    return {"layer": picture.get("layer"), "nodes": nodes, "edges": picture["edges"]}

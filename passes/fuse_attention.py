@@ -91,11 +91,11 @@ def _repeat_kv(t: ir.Value) -> KV:
 
 
 def _is_scores(v: ir.Value) -> bool:
-    """Whether v is MatMul(Q, Transpose(K)), maybe scaled by a Mul or Div."""
+    """Whether v is MatMul(Q, Kᵀ) (Kᵀ a Transpose, or SDPA's Reshape / scaled Kᵀ), maybe scaled by a Mul or Div."""
     node = producer(v, "Mul", "Div")
     candidates = list(node.inputs) if node is not None else [v]
-    return any(producer(c, "MatMul") is not None and producer(producer(c).inputs[1], "Transpose") is not None
-               for c in candidates)
+    return any(producer(c, "MatMul") is not None and producer(producer(c).inputs[1], "Transpose", "Reshape", "Mul")
+               is not None for c in candidates)
 
 
 def _layer_tag(v: ir.Value) -> str:
@@ -118,7 +118,10 @@ class FuseAttention(Fusion):
     q [B,H,S,D], the new k/v [B,KV,S,D], the same mask, and the past inputs; its present outputs
     take over the graph outputs' names, so the graph's inputs and outputs stay as they were.
     Also an Attention-23 without a cache whose K/V are repeat_kv(Concat(past, new)) (what
-    onnxscript's rewriter leaves in a default torch.onnx export) gets the cache moved inside.
+    onnxscript's rewriter leaves in a default torch.onnx export) gets the cache moved inside; and
+    torch's SDPA decomposition (opsets < 23): sqrt(scale) multiplied into Q and into Kᵀ, Kᵀ as
+    Reshape(Transpose(Reshape(K, [-1, T, D]), [0, 2, 1]), [B, H, D, T]), and
+    Where(IsNaN(p), 0, p) after Softmax.
     Must not fire (and says why): Softmax not over the last axis; scores not MatMul(Q, Kᵀ);
     the scale not a constant; K and V caches from different layers or a past that is not a graph
     input; an expansion that is not repeat_kv; head counts that do not divide; an intermediate
@@ -165,7 +168,7 @@ class FuseAttention(Fusion):
     def _match_eager(self, softmax: ir.Node) -> AttentionMatch:
         if attr(softmax, "axis", -1) not in (-1, 3):
             fail(f"Softmax over axis {attr(softmax, 'axis')}, not the last")
-        probs = softmax.outputs[0]
+        probs = _nan_guard(softmax.outputs[0])
         softmax_f32 = False
         cast_out = only_user(probs, "Cast")
         if cast_out is not None:
@@ -207,10 +210,10 @@ class FuseAttention(Fusion):
             if len(v.uses()) != 1 or v.is_graph_output():
                 fail(f"intermediate {v.name} has another reader")
         q, kt = qk.inputs
-        tr = producer(kt, "Transpose")
-        if tr is None or list(attr(tr, "perm", [])) != [0, 1, 3, 2]:
-            fail("K is not transposed with perm [0, 1, 3, 2] before Q·Kᵀ")
-        key, value = _repeat_kv(tr.inputs[0]), _repeat_kv(pv.inputs[1])
+        if scale_node is None:  # torch's SDPA decomposition: sqrt(scale) on Q and on Kᵀ
+            (q, sq), (kt, sk) = _scaled(q), _scaled(kt)
+            scale = sq * sk
+        key, value = _repeat_kv(_untransposed(kt)), _repeat_kv(pv.inputs[1])
         if (key.past is None) != (value.past is None):
             fail("only one of K and V reads a cache")
         if key.past is not None and _layer_tag(key.past) != _layer_tag(value.past):
@@ -218,6 +221,7 @@ class FuseAttention(Fusion):
         q_heads = _dim(q, 1) or key.heads or value.heads
         if key.kv_heads and key.rep and not q_heads:
             q_heads = key.kv_heads * key.rep
+        q_heads = q_heads or _heads_from_output(pv.outputs[0], _dim(key.past, 3) or _dim(key.new, 3))
         kv_heads = key.kv_heads or value.kv_heads or (q_heads // key.rep if q_heads and key.rep else None)
         if not q_heads or not kv_heads:
             fail("cannot tell the number of query and key/value heads from shapes or constants")
@@ -245,6 +249,65 @@ class FuseAttention(Fusion):
             take_over(m.key.present, node.outputs[1])
             take_over(m.value.present, node.outputs[2])
         return prefix
+
+
+def _heads_from_output(y: ir.Value, head_dim: int | None) -> int | None:
+    """Query heads from what reads the attention output: Transpose(0, 2, 1, 3) -> Reshape -> MatMul by
+    a [heads·D, hidden] weight (TorchScript computes every reshape target, so no shape says it)."""
+    tr = only_user(y, "Transpose")
+    reshape = only_user(tr.outputs[0], "Reshape") if tr is not None and list(attr(tr, "perm", [])) == [0, 2, 1, 3] else None
+    mm = only_user(reshape.outputs[0], "MatMul") if reshape is not None else None
+    w = mm.inputs[1] if mm is not None else None
+    dq = producer(w, "DequantizeLinear")
+    w = dq.inputs[0] if dq is not None else w
+    rows = w.shape[0] if w is not None and w.shape is not None and w.shape.rank() == 2 else None
+    if not head_dim or not isinstance(rows, int) or rows % head_dim:
+        return None
+    return rows // head_dim
+
+
+def _nan_guard(p: ir.Value) -> ir.Value:
+    """Where(IsNaN(p), 0, p) after Softmax (torch's SDPA decomposition: a fully masked row gives 0,
+    not NaN), or p itself. The graph's finite masks never mask a whole row, so Attention agrees."""
+    readers = {u.node.op_type: u.node for u in p.uses()}
+    if len(p.uses()) != 2 or set(readers) != {"IsNaN", "Where"} or p.is_graph_output():
+        return p
+    isnan, where = readers["IsNaN"], readers["Where"]
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p or scalar(where.inputs[1]) != 0 \
+            or len(isnan.outputs[0].uses()) != 1:
+        fail("Softmax is read by IsNaN / Where, but not as Where(IsNaN(p), 0, p)")
+    return where.outputs[0]
+
+
+def _scaled(v: ir.Value) -> tuple[ir.Value, float]:
+    """(x, c) for v = Mul(x, c) with a scalar constant c read only here, else (v, 1)."""
+    mul = producer(v, "Mul")
+    if mul is None or len(v.uses()) != 1:
+        return v, 1.0
+    for x, c in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        if scalar(c) is not None:
+            if scalar(c) == 0:
+                fail("Q or Kᵀ is scaled by zero")
+            return x, float(scalar(c))
+    fail("Q or Kᵀ is multiplied by a non-constant before Q·Kᵀ")
+
+
+def _untransposed(kt: ir.Value) -> ir.Value:
+    """K [B, H, T, D] for Kᵀ = Transpose(K, [0, 1, 3, 2]), or torch's SDPA decomposition
+    Reshape(Transpose(Reshape(K, [-1, T, D]), [0, 2, 1]), [B, H, D, T])."""
+    tr = producer(kt, "Transpose")
+    if tr is not None and list(attr(tr, "perm", [])) == [0, 1, 3, 2]:
+        return tr.inputs[0]
+    back = producer(kt, "Reshape")
+    tr = producer(back.inputs[0], "Transpose") if back is not None else None
+    flat = producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if flat is not None and list(attr(tr, "perm", [])) == [0, 2, 1] and static_shape(flat.inputs[1]) == (3,) \
+            and static_shape(back.inputs[1]) == (4,) and all(len(n.outputs[0].uses()) == 1 for n in (flat, tr)):
+        target = const(flat.inputs[1])
+        if target is not None and int(target[0]) not in (-1, 0):
+            fail("K is flattened to 3-D, but not over its batch and head axes")
+        return flat.inputs[0]
+    fail("K is not transposed (perm [0, 1, 3, 2], or SDPA's Reshape-Transpose-Reshape) before Q·Kᵀ")
 
 
 def _scope(m: AttentionMatch) -> str:

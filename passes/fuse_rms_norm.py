@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from .base import (
@@ -12,6 +13,7 @@ from .base import (
     attr,
     const,
     fail,
+    initializer,
     name_like,
     new_node,
     only_user,
@@ -30,6 +32,18 @@ class RMSMatch:
     eps: float
     nodes: list[ir.Node]
     out: ir.Value
+    offset: float = 0.0  # Gemma-style `x_norm · (offset + w)`: the fused weight is offset + w
+
+
+def _offset_weight(v: ir.Value) -> tuple[ir.Value, float]:
+    """(w, c) for v = Add(w, c) / Add(c, w) with w a 1-D constant and c a scalar constant, else (v, 0)."""
+    add = producer(v, "Add")
+    if add is None:
+        return v, 0.0
+    for w, c in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        if scalar(c) is not None and w.const_value is not None and w.shape is not None and w.shape.rank() == 1:
+            return w, float(scalar(c))
+    fail("the weight is Add(w, c) without a 1-D constant w and a scalar constant c")
 
 
 class FuseRMSNorm(Fusion):
@@ -37,8 +51,9 @@ class FuseRMSNorm(Fusion):
 
     Variants: x² as Pow(x, 2) or Mul(x, x); 1/sqrt as Reciprocal(Sqrt) or Div(1, Sqrt), or the
     whole as Div(x, Sqrt); the weight Mul on either side; with or without HF's Casts (x cast to
-    float32 before, the normalized value cast back before the weight). Also fires on q_norm and
-    k_norm, which normalize over head_dim of a [B, S, H, D] tensor.
+    float32 before, the normalized value cast back before the weight); the weight as `(1 + w)`
+    (Gemma's RMSNorm: Add(w, 1) of a constant w; the fused weight 1 + w is computed when the model
+    is written). Also fires on q_norm and k_norm, which normalize over head_dim of a [B, S, H, D] tensor.
     Must not fire (and says why): the mean is not over the last axis alone or drops the axis
     (keepdims=0); the exponent is not 2; epsilon or the weight is not a constant; the weight is
     not 1-D; an intermediate (x², the mean, the normalized x) has another reader.
@@ -103,20 +118,33 @@ class FuseRMSNorm(Fusion):
         wmul = only_user(y, "Mul")
         if wmul is None:
             fail("the normalized value is not multiplied by a weight alone")
-        weight = other_input(wmul, y)
+        weight, offset = _offset_weight(other_input(wmul, y))
         if weight is None or weight.const_value is None and const(weight) is None:
             fail("the weight is not a constant")
         if weight.shape is None or weight.shape.rank() != 1:
             fail(f"the weight has shape {weight.shape}, not 1-D")
         nodes.append(wmul)
-        return RMSMatch(inp, weight, float(eps), nodes, wmul.outputs[0])
+        return RMSMatch(inp, weight, float(eps), nodes, wmul.outputs[0], offset)
 
     def rewrite(self, graph: ir.Graph, m: RMSMatch) -> str:
         last = m.nodes[-1]
         scope = (m.weight.name or last.name or "rms_norm").removesuffix(".weight")
         name = name_like(last.name, "/Mul_1", "/RMSNormalization", f"{scope}/RMSNormalization")
-        node = new_node(graph, "RMSNormalization", [m.x, m.weight], name, axis=-1, epsilon=m.eps, stash_type=1)
+        weight = m.weight if not m.offset else _plus(graph, m.weight, m.offset)
+        node = new_node(graph, "RMSNormalization", [m.x, weight], name, axis=-1, epsilon=m.eps, stash_type=1)
         graph.insert_before(last, node)
         take_over(m.out, node.outputs[0])
         graph.remove(m.nodes, safe=True)
         return name.removesuffix("/RMSNormalization")
+
+
+def _plus(graph: ir.Graph, w: ir.Value, offset: float) -> ir.Value:
+    """A new initializer offset + w, computed lazily (the weight is read only when the model is written)."""
+    name = f"{w.name}_plus_{offset:g}"
+    dtype, shape = w.const_value.dtype, w.const_value.shape
+
+    def build() -> ir.Tensor:
+        a = w.const_value.numpy()
+        return ir.tensor((a + np.asarray(offset, a.dtype)).astype(a.dtype), name=name)
+
+    return initializer(graph, name, ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name))

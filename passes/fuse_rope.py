@@ -67,8 +67,19 @@ def _freqs(f: ir.Value) -> tuple[np.ndarray, ir.Value]:
     fail("cos/sin are not computed from position_ids × inv_freq (e.g. gathered from a cached table)")
 
 
-def _trig(v: ir.Value, op: str, expect_unsqueeze: bool = True) -> tuple[ir.Value, float, int | None]:
-    """(emb, attention_scaling, unsqueeze axis) for v = Unsqueeze(Cast?(Mul?(op(emb), scale)))."""
+@dataclass
+class _Trig:
+    """Where cos (or sin) comes from: an angle tensor fed to Cos/Sin, or a cached table gathered by position."""
+
+    axis: int | None  # the Unsqueeze over the head axis
+    scaling: float
+    emb: ir.Value | None = None
+    table: ir.Value | None = None
+    positions: ir.Value | None = None
+
+
+def _trig(v: ir.Value, op: str, expect_unsqueeze: bool = True) -> _Trig:
+    """v = Unsqueeze(Cast?(Mul?(op(emb) | Gather(table, positions), scale)))."""
     axis = None
     if expect_unsqueeze:
         unsq = producer(v, "Unsqueeze")
@@ -85,17 +96,72 @@ def _trig(v: ir.Value, op: str, expect_unsqueeze: bool = True) -> tuple[ir.Value
     scaling = 1.0
     mul = producer(v, "Mul")
     if mul is not None:
-        t = next((i for i in mul.inputs if producer(i, op) is not None), None)
+        t = next((i for i in mul.inputs if producer(i, op, "Gather") is not None), None)
         c = scalar(other_input(mul, t)) if t is not None else None
         if c is None:
             fail(f"{op} is scaled by a non-constant")
         scaling, v = float(c), t
+    gather = producer(v, "Gather")
+    if gather is not None:
+        return _Trig(axis, scaling, table=_table(gather, op), positions=gather.inputs[1])
     trig = producer(v, op)
-    if trig is None and producer(v, "Gather", "GatherND", "GatherElements") is not None:
-        fail(f"{op.lower()} is gathered from a cached table, not computed from position_ids × inv_freq")
     if trig is None:
         fail(f"no {op} on the rotary angle: cos/sin not computed from position_ids × inv_freq")
-    return trig.inputs[0], scaling, axis
+    return _Trig(axis, scaling, emb=trig.inputs[0])
+
+
+def _table(gather: ir.Node, op: str) -> ir.Value:
+    """The constant [positions, dim] table a Gather over axis 0 reads (optionally its rows [:n] first)."""
+    if attr(gather, "axis", 0) != 0:
+        fail(f"{op.lower()} is gathered over axis {attr(gather, 'axis')}, not the positions of a table")
+    data = gather.inputs[0]
+    cut = producer(data, "Slice")
+    if cut is not None:  # older HF: cos_cached[:seq_len][position_ids]
+        start, axes = const(cut.inputs[1]), const(cut.inputs[3]) if len(cut.inputs) > 3 and cut.inputs[3] is not None else None
+        if start is None or int(start.ravel()[0]) != 0 or (axes is not None and int(axes.ravel()[0]) != 0):
+            fail(f"the {op.lower()} table is sliced other than rows [:n]")
+        data = cut.inputs[0]
+    if data.const_value is None or data.shape is None or data.shape.rank() != 2:
+        fail(f"the {op.lower()} table is not a constant [positions, dim] initializer")
+    return data
+
+
+def inv_freq_from_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float]:
+    """(inv_freq, attention_scaling) for tables [positions, rotary_dim/2] holding scaling·cos(p·inv_freq)
+    and scaling·sin(p·inv_freq); fail() when they hold anything else. Fits on the first 64 rows, checks
+    a sample of all (a long table is mapped, not read whole)."""
+    if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] < 2:
+        fail(f"cos/sin tables of shapes {cos.shape} / {sin.shape}, not one [positions, rotary_dim/2]")
+    n = cos.shape[0]
+    head = np.arange(min(n, 64))
+    c, s = cos[head].astype(np.float64), sin[head].astype(np.float64)
+    scaling = float(c[0, 0])
+    if scaling <= 0 or not np.allclose(c[0], scaling, rtol=1e-6) or np.abs(s[0]).max() > 1e-6:
+        fail("position 0 of the cos/sin tables is not (scaling, 0)")
+    angle = np.unwrap(np.arctan2(s, c), axis=0)  # inv_freq <= 1 rad per position: unwrapping is exact
+    p = head.astype(np.float64)[:, None]
+    inv = (p * angle).sum(0) / (p * p).sum()
+    rows = np.unique(np.concatenate([head, np.linspace(0, n - 1, 256).astype(np.int64)]))
+    q = rows.astype(np.float64)[:, None]
+    err = max(np.abs(cos[rows] - scaling * np.cos(q * inv)).max(), np.abs(sin[rows] - scaling * np.sin(q * inv)).max())
+    if err > 1e-3 * scaling:  # float32 angles of a 32k table are off by ~1e-4; another formula by O(1)
+        fail(f"the cos/sin tables are not cos/sin(position × inv_freq) (off by {err:.2g})")
+    return inv.astype(np.float32), scaling
+
+
+def _from_tables(tc: _Trig, ts: _Trig, interleaved: bool) -> tuple[np.ndarray, float, ir.Value]:
+    """(inv_freq, scaling, positions) for cos/sin gathered by position from tables of Concat(freqs, freqs)
+    (rotate_half) or repeat_interleave(freqs, 2) (interleaved)."""
+    if ts.table is None or tc.positions is not ts.positions:
+        fail("cos and sin are not gathered from tables by the same positions")
+    c, s = tc.table.const_value.numpy(), ts.table.const_value.numpy()
+    half = c.shape[-1] // 2
+    a, b = (np.s_[:, 0::2], np.s_[:, 1::2]) if interleaved else (np.s_[:, :half], np.s_[:, half:])
+    if c.shape[-1] % 2 or not np.array_equal(c[a], c[b]) or not np.array_equal(s[a], s[b]):
+        fail("the table's halves differ: not cos/sin of Concat(freqs, freqs) (rotate_half)" if not interleaved
+             else "the table's pairs differ: not cos/sin of repeat_interleave(freqs, 2) (interleaved)")
+    inv, scaling = inv_freq_from_tables(np.ascontiguousarray(c[a]), np.ascontiguousarray(s[a]))
+    return inv, scaling, _positions(tc.positions)
 
 
 def _half_split(rot: ir.Value) -> ir.Value:
@@ -120,6 +186,59 @@ def _half_split(rot: ir.Value) -> ir.Value:
     return lo.inputs[0]
 
 
+def _pair_split(rot: ir.Value) -> ir.Value:
+    """x for rot = Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., 0::2], -1)), x's shape)
+    (GPT-J / Cohere's rotate_every_two: torch.stack([-x2, x1], -1).flatten(-2))."""
+    reshape = producer(rot, "Reshape")
+    cat = producer(reshape.inputs[0], "Concat")
+    if cat is None or len(cat.inputs) != 2 or attr(cat, "axis") not in (-1, 4):
+        fail("not rotate_every_two: no Concat over a new last axis before the Reshape")
+    ua, ub = producer(cat.inputs[0], "Unsqueeze"), producer(cat.inputs[1], "Unsqueeze")
+    neg = producer(ua.inputs[0], "Neg") if ua is not None else None
+    odd = producer(neg.inputs[0], "Slice") if neg is not None else None
+    even = producer(ub.inputs[0], "Slice") if ub is not None else None
+    if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
+        fail("not rotate_every_two: Concat(Unsqueeze(Neg(Slice(x))), Unsqueeze(Slice(x))) of one x")
+    for u in (ua, ub):
+        axes = const(u.inputs[1]) if len(u.inputs) > 1 else None
+        if axes is None or int(axes.ravel()[0]) not in (-1, 4):
+            fail("not rotate_every_two: the halves are not stacked on a new last axis")
+    for n, first in ((even, 0), (odd, 1)):
+        vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in (1, 3, 4)]
+        start, axes, steps = vals
+        if start is None or axes is None or steps is None or int(start.ravel()[0]) != first \
+                or int(axes.ravel()[0]) not in (-1, 3) or int(steps.ravel()[0]) != 2:
+            fail("not rotate_every_two: the halves are not x[..., 0::2] and x[..., 1::2]")
+    return even.inputs[0]
+
+
+def _partial(x: ir.Value, out: ir.Value, rotary_dim: int) -> tuple[ir.Value, ir.Value]:
+    """(X, y) for partial rotary: x = X[..., :rd] and y = Concat(rope(x), X[..., rd:]), so FusedRoPE
+    runs on X (it passes the dims past 2·len(inv_freq) through); else (x, out) as they are."""
+    head = producer(x, "Slice")
+    cat = out.uses()[0].node if len(out.uses()) == 1 and not out.is_graph_output() else None
+    if head is None or cat is None or cat.op_type != "Concat" or attr(cat, "axis") not in (-1, 3) \
+            or len(cat.inputs) != 2 or cat.inputs[0] is not out:
+        if head is not None and _slice_bounds(head) == (0, rotary_dim):
+            fail("partial rotary whose rotated part is not concatenated back with the rest of x")
+        return x, out
+    tail = producer(cat.inputs[1], "Slice")
+    if _slice_bounds(head) != (0, rotary_dim) or tail is None or tail.inputs[0] is not head.inputs[0] \
+            or _slice_bounds(tail)[0] != rotary_dim or _slice_bounds(tail)[1] < 2**31:
+        fail(f"partial rotary: the rotated and passed parts are not x[..., :{rotary_dim}] and x[..., {rotary_dim}:]")
+    return head.inputs[0], cat.outputs[0]
+
+
+def _slice_bounds(n: ir.Node) -> tuple[int, int] | None:
+    """(start, end) of a step-1 Slice over the last axis with constant bounds, else None."""
+    vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in range(1, 5)]
+    start, end, axes, steps = vals
+    if start is None or end is None or axes is None or int(axes.ravel()[0]) not in (-1, 3) \
+            or (steps is not None and int(steps.ravel()[0]) != 1):
+        return None
+    return int(start.ravel()[0]), int(end.ravel()[0])
+
+
 class FuseRoPE(Fusion):
     """x·cos + rotate_half(x)·sin, cos/sin from position_ids × inv_freq -> fuselm::FusedRoPE(x, pos).
 
@@ -130,10 +249,18 @@ class FuseRoPE(Fusion):
     are Cos/Sin of such freqs (what onnxscript's rewriter leaves). `inv_freq` and
     `attention_scaling` are read from the constants; x in HF's [B,H,S,D] layout gets a Transpose
     on each side (FusedRoPE works on [B,S,H,D]). The op ships with its FunctionProto.
-    Must not fire (and says why): cos/sin not from positions × a constant inv_freq (e.g. gathered
-    from a cached table); cos and sin from different angles or scalings; halves that are not
-    x[..., :h] / x[..., h:]; inv_freq that does not cover head_dim (partial rotary); cos/sin not
-    unsqueezed over the head axis; positions that are not int64 [batch, seq].
+    Also cos/sin gathered by position from cached tables (optimum, older HF: `cos_cached[position_ids]`,
+    rows [:n] first or not): inv_freq and attention_scaling are recovered from the tables. Partial
+    rotary (x[..., :rd] rotated, Concat with x[..., rd:]): FusedRoPE runs on the whole x with
+    rd/2 frequencies and replaces the Concat.
+    Must not fire (and says why): cos/sin not from positions × a constant inv_freq, nor tables of
+    cos/sin(position × inv_freq) of Concat(freqs, freqs); cos and sin from different angles, tables
+    or scalings; halves that are not x[..., :h] / x[..., h:]; a partial rotary whose parts are not
+    x[..., :rd] / x[..., rd:]; cos/sin not unsqueezed over the head axis; positions that are not
+    int64 [batch, seq]. The interleaved form (GPT-J / Cohere's rotate_every_two: Reshape(Concat(
+    Unsqueeze(-x[..., 1::2]), Unsqueeze(x[..., 0::2]))) with angle repeat_interleave(freqs, 2) by
+    Unsqueeze + Expand/Tile + Reshape, or its tables) gets interleaved=1; its must-not-fire cases:
+    slices that are not x[..., 0::2] / x[..., 1::2], an angle that is not freqs repeated twice.
     """
 
     aliases = ("fuse-rope", "rope")
@@ -146,7 +273,7 @@ class FuseRoPE(Fusion):
             if n.op_type == "RotaryEmbedding":
                 yield n
             elif n.op_type == "Add" and all(producer(v, "Mul") is not None for v in n.inputs) and \
-                    any(producer(i, "Concat") is not None for v in n.inputs for i in producer(v).inputs):
+                    any(producer(i, "Concat", "Reshape") is not None for v in n.inputs for i in producer(v).inputs):
                 yield n
 
     def match(self, anchor: ir.Node) -> RopeMatch:
@@ -154,33 +281,53 @@ class FuseRoPE(Fusion):
             return self._match_standard(anchor)
         m1, m2 = (producer(v) for v in anchor.inputs)
         pairs = [(c, s, r) for c, s in ((m1, m2), (m2, m1))
-                 for r in s.inputs if producer(r, "Concat") is not None]
+                 for r in s.inputs if producer(r, "Concat", "Reshape") is not None]
         if not pairs:
             fail("neither product has a rotate_half factor")
         cos_mul, sin_mul, rot = pairs[0]
-        x = _half_split(rot)
+        interleaved = producer(rot, "Reshape") is not None
+        x = _pair_split(rot) if interleaved else _half_split(rot)
         cos_b = other_input(cos_mul, x)
         if cos_b is None:
             fail("x·cos does not read the tensor rotate_half reads")
         sin_b = other_input(sin_mul, rot)
-        emb_c, scale_c, axis_c = _trig(cos_b, "Cos")
-        emb_s, scale_s, axis_s = _trig(sin_b, "Sin")
-        if axis_c != axis_s or axis_c not in (1, 2):
-            fail(f"cos/sin unsqueezed at axes {axis_c}/{axis_s}, not the head axis (1 for [B,H,S,D], 2 for [B,S,H,D])")
-        if scale_c != scale_s:
-            fail(f"cos and sin scaled differently ({scale_c} vs {scale_s})")
-        inv, pos = self._angle(emb_c)
-        inv_s, pos_s = self._angle(emb_s)
-        if pos_s is not pos or not np.array_equal(inv, inv_s):
-            fail("cos and sin are computed from different angles")
-        half = producer(rot, "Concat").inputs[1].producer()
-        h = int(const(half.inputs[2]).ravel()[0])
-        if h != len(inv):
-            fail(f"rotate_half splits at {h} but inv_freq has {len(inv)} entries (partial rotary)")
-        return RopeMatch(x, pos, inv, scale_c, 0, axis_c == 1, anchor.outputs[0], anchor)
+        tc, ts = _trig(cos_b, "Cos"), _trig(sin_b, "Sin")
+        if tc.axis != ts.axis or tc.axis not in (1, 2):
+            fail(f"cos/sin unsqueezed at axes {tc.axis}/{ts.axis}, not the head axis (1 for [B,H,S,D], 2 for [B,S,H,D])")
+        if tc.scaling != ts.scaling:
+            fail(f"cos and sin scaled differently ({tc.scaling} vs {ts.scaling})")
+        scaling = tc.scaling
+        if tc.table is not None:
+            inv, table_scaling, pos = _from_tables(tc, ts, interleaved)
+            scaling *= table_scaling
+        else:
+            if ts.emb is None:
+                fail("sin is gathered from a table but cos is computed")
+            inv, pos = self._angle(tc.emb, interleaved)
+            inv_s, pos_s = self._angle(ts.emb, interleaved)
+            if pos_s is not pos or not np.array_equal(inv, inv_s):
+                fail("cos and sin are computed from different angles")
+        if not interleaved:
+            half = producer(rot, "Concat").inputs[1].producer()
+            h = int(const(half.inputs[2]).ravel()[0])
+            if h != len(inv):
+                fail(f"rotate_half splits at {h} but inv_freq has {len(inv)} entries")
+        x, out = _partial(x, anchor.outputs[0], 2 * len(inv))
+        return RopeMatch(x, pos, inv, scaling, int(interleaved), tc.axis == 1, out, anchor)
 
     @staticmethod
-    def _angle(emb: ir.Value) -> tuple[np.ndarray, ir.Value]:
+    def _angle(emb: ir.Value, interleaved: bool) -> tuple[np.ndarray, ir.Value]:
+        if interleaved:  # repeat_interleave(freqs, 2, -1): Reshape(Expand | Tile(Unsqueeze(freqs, -1)))
+            reshape = producer(emb, "Reshape")
+            rep = producer(reshape.inputs[0], "Expand", "Tile") if reshape is not None else None
+            unsq = producer(rep.inputs[0], "Unsqueeze") if rep is not None else None
+            times = const(rep.inputs[1]) if rep is not None else None
+            axes = const(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+            r = unsq.inputs[0].shape.rank() + 1 if unsq is not None and unsq.inputs[0].shape is not None else None
+            last = axes is not None and (int(axes.ravel()[0]) == -1 or (r is not None and int(axes.ravel()[0]) == r - 1))
+            if unsq is None or times is None or int(times.ravel()[-1]) != 2 or np.any(times.ravel()[:-1] > 1) or not last:
+                fail("the interleaved rotation's angle is not repeat_interleave(freqs, 2, -1)")
+            return _freqs(unsq.inputs[0])
         cat = producer(emb, "Concat")
         if cat is None or len(cat.inputs) != 2 or cat.inputs[0] is not cat.inputs[1]:
             fail("the angle is not Concat(freqs, freqs)")
@@ -192,12 +339,15 @@ class FuseRoPE(Fusion):
         x = node.inputs[0]
         if x.shape is None or x.shape.rank() != 4:
             fail("RotaryEmbedding input is not 4-D [B,H,S,D]")
-        f_c, scale_c, _ = _trig(node.inputs[1], "Cos", expect_unsqueeze=False)
-        f_s, scale_s, _ = _trig(node.inputs[2], "Sin", expect_unsqueeze=False)
-        if scale_c != scale_s:
-            fail(f"cos and sin scaled differently ({scale_c} vs {scale_s})")
-        inv, pos = _freqs(f_c)
-        inv_s, pos_s = _freqs(f_s)
+        tc = _trig(node.inputs[1], "Cos", expect_unsqueeze=False)
+        ts = _trig(node.inputs[2], "Sin", expect_unsqueeze=False)
+        if tc.emb is None or ts.emb is None:
+            fail("RotaryEmbedding's cos/sin are gathered from a table, not computed from position_ids × inv_freq")
+        if tc.scaling != ts.scaling:
+            fail(f"cos and sin scaled differently ({tc.scaling} vs {ts.scaling})")
+        scale_c = tc.scaling
+        inv, pos = _freqs(tc.emb)
+        inv_s, pos_s = _freqs(ts.emb)
         if pos_s is not pos or not np.array_equal(inv, inv_s):
             fail("cos and sin are computed from different angles")
         dim = attr(node, "rotary_embedding_dim", 0)

@@ -14,10 +14,13 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fuselm.errors import CheckFailed, FuselmError
+from fuselm.genai_config import meta_from_genai_config
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
+from .attention_3d import AttentionTo3D
 from .base import Pass
+from .from_genai import FromGenAI
 from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
@@ -25,8 +28,11 @@ from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rope import FuseRoPE
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
+from .upgrade_opset import UpgradeOpset
 
 PIPELINE: list[Pass] = [
+    UpgradeOpset(),
+    FromGenAI(),
     RemoveDeadShapeOp(),
     ReorderQKVProjections(),
     FuseQKV(),
@@ -34,6 +40,7 @@ PIPELINE: list[Pass] = [
     FuseRMSNorm(),
     FuseAttention(),
     FuseRoPE(),
+    AttentionTo3D(),
 ]
 REQUIRED_OPSET = 23
 
@@ -59,14 +66,6 @@ def resolve_skip(skip) -> set[str]:
                 raise FuselmError(f"--skip {part!r}: no such pass; valid passes: {valid}")
             chosen.add(name)
     return chosen
-
-
-def _check_opset(model: ir.Model, source: Path) -> None:
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    if opset != REQUIRED_OPSET:
-        raise FuselmError(f"{source} uses default-domain opset {opset}; fuselm's passes write opset "
-                          f"{REQUIRED_OPSET} (RMSNormalization, Attention): re-export it with opset 23 "
-                          "(torch.onnx.export(..., opset_version=23) or `fuselm convert`)")
 
 
 def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) -> list[dict]:
@@ -115,7 +114,6 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
     skipped = resolve_skip(skip)
     t0 = time.perf_counter()
     model = graphio.load(onnx_path)
-    _check_opset(model, onnx_path)
     records = run_pipeline(model, skipped)
     passes_seconds = time.perf_counter() - t0
     out = Path(out)
@@ -126,7 +124,8 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
         except Exception as e:
             raise CheckFailed(f"the optimized graph fails onnx.checker ({e}); run `fuselm diff` on {in_path} "
                               "and --skip the pass that breaks it") from None
-        new_meta = dict(meta) if meta is not None else graph_meta(model, onnx_path)
+        new_meta = dict(meta) if meta is not None else \
+            graph_meta(model, onnx_path, Path(in_path) if Path(in_path).is_dir() else None)
         new_meta.pop("schema_version", None)
         new_meta["stage"] = "optimized"
         new_meta["passes"] = [_meta_record(r) for r in records]
@@ -137,8 +136,15 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
         from .report import print_summary
 
         print_summary(records, title=f"fuselm optimize: {in_path} -> {out} "
-                      f"({passes_seconds:.2f} s load + passes, {time.perf_counter() - t0:.2f} s total)")
+                      f"({passes_seconds:.2f} s load + passes, {time.perf_counter() - t0:.2f} s total)"
+                      f"{upgrade_note(records)}")
     return out
+
+
+def upgrade_note(records: list[dict]) -> str:
+    """`; default-domain opset 20 -> 23` when UpgradeOpset converted the graph, else ''."""
+    up = next((r for r in records if r["pass"] == UpgradeOpset().name and r.get("fired")), None)
+    return f"; {up['fired_at'][0]} (onnx version converter)" if up else ""
 
 
 def _meta_record(r: dict) -> dict:
@@ -148,8 +154,9 @@ def _meta_record(r: dict) -> dict:
     return {k: r[k] for k in keep if k in r}
 
 
-def graph_meta(model: ir.Model, source: Path) -> dict:
-    """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits)."""
+def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> dict:
+    """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits);
+    an onnxruntime-genai directory's genai_config.json adds context length and special tokens."""
     past = [v for v in model.graph.inputs if re.fullmatch(r"past_key_values\.\d+\.key", v.name or "")]
     dims: dict = {"layers": len(past) or None}
     if past and past[0].shape is not None and past[0].shape.rank() == 4:
@@ -162,8 +169,10 @@ def graph_meta(model: ir.Model, source: Path) -> dict:
     logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
     if logits is not None and logits.shape is not None and isinstance(logits.shape[-1], int):
         dims["vocab"] = logits.shape[-1]
+    extra = meta_from_genai_config(src_dir) if src_dir is not None else {}
+    dims.update(extra.pop("dims", {}))
     return {"stage": "optimized", "source": {"onnx": os.fspath(source)}, "family": None, "dims": dims,
-            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}}
+            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}, **extra}
 
 
 def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> dict:
@@ -181,18 +190,17 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
     onnx_path, meta = graphio.resolve(in_path)
     skipped = resolve_skip(skip)
     model = graphio.load(onnx_path)
-    _check_opset(model, onnx_path)
-    layer = draw.pick_layer(model.graph)
+    pictures = draw.Stages(model.graph)
     nodes_in = model.graph.num_nodes()
     with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
-        state = {"picture": draw.layer_picture(model.graph, layer), "n": 0}
+        state = {"n": 0}
         try:
             state["outputs"] = check.run_steps(onnx_path)
         except FuselmError as e:  # e.g. inputs outside the graph contract: show the structure anyway
             state["outputs"], state["no_numbers"] = None, str(e)
 
         def on_pass(record: dict, m: ir.Model) -> None:
-            record["picture_before"] = state["picture"]
+            pictures.record(record, m.graph if record["changed"] else None)
             if record["changed"]:
                 state["n"] += 1
                 stage = Path(work) / f"{state['n']}"
@@ -213,20 +221,22 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
                 except Exception as e:
                     record["drift"] = {"error": f"{type(e).__name__}: {e}"}
                 record["check_seconds"] = time.perf_counter() - t0
-                state["picture"] = draw.layer_picture(m.graph, layer)
                 if state.get("stage") is not None:  # one stage on disk at a time (a 4B model is GBs)
                     shutil.rmtree(state["stage"], ignore_errors=True)
                 state["stage"] = stage
             else:
                 record["drift"] = None
-            record["picture_after"] = state["picture"]
 
         records = run_pipeline(model, skipped, on_pass)
-    data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": layer,
+    data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": pictures.first_layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
-            "passes": records}
+            "nodes_per_layer_in": pictures.counts[0], "nodes_per_layer_out": pictures.counts[-1],
+            "passes": records, "_stages": pictures.stages,
+            "opset_upgrade": upgrade_note(records).removeprefix("; ") or None}
     if not quiet:
         print_report(data)
+        if data["opset_upgrade"]:
+            print(f"UpgradeOpset: {data['opset_upgrade']}")
     if json_path:
         write_json(data, json_path)
     if html:

@@ -14,6 +14,7 @@ from .base import (
     attr,
     const,
     is_external,
+    producer,
     remove_unused,
     static_shape,
     take_over,
@@ -92,8 +93,9 @@ class RemoveDeadShapeOp(Pass):
     - `Constant` nodes become initializers;
     - a shape op whose inputs are all small constants (integer shape data, or floats of at most
       _SMALL_FLOAT elements) (or `Shape`/`Size` of a statically shaped
-      value) is evaluated once and replaced by an initializer;
-    - no-op data movement is bypassed: `Identity`, `Cast` to the same type, `Transpose` with the
+      value, or `Gather` of static dims from a partly dynamic `Shape`) is evaluated once and
+      replaced by an initializer;
+    - no-op data movement is bypassed: `Identity`, a one-input `Concat`, `Cast` to the same type, `Transpose` with the
       identity permutation, `Slice` over the whole tensor, `Reshape` to the same static shape,
       `Expand` by ones;
     - duplicate shape computations (same op, attributes and inputs) are merged, identical small
@@ -238,6 +240,17 @@ def _evaluate(node: ir.Node) -> np.ndarray | None:
         start, end = attr(node, "start", 0), attr(node, "end", None)
         dims = shape[slice(start, end)]
         return None if None in dims else np.array(dims, dtype=np.int64)
+    shape_of = producer(node.inputs[0], "Shape") if node.op_type == "Gather" else None
+    if shape_of is not None and attr(node, "axis", 0) == 0:  # one static dim of a partly dynamic shape
+        shape, idx = static_shape(shape_of.inputs[0]), const(node.inputs[1])
+        if shape is None or idx is None:
+            return None
+        dims = shape[slice(attr(shape_of, "start", 0), attr(shape_of, "end", None))]
+        try:
+            picked = np.take(np.array(dims, dtype=object), idx)
+        except IndexError:
+            return None
+        return None if any(d is None for d in np.atleast_1d(picked)) else np.array(picked, dtype=np.int64)
     if node.op_type == "CastLike" and node.inputs[1].dtype is not None:
         x = const(node.inputs[0])
         return None if x is None else x.astype(node.inputs[1].dtype.numpy())
@@ -264,7 +277,7 @@ def _evaluate(node: ir.Node) -> np.ndarray | None:
 def _is_noop(node: ir.Node) -> bool:
     op, x = node.op_type, node.inputs[0]
     shape = static_shape(x)
-    if op == "Identity":
+    if op == "Identity" or (op == "Concat" and len(node.inputs) == 1):  # TorchScript's cache: Concat(past)
         return True
     if op == "Cast":
         return x.dtype is not None and x.dtype == ir.DataType(attr(node, "to"))

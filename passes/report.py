@@ -9,8 +9,6 @@ from pathlib import Path
 
 from fuselm.errors import FuselmError
 
-from .draw import COLORS, render_svg
-
 
 def _drift_text(drift: dict | None, step: str) -> str:
     if drift is None:
@@ -23,6 +21,15 @@ def _drift_text(drift: dict | None, step: str) -> str:
     if "logits_max_abs" in d:
         return f"{d['logits_max_abs']:.1e} ({d['logits_rel']:.0e} rel)"
     return f"{d['all_outputs_rel']:.0e} rel"
+
+
+def per_layer_text(counts: dict | None, shared: bool = False) -> str:
+    """'22' (every layer alike) or '20..22' (they differ); with `shared`, '+ 17 shared'."""
+    if not counts or not counts.get("layers"):
+        return "-"
+    layers = counts["layers"]
+    text = str(layers[0]) if counts["uniform"] else f"{min(layers)}..{max(layers)}"
+    return f"{text} + {counts['shared']} shared" if shared else text
 
 
 def op_changes(record: dict) -> list[tuple[str, int, int]]:
@@ -62,15 +69,17 @@ def print_report(data: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    t = Table(title=f"fuselm diff: {data['input']}  ({data['nodes_in']} -> {data['nodes_out']} nodes)",
-              title_justify="left")
-    for col in ("pass", "changed", "nodes", "fired", "skipped", "drift prefill", "drift decode", "ms"):
+    t = Table(title=f"fuselm diff: {data['input']}  ({data['nodes_in']} -> {data['nodes_out']} nodes; "
+              f"per layer {per_layer_text(data.get('nodes_per_layer_in'))} -> "
+              f"{per_layer_text(data.get('nodes_per_layer_out'), shared=True)})", title_justify="left")
+    for col in ("pass", "changed", "nodes", "per layer", "fired", "skipped", "drift prefill", "drift decode", "ms"):
         t.add_column(col)
     for r in data["passes"]:
         if r.get("skipped_by_user"):
-            t.add_row(r["pass"], "[dim]--skip[/dim]", *[""] * 6)
+            t.add_row(r["pass"], "[dim]--skip[/dim]", *[""] * 7)
             continue
         t.add_row(r["pass"], "yes" if r["changed"] else "no", f"{r['nodes_before']} -> {r['nodes_after']}",
+                  f"{per_layer_text(r.get('nodes_per_layer_before'))} -> {per_layer_text(r.get('nodes_per_layer_after'))}",
                   str(r["fired"]), str(len(r["skipped"])), _drift_text(r.get("drift"), "prefill"),
                   _drift_text(r.get("drift"), "decode"), f"{1000 * r['seconds']:.0f}")
     console.print(t)
@@ -99,7 +108,8 @@ def _jsonable(obj):
 
 
 def write_json(data: dict, path: str | os.PathLike) -> None:
-    _write(path, json.dumps(_jsonable(data), indent=1) + "\n")
+    """The report as JSON; keys starting with "_" (every layer's pictures, for the page) stay out."""
+    _write(path, json.dumps(_jsonable({k: v for k, v in data.items() if not k.startswith("_")}), indent=1) + "\n")
 
 
 def _write(path: str | os.PathLike, text: str) -> None:
@@ -113,80 +123,9 @@ def _write(path: str | os.PathLike, text: str) -> None:
         raise FuselmError(f"cannot write {path}: {e.strerror}; choose a writable location") from None
 
 
-_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<title>fuselm diff: {{ data.input }}</title>
-<style>
-body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #222; }
-h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 0; }
-table { border-collapse: collapse; margin: 8px 0 14px; }
-td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; }
-section.pass { border: 1px solid #ddd; border-radius: 8px; padding: 14px; margin: 18px 0; }
-section.unchanged { opacity: .8; }
-.pictures { display: flex; gap: 16px; overflow-x: auto; align-items: flex-start; }
-.pictures figure { margin: 0; }
-figcaption { font-weight: 600; margin-bottom: 4px; }
-svg.graph { max-width: 640px; height: auto; }
-svg.graph text { font: 11px monospace; text-anchor: middle; fill: #111; }
-svg.graph rect { stroke: #555; stroke-width: 1; }
-svg.graph .edge { fill: none; stroke: #888; stroke-width: 1; }
-.legend span { display: inline-block; padding: 1px 8px; margin-right: 6px; border: 1px solid #555; border-radius: 4px; }
-.ok { color: #1b7f3b; } .bad { color: #b00020; font-weight: 600; }
-</style></head><body>
-<h1>fuselm diff</h1>
-<p>Input <code>{{ data.input }}</code>{% if data.family %} ({{ data.family }}){% endif %}:
-{{ data.nodes_in }} &rarr; {{ data.nodes_out }} nodes. Drift: onnxruntime (its graph optimizations off) on each
-stage against the previous one, max |&Delta;logits| for a prefill and a decode step with past.
-Pictures: decoder layer {{ data.layer_drawn }}.</p>
-<p class="legend">{% for k, c in colors.items() %}<span style="background: {{ c }}">{{ k }}</span>{% endfor %}</p>
-<table id="summary"><tr><th>pass</th><th>changed</th><th>nodes</th><th>fired</th><th>skipped</th>
-<th>drift prefill</th><th>drift decode</th><th>time</th></tr>
-{% for r in data.passes %}<tr><td><a href="#pass-{{ r.pass }}">{{ r.pass }}</a></td>
-{% if r.skipped_by_user %}<td colspan="7">skipped (--skip)</td>{% else %}
-<td>{{ "yes" if r.changed else "no" }}</td><td>{{ r.nodes_before }} &rarr; {{ r.nodes_after }}</td>
-<td>{{ r.fired }}</td><td>{{ r.skipped|length }}</td><td>{{ drift(r.drift, "prefill") }}</td>
-<td>{{ drift(r.drift, "decode") }}</td><td>{{ "%.0f"|format(1000 * r.seconds) }} ms</td>{% endif %}</tr>
-{% endfor %}</table>
-{% for r in data.passes %}
-<section class="pass {{ 'changed' if r.changed else 'unchanged' }}" id="pass-{{ r.pass }}" data-pass="{{ r.pass }}">
-<h2>{{ loop.index }}. {{ r.pass }}</h2>
-<p>{{ r.doc }}</p>
-{% if r.skipped_by_user %}<p>Skipped on request (--skip).</p>{% else %}
-<p>{{ "Changed" if r.changed else "Unchanged" }}; {{ r.nodes_before }} &rarr; {{ r.nodes_after }} nodes;
-{{ r.fired }} fired, {{ r.skipped|length }} skipped; {{ "%.1f"|format(1000 * r.seconds) }} ms.
-{% if r.get("checker") %}Checker: <span class="{{ 'ok' if r.checker == 'ok' else 'bad' }}">{{ r.checker }}</span>.{% endif %}
-{% if r.drift and r.drift.get("error") %}<span class="bad">{{ r.drift.error }}</span>
-{% elif r.drift %}Drift: prefill {{ drift(r.drift, "prefill") }}, decode {{ drift(r.drift, "decode") }}.{% endif %}</p>
-{% set changes = op_changes(r) %}{% if changes %}
-<table><tr><th>op</th><th>before</th><th>after</th></tr>
-{% for op, a, b in changes %}<tr><td>{{ op }}</td><td>{{ a }}</td><td>{{ b }}</td></tr>{% endfor %}</table>{% endif %}
-{% if r.fired_at %}<details><summary>fired at {{ r.fired }} place(s)</summary><ul>
-{% for w in r.fired_at %}<li><code>{{ w }}</code></li>{% endfor %}</ul></details>{% endif %}
-{% set reasons = skip_reasons(r) %}{% if reasons %}
-<table><tr><th>skipped because</th><th>count</th><th>first at</th></tr>
-{% for reason, n, where in reasons %}<tr><td>{{ reason }}</td><td>{{ n }}</td><td><code>{{ where }}</code></td></tr>{% endfor %}
-</table>{% endif %}
-{% if r.counts %}<details><summary>counts</summary><table>
-{% for k, v in r.counts.items() %}<tr><td>{{ k }}</td><td>{{ v }}</td></tr>{% endfor %}</table></details>{% endif %}
-<div class="pictures">
-{% if r.changed %}<figure><figcaption>before</figcaption>{{ svg(r.picture_before, "before " ~ r.pass) }}</figure>
-<figure><figcaption>after</figcaption>{{ svg(r.picture_after, "after " ~ r.pass) }}</figure>
-{% else %}<figure><figcaption>unchanged</figcaption>{{ svg(r.picture_after, r.pass) }}</figure>{% endif %}
-</div>{% endif %}
-</section>
-{% endfor %}
-</body></html>
-"""
-
-
 def write_html(data: dict, path: str | os.PathLike) -> None:
-    """One self-contained page: inline CSS and SVG, no scripts, no external assets."""
-    import jinja2
-    from markupsafe import Markup
+    """One self-contained page (passes/diff_page.py): the tables, and each pass's drawings of the
+    layer the reader picks, removed / added / rewired nodes marked."""
+    from .diff_page import write_html as write_page
 
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    page = env.from_string(_PAGE).render(
-        data=data, colors=COLORS, drift=_drift_text, op_changes=op_changes, skip_reasons=skip_reasons,
-        svg=lambda pic, title: Markup(render_svg(pic, title)) if pic else "")
-    _write(path, page)
+    write_page(data, path)

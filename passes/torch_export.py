@@ -16,8 +16,11 @@ from pathlib import Path
 
 
 def export_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, optimize: bool = False,
-              attn_implementation: str = "eager", opset: int = 23) -> Path:
-    """Export the checkpoint at `hf_dir` to `out_path` (an .onnx file, weights in `<name>.data`)."""
+              attn_implementation: str = "eager", opset: int | None = 23, dynamo: bool = True) -> Path:
+    """Export the checkpoint at `hf_dir` to `out_path` (an .onnx file, weights in `<name>.data`).
+
+    `opset=None` takes the exporter's default opset; `dynamo=False` uses the TorchScript exporter
+    (its graphs carry older patterns: Constant nodes, opset 14-18 ops)."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -58,8 +61,18 @@ def export_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, optimiz
     names_out = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    program = torch.onnx.export(WithCache(model).eval(), (ids, mask, pos, *past), dynamo=True, opset_version=opset,
-                                dynamic_shapes=dynamic, input_names=names_in, output_names=names_out,
-                                optimize=optimize)
+    args = (ids, mask, pos, *past)
+    if not dynamo:
+        axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+                "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+        axes.update({n: {0: "batch", 2: "past"} for n in names_in[3:]})
+        axes.update({n: {0: "batch", 2: "total"} for n in names_out[1:]})
+        with torch.no_grad():
+            torch.onnx.export(WithCache(model).eval(), args, str(out_path), dynamo=False, opset_version=opset,
+                              input_names=names_in, output_names=names_out, dynamic_axes=axes)
+        return out_path
+    kwargs = {} if opset is None else {"opset_version": opset}
+    program = torch.onnx.export(WithCache(model).eval(), args, dynamo=True, dynamic_shapes=dynamic,
+                                input_names=names_in, output_names=names_out, optimize=optimize, **kwargs)
     program.save(str(out_path), external_data=True)
     return out_path

@@ -67,6 +67,18 @@ def _heads_first(b, x, heads: int):
     return b.transpose(b.reshape(x, (bsz, s, heads, hidden // heads)), (0, 2, 1, 3))
 
 
+def _check_3d_heads(b, Q, K, V, q_heads: int, kv_heads: int) -> None:
+    """3-D q/k/v [B, S, heads*D]: the head counts must split the widths into one head size (as
+    onnxruntime requires); anything else is a damaged graph, not a shape to guess."""
+    widths = (b.shape(Q)[2], b.shape(K)[2], b.shape(V)[2])
+    if len(b.shape(K)) != 3 or len(b.shape(V)) != 3 or q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads \
+            or widths[0] % q_heads or widths[1] % kv_heads or widths[2] % kv_heads \
+            or widths[0] // q_heads != widths[1] // kv_heads:
+        raise FuselmError(f"Attention: q_num_heads {q_heads} / kv_num_heads {kv_heads} do not split its 3-D inputs "
+                          f"(widths {widths}, ranks {len(b.shape(Q))}/{len(b.shape(K))}/{len(b.shape(V))}) into "
+                          "heads of one size; the graph is invalid")
+
+
 def _append(b, past, new, stored_ok: bool = False):
     if past is None:
         return new
@@ -139,6 +151,7 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
                softmax_precision=None, left_window_size=-1, right_window_size=-1, _n_outputs=1, fused=True):
     three_d = len(b.shape(Q)) == 3
     if three_d:
+        _check_3d_heads(b, Q, K, V, q_num_heads, kv_num_heads)
         Q, K, V = _heads_first(b, Q, q_num_heads), _heads_first(b, K, kv_num_heads), _heads_first(b, V, kv_num_heads)
     elif (q_num_heads and b.shape(Q)[1] != q_num_heads) or (kv_num_heads and b.shape(K)[1] != kv_num_heads):
         # onnxruntime refuses this too: heads that contradict the attributes mean a damaged graph

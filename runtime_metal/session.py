@@ -113,6 +113,14 @@ class Session:
 
     # --- contract ------------------------------------------------------------------------------
     def _check_contract(self) -> list[CacheSpec]:
+        from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
+
+        genai = next((n for n in self.lm.graph.node if n.domain == ORT_DOMAIN or n.op_type in ORT_ONNX_DOMAIN_CONTRIB),
+                     None)
+        if genai is not None:  # onnxruntime-genai's builder output: its contrib ops, no position_ids
+            raise FuselmError(f"{self.lm.path} uses onnxruntime contrib ops ({genai.op_type}, node {genai.name!r}), "
+                              "as onnxruntime-genai's builder writes them; run `fuselm optimize DIR -o OUT` first "
+                              "(it maps them to standard ops and the graph contract) and run OUT")
         ins, outs = self.lm.input_types, set(self.lm.output_names)
         missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
         missing += [n for n in ("logits",) if n not in outs]
@@ -285,9 +293,12 @@ class Session:
         """How far two orders of the same float work may drift, as a share of the largest logit: bf16
         activations (MLX half compute, CUDA tinygemm / bf16 weights) round at every matmul, and a last-bit
         difference upstream (attention over a padded static buffer vs the exact length) flips roundings
-        that grow over the layers (4B-shaped, 36 layers: beyond 1e-3); f32 paths stay within 1e-3."""
+        that grow over the layers (4B-shaped, 36 layers: beyond 1e-3); so do int8 activations (the CPU
+        kernels' *-int8: a last-bit difference moves a value across an int8 rounding step); f32 paths
+        stay within 1e-3."""
         half = self.backend.compute != "f32" or any(
-            n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") for n in self.graph.nodes if n.op_type == "QMatMul")
+            n.attrs["weight"].kind in ("tinygemm", "dequant-bf16") or n.attrs["weight"].kind.endswith("-int8")
+            for n in self.graph.nodes if n.op_type == "QMatMul")
         return 3e-2 if half else 1e-3
 
     def _checked_static(self, token):

@@ -3,6 +3,11 @@
 f32/f16 graphs: the runtime's tokens must equal HF's. q8/q4 graphs: they must equal
 onnxruntime's on the same graph (its MatMulNBits at accuracy level 1, i.e. f32 activations), and
 the drift from HF is reported. Exit 1 (CheckFailed) on a mismatch.
+
+Where the runtime's quantized matmuls take int8 activations (the CPU kernels' default, kind
+`*-int8`), onnxruntime at level 1 stands for f64 math and onnxruntime at accuracy level 4 (its own
+int8 activations) runs beside: the runtime's logit drift from level 1 must stay within
+INT8_DRIFT_FACTOR times level 4's, and its tokens must not leave level 1's earlier than level 4's do.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .generate import load_tokenizer
 from .session import Session, kv_options
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"
+INT8_DRIFT_FACTOR = 2.0
 
 
 @dataclass
@@ -46,14 +52,16 @@ def runtime_greedy(sess: Session, ids: list[int], n: int, force: list[int] | Non
     return trace
 
 
-def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool, force: list[int] | None = None) -> Trace:
-    """The same graph in onnxruntime, past/present fed back by hand."""
+def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool, level: int = 1,
+               force: list[int] | None = None) -> Trace:
+    """The same graph in onnxruntime, past/present fed back by hand. `level`: MatMulNBits' accuracy
+    level, 1 = f32 activations (not onnxruntime's default, 4 = int8); `force`: teacher forcing."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if quantized:  # f32 activations in MatMulNBits, not the default int8 (accuracy level 4)
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    if quantized:
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
     s = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     pasts = {}
     for i in s.get_inputs():
@@ -115,6 +123,15 @@ def _max_diff(a: Trace, b: Trace) -> list[float]:
 HALF_FLOOR = {"bf16": 2.0**-8, "f16": 2.0**-11}
 
 
+def _int8_drift(ours: Trace, level1: Trace, level4: Trace) -> dict:
+    """Max |Δlogit| from level 1 (f32 activations, ~f64 math) of ours and of level 4, over the steps
+    before either's tokens leave level 1's (later logits follow other tokens)."""
+    first, first4 = _first_diff(ours.tokens, level1.tokens), _first_diff(level4.tokens, level1.tokens)
+    steps = min(x for x in (first, first4, len(level1.tokens)) if x is not None) + 1  # a diverging step's logits count
+    return {"drift": max(_max_diff(ours, level1)[:steps]), "ort_level4_drift": max(_max_diff(level4, level1)[:steps]),
+            "ort_level4_first_diff": first4, "ort_level4_tokens": level4.tokens}
+
+
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
              prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", **kv) -> dict:
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
@@ -146,6 +163,9 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     d_ort, d_hf = _max_diff(ours, onnxrt), _max_diff(ours, hf)
     target, target_name = (onnxrt, "onnxruntime") if quantized else (hf, "HF transformers")
     first = _first_diff(ours.tokens, target.tokens)
+    kinds = {n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"}
+    int8 = _int8_drift(ours, onnxrt, ort_greedy(sess.lm.path, ids, tokens, quantized, level=4)) \
+        if quantized and any(k.endswith("-int8") for k in kinds) else None
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
     table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}")
@@ -166,6 +186,20 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
                                        None)}
     if quantized and hf_drift is not None:
         console.print(f"HF drift (expected for {mode}): tokens first differ from HF at step {hf_drift}")
+    if int8 is not None:
+        result["int8"] = int8
+        console.print(f"int8 activations ({'/'.join(sorted(kinds))}): max |Δlogit| from onnxruntime level 1 (f32) "
+                      f"{int8['drift']:.3g}, onnxruntime level 4 (int8) {int8['ort_level4_drift']:.3g}; tokens leave "
+                      f"level 1's at step {first}, level 4's at {int8['ort_level4_first_diff']}")
+        first4 = int8["ort_level4_first_diff"]
+        if int8["drift"] > INT8_DRIFT_FACTOR * int8["ort_level4_drift"] + 1e-6:
+            raise CheckFailed(f"int8-activation drift {int8['drift']:.3g} exceeds {INT8_DRIFT_FACTOR}x onnxruntime "
+                              f"level 4's ({int8['ort_level4_drift']:.3g}); FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
+        if first is not None and (first4 is None or first < first4):
+            raise CheckFailed(f"int8-activation tokens leave onnxruntime level 1's at step {first}, before level 4's "
+                              f"({first4}); FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
+        console.print("[green]OK[/green]: int8-activation drift within onnxruntime level 4's")
+        return result
     if first is not None:
         raise CheckFailed(f"greedy tokens differ from {target_name} at step {first}: fuselm {ours.tokens[first]}, "
                           f"{target_name} {target.tokens[first]} (max |Δlogit| there "

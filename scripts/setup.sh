@@ -9,6 +9,9 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[dev]"
+# The CPU kernels, compiled now into a persistent cache (keyed by their sources, torch and Python), so
+# that no `fuselm run` needs a compiler; without one fuselm dequantizes weights to f32 at load.
+python -m fuselm.runtime_metal.backends.kernel_build || echo "setup.sh: CPU kernels not built (see above)" >&2
 # `fuselm diff --html` is checked in a real headless browser (tests/passes/test_passes_cli.py).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -119,3 +119,23 @@ def test_cli_subprocess_exit_code(model_copy):
 def test_prompt_ids_outside_the_vocabulary(exported, capsys):
     rc = cli.main(["run", str(exported("qwen3", "f32")), "--prompt-ids", "1,99999"])
     assert rc == 2 and "prompt ids must lie in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_attention_3d_checks_its_head_counts(backend):
+    """Attention-23's 3-D form (what the AttentionTo3D pass writes): head counts that do not split
+    the widths into one head size are a clear error, not a reshape the backend fails at."""
+    import numpy as np
+    from fuselm.runtime_metal.backends import make_backend
+    from fuselm.runtime_metal.ops_nn import _attention
+
+    from fuselm.errors import FuselmError
+
+    b = make_backend(backend, "cpu")
+    rng = np.random.default_rng(0)
+    q, k = (b.asarray(rng.standard_normal((1, 3, w)).astype(np.float32)) for w in (32, 16))
+    y, *_ = _attention(b, q, k, k, q_num_heads=4, kv_num_heads=2, _n_outputs=1)
+    assert tuple(b.shape(y)) == (1, 3, 32)
+    for heads in ((3, 1), (4, 3), (2, 2), (0, 2)):
+        with pytest.raises(FuselmError, match="do not split its 3-D inputs"):
+            _attention(b, q, k, k, q_num_heads=heads[0], kv_num_heads=heads[1], _n_outputs=1)

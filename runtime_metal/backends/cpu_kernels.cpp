@@ -1,32 +1,37 @@
-// Weight-only low-bit matmul kernels for x86 CPUs with AVX2 + FMA (fuselm runtime, torch backend).
+// Weight-only low-bit matmul kernels for x86 CPUs (fuselm runtime, torch backend), one build for
+// every x86-64 CPU: the translation unit is compiled for the baseline (SSE2) and each instruction
+// set's kernels carry their own `#pragma GCC target`; `isa_supported` (cpuid through
+// __builtin_cpu_supports, which also checks that the OS saves the AVX / AVX-512 registers) tells the
+// caller which it may pass. ISAs: 0 scalar (any CPU), 1 AVX2 + FMA, 2 AVX-512 VNNI (F/BW/VL + VNNI;
+// an AVX-512 CPU without VNNI runs the AVX2 kernels).
 //
 // torch's own CPU kernels (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) are scalar without
 // AVX-512 and 10-20x slower than an f32 GEMV on AVX2 machines, so fuselm ships these. They are
-// built once per machine by torch.utils.cpp_extension (runtime_metal/backends/torch_quant.py).
+// built once per machine (runtime_metal/backends/kernel_build.py: at install by scripts/setup.sh).
 //
 // Weights are W[n, k] = (q[n, k] - zp[n, b]) * scale[n, b] (b = k / block; zp uint8, scale f32),
-// output channels n in rows, the reduction dim k contiguous.
+// output channels n in rows, the reduction dim k contiguous. k is cut in groups of 256 = 8
+// sub-blocks of 32 (j = 0..7), and every kernel keeps sub-block j in 32-bit lane j of its vectors:
+// lane-wise sums leave the 8 sub-blocks' integer dot products in one vector, and three vector ops
+// apply their scales, zero points and x scales: no horizontal sums, no broadcasts.
 //
-// gemv (decode: a few rows of x). x is rounded to int16 per sub-block of 32 values (dx = max|x| /
-// 32767: a relative error of at most 1.5e-5 of the sub-block's largest value, 250x finer than
-// bf16; int8 activations, onnxruntime's default, would be 128x coarser), so q . x runs as exact
-// int32 multiply-adds (vpmaddwd: 16 products, summed in pairs). The layout `pack` makes at load
-// puts each sub-block in its own 32-bit lane: k is cut in groups of 8 sub-blocks (256 values), and
-// in a group the int32 lane j of multiply-add t (t = 0..15) holds the pair k = 32 j + 2 t, +1.
-// Sixteen multiply-adds summed lane-wise thus leave the 8 sub-blocks' dot products in one vector,
-// and three vector ops apply their scales, zero points and x scales: no horizontal sums, no
-// broadcasts. x is arranged in the same order once per call.
+// Layout per row, per group (rows padded with q = 0, scale = 0 to whole groups: Kp):
+//   8 bits: 8 vectors of 32 bytes (t = 0..7): byte 4 j + c of vector t = q[k = 32 j + 4 t + c].
+//   4 bits: 4 vectors (L = 0..3): byte 4 j + c of vector L holds q[32 j + 8 L + c] in its low nibble
+//           and q[32 j + 8 L + 4 + c] in its high nibble.
+//   scale [N, Kp/32] f32 and zp [N, Kp/32] u8, one per sub-block (blocks of 64+ repeat theirs).
+// x is quantized per call, per sub-block of 32 (dx = max|x| / qmax), and arranged so that each
+// kernel's loads meet the weights they multiply (`arrangement`):
+//   int8 (qmax 127, the seed's Step 2 / llama.cpp's q4_0 x q8_0): AVX2 vpmaddubsw (u8 weights x s8 x,
+//     pairs summed to int16; 8 products of 4-bit weights per int16 stay under 2^15, 8-bit weights go
+//     as two nibbles) then vpmaddwd by ones; AVX-512 VNNI vpdpbusd (4 u8 x s8 products straight into
+//     int32). 1/254 of a sub-block's largest |x| per value: what onnxruntime's accuracy level 4 does.
+//   int16 (qmax 32767, AVX2 vpmaddwd on weights unpacked to 16-bit words): 1/65534, 250x finer than
+//     bf16; for f32-faithful results (validation).
 //   y[m, n] = sum_b scale[n, b] * (dx[m, b] * (q[n, b] . xq[m, b]) - zp[n, b] * xsum[m, b])
 // with xsum = dx * sum of the rounded x of the sub-block: the zero-point term sees the same x as
-// q . x, so the rounding error scales with q - zp, not with q.
-//
-// Layout per row, per group of 256 k (rows padded with q = 0, scale = 0 to whole groups: Kp):
-//   4 bits: 4 loads of 32 bytes; in load L, 16-bit word p (lane j = p / 2) holds 4 nibbles, nibble
-//           i (bits 4i..4i+3) = q[k = 32 j + 2 (4 L + i) + p % 2]. Nibbles 1 and 2 are masked in
-//           place (16x and 256x the value: the sums are shifted back, exactly), nibble 3 shifted.
-//   8 bits: 8 loads; in load L, word p holds bytes i = 0, 1 = q[k = 32 j + 2 (2 L + i) + p % 2].
-//   scale [N, Kp/32] f32 and zp [N, Kp/32] u8, one per sub-block (blocks of 64+ repeat theirs).
-// dequant (prefill, many rows): W [N, K] as f32 for a BLAS GEMM (exact f32 activations).
+// q . x, so the rounding error scales with q - zp, not with q. The same kernel runs prefill (many
+// rows of x) as an integer GEMM; `dequant` gives W as f32 for a BLAS GEMM where int16 is asked.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -39,6 +44,152 @@ namespace {
 
 constexpr int64_t GROUP = 256;  // k per group of 8 sub-blocks of 32
 constexpr int64_t PREFETCH_BYTES = 1536;
+constexpr int64_t MCHUNK = 64;  // rows of x per pass over the weights (GEMM): their arranged x stays in L2
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case SCALAR: return true;
+    case AVX2: return avx2;
+    case AVX512VNNI:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+}
+
+// Where x[k] (k within a group) goes in the arranged x each kernel reads (-1: natural order).
+struct Arrangements {
+  int16_t i8[GROUP], i8_512_4bit[GROUP], i16_4bit[GROUP], i16_8bit[GROUP];
+  Arrangements() {
+    // the AVX-512 4-bit kernel reads x vectors (32 bytes) t in the order 0 2 1 3 4 6 5 7: a 64-byte
+    // load of weights holds vectors L and L + 1, whose low nibbles meet x vectors 2 L and 2 L + 2
+    const int slot512[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int j = 0; j < 8; ++j) {
+      for (int t = 0; t < 8; ++t) {
+        for (int c = 0; c < 4; ++c) {
+          const int k = 32 * j + 4 * t + c;
+          i8[k] = 32 * t + 4 * j + c;
+          i8_512_4bit[k] = 32 * slot512[t] + 4 * j + c;
+          // int16 words (j, h) = bytes 4 j + 2 h, + 1; the kernel masks word nibble / byte i of every word
+          // in place and multiplies it with 16 x values (index 2 j + h) at 16 i past the vector's x
+          const int h = c / 2, i = c % 2;
+          i16_8bit[k] = 32 * t + 16 * i + 2 * j + h;
+        }
+      }
+      for (int L = 0; L < 4; ++L) {
+        for (int o = 0; o < 8; ++o) {  // k = 32 j + 8 L + o: nibble (o >= 4) of byte o % 4
+          const int r = o % 4, h = r / 2, i = 2 * (r % 2) + (o >= 4);
+          i16_4bit[32 * j + 8 * L + o] = 64 * L + 16 * i + 2 * j + h;
+        }
+      }
+    }
+  }
+};
+
+const int16_t* arrangement(int64_t isa, int64_t act_bits, int64_t bits) {
+  static const Arrangements a;
+  if (isa == SCALAR) return nullptr;
+  if (act_bits == 16) return bits == 4 ? a.i16_4bit : a.i16_8bit;
+  return isa == AVX512VNNI && bits == 4 ? a.i8_512_4bit : a.i8;
+}
+
+// The group's 256 weights (packed, `bits`) in k order.
+void unpack_group(const uint8_t* w, int64_t bits, int32_t* q) {
+  for (int j = 0; j < 8; ++j) {
+    for (int o = 0; o < 32; ++o) {
+      if (bits == 8) {
+        q[32 * j + o] = w[32 * (o / 4) + 4 * j + o % 4];
+      } else {
+        const uint8_t v = w[32 * (o / 8) + 4 * j + o % 4];
+        q[32 * j + o] = o % 8 >= 4 ? v >> 4 : v & 15;
+      }
+    }
+  }
+}
+
+// x [M, K] -> xa [M, Kp] (int8 or int16, arranged by `perm`), dx [M, S] the sub-blocks' scales,
+// xsum [M, S]; padding zero. Rounds to nearest even (as np.rint): adding and removing 1.5 * 2^23.
+template <typename XT>
+void quantize_x(const float* x, int64_t M, int64_t K, int64_t S, const int16_t* perm, XT* xa, float* dx, float* xsum,
+                int64_t threads) {
+  const int64_t Kp = S * 32;
+  const float qmax = sizeof(XT) == 1 ? 127.f : 32767.f, magic = 12582912.f;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < S; ++b) {
+      XT* out = xa + m * Kp + (b / 8) * GROUP;
+      const int64_t j = b % 8;
+      float r[32], big = 0.f, total = 0.f;
+      if (b * 32 < K) {
+        const float* v = x + m * K + b * 32;
+        for (int o = 0; o < 32; ++o) big = std::max(big, std::fabs(v[o]));
+        const float inv = big > 0.f ? qmax / big : 0.f;
+        for (int o = 0; o < 32; ++o) r[o] = (v[o] * inv + magic) - magic;
+      } else {
+        std::fill(r, r + 32, 0.f);
+      }
+      for (int o = 0; o < 32; ++o) {
+        total += r[o];
+        out[perm ? perm[32 * j + o] : 32 * j + o] = static_cast<XT>(r[o]);
+      }
+      const float d = big > 0.f ? big / qmax : 0.f;
+      dx[m * S + b] = d;
+      xsum[m * S + b] = d * total;
+    }
+  }
+}
+
+// ---- scalar: any CPU (and the layout's reference) ----------------------------------------------
+
+template <typename XT>
+void gemv_scalar(int64_t bits, int64_t M, const XT* xq, const float* dx, const float* xsum, int64_t S,
+                 const uint8_t* q, const float* scale, const uint8_t* zero, int64_t n0, int64_t n1, int64_t N,
+                 float* y) {
+  const int64_t Kp = S * 32, row_bytes = Kp * bits / 8;
+  std::vector<float> acc(M);
+  int32_t w[GROUP];
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < S / 8; ++g) {
+      unpack_group(q + n * row_bytes + g * GROUP * bits / 8, bits, w);
+      for (int64_t m = 0; m < M; ++m) {
+        const XT* xm = xq + m * Kp + g * GROUP;
+        for (int j = 0; j < 8; ++j) {
+          int32_t dot = 0;
+          for (int o = 0; o < 32; ++o) dot += w[32 * j + o] * static_cast<int32_t>(xm[32 * j + o]);
+          const int64_t b = 8 * g + j;
+          acc[m] += scale[n * S + b] * (static_cast<float>(dot) * dx[m * S + b] - zero[n * S + b] * xsum[m * S + b]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m];
+  }
+}
+
+void dequant_scalar(int64_t bits, const uint8_t* qp, const float* sp, const uint8_t* zp, int64_t S, int64_t K,
+                    int64_t n0, int64_t n1, float* op) {
+  const int64_t row_bytes = S * 32 * bits / 8;
+  int32_t w[GROUP];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < S / 8; ++g) {
+      unpack_group(qp + n * row_bytes + g * GROUP * bits / 8, bits, w);
+      for (int64_t k = 0; k < GROUP && g * GROUP + k < K; ++k) {
+        const int64_t b = 8 * g + k / 32;
+        op[n * K + g * GROUP + k] = w[k] * sp[n * S + b] - sp[n * S + b] * zp[n * S + b];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// ---- AVX2 + FMA ---------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -53,8 +204,8 @@ inline __m256 load_u8_ps(const uint8_t* p) {  // 8 bytes as 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The 8 sub-blocks' int32 dots q . xq of one group of one weight row, for M rows of x (xa: the
-// group's 256 arranged x values per row, `stride` apart).
+// int16 x: the weights unpacked in place to 16-bit words (4 bits: nibbles 1 and 2 masked where they
+// are, 16x and 256x the value: the sums are shifted back, exactly; nibble 3 shifted down), vpmaddwd.
 template <int BITS, int M>
 inline void group_dots(const uint8_t* w, const int16_t* xa, int64_t stride, __m256i* dots) {
   if (BITS == 4) {
@@ -94,133 +245,84 @@ inline void group_dots(const uint8_t* w, const int16_t* xa, int64_t stride, __m2
   }
 }
 
-// y[m, n0:n1] for M rows of x.
+// int8 x: vpmaddubsw (u8 nibbles x s8 x, pairs summed to int16) summed in int16 over the group
+// (|sum| <= 8 * 2 * 15 * 127 = 30480 < 2^15), then vpmaddwd by ones: one int32 per sub-block.
+// 8-bit weights go as two nibbles (a whole byte x 127 x 2 would saturate int16).
 template <int BITS, int M>
-void gemv_rows(const int16_t* xa, const float* dx, const float* xsum, int64_t S, const uint8_t* q,
-               const float* scale, const uint8_t* zero, int64_t n0, int64_t n1, int64_t N, float* y) {
-  const int64_t row_bytes = S * 32 * BITS / 8, Kp = S * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * row_bytes;
-    const float* sn = scale + n * S;
-    const uint8_t* zn = zero + n * S;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < S; b += 8) {
-      // ~1.5 KB ahead in each stream (rows are contiguous): measured +15% over the hardware
-      // prefetcher alone with both cores streaming
-      const int64_t ahead = PREFETCH_BYTES / (32 * BITS) * 8;
-      for (int o = 0; o < 32 * BITS; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qn + (b + ahead) * 4 * BITS) + o, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sn + b + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(zn + b + ahead), _MM_HINT_T0);
-      __m256i dots[M];
-      group_dots<BITS, M>(qn + b * 4 * BITS, xa + b * 32, Kp, dots);
-      const __m256 s = _mm256_loadu_ps(sn + b), z = load_u8_ps(zn + b);
+inline void group_dots(const uint8_t* w, const int8_t* xa, int64_t stride, __m256i* dots) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  if (BITS == 4) {
+    __m256i a[M];
+    for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int L = 0; L < 4; ++L) {
+      const __m256i v = load256(w + 32 * L);
+      const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
       for (int m = 0; m < M; ++m) {
-        const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_loadu_ps(dx + m * S + b),
-                                         _mm256_mul_ps(z, _mm256_loadu_ps(xsum + m * S + b)));
-        acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+        const int8_t* x = xa + m * stride + 64 * L;
+        a[m] = _mm256_add_epi16(a[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(x)),
+                                                       _mm256_maddubs_epi16(hi, load256(x + 32))));
       }
     }
-    for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]);
+    for (int m = 0; m < M; ++m) dots[m] = _mm256_madd_epi16(a[m], ones);
+  } else {
+    __m256i a[M][2];  // low nibbles | high nibbles
+    for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v = load256(w + 32 * t);
+      const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = load256(xa + m * stride + 32 * t);
+        a[m][0] = _mm256_add_epi16(a[m][0], _mm256_maddubs_epi16(lo, x));
+        a[m][1] = _mm256_add_epi16(a[m][1], _mm256_maddubs_epi16(hi, x));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      dots[m] = _mm256_add_epi32(_mm256_madd_epi16(a[m][0], ones), _mm256_slli_epi32(_mm256_madd_epi16(a[m][1], ones), 4));
   }
 }
 
-// Rows of x in tiles of 4, 2, 1; with more than one tile, weight rows in blocks of 16 so that each
-// block is read from memory once and from cache by the other tiles.
-template <int BITS>
-void gemv_range(int64_t M, const int16_t* xa, const float* dx, const float* xsum, int64_t S, const uint8_t* q,
-                const float* scale, const uint8_t* zero, int64_t n0, int64_t n1, int64_t N, float* y) {
-  const int64_t Kp = S * 32, rows = M <= 4 ? n1 - n0 : 16;
-  for (int64_t nb = n0; nb < n1; nb += rows) {
-    const int64_t ne = std::min(n1, nb + rows);
-    for (int64_t m0 = 0; m0 < M;) {
-      const int64_t left = M - m0;
-      const int16_t* xm = xa + m0 * Kp;
-      const float *dm = dx + m0 * S, *sm = xsum + m0 * S;
-      float* ym = y + m0 * N;
-      if (left >= 4) {
-        gemv_rows<BITS, 4>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
-        m0 += 4;
-      } else if (left >= 2) {
-        gemv_rows<BITS, 2>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
-        m0 += 2;
-      } else {
-        gemv_rows<BITS, 1>(xm, dm, sm, S, q, scale, zero, nb, ne, N, ym);
-        m0 += 1;
-      }
-    }
-  }
-}
+#include "cpu_kernels_gemv.inc"
 
-// x [M, K] -> xa [M, Kp] int16 in the layout's order (within a group, the pair k = 32 j + 2 t, +1
-// at int32 index 8 t + j), dx [M, S] the sub-blocks' scales, xsum [M, S]. Padding is zero.
-void quantize_x(const float* x, int64_t M, int64_t K, int64_t S, int16_t* xa, float* dx, float* xsum) {
-  const int64_t Kp = S * 32;
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < S; ++b) {
-      alignas(32) int32_t pairs[16];  // the sub-block's 32 int16 values, as 16 pairs
-      float d = 0.f, total = 0.f;
-      if (b * 32 < K) {
-        const float* v = x + m * K + b * 32;
-        __m256 f[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          f[i] = _mm256_loadu_ps(v + 8 * i);
-          amax = _mm256_max_ps(amax, _mm256_and_ps(f[i], absmask));
+// W rows n0..n1 as f32 [N, K] (k order) from the layout.
+void dequant_rows(int64_t bits, const uint8_t* qp, const float* sp, const uint8_t* zp, int64_t S, int64_t K,
+                  int64_t n0, int64_t n1, float* op) {
+  const int64_t row_bytes = S * 32 * bits / 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < S; b += 8) {
+      const uint8_t* w = qp + n * row_bytes + b * 4 * bits;
+      float* o = op + n * K + b * 32;
+      const int64_t subs = std::min<int64_t>(8, (K - b * 32) / 32);  // sub-blocks of this group inside K
+      for (int L = 0; L < 4; ++L) {
+        // two vectors whose lanes j hold k = 32 j + 8 L + 0..3 and + 4..7
+        __m256i lo, hi;
+        if (bits == 4) {
+          const __m256i v = load256(w + 32 * L);
+          lo = _mm256_and_si256(v, nib);
+          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        } else {
+          lo = load256(w + 64 * L);
+          hi = load256(w + 64 * L + 32);
         }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float big = _mm_cvtss_f32(h);
-        d = big > 0.f ? big / 32767.f : 0.f;
-        const __m256 inv = _mm256_set1_ps(big > 0.f ? 32767.f / big : 0.f);
-        __m256i r[4];  // round to nearest even, as lrintf
-        for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
-        // packs interleaves 4-value pieces per 128-bit lane; the qword permute restores k order
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8));
-        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-        t4 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
-        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 1));
-        total = static_cast<float>(_mm_cvtsi128_si32(t4));
-      } else {
-        std::fill(pairs, pairs + 16, 0);
+        // dwords interleaved per 128-bit half: 8 bytes = sub-block j's k 8 L .. 8 L + 7, for j = 0 1 | 4 5, 2 3 | 6 7
+        const __m256i u0 = _mm256_unpacklo_epi32(lo, hi), u1 = _mm256_unpackhi_epi32(lo, hi);
+        const __m128i pieces[4] = {_mm256_castsi256_si128(u0), _mm256_castsi256_si128(u1),
+                                   _mm256_extracti128_si256(u0, 1), _mm256_extracti128_si256(u1, 1)};
+        for (int p = 0; p < 4; ++p) {
+          for (int h = 0; h < 2; ++h) {
+            const int j = 2 * p + h;
+            if (j >= subs) continue;
+            const __m128i bytes = h ? _mm_srli_si128(pieces[p], 8) : pieces[p];
+            const float s = sp[n * S + b + j];
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+            _mm256_storeu_ps(o + 32 * j + 8 * L, _mm256_fmsub_ps(f, _mm256_set1_ps(s), _mm256_set1_ps(s * zp[n * S + b + j])));
+          }
+        }
       }
-      int32_t* out = reinterpret_cast<int32_t*>(xa + m * Kp + (b / 8) * GROUP);
-      for (int t = 0; t < 16; ++t) out[8 * t + b % 8] = pairs[t];
-      dx[m * S + b] = d;
-      xsum[m * S + b] = d * total;
     }
   }
-}
-
-// Contiguous, equal row ranges per thread: each core streams its own part of the weights.
-template <typename F>
-void split_rows(int64_t N, int64_t threads, F&& body) {
-  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, (N + 7) / 8));
-#pragma omp parallel num_threads(T)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t per = (N + nt - 1) / nt;
-    const int64_t n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
-    if (n0 < n1) body(n0, n1);
-  }
-}
-
-struct Scratch {  // per calling thread; the x buffers are small and reused every call
-  std::vector<int16_t> xa;
-  std::vector<float> dx, xsum;
-};
-
-void check(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous uint8 [N, Kp*bits/8]");
-  TORCH_CHECK(scale.dtype() == torch::kFloat32 && zero.dtype() == torch::kUInt8 && scale.is_contiguous() &&
-              zero.is_contiguous() && scale.dim() == 2 && scale.size(0) == q.size(0) && zero.sizes() == scale.sizes(),
-              "scale f32 / zero points uint8: contiguous [N, Kp/32]");
-  TORCH_CHECK(scale.size(1) % 8 == 0 && q.size(1) * 8 == scale.size(1) * 32 * bits,
-              "q and scale disagree on Kp (a multiple of 256): weights not made by pack()");
 }
 
 // exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2/2, relative error ~2e-7;
@@ -304,6 +406,91 @@ void attend(const float* const* qrows, int R, const float* k, int64_t k_t, const
   }
 }
 
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ---- AVX-512 VNNI: the int8 kernel with 512-bit vectors (two weight vectors per load) ----------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace avx512 {
+using avx2::hsum;
+using avx2::load_u8_ps;
+
+// vpdpbusd: 4 u8 weights x 4 s8 x summed into each int32 lane (no int16 step, so 8-bit weights go
+// whole). Lanes 0-7 and 8-15 hold the same 8 sub-blocks (two weight vectors); summed at the end.
+template <int BITS, int M>
+inline void group_dots(const uint8_t* w, const int8_t* xa, int64_t stride, __m256i* dots) {
+  __m512i a[M];
+  for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_si512();
+  if (BITS == 4) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int P = 0; P < 2; ++P) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * P);
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = xa + m * stride + 128 * P;
+        a[m] = _mm512_dpbusd_epi32(a[m], lo, _mm512_loadu_si512(x));
+        a[m] = _mm512_dpbusd_epi32(a[m], hi, _mm512_loadu_si512(x + 64));
+      }
+    }
+  } else {
+    for (int P = 0; P < 4; ++P) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * P);
+      for (int m = 0; m < M; ++m) a[m] = _mm512_dpbusd_epi32(a[m], v, _mm512_loadu_si512(xa + m * stride + 64 * P));
+    }
+  }
+  for (int m = 0; m < M; ++m) dots[m] = _mm256_add_epi32(_mm512_castsi512_si256(a[m]), _mm512_extracti64x4_epi64(a[m], 1));
+}
+
+#include "cpu_kernels_gemv.inc"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+// Contiguous, equal row ranges per thread: each core streams its own part of the weights.
+template <typename F>
+void split_rows(int64_t N, int64_t threads, F&& body) {
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(threads, (N + 7) / 8));
+#pragma omp parallel num_threads(T)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t per = (N + nt - 1) / nt;
+    const int64_t n0 = std::min(N, t * per), n1 = std::min(N, n0 + per);
+    if (n0 < n1) body(n0, n1);
+  }
+}
+
+struct Scratch {  // per calling thread; the x buffers are reused every call
+  std::vector<int16_t> xa;  // int16, or int8 in its first half
+  std::vector<float> dx, xsum;
+};
+
+void check(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits, int64_t isa) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(isa_supported(isa), "instruction set ", isa, " is not supported by this CPU (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous uint8 [N, Kp*bits/8]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && zero.dtype() == torch::kUInt8 && scale.is_contiguous() &&
+              zero.is_contiguous() && scale.dim() == 2 && scale.size(0) == q.size(0) && zero.sizes() == scale.sizes(),
+              "scale f32 / zero points uint8: contiguous [N, Kp/32]");
+  TORCH_CHECK(scale.size(1) % 8 == 0 && q.size(1) * 8 == scale.size(1) * 32 * bits,
+              "q and scale disagree on Kp (a multiple of 256): weights not made by pack()");
+}
+
+template <typename XT>
+void run_gemv(int64_t isa, int64_t bits, int64_t M, const XT* xa, const float* dx, const float* xsum, int64_t S,
+              const uint8_t* q, const float* scale, const uint8_t* zero, int64_t n0, int64_t n1, int64_t N, float* y) {
+  if (isa == SCALAR) {
+    gemv_scalar(bits, M, xa, dx, xsum, S, q, scale, zero, n0, n1, N, y);
+  } else if constexpr (sizeof(XT) == 1) {
+    if (isa == AVX512VNNI) avx512::gemv_any(bits, M, xa, dx, xsum, S, q, scale, zero, n0, n1, N, y);
+    else avx2::gemv_any(bits, M, xa, dx, xsum, S, q, scale, zero, n0, n1, N, y);
+  } else {
+    avx2::gemv_any(bits, M, xa, dx, xsum, S, q, scale, zero, n0, n1, N, y);
+  }
+}
+
 }  // namespace
 
 // [K, N] values (uint8, one per element), scale [K/block, N] f32, zero [K/block, N] u8 -> the layout above.
@@ -314,31 +501,36 @@ std::vector<torch::Tensor> pack(torch::Tensor q, torch::Tensor scale, torch::Ten
   TORCH_CHECK(block % 32 == 0 && K % block == 0, "block must be a multiple of 32 dividing K");
   TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.dim() == 2 && scale.size(0) == K / block && scale.size(1) == N &&
               zero.dtype() == torch::kUInt8 && zero.sizes() == scale.sizes(), "scale f32 / zero uint8 [K/block, N]");
-  const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, S = Kp / 32, G = Kp / GROUP, per = block / 32;
-  auto qt = torch::zeros({N, Kp}, q.options());
-  qt.narrow(1, 0, K).copy_(q.t());
-  // [N, G, j, t, e] (k = 32 j + 2 t + e) -> [N, G, L, j, e, i] with t = L * (values per word) + i
-  const int64_t per_word = bits == 4 ? 4 : 2;
-  auto v = qt.view({N, G, 8, 16 / per_word, per_word, 2}).permute({0, 1, 3, 2, 5, 4}).contiguous();
-  torch::Tensor packed;
-  if (bits == 4) {  // word = nibbles i = 0..3 from the low bits: byte 0 = i 0, 1; byte 1 = i 2, 3
-    auto nib = v.view({N, G, 4, 16, 2, 2});
-    packed = nib.select(5, 0).bitwise_or(nib.select(5, 1).bitwise_left_shift(4)).reshape({N, Kp / 2});
-  } else {  // word = byte i 0, then byte i 1 (little-endian)
-    packed = v.reshape({N, Kp});
+  const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, S = Kp / 32, per = block / 32, row_bytes = Kp * bits / 8;
+  auto qt = q.t().contiguous();  // [N, K]
+  TORCH_CHECK(bits == 8 || qt.max().item<int64_t>() < 16, "4-bit weights hold values above 15");
+  auto packed = torch::zeros({N, row_bytes}, q.options());
+  const uint8_t* src = qt.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t g = k / GROUP, j = k % GROUP / 32, o = k % 32;
+      const uint8_t v = src[n * K + k];
+      if (bits == 8) dst[n * row_bytes + GROUP * g + 32 * (o / 4) + 4 * j + o % 4] = v;
+      else dst[n * row_bytes + GROUP / 2 * g + 32 * (o / 8) + 4 * j + o % 4] |= o % 8 >= 4 ? v << 4 : v;
+    }
   }
   auto s = torch::zeros({N, S}, scale.options());
   auto z = torch::zeros({N, S}, zero.options());
   s.narrow(1, 0, K / 32).copy_(scale.t().repeat_interleave(per, 1));
   z.narrow(1, 0, K / 32).copy_(zero.t().repeat_interleave(per, 1));
-  return {packed.contiguous(), s, z};
+  return {packed, s, z};
 }
 
-// `threads`: the kernel's own OpenMP team. The runtime keeps torch's intra-op pool at one thread
-// during decode (small ops lose more to fork/join than they gain) and gives the matmuls the cores.
+// y = x W^T. act_bits 8 or 16: x's integer width. `threads`: the kernel's own OpenMP team. The
+// runtime keeps torch's intra-op pool at one thread during decode (small ops lose more to fork/join
+// than they gain) and gives the matmuls the cores.
 torch::Tensor gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor zero, int64_t bits,
-                   int64_t threads) {
-  check(q, scale, zero, bits);
+                   int64_t threads, int64_t act_bits, int64_t isa) {
+  check(q, scale, zero, bits, isa);
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits must be 8 or 16");
+  TORCH_CHECK(act_bits == 8 || isa != AVX512VNNI, "the AVX-512 VNNI kernel takes int8 x (int16: the AVX2 kernel)");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous f32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), S = scale.size(1);
   TORCH_CHECK(K % 32 == 0 && K <= S * 32 && S * 32 - K < GROUP, "x's K does not match the packed weights");
@@ -346,25 +538,30 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch:
   scratch.xa.resize(M * S * 32);
   scratch.dx.resize(M * S);
   scratch.xsum.resize(M * S);
-  quantize_x(x.data_ptr<float>(), M, K, S, scratch.xa.data(), scratch.dx.data(), scratch.xsum.data());
+  const int16_t* perm = arrangement(isa, act_bits, bits);
+  const float* xp = x.data_ptr<float>();
+  float *dxp = scratch.dx.data(), *xsp = scratch.xsum.data();
   auto y = torch::empty({M, N}, x.options());
-  const int16_t* xap = scratch.xa.data();
-  const float *dxp = scratch.dx.data(), *xsp = scratch.xsum.data();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  split_rows(N, threads, [&](int64_t n0, int64_t n1) {
-    if (bits == 4) gemv_range<4>(M, xap, dxp, xsp, S, qp, sp, zp, n0, n1, N, yp);
-    else gemv_range<8>(M, xap, dxp, xsp, S, qp, sp, zp, n0, n1, N, yp);
-  });
+  if (act_bits == 8) {
+    int8_t* xa = reinterpret_cast<int8_t*>(scratch.xa.data());
+    quantize_x(xp, M, K, S, perm, xa, dxp, xsp, threads);
+    split_rows(N, threads, [&](int64_t n0, int64_t n1) { run_gemv(isa, bits, M, xa, dxp, xsp, S, qp, sp, zp, n0, n1, N, yp); });
+  } else {
+    int16_t* xa = scratch.xa.data();
+    quantize_x(xp, M, K, S, perm, xa, dxp, xsp, threads);
+    split_rows(N, threads, [&](int64_t n0, int64_t n1) { run_gemv(isa, bits, M, xa, dxp, xsp, S, qp, sp, zp, n0, n1, N, yp); });
+  }
   return y;
 }
 
 // W [N, K] f32 into `out` (a reusable buffer), for torch.matmul / F.linear on many rows.
 torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, int64_t K, int64_t bits,
-                      torch::Tensor out, int64_t threads) {
-  check(q, scale, zero, bits);
+                      torch::Tensor out, int64_t threads, int64_t isa) {
+  check(q, scale, zero, bits, isa);
   const int64_t N = q.size(0), S = scale.size(1);
   TORCH_CHECK(K % 32 == 0 && K <= S * 32 && S * 32 - K < GROUP, "K does not match the packed weights");
   TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.numel() >= N * K, "out too small");
@@ -372,43 +569,9 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, 
   const float* sp = scale.data_ptr<float>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = S * 32 * bits / 8;
   split_rows(N, threads, [&](int64_t n0, int64_t n1) {
-    const __m256i lo_lanes = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi_lanes = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t b = 0; b < S; b += 8) {
-        const __m256 s = _mm256_loadu_ps(sp + n * S + b);
-        const __m256 c = _mm256_mul_ps(s, load_u8_ps(zp + n * S + b));  // scale * zp
-        // word p of a weight vector belongs to sub-block p / 2: lanes of 8 floats pair up as below
-        const __m256 s_lo = _mm256_permutevar8x32_ps(s, lo_lanes), s_hi = _mm256_permutevar8x32_ps(s, hi_lanes);
-        const __m256 c_lo = _mm256_permutevar8x32_ps(c, lo_lanes), c_hi = _mm256_permutevar8x32_ps(c, hi_lanes);
-        const uint8_t* w = qp + n * row_bytes + b * 4 * bits;
-        float* o = op + n * K + b * 32;
-        const int64_t subs = std::min<int64_t>(8, (K - b * 32) / 32);  // sub-blocks of this group inside K
-        for (int t0 = 0; t0 < 16; t0 += 4) {
-          __m256d f[2][4];  // the floats multiply-adds t0..t0+3 see, lanes j 0-3 | 4-7, as pairs (one double each)
-          for (int i = 0; i < 4; ++i) {
-            const int t = t0 + i;
-            __m256i e;  // the weights multiply-add t sees, as 16 int16 words
-            if (bits == 4) {
-              e = _mm256_and_si256(_mm256_srli_epi16(load256(w + 32 * (t / 4)), 4 * (t % 4)), _mm256_set1_epi16(0x000F));
-            } else {
-              e = _mm256_and_si256(_mm256_srli_epi16(load256(w + 32 * (t / 2)), 8 * (t % 2)), _mm256_set1_epi16(0x00FF));
-            }
-            f[0][i] = _mm256_castps_pd(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(e))), s_lo, c_lo));
-            f[1][i] = _mm256_castps_pd(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(e, 1))), s_hi, c_hi));
-          }
-          for (int h = 0; h < 2; ++h) {  // 4x4 transpose of pairs: sub-block j's k = 32 j + 2 t0 .. +7 in one store
-            const __m256d u0 = _mm256_unpacklo_pd(f[h][0], f[h][1]), u1 = _mm256_unpackhi_pd(f[h][0], f[h][1]);
-            const __m256d u2 = _mm256_unpacklo_pd(f[h][2], f[h][3]), u3 = _mm256_unpackhi_pd(f[h][2], f[h][3]);
-            const __m256d r[4] = {_mm256_permute2f128_pd(u0, u2, 0x20), _mm256_permute2f128_pd(u1, u3, 0x20),
-                                  _mm256_permute2f128_pd(u0, u2, 0x31), _mm256_permute2f128_pd(u1, u3, 0x31)};
-            for (int j = 0; j < 4 && 4 * h + j < subs; ++j)
-              _mm256_storeu_ps(o + 32 * (4 * h + j) + 2 * t0, _mm256_castpd_ps(r[j]));
-          }
-        }
-      }
-    }
+    if (isa == SCALAR) dequant_scalar(bits, qp, sp, zp, S, K, n0, n1, op);
+    else avx2::dequant_rows(bits, qp, sp, zp, S, K, n0, n1, op);
   });
   return out.narrow(0, 0, N * K).view({N, K});
 }
@@ -420,6 +583,7 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, 
 // keys masked for every query row are not read (the unwritten tail of a static cache).
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                         double scale, int64_t threads) {
+  TORCH_CHECK(isa_supported(AVX2), "the attention kernel needs AVX2");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: [B, H, S|T, D]");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "f32 only");
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
@@ -464,15 +628,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const float* vb = vp + b * v.stride(0) + h * v.stride(1);
       const float sc = static_cast<float>(scale);
       if (!has_mask) {
-        attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc, [](int, int64_t) { return 0.f; },
+        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc, [](int, int64_t) { return 0.f; },
                orows.data(), scores.data());
       } else if (is_bool) {
         const bool* mb = static_cast<const bool*>(mp);
-        attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
+        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
                [&](int r, int64_t t) { return mb[mrow[r] + t * ms[3]] ? 0.f : -INFINITY; }, orows.data(), scores.data());
       } else {
         const float* mf = static_cast<const float*>(mp);
-        attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
+        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
                [&](int r, int64_t t) { return mf[mrow[r] + t * ms[3]]; }, orows.data(), scores.data());
       }
     }
@@ -481,8 +645,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa_supported", &isa_supported, "whether this CPU runs instruction set n (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
   m.def("pack", &pack, "[K, N] blocked low-bit weights to the kernels' layout");
-  m.def("gemv", &gemv, "low-bit weight-only GEMV for a few rows of x");
+  m.def("gemv", &gemv, "low-bit weight-only matmul (GEMV for a few rows of x, integer GEMM for many)");
   m.def("dequant", &dequant, "low-bit weights to f32 [N, K]");
   m.def("attention", &attention, "grouped-query attention for a few query positions");
 }

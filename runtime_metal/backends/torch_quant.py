@@ -3,12 +3,16 @@
 Measured on the 2-core AVX2 CPU this project is developed on (torch 2.13, M=1 decode GEMV,
 1024x4096 weight): f32 matmul 0.42 ms, `_weight_int4pack_mm_for_cpu` 4.7 ms, `_weight_int8pack_mm`
 8.6 ms, bf16 matmul 23 ms. torch's CPU low-bit kernels are scalar without AVX-512, and a
-dequantized f32 copy moves 8x the bytes of 4-bit weights through memory every token. So on AVX2
-CPUs fuselm uses its own kernels (cpu_kernels.cpp, built once per machine by
-torch.utils.cpp_extension): a 4/8-bit GEMV for decode (a few rows; 0.09 ms at that shape, the
-113 matmuls of a Qwen3-0.6B-shaped token at ~30 GB/s, near this box's memory bandwidth:
-bench/gemv_cpu.py) and a dequantize-into-a-reusable-buffer + BLAS GEMM for prefill. Without a
-compiler or AVX2 it falls back to an f32 copy made at load ("dequant"), the fastest correct path left.
+dequantized f32 copy moves 8x the bytes of 4-bit weights through memory every token. So on CPUs
+fuselm uses its own kernels (cpu_kernels.cpp, built once at install: kernel_build.py), chosen at run
+time by what the CPU has (`cpu_isa`: AVX-512 VNNI, AVX2, scalar) over one packed layout:
+- int8 activations (the default, `cpu_activations`): int8 x times 4/8-bit weights with integer
+  accumulation, one dequantization per sub-block of 32 (the seed's Step 2), for decode (GEMV) and
+  prefill alike (the same kernel as an integer GEMM: no dequantized weights);
+- int16 activations: the int16 GEMV for decode, and for prefill (more than 16 rows) a dequantize into
+  a reusable f32 buffer + BLAS GEMM (f32-exact activations, for validation).
+bench/gemv_cpu.py measures both against onnxruntime's MatMulNBits. Without kernels (no prebuilt
+module and no compiler) weights are dequantized to f32 at load ("dequant"), the fastest correct path left.
 """
 
 from __future__ import annotations
@@ -16,56 +20,77 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fuselm.errors import FuselmError
 
-from . import cuda_kernels
+from . import cuda_kernels, kernel_build
 from .base import QuantizedWeight, dequantize_blocked
 
-GEMV_MAX_ROWS = 16  # up to this many rows of x the GEMV wins; beyond, dequantize + GEMM
+GEMV_MAX_ROWS = 16  # int16 x: up to this many rows the integer kernel wins; beyond, dequantize + BLAS GEMM
 _log = logging.getLogger("fuselm.runtime")
-
-
-KERNELS_NAME = "fuselm_cpu_kernels_v8"  # bump when the kernels' interface changes
-STALE_BUILD_LOCK_S = 600  # a build takes under a minute; a lock this old was left by a killed one
-
-
-def _clear_stale_build_lock(name: str) -> None:
-    """torch.utils.cpp_extension waits forever on a build lock whose builder was killed (Ctrl-C or
-    SIGKILL during the first run): every later fuselm process would hang. Remove a lock that old."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-            lock.unlink()
-            _log.warning("fuselm: removed a stale kernel build lock (%s) left by an interrupted build", lock)
-    except (OSError, ImportError):  # no lock (the usual case), or torch moved its helper
-        pass
+ISAS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}  # cpu_kernels.cpp's instruction sets
+ACTIVATIONS = {"int8": 8, "int16": 16}
+_DEFAULT_ACTIVATIONS = "int8"
 
 
 @functools.cache
 def cpu_kernels():
-    """The compiled AVX2 kernels, or None (no AVX2, no compiler, or FUSELM_NO_CPU_KERNELS=1)."""
+    """The compiled CPU kernels (kernel_build: prebuilt at install), or None (FUSELM_NO_CPU_KERNELS=1,
+    or neither a prebuilt module nor a compiler: weights are then dequantized to f32 at load)."""
     if os.environ.get("FUSELM_NO_CPU_KERNELS", "") not in ("", "0"):
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+    return kernel_build.load()
 
-        src = Path(__file__).with_name("cpu_kernels.cpp")
-        _clear_stale_build_lock(KERNELS_NAME)
-        # -fopenmp: the kernels run their own OpenMP team; the libgomp soname resolves to the copy torch loaded
-        return load(name=KERNELS_NAME, sources=[str(src)], verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - any build failure means the fallback path
-        _log.warning("fuselm: could not build the AVX2 kernels (%s); quantized weights are dequantized at load", e)
-        return None
+
+def cpu_isa() -> str | None:
+    """The instruction set the kernels run: FUSELM_CPU_ISA (scalar, avx2, avx512vnni) if this CPU has
+    it, else the widest this CPU has; None without kernels or without AVX2 (the scalar kernel is a
+    portable reference, ~20x slower at decode than f32 weights dequantized at load, which run then)."""
+    kernels = cpu_kernels()
+    want = os.environ.get("FUSELM_CPU_ISA", "")
+    if want:
+        if want not in ISAS:
+            raise FuselmError(f"FUSELM_CPU_ISA={want!r} is not one of {', '.join(ISAS)}")
+        if kernels is not None and not kernels.isa_supported(ISAS[want]):
+            raise FuselmError(f"FUSELM_CPU_ISA={want}: this CPU lacks it; unset it to use the best this CPU has")
+        return want if kernels is not None else None
+    best = next((n for n in ("avx512vnni", "avx2") if kernels is not None and kernels.isa_supported(ISAS[n])), None)
+    if kernels is not None and best is None:
+        _say_once("fuselm: this CPU lacks AVX2: quantized weights are dequantized to f32 at load "
+                  "(FUSELM_CPU_ISA=scalar keeps them packed, slower)")
+    return best
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    _log.warning(message)
+
+
+def cpu_activations() -> str:
+    """x's integer width in the quantized matmuls: FUSELM_CPU_ACTIVATIONS=int8 (the default: int8 x
+    4/8-bit integer dots, as onnxruntime's accuracy level 4) or int16 (250x finer than bf16, for
+    f32-faithful validation; prefill then dequantizes to f32 for a BLAS GEMM)."""
+    act = os.environ.get("FUSELM_CPU_ACTIVATIONS", _DEFAULT_ACTIVATIONS)
+    if act not in ACTIVATIONS:
+        raise FuselmError(f"FUSELM_CPU_ACTIVATIONS={act!r} is not one of {', '.join(ACTIVATIONS)}")
+    return act
+
+
+def cpu_kind(isa: str, act: str, bits: int) -> str:
+    """The kernel a weight runs, as describe() reports it (e.g. avx2-int8). int16 x runs the AVX2 kernel
+    on AVX-512 CPUs too; on AVX2, 8-bit weights take int16 x in both modes: int8 x would need two
+    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and measured no faster than int16
+    (bench/gemv_cpu.py: 20.1 vs 21.6 GB/s for a 1024x32768 8-bit weight, 1 thread), 250x coarser."""
+    if act == "int16" or (isa == "avx2" and bits == 8):
+        return f"{'scalar' if isa == 'scalar' else 'avx2'}-int16"
+    return f"{isa}-{act}"
+
+
+CPU_KINDS = {"scalar-int8": (0, 8), "scalar-int16": (0, 16), "avx2-int8": (1, 8), "avx2-int16": (1, 16),
+             "avx512vnni-int8": (2, 8)}  # kind: (cpu_kernels.cpp's instruction set, x's bits)
 
 
 def _register_ops():
@@ -73,11 +98,11 @@ def _register_ops():
 
     @torch.library.custom_op("fuselm::qgemv", mutates_args=())
     def qgemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-              threads: int) -> torch.Tensor:
-        return cpu_kernels().gemv(x, q, scale, zero, bits, threads)
+              threads: int, act_bits: int, isa: int) -> torch.Tensor:
+        return cpu_kernels().gemv(x, q, scale, zero, bits, threads, act_bits, isa)
 
     @qgemv.register_fake
-    def _(x, q, scale, zero, bits, threads):
+    def _(x, q, scale, zero, bits, threads, act_bits, isa):
         return x.new_empty((x.shape[0], q.shape[0]))
 
     return qgemv
@@ -106,13 +131,15 @@ def prepare(backend, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | 
     k, n = q.shape
     if backend.device.startswith("cuda"):
         return _prepare_cuda(backend, q, scale, zero_point, block, bits)
-    kernels = cpu_kernels() if backend.device == "cpu" else None
-    if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8):
+    isa = cpu_isa() if backend.device == "cpu" else None
+    kernels = cpu_kernels() if isa is not None else None
+    if kernels is not None and k % 32 == 0 and block % 32 == 0 and k % block == 0 and bits in (4, 8) \
+            and q.max(initial=0) < 2**bits:
         zp = zero_point if zero_point is not None else np.zeros(scale.shape, np.uint8)
         # [N, K] rows, sub-blocks of 32 with their own scale and zero point (cpu_kernels.cpp: the layout)
         data = tuple(kernels.pack(*(torch.from_numpy(np.require(a, t, ["C", "W"])) for a, t in
                                     ((q, np.uint8), (scale, np.float32), (zp, np.uint8))), block, bits))
-        return QuantizedWeight(data, k, n, bits, block, "avx2")
+        return QuantizedWeight(data, k, n, bits, block, cpu_kind(isa, cpu_activations(), bits))
     w = dequantize_blocked(q, scale, zero_point, block)
     data = backend.asarray(w.astype(scale.dtype, copy=False))
     return QuantizedWeight(data, k, n, bits, block, "dequant")
@@ -165,14 +192,15 @@ def matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
                                                w.data[1])
         return y.reshape(*lead, w.out_features).to(x.dtype)
     q, scale, zp = w.data
+    isa, act_bits = CPU_KINDS[w.kind]
     lead = x.shape[:-1]
     dtype = x.dtype
     x2 = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
-    if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = _qgemv(x2, q, scale, zp, w.bits, KERNEL_THREADS["n"])
+    if act_bits == 8 or x2.shape[0] <= GEMV_MAX_ROWS:  # int8: the integer GEMM for prefill too
+        y = _qgemv(x2, q, scale, zp, w.bits, KERNEL_THREADS["n"], act_bits, isa)
     else:
         wt = cpu_kernels().dequant(q, scale, zp, w.in_features, w.bits, _dequant_buffer(w.in_features * w.out_features),
-                                   KERNEL_THREADS["n"])
+                                   KERNEL_THREADS["n"], isa)
         y = F.linear(x2, wt)
     return y.reshape(*lead, w.out_features).to(dtype)
 
@@ -193,7 +221,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     over the kernels' threads, reading each kv head once for its whole query group and skipping keys
     masked for every query (the unwritten tail of a static cache); mask: None, bool (True attends) or
     additive f32, broadcastable. Returns None where the kernel does not apply (the caller's path runs)."""
-    if cpu_kernels() is None or q.device.type != "cpu" or q.shape[-1] % 16 or \
+    if cpu_kernels() is None or cpu_isa() in (None, "scalar") or q.device.type != "cpu" or q.shape[-1] % 16 or \
             any(t.dtype != torch.float32 or t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
         return None
     if mask is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -26,7 +27,7 @@ def test_skip_is_the_ab_switch(exported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("make_args,message", [
-    (lambda src, tmp: ["--skip", "fuse-everything"], "no such pass; valid passes: RemoveDeadShapeOp"),
+    (lambda src, tmp: ["--skip", "fuse-everything"], "no such pass; valid passes: UpgradeOpset"),
     (lambda src, tmp: [], "it exists; pass --force"),
 ])
 def test_bad_usage_exits_2_and_writes_nothing(exported, tmp_path, capsys, make_args, message):
@@ -48,9 +49,9 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
     (tmp_path / "broken.onnx").write_bytes(b"\x00not a protobuf\xff" * 10)
     g = oh.make_graph([oh.make_node("Relu", ["x"], ["y"])], "g", [oh.make_tensor_value_info("x", 1, [1])],
                       [oh.make_tensor_value_info("y", 1, [1])])
-    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)]), tmp_path / "old.onnx")
+    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 13)]), tmp_path / "old.onnx")
     for name, message in (("missing", "does not exist"), ("notes.txt", "not an .onnx file"),
-                          ("broken.onnx", "cannot read"), ("old.onnx", "opset 17")):
+                          ("broken.onnx", "cannot read"), ("old.onnx", "opset 13; fuselm reads opsets 14..23")):
         assert cli.main(["optimize", str(tmp_path / name), "-o", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
         assert cli.main(["diff", str(tmp_path / name)]) == 2
@@ -80,10 +81,12 @@ def test_diff_html_renders_in_chromium(exported, tmp_path, capsys):
     assert "FuseAttention" in table and "drift" in table
     report = json.loads(data.read_text())
     passes = [p["pass"] for p in report["passes"]]
-    assert passes == ["RemoveDeadShapeOp", "ReorderQKVProjections", "FuseQKV", "FuseGateUp", "FuseRMSNorm",
-                      "FuseAttention", "FuseRoPE"]
+    assert passes == ["UpgradeOpset", "FromGenAI", "RemoveDeadShapeOp", "ReorderQKVProjections", "FuseQKV",
+                      "FuseGateUp", "FuseRMSNorm", "FuseAttention", "FuseRoPE", "AttentionTo3D"]
     html = page.read_text()
-    assert "<script" not in html and "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    # Self-contained: inline script and styles only, nothing fetched.
+    assert "<script src" not in html and "<link" not in html
+    assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     dom = subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -94,5 +97,5 @@ def test_diff_html_renders_in_chromium(exported, tmp_path, capsys):
     assert dom.count('<section class="pass') == len(passes)
     # Every pass that changed the graph shows a before and an after drawing of layer 0.
     changed = sum(p["changed"] for p in report["passes"])
-    assert dom.count("<svg") == 2 * changed + (len(passes) - changed)
-    assert dom.count('class="node fused"') > 0
+    assert len(re.findall(r'<svg [^>]*class="graph( marked)?"', dom)) == 2 * changed + (len(passes) - changed)
+    assert dom.count('class="node fused"') > 0 and dom.count('class="node fused added"') > 0

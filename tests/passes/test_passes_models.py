@@ -26,7 +26,7 @@ def test_every_pass_keeps_the_numbers(exported, family, quant):
     data = fuselm.diff(exported(family, quant), quiet=True)
     layers = 2
     fired = {r["pass"]: r["fired"] for r in data["passes"]}
-    assert fired["FuseQKV"] == fired["FuseGateUp"] == fired["FuseAttention"] == layers
+    assert fired["FuseQKV"] == fired["FuseGateUp"] == fired["FuseAttention"] == fired["AttentionTo3D"] == layers
     assert fired["FuseRMSNorm"] == (4 if family == "qwen3" else 2) * layers + 1
     assert fired["FuseRoPE"] == 0  # fuselm's exporter writes FusedRoPE already
     for r in data["passes"]:
@@ -51,12 +51,16 @@ def test_optimized_qwen3_layer(optimized, quant):
     assert layer["FusedRoPE"] == 2 and layer["Attention"] == 1 and layer["RMSNormalization"] == 4
     assert layer["Softmax"] == layer["Pow"] == layer["ReduceMean"] == layer["Expand"] == 0
     assert layer["DequantizeLinear"] == (4 if quant == "q4" else 0)
+    # Attention in its 3-D form: no head Transposes; q/k split into heads and back (their RMSNorm and
+    # FusedRoPE work on [B,S,H,D]), v read straight from the Split.
+    assert layer["Transpose"] == 0 and layer["Reshape"] == 4
+    assert sum(layer.values()) == 22 + (4 if quant == "q4" else 0)
     # No dead node anywhere: every output is read or is a graph output.
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     assert all(any(o in read for o in n.output) for n in graph.node)
     meta = json.loads((out / "fuselm.json").read_text())
-    assert meta["stage"] == "optimized" and [p["pass"] for p in meta["passes"]][0] == "RemoveDeadShapeOp"
+    assert meta["stage"] == "optimized" and [p["pass"] for p in meta["passes"]][:3] == ["UpgradeOpset", "FromGenAI", "RemoveDeadShapeOp"]
     assert (out / "tokenizer.json").is_file()
 
 
@@ -130,6 +134,9 @@ def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path, attn, onnxscript_opt
     assert all(len(n.input) == 6 and len(n.output) == 3 for n in attention)  # the cache is inside
     qkv = [n for n in _nodes(out / "model.onnx") if n.op_type == "MatMul" and "qkv_proj" in n.name]
     assert len(qkv) == 2 and ops["MatMul"] == 2 * 4 + 1
+    made_by = {o: n.op_type for n in _nodes(out / "model.onnx") for o in n.output}
+    assert all(made_by[n.input[i]] != "Transpose" for n in attention for i in range(3))  # 3-D q/k/v
+    assert {r["pass"]: r["fired"] for r in json.loads((out / "fuselm.json").read_text())["passes"]}["AttentionTo3D"] == 2
     before = run_steps(src)
     after = run_steps(out / "model.onnx", steps=before)
     for step, d in drift(before, after).items():

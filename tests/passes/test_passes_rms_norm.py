@@ -13,7 +13,7 @@ D = 16
 
 
 def rms_graph(square="pow", inverse="reciprocal", weight_first=False, casts=False, axis=-1, exponent=2.0,
-              eps_input=False, mean_out=False, shape=(2, 3, D)):
+              eps_input=False, mean_out=False, shape=(2, 3, D), one_plus=None):
     g = G()
     x = g.inp("x", list(shape), TensorProto.FLOAT16 if casts else TensorProto.FLOAT,
               value=g.rng.standard_normal(shape).astype(np.float16 if casts else np.float32))
@@ -33,6 +33,10 @@ def rms_graph(square="pow", inverse="reciprocal", weight_first=False, casts=Fals
         normed = g.node("Cast", [normed], to=TensorProto.FLOAT16)
     w = g.init("model.layers.0.input_layernorm.weight",
                (1 + 0.1 * g.rng.standard_normal(shape[-1 if axis == -1 else axis])).astype(np.float16 if casts else np.float32))
+    if one_plus == "constant":  # Gemma: x_norm * (1 + w)
+        w = g.node("Add", [g.init("one_w", np.array(1.0, np.float32)), w])
+    elif one_plus == "input":
+        w = g.node("Add", [w, g.inp("shift", [], value=np.array(1.0, np.float32))])
     y = g.node("Mul", [w, normed] if weight_first else [normed, w], name="/model/layers.0/input_layernorm/Mul_1")
     g.out(y, "y", dtype=TensorProto.FLOAT16 if casts else TensorProto.FLOAT, rank=len(shape))
     if mean_out:
@@ -43,6 +47,7 @@ def rms_graph(square="pow", inverse="reciprocal", weight_first=False, casts=Fals
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(square="mul", inverse="one_over", weight_first=True), dict(inverse="div"),
     dict(casts=True), dict(shape=(1, 3, 4, D)),  # q_norm / k_norm over head_dim
+    dict(one_plus="constant"), dict(one_plus="constant", weight_first=True),
 ])
 def test_fuse_rms_norm_fires(kwargs):
     g = rms_graph(**kwargs)
@@ -58,6 +63,7 @@ def test_fuse_rms_norm_fires(kwargs):
     ("cube, not square", dict(exponent=3.0), "exponent is 3.0"),
     ("epsilon from an input", dict(eps_input=True), "epsilon is not a constant"),
     ("mean read elsewhere", dict(mean_out=True), "Add(eps) alone"),
+    ("(c + w) with c from an input", dict(one_plus="input"), "without a 1-D constant w and a scalar constant c"),
 ])
 def test_fuse_rms_norm_must_not_fire(case, kwargs, reason):
     before = rms_graph(**kwargs).model()

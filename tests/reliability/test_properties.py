@@ -107,9 +107,10 @@ def test_random_valid_configs_validate_against_hf(case, tmp_path, tally):
             continue
         if quant == "f32" and not (r["tokens"] == r["hf"] and max(r["max_logit_diff_hf"]) < 1e-3):
             problems.append(f"f32: tokens {r['tokens']} vs HF {r['hf']}, max |dlogit| {max(r['max_logit_diff_hf']):.2g}")
-        # q4: the torch CPU backend's AVX2 4-bit GEMV differs from onnxruntime's MatMulNBits by up to ~1e-3
-        # on logits of ~50 (relative ~2e-5; MLX: 1e-5); tokens must agree exactly
-        if quant == "q4" and not (r["tokens"] == r["onnxruntime"] and max(r["max_logit_diff_ort"]) < 1e-2):
+        # q4: the torch CPU backend's int16-activation GEMV differs from onnxruntime's MatMulNBits by up to
+        # ~1e-3 on logits of ~50 (relative ~2e-5; MLX: 1e-5); tokens must agree exactly. With int8 activations
+        # (the CPU default, r["int8"]) validate itself holds the drift within onnxruntime level 4's
+        if quant == "q4" and "int8" not in r and not (r["tokens"] == r["onnxruntime"] and max(r["max_logit_diff_ort"]) < 1e-2):
             problems.append(f"q4: tokens {r['tokens']} vs onnxruntime {r['onnxruntime']}, max |dlogit| "
                             f"{max(r['max_logit_diff_ort']):.2g}")
     label = f"{family}, rope {overrides['rope_parameters']['rope_type']}"

@@ -1,0 +1,104 @@
+"""genai_config.json: what onnxruntime-genai needs to run a fuselm model directory as it is.
+
+`onnxruntime_genai.Model(DIR)` reads it beside model.onnx. A fuselm graph runs there as a plain
+`"decoder"` with the graph contract's names; three settings matter (checked by hand, then by
+tests/test_genai_config.py): `"type": "decoder"` (a family type such as "qwen3" makes genai expect
+its own builder's graph), `position_ids` listed among the inputs (genai feeds it only when named),
+and `past_present_share_buffer: false` (with true, genai passes a max-length past and Attention-23
+rejects the mask length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import onnx
+
+NAME = "genai_config.json"
+# The graph contract (DESIGN.md) in genai's %d form.
+_INPUTS = {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
+_OUTPUTS = {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
+_NEEDED = ("layers", "heads", "kv_heads", "head_dim")
+
+
+def genai_config(meta: dict, graph_inputs: list[str]) -> dict | None:
+    """The config for a model directory's fuselm.json contents and graph input names; None when
+    the graph is not a decoder of the contract or the dims genai needs are unknown."""
+    dims = meta.get("dims") or {}
+    if any(not dims.get(k) for k in _NEEDED) or "input_ids" not in graph_inputs \
+            or "past_key_values.0.key" not in graph_inputs:
+        return None
+    tokens = meta.get("special_tokens") or {}
+    eos = tokens.get("eos_token_id")
+    eos = eos if eos is not None else tokens.get("pad_token_id")
+    first_eos = eos[0] if isinstance(eos, list) and eos else eos
+    pad = tokens.get("pad_token_id")
+    # A plain .onnx input says nothing of it: genai then stops generating at 4096 tokens.
+    context = meta.get("max_position_embeddings") or 4096
+    inputs = {k: v for k, v in _INPUTS.items() if k in ("past_key_names", "past_value_names") or v in graph_inputs}
+    model = {
+        "type": "decoder",
+        "context_length": context,
+        "vocab_size": dims.get("vocab"),
+        "bos_token_id": tokens.get("bos_token_id") if tokens.get("bos_token_id") is not None else first_eos,
+        "eos_token_id": eos,
+        "pad_token_id": pad if pad is not None else first_eos,
+        "decoder": {
+            "filename": "model.onnx",
+            "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+            "head_size": dims["head_dim"],
+            "hidden_size": dims.get("hidden") or dims["heads"] * dims["head_dim"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "num_hidden_layers": dims["layers"],
+            "inputs": inputs,
+            "outputs": dict(_OUTPUTS),
+        },
+    }
+    model = {k: v for k, v in model.items() if v is not None}
+    search = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context,
+              "min_length": 0, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+              "temperature": 1.0, "top_k": 1, "top_p": 1.0, "length_penalty": 1.0, "early_stopping": True,
+              "no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
+    return {"model": model, "search": search}
+
+
+def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
+    """Write genai_config.json beside the directory's model.onnx (graph read without weights)."""
+    from .modeldir import MODEL_NAME
+
+    path = Path(model_dir) / MODEL_NAME
+    if not path.is_file():
+        return None
+    graph = onnx.load(str(path), load_external_data=False).graph
+    config = genai_config(meta, [i.name for i in graph.input])
+    if config is None:
+        return None
+    out = Path(model_dir) / NAME
+    out.write_text(json.dumps(config, indent=4) + "\n")
+    return out
+
+
+def meta_from_genai_config(src_dir: str | os.PathLike) -> dict:
+    """fuselm.json fields an onnxruntime-genai directory's own genai_config.json gives (context
+    length, special tokens, hidden size), for a directory without fuselm.json; {} when none."""
+    try:
+        model = json.loads((Path(src_dir) / NAME).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(model, dict):
+        return {}
+    out: dict = {}
+    if isinstance(model.get("context_length"), int) and model["context_length"] > 0:
+        out["max_position_embeddings"] = model["context_length"]
+    tokens = {k: model[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+              if isinstance(model.get(k), int | list)}
+    if tokens:
+        out["special_tokens"] = tokens
+    hidden = (model.get("decoder") or {}).get("hidden_size") if isinstance(model.get("decoder"), dict) else None
+    if isinstance(hidden, int) and hidden > 0:
+        out["dims"] = {"hidden": hidden}
+    return out
