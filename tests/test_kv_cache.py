@@ -110,15 +110,17 @@ def test_int8_cache_bytes_ratio():
 
 def test_trained_model_greedy_tokens_unchanged(make_ckpt, tmp_path):
     """A checkpoint trained on the built-in corpus: its first 32 greedy tokens with an int8 cache are
-    those of the float cache."""
+    those of the float cache. (40 steps keep the test fast; such a model has near-ties on some prompts,
+    e.g. 0.008 between its top two first tokens after "the quick brown fox", below the int8 drift;
+    bench/kv_cache.py checks examples/demo.py's 150-step model over 256 tokens.)"""
     import fuselm
 
     hf = make_ckpt("qwen3", train_steps=40)
     fuselm.convert(hf, tmp_path / "exp", quant="q4", quiet=True)
     fuselm.optimize(tmp_path / "exp", tmp_path / "opt", quiet=True)
-    runs = [fuselm.run(tmp_path / "opt", prompt="the quick brown fox", max_tokens=32, ignore_eos=True, quiet=True,
+    runs = [fuselm.run(tmp_path / "opt", prompt="hello world! what is the capital of", max_tokens=32, ignore_eos=True, quiet=True,
                        backend="torch", stream=_Null(), **kv)["tokens"] for kv in ({}, {"kv_bits": 16}, {"kv_bits": 8})]
-    assert len(runs[0]) == 32
+    assert len(runs[0]) == 32 and len(set(runs[0])) > 3  # a real continuation, not one repeated token
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
