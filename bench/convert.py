@@ -2,12 +2,15 @@
 
     python bench/convert.py                     # full run: 0.6B (f32, q4, baseline) + 4B (f16, q4)
     python bench/convert.py --shapes 0.6b --no-baseline
+    python bench/convert.py --shapes 0.6b --quants q4 --no-baseline --repeat 3 --genai-python PY  # traced vs builder vs genai
     python bench/convert.py --make-checkpoint DIR --shapes 4b   # only write a checkpoint (for other benches)
 
 Checkpoints are written streaming in bf16, tensor by tensor into safetensors shards (the HF model
 is never built). Each conversion runs in a child process; time is wall clock and peak RSS is the
 child's ru_maxrss (os.wait4). The baseline is the whole-model `torch.onnx.export(dynamo=True)` of
-the HF model (0.6B only), also in a child. Prints a table, writes bench/results/convert.json.
+the HF model (0.6B only), also in a child; onnxruntime-genai's builder (`-p int4 -e cpu`, 0.6B q4)
+when a Python with it is given. Each fuselm conversion runs once per exporter (`builder`, and
+`torch`: the traced exporter). Prints a table, writes bench/results/convert.json.
 """
 
 from __future__ import annotations
@@ -143,11 +146,33 @@ print(f"baseline: load {t1 - t0:.1f} s, export {time.perf_counter() - t1:.1f} s"
 """
 
 
+def _median_run(cmd: list[str], repeat: int, out: Path) -> dict:
+    """`measure` `repeat` times; the run with the median wall time (its RSS and CPU with it)."""
+    runs = sorted((measure(cmd) for _ in range(repeat)), key=lambda r: r["seconds"])
+    r = dict(runs[len(runs) // 2], runs=[x["seconds"] for x in runs], peak_rss_mb_max=max(x["peak_rss_mb"] for x in runs))
+    r["output_mb"] = round(sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20, 1)
+    return r
+
+
+def _genai_python(arg: str | None) -> str | None:
+    """A Python that imports onnxruntime_genai (--genai-python, else this one), or None."""
+    python = arg or sys.executable
+    ok = subprocess.run([python, "-c", "import onnxruntime_genai.models.builder"], capture_output=True).returncode == 0
+    return python if ok else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["0.6b", "4b"], choices=list(SHAPES))
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-convert")
-    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true", help="skip whole-model torch.onnx.export")
+    ap.add_argument("--quants", nargs="*", default=None, help="only these precisions (default: f32 q4 for 0.6b, f16 q4 for 4b)")
+    ap.add_argument("--exporters", nargs="*", default=["builder", "torch"], choices=["builder", "torch"],
+                    help="fuselm exporters to run (torch: the traced exporter)")
+    ap.add_argument("--genai-python", default=None, metavar="PYTHON",
+                    help="a Python with onnxruntime-genai, for its builder (-p int4 -e cpu) on 0.6b q4; skipped if none")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per engine; the median is reported")
+    ap.add_argument("--results", default="convert.json", help="file name under bench/results/")
     ap.add_argument("--make-checkpoint", type=Path, default=None, metavar="DIR",
                     help="only write the random checkpoint of the (first) shape to DIR")
     args = ap.parse_args(argv)
@@ -155,6 +180,7 @@ def main(argv=None) -> int:
         print(write_checkpoint(args.make_checkpoint, args.shapes[0]))
         return 0
     runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"], "tiny": ["f32", "q4"]}
+    genai = _genai_python(args.genai_python)
     rows = []
     for shape in args.shapes:
         t0 = time.perf_counter()
@@ -163,27 +189,37 @@ def main(argv=None) -> int:
         hf = args.work / f"qwen3-{shape}-hf"
         subprocess.run([sys.executable, __file__, "--shapes", shape, "--make-checkpoint", str(hf)], check=True)
         print(f"[{shape}] checkpoint ready in {time.perf_counter() - t0:.0f} s: {hf}", flush=True)
-        for quant in runs[shape]:
-            out = args.work / f"qwen3-{shape}-{quant}"
-            r = measure([sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant", quant,
-                         "--force", "--quiet"])
-            r.update(shape=shape, tool="fuselm convert", quant=quant,
-                     output_mb=round(sum(p.stat().st_size for p in out.iterdir()) / 2**20, 1))
-            rows.append(r)
-            print(r, flush=True)
+        for quant in [q for q in runs[shape] if args.quants is None or q in args.quants]:
+            for exporter in args.exporters:  # each engine alone in its own process, in turn
+                out = args.work / f"qwen3-{shape}-{quant}-{exporter}"
+                r = _median_run([sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant",
+                                 quant, "--exporter", exporter, "--force", "--quiet"], args.repeat, out)
+                r.update(shape=shape, tool="fuselm convert" + (" --exporter torch" if exporter == "torch" else ""),
+                         quant=quant)
+                rows.append(r)
+                print(r, flush=True)
+            if shape == "0.6b" and quant == "q4":
+                if genai is None:
+                    print("onnxruntime-genai is not installed (pass --genai-python): its builder is skipped", flush=True)
+                else:
+                    out = args.work / "genai-q4"
+                    r = _median_run([genai, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+                                     "-p", "int4", "-e", "cpu", "-c", str(args.work / "genai-cache")], args.repeat, out)
+                    r.update(shape=shape, tool="onnxruntime-genai builder", quant="q4")
+                    rows.append(r)
+                    print(r, flush=True)
         if shape == "0.6b" and not args.no_baseline:
             out = args.work / "baseline" / "model.onnx"
             out.parent.mkdir(parents=True, exist_ok=True)
-            r = measure([sys.executable, "-c", BASELINE, str(hf), str(out)])
-            r.update(shape=shape, tool="torch.onnx.export(dynamo=True)", quant="f32",
-                     output_mb=round(sum(p.stat().st_size for p in out.parent.iterdir()) / 2**20, 1))
+            r = _median_run([sys.executable, "-c", BASELINE, str(hf), str(out)], args.repeat, out.parent)
+            r.update(shape=shape, tool="torch.onnx.export(dynamo=True)", quant="f32")
             rows.append(r)
             print(r, flush=True)
-    _report(rows)
+    _report(rows, args.results)
     return 0
 
 
-def _report(rows: list[dict]) -> None:
+def _report(rows: list[dict], name: str = "convert.json") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -197,13 +233,27 @@ def _report(rows: list[dict]) -> None:
     base = next((r for r in rows if r["tool"].startswith("torch")), None)
     ours = next((r for r in rows if r["shape"] == "0.6b" and r["quant"] == "f32" and r["tool"] == "fuselm convert"), None)
     summary = {}
+
+    def q4(tool):
+        return next((r for r in rows if r["shape"] == "0.6b" and r["quant"] == "q4" and r["tool"] == tool), None)
+
+    genai, traced, builder = q4("onnxruntime-genai builder"), q4("fuselm convert --exporter torch"), q4("fuselm convert")
+    for exporter, r in (("traced", traced), ("builder", builder)):
+        if r and genai:
+            key = f"0.6b_q4_{exporter}_vs_genai"
+            summary[key] = {"speedup": round(genai["seconds"] / r["seconds"], 2),
+                            "cpu_speedup": round(genai["cpu_seconds"] / r["cpu_seconds"], 2),
+                            "peak_rss_ratio": round(r["peak_rss_mb"] / genai["peak_rss_mb"], 3)}
+            print(f"0.6B q4, fuselm {exporter} vs onnxruntime-genai's builder: {summary[key]}")
+    if traced and builder:
+        summary["0.6b_q4_traced_over_builder_seconds"] = round(traced["seconds"] / builder["seconds"], 2)
     if base and ours:
         summary["speedup_0.6b_f32_vs_baseline"] = round(base["seconds"] / ours["seconds"], 1)
         summary["cpu_speedup_0.6b_f32_vs_baseline"] = round(base["cpu_seconds"] / ours["cpu_seconds"], 1)
         print(f"0.6B f32 vs baseline: {summary['speedup_0.6b_f32_vs_baseline']}x less wall time, "
               f"{summary['cpu_speedup_0.6b_f32_vs_baseline']}x less CPU time")
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "convert.json"
+    path = RESULTS / name
     path.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                             "python": platform.python_version()},
                                 "rows": rows, **summary}, indent=2) + "\n")

@@ -15,63 +15,104 @@ from pathlib import Path
 import onnx
 
 from fuselm import __version__
-from fuselm.errors import FuselmError
+from fuselm.errors import FuselmError, Unsupported
 from fuselm.modeldir import DATA_NAME, MODEL_NAME, atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import families
 from .graph import Builder, Dims, Layer, attention_mask, graph_inputs, rms_norm
-from .quant import Plan, precisions
+from .quant import Plan, Precision, precisions
 from .rope import Rope, fused_rope_function, rope_inputs
 from .weights import Checkpoint, write_data
 
+EXPORTERS = ("auto", "builder", "torch")
+
 
 def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str | None = None,
-            embed: str | None = None, force: bool = False, check: bool = False, quiet: bool = False) -> Path:
+            embed: str | None = None, force: bool = False, check: bool = False, quiet: bool = False,
+            exporter: str = "auto") -> Path:
     """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`.
 
     quant: f32 | f16 | q8 | q4 for linear layers (blockwise asymmetric, `block_size` 32/64/128);
     lm_head / embed: their precision (default: the head as `quant`; a tied embedding as the head,
     one tensor for both; an untied one f16 when quantizing, else as `quant`).
+    exporter: builder (the hand-written families), torch (trace transformers' modeling code,
+    exporter/traced/) or auto (the builder where a family exists, else torch).
     check: afterwards compare onnxruntime with HF transformers (exporter/check.py).
     """
     t0 = time.perf_counter()
     hf_dir = Path(hf_dir)
     precisions(quant, block_size, lm_head, embed)  # bad flags fail before the checkpoint is read
     config = read_config(hf_dir)
+    tied = bool(config.get("tie_word_embeddings", False))
+    precision = precisions(quant, block_size, lm_head, embed, tied=tied)
+    chosen = choose_exporter(exporter, config)
+    if chosen == "builder":
+        builder, ckpt, meta, label = _build(hf_dir, config, precision)
+    else:
+        from .traced import build as traced_build
+
+        try:
+            builder, ckpt, meta, label = traced_build(hf_dir, config, precision)
+        except Unsupported as e:
+            if exporter != "auto":
+                raise
+            arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+            raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
+                              f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
+    plan_meta = {"quantization": quantization_meta(quant, *precision, tied=tied), "special_tokens": special_tokens(hf_dir, config),
+                 "graph": {"opset": 23, "domains": {"fuselm": 1}, "kv_dtype": "float32", "logits_dtype": "float32",
+                           "linear_layout": "[in, out]"},
+                 "exporter": {"fuselm_version": __version__, "kind": chosen}}
+    meta = {"stage": "exported", "passes": [], **meta, **plan_meta}
+    out = Path(out)
+    try:
+        with atomic_output_dir(out, force=force) as tmp:
+            with _progress(quiet, meta["dims"]["layers"]) as advance:
+                write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
+            # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
+            onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {label}"),
+                            tmp / MODEL_NAME)
+            onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
+            copy_tokenizer_files(hf_dir, tmp)
+            write_meta(tmp, meta)
+    except OSError as e:  # disk full, permissions, a shard that vanished: nothing was left at OUT
+        raise FuselmError(f"converting to {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); "
+                          "free disk space or choose another OUT, then run again") from None
+    if not quiet:
+        size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
+        print(f"fuselm convert: wrote {out} ({label}, {chosen} exporter, {quant}, {size:.1f} MiB) in "
+              f"{time.perf_counter() - t0:.1f} s")
+    if check:
+        from .check import check as run_check
+
+        run_check(out, hf_dir, quiet=quiet)
+    return out
+
+
+def choose_exporter(exporter: str, config: dict) -> str:
+    """builder or torch: `auto` takes the builder for the families it has (and their aliases)."""
+    if exporter not in EXPORTERS:
+        raise FuselmError(f"--exporter {exporter!r} is not an exporter; choose one of {', '.join(EXPORTERS)}")
+    if exporter != "auto":
+        return exporter
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        families.family_for(config)  # its error names the problem
+    return "builder" if families.ALIASES.get(model_type, model_type) in families.FAMILIES else "torch"
+
+
+def _build(hf_dir: Path, config: dict, precision) -> tuple:
+    """The builder path: (Builder with every weight declared, Checkpoint, fuselm.json fields, label)."""
     family_name, family = families.family_for(config)
     cfg = family.Config.from_dict(config)
-    linear_p, embed_p, head_p = precisions(quant, block_size, lm_head, embed, tied=cfg.tie_word_embeddings)
     ckpt = Checkpoint(hf_dir)
     ckpt.check_bounds(cfg)  # nothing is sized by config.json before this
     rope = rope_inputs(config, cfg.head_dim)
     expected = families.expected_tensors(family, cfg)
     ckpt.validate(expected, lambda n: n.endswith(families.IGNORED_SUFFIXES)
                   or (cfg.tie_word_embeddings and n == families.hf_name("lm_head")))
-
-    plan = Plan(linear_p, embed_p, head_p, expected)
-    builder = build_graph(family, cfg, rope, plan)
-    out = Path(out)
-    try:
-        with atomic_output_dir(out, force=force) as tmp:
-            with _progress(quiet, cfg.num_hidden_layers) as advance:
-                write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
-            # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
-            onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {cfg.model_type}"),
-                            tmp / MODEL_NAME)
-            onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
-            copy_tokenizer_files(hf_dir, tmp)
-            write_meta(tmp, metadata(hf_dir, config, family_name, cfg, rope, plan, quant))
-    except OSError as e:  # disk full, permissions, a shard that vanished: nothing was left at OUT
-        raise FuselmError(f"converting to {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); "
-                          "free disk space or choose another OUT, then run again") from None
-    if not quiet:
-        size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
-        print(f"fuselm convert: wrote {out} ({family_name}, {quant}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
-    if check:
-        from .check import check as run_check
-
-        run_check(out, hf_dir, quiet=quiet)
-    return out
+    builder = build_graph(family, cfg, rope, Plan(*precision, expected))
+    return builder, ckpt, metadata(config, family_name, cfg, rope), family_name
 
 
 def read_config(hf_dir: Path) -> dict:
@@ -108,11 +149,9 @@ def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
     return b
 
 
-def metadata(hf_dir: Path, config: dict, family_name: str, cfg, rope: Rope, plan: Plan, quant: str) -> dict:
-    """fuselm.json (schema in exporter/README.md)."""
+def metadata(config: dict, family_name: str, cfg, rope: Rope) -> dict:
+    """The builder's model fields of fuselm.json (schema in exporter/README.md)."""
     return {
-        "stage": "exported",
-        "passes": [],
         "family": family_name,
         "model_type": cfg.model_type,
         "architecture": (config.get("architectures") or [None])[0],
@@ -126,16 +165,13 @@ def metadata(hf_dir: Path, config: dict, family_name: str, cfg, rope: Rope, plan
         "rope": {"theta": rope.theta, "type": rope.rope_type, "scaling": rope.parameters,
                  "rotary_dim": rope.rotary_dim, "inv_freq_len": len(rope.inv_freq),
                  "attention_scaling": rope.attention_scaling, "interleaved": 0},
-        "quantization": {"mode": quant, "linear": plan.linear.describe(), "embed": plan.embed.describe(),
-                         "lm_head": {**plan.lm_head.describe(),
-                                     **({"shares": "embed"} if plan.shares_table(cfg.tie_word_embeddings) else {})},
-                         "norms": {"bits": 32, "dtype": "float32"},
-                         "biases": {"bits": 32, "dtype": "float32"}},
-        "special_tokens": special_tokens(hf_dir, config),
-        "graph": {"opset": 23, "domains": {"fuselm": 1}, "kv_dtype": "float32", "logits_dtype": "float32",
-                  "linear_layout": "[in, out]"},
-        "exporter": {"fuselm_version": __version__},
     }
+
+
+def quantization_meta(quant: str, linear: Precision, embed: Precision, lm_head: Precision, tied: bool = False) -> dict:
+    shares = {"shares": "embed"} if tied and lm_head == embed else {}  # one stored tensor for both (quant.Plan)
+    return {"mode": quant, "linear": linear.describe(), "embed": embed.describe(), "lm_head": {**lm_head.describe(), **shares},
+            "norms": {"bits": 32, "dtype": "float32"}, "biases": {"bits": 32, "dtype": "float32"}}
 
 
 def special_tokens(hf_dir: Path, config: dict) -> dict:

@@ -201,14 +201,14 @@ def rms_norm(b: Builder, x: str, weight: str, eps: float, scope: str) -> str:
     return b.op("Mul", normed, weight, name=f"{scope}/Mul_1")
 
 
-def attention_mask(b: Builder, input_ids: str, mask_in: str, sliding_window: int | None = None) -> str:
+def attention_mask(b: Builder, input_ids: str, mask_in: str, sliding_window: int | None = None,
+                   s: str = "/model/attn_mask") -> str:
     """The additive mask [B,1,S,T] (0 or float32 min), computed once and shared by every layer.
 
     Causal by cache index (query i sits at index past+i, past = T - S), not by position_ids, so
     arbitrary positions work; padding from attention_mask. Sliding window: key index must be
-    greater than query index - window (HF's sliding_window mask).
+    greater than query index - window (HF's sliding_window mask). `s`: the node scope.
     """
-    s = "/model/attn_mask"
     seq = b.op("Shape", input_ids, name=f"{s}/seq/Shape", start=1, end=2)
     total = b.op("Shape", mask_in, name=f"{s}/total/Shape", start=1, end=2)
     past = b.op("Sub", total, seq, name=f"{s}/past/Sub")

@@ -172,6 +172,10 @@ class Plan:
         precision (MatMul on the Transpose of the [vocab, hidden] table: for a quantized table,
         of its DequantizeLinear, blocks along hidden either way), else write a copy under
         `lm_head.weight`."""
+        return b.op("MatMul", x, self.head_weight(b, embed_name, head_name), name="/model/lm_head/MatMul", out="logits")
+
+    def head_weight(self, b: Builder, embed_name: str, head_name: str | None) -> str:
+        """The lm_head weight as float32 [hidden, vocab] (see `logits`)."""
         scope = "/model/lm_head"
         if self.shares_table(head_name is None):
             if self.embed.kind in ("f32", "f16"):
@@ -181,10 +185,8 @@ class Plan:
             else:  # the 8-bit embedding dequantizes gathered rows only: the head needs its own DQ
                 table = self._table_dq or b.op("DequantizeLinear", *self._table, name=f"{scope}/DequantizeLinear",
                                                axis=1, block_size=self.embed.block)
-            w = b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
-        else:
-            w = self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
-        return b.op("MatMul", x, w, name=f"{scope}/MatMul", out="logits")
+            return b.op("Transpose", table, name=f"{scope}/Transpose", perm=[1, 0])
+        return self.linear_weight(b, head_name or embed_name, scope, None, self.lm_head, out_name="lm_head.weight")
 
 
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None,

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
                    help="embedding precision (default: tied checkpoints as the lm_head, one tensor for both; "
                         "untied f16 when quantizing, else as --quant)")
+    c.add_argument("--exporter", choices=["auto", "builder", "torch"], default="auto",
+                   help="builder: the hand-written families; torch: trace transformers' modeling code; "
+                        "auto (default): the builder where it has the family, else torch")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--check", action="store_true", help="compare onnxruntime against HF transformers after writing")
     c.add_argument("--quiet", action="store_true")
@@ -63,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="compile the static-shape decode step (default: on for MLX and CUDA, off on CPU)")
         r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        r.add_argument("--kv-bits", type=int, default=None, metavar="{8,16,32}",
+                       help="KV cache storage: 8 (int8, per-group f16 scales), 16 (float16), 32 (float32); "
+                            "default: the graph's dtype")
+        r.add_argument("--kv-bits-k", type=int, default=None, metavar="{8,16,32}", help="keys only (overrides --kv-bits)")
+        r.add_argument("--kv-bits-v", type=int, default=None, metavar="{8,16,32}", help="values only (overrides --kv-bits)")
+        r.add_argument("--kv-group-size", type=int, default=None, metavar="N",
+                       help="channels per int8 scale (32, 64, 128; default 64, or head_dim when smaller)")
         r.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                        help="compute type of the graph's float32 values (auto: bf16 on an MLX GPU, else f32)")
         if name == "run":

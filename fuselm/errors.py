@@ -7,6 +7,10 @@ class FuselmError(Exception):
     exit_code = 2
 
 
+class Unsupported(FuselmError):
+    """The checkpoint's architecture is one an exporter cannot express (exit 2)."""
+
+
 class CheckFailed(Exception):
     """A check or validation ran and failed (exit 1)."""
 

@@ -44,7 +44,44 @@ TINY = {
     "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, sliding_window=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Families only the traced exporter converts (exporter/traced/). Gemma 3: a sliding and a global
+    # layer with their own rope (linear scaling on the global one), one kv head, head_dim 32 != 64/4,
+    # attention and final logit soft-capping, a window shorter than the tests' prompts.
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+                        attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+    # Phi-3: fused qkv_proj and gate_up_proj, partial rotary (half of head_dim).
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # OLMo 2: q/k norms over the whole projection, norms after attention and MLP (no pre-norms).
+    "olmo2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # SmolLM3: layer 1 has no rope (no_rope_layers 0), yarn scaling on the others.
+    "smollm3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=True, no_rope_layers=[1, 0],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 2000000.0, "factor": 2.0,
+                                     "original_max_position_embeddings": 128}),
+    # GLM-4: interleaved rope on half of head_dim, post-norms, fused gate_up.
+    "glm4": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # Granite: embedding, attention, residual multipliers and logits scaling.
+    "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False, embedding_multiplier=3.0,
+                    attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
+
+
+# Sizes for any other model_type (the names most decoder configs share).
+GENERIC_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -62,19 +99,20 @@ def train_tokenizer(vocab_size: int = 384):
                                    bos_token=None, chat_template=CHAT_TEMPLATE)
 
 
-def make_config(family: str, vocab_size: int = 384, **overrides):
-    """A transformers config of `family` (qwen3, qwen2, llama, mistral) with tiny defaults."""
+def make_config(family: str, vocab_size: int = 384, generic: bool = False, **overrides):
+    """A transformers config of `family` (a key of TINY: its model_type) with tiny defaults;
+    `generic`: any model_type, with GENERIC_TINY's sizes (scripts/traced_sweep.py)."""
     from transformers import AutoConfig
 
-    if family not in TINY:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY)}")
-    kwargs = {**TINY[family], "vocab_size": vocab_size, "max_position_embeddings": 256,
+    if family not in TINY and not generic:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(TINY)} (or pass generic=True)")
+    kwargs = {**TINY.get(family, GENERIC_TINY), "vocab_size": vocab_size, "max_position_embeddings": 256,
               "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0, **overrides}
     return AutoConfig.for_model(family, **kwargs)
 
 
 def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0, dtype: str = "float32",
-                    shard_size: str | None = None, train_steps: int = 0, **overrides) -> Path:
+                    shard_size: str | None = None, train_steps: int = 0, generic: bool = False, **overrides) -> Path:
     """Write a random-weight HF checkpoint (config, safetensors, tokenizer, generation config).
 
     With `train_steps` > 0 the model is first trained on the built-in corpus (a few hundred steps
@@ -85,7 +123,7 @@ def make_checkpoint(out: str | os.PathLike, family: str = "qwen3", seed: int = 0
 
     out = Path(out)
     tok = train_tokenizer()
-    config = make_config(family, vocab_size=len(tok), **overrides)
+    config = make_config(family, vocab_size=len(tok), generic=generic, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     # HF's default init (std 0.02) makes near-uniform logits; larger weights give decisive greedy

@@ -13,7 +13,7 @@ from pathlib import Path
 from fuselm.errors import FuselmError
 
 from .sampling import Sampler
-from .session import Session
+from .session import Session, kv_options
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
 
@@ -116,8 +116,10 @@ class Response:
 
 def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False,
                     temperature=0.0, top_k=0, top_p=1.0, seed=None, backend="auto", device=None, dtype="auto",
-                    no_fused_kernels=False, compile=None, threads=None, profile=False) -> Iterator[Response]:
+                    no_fused_kernels=False, compile=None, threads=None, profile=False, **kv) -> Iterator[Response]:
     """Generate from `model` (a model directory, an .onnx file, or a loaded Session), one Response per token.
+
+    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
 
     Tokens are picked on the device and the next step is queued while this one is read (Session.generate)."""
     if max_tokens < 1:
@@ -128,7 +130,7 @@ def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_e
     else:
         path = Path(model)
         sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                       threads=threads, dtype=dtype)
+                       threads=threads, dtype=dtype, **kv_options(**kv))
     tok = load_tokenizer(path, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     vocab = sess.meta.get("dims", {}).get("vocab")
@@ -154,16 +156,17 @@ def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_e
 
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        compile=None, threads=None, stream=None, quiet=False, dtype="auto") -> dict:
+        compile=None, threads=None, stream=None, quiet=False, dtype="auto", **kv) -> dict:
     """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
 
+    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
     Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
     from rich.console import Console
 
     Sampler(temperature, top_k, top_p, seed)  # bad sampling values fail before the model loads
     path = Path(model_dir)
     sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads,
-                   dtype=dtype)
+                   dtype=dtype, **kv_options(**kv))
     out = stream or sys.stdout
     console = Console(stderr=True, quiet=quiet)
     console.print(f"[dim]fuselm run: {sess.describe()}[/dim]")

@@ -12,34 +12,221 @@ Two modes:
   decode step has the same shapes and can be compiled (mx.compile, torch.compile, CUDA graphs).
   Rows after the current position are masked by position: the attention mask fed to the graph has
   zeros there (and ops without a mask input mask by `pos` themselves).
+
+Storage format (`--kv-bits`, `--kv-bits-k`, `--kv-bits-v`, `--kv-group-size`; a runtime choice, the
+graph still sees float past/present):
+- the graph's dtype (default), or float32 / float16 (`16`): one float buffer [B, H, L, D];
+- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases
+  (backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
+A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
+attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
+is not one Attention op) gets the rows as floats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from onnx import TensorProto
+
+from fuselm.errors import FuselmError
+
+from .backends import kv_quant
+
+KV_BITS = (8, 16, 32)
+DEFAULT_GROUP = 64
+_FLOAT_OF_BITS = {16: TensorProto.FLOAT16, 32: TensorProto.FLOAT}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one cache tensor is stored: bits None = the graph's dtype, 32/16 float, 8 quantized."""
+
+    bits: int | None = None
+    group: int = DEFAULT_GROUP
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits == 8
+
+    def describe(self, graph_dtype: int, head_dim: int) -> str:
+        if self.bits is None:
+            return TensorProto.DataType.Name(graph_dtype).lower()
+        return f"int8/g{group_for(self, head_dim)}" if self.quantized else f"float{self.bits}"
+
+
+def describe(fmts: tuple[KVFormat, KVFormat], graph_dtype: int, head_dim: int) -> str:
+    k, v = (f.describe(graph_dtype, head_dim) for f in fmts)
+    return k if k == v else f"K {k}, V {v}"
+
+
+def check_formats(backend, fmts: tuple[KVFormat, KVFormat], head_dims: list[int], in_place: bool, path) -> None:
+    """Refuse, at load, formats this model and backend cannot store (exit 2)."""
+    if not any(f.bits is not None for f in fmts):
+        return
+    if not in_place:
+        raise FuselmError(f"{path} reads its KV cache with other ops than Attention/Concat, so the cache cannot be "
+                          "stored in another format; run it without --kv-bits")
+    for f in fmts:
+        if f.quantized:
+            for d in sorted(set(head_dims)):
+                kv_quant.check_group(backend.name, d, group_for(f, d), "model's")
+
+
+def formats(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> tuple[KVFormat, KVFormat]:
+    """(key format, value format) from the options; a bad value is a FuselmError (exit 2)."""
+    out = []
+    for what, bits in (("--kv-bits-k", kv_bits_k), ("--kv-bits-v", kv_bits_v)):
+        bits = kv_bits if bits is None else bits
+        name = what if bits is not None and bits is not kv_bits else "--kv-bits"
+        if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
+            raise FuselmError(f"{name} {bits!r} is not a KV cache format; choose 8 (int8, per-group scales), 16 "
+                              "(float16) or 32 (float32), or leave it out for the graph's dtype")
+        out.append(bits)
+    if kv_group_size is not None and (isinstance(kv_group_size, bool) or not isinstance(kv_group_size, int)
+                                      or kv_group_size <= 0):
+        raise FuselmError(f"--kv-group-size {kv_group_size!r} must be a positive integer (32, 64 or 128)")
+    group = DEFAULT_GROUP if kv_group_size is None else kv_group_size
+    return KVFormat(out[0], group), KVFormat(out[1], group)
+
+
+def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat, compute_dtype: int | None = None):
+    """A zeroed preallocated cache [B, H, L, D] in `fmt`: a backend array, or (q, scales, biases)."""
+    if fmt.quantized:
+        kv_quant.check_group(backend.name, int(shape[3]), group_for(fmt, int(shape[3])), "model's")
+        return kv_quant.empty(backend, tuple(int(s) for s in shape), group_for(fmt, int(shape[3])))
+    return backend.full(tuple(shape), 0, _FLOAT_OF_BITS.get(fmt.bits, graph_dtype))
+
+
+def group_for(fmt: KVFormat, head_dim: int) -> int:
+    """The default group shrinks to head_dim for small heads; an explicit one is taken as given."""
+    return min(fmt.group, head_dim) if fmt.group == DEFAULT_GROUP else fmt.group
+
+
+def cache_bytes(shape: tuple, graph_dtype: int, fmt: KVFormat) -> int:
+    """Bytes one cache tensor of `shape` takes in `fmt` (scales and biases included)."""
+    b, h, length, d = (int(s) for s in shape)
+    if fmt.quantized:
+        return b * h * length * (d + 2 * 2 * (d // group_for(fmt, d)))
+    from .loader import NP_DTYPES
+
+    dtype = _FLOAT_OF_BITS.get(fmt.bits, graph_dtype)
+    return b * h * length * d * np.dtype(NP_DTYPES.get(dtype, np.float32)).itemsize
+
+
+def nbytes(backend, storage) -> int:
+    """Bytes a cache actually holds (every array of a quantized one)."""
+    arrays = storage if isinstance(storage, tuple) else (storage,)
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def snapshot(backend, storage, t0: int, t1: int) -> tuple:
+    """A host copy of rows t0..t1 of a cache (an array or a tuple of arrays); `restore` puts them back.
+    Only the rows a step writes: a copy of the whole cache would double its memory at long contexts."""
+    arrays = storage if isinstance(storage, tuple) else (storage,)
+    return t0, tuple(backend.to_numpy(a[:, :, t0:t1]).copy() for a in arrays)
+
+
+def restore(backend, storage, saved: tuple):
+    t0, rows = saved
+    arrays = storage if isinstance(storage, tuple) else (storage,)
+    out = tuple(backend.cache_write(a, backend.asarray(r), t0) for a, r in zip(arrays, rows, strict=True))
+    return out if isinstance(storage, tuple) else out[0]
+
+
+@dataclass
+class StoredKV:
+    """K or V after this step's append, in its stored format (float16 or 8-bit): Attention reads it in
+    blocks (attention_blocks.py). `valid`, when the host knows it, bounds the rows worth reading."""
+
+    data: object  # backend array, or (q, scales, biases)
+    shape: tuple  # [B, H, T, D] as the graph would see the present tensor
+    valid: int | None
+    dtype: int  # the compute dtype the graph expects
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.data, tuple)
+
+    def floats(self, backend):
+        """The rows as a float array in the compute dtype (for consumers that are not Attention)."""
+        t = int(self.shape[2])
+        if self.quantized:
+            rows = kv_quant.rows(self.data, 0, t)
+            return kv_quant.dequantize(backend, rows, _native(backend, self.dtype))
+        return backend.cast(backend.slice(self.data, (slice(None), slice(None), slice(0, t))), self.dtype)
+
+
+def _native(backend, dtype: int):
+    if backend.name == "mlx":
+        from .backends.mlx_backend import MX_DTYPES
+
+        return MX_DTYPES[dtype]
+    from .backends.torch_backend import TORCH_DTYPES
+
+    return TORCH_DTYPES[dtype]
+
+
+def _host_int(backend, pos) -> int | None:
+    """`pos` as a Python int where reading it costs nothing: an int, or a CPU torch tensor outside tracing."""
+    if isinstance(pos, int):
+        return pos
+    if backend.name == "torch" and getattr(pos, "device", None) is not None and pos.device.type == "cpu":
+        import torch
+
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:  # not inside make_fx
+            return int(pos)
+    return None
+
 
 @dataclass
 class CacheView:
     """One past input of the graph, backed by a preallocated buffer."""
 
-    buffer: object  # backend array [B, H, max_len, D]
+    buffer: object  # backend array [B, H, max_len, D], or an 8-bit cache (q, scales, biases)
     pos: object  # rows written before this step: a Python int, or a 0-d device integer (static mode)
     seq: int  # rows this step appends
     static: bool = False
 
     @property
     def max_len(self) -> int:
-        return int(self.buffer.shape[2])
+        return int(self._first.shape[2])
+
+    @property
+    def _first(self):
+        return self.buffer[0] if isinstance(self.buffer, tuple) else self.buffer
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        b, h, _, d = (int(s) for s in self.buffer.shape)
+        b, h, _, d = (int(s) for s in self._first.shape)
+        if isinstance(self.buffer, tuple):
+            d = _head_dim_of(self.buffer)
         return (b, h, self.max_len - self.seq if self.static else int(self.pos), d)
 
-    def append(self, backend, new):
-        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced."""
-        self.buffer = backend.cache_write(self.buffer, new, self.pos)
-        if self.static:
-            return self.buffer
-        return backend.slice(self.buffer, (slice(None), slice(None), slice(0, int(self.pos) + int(new.shape[2]))))
+    def append(self, backend, new, stored_ok: bool = False):
+        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced.
+
+        A cache stored in another format than `new`'s comes back as a StoredKV when `stored_ok` (the
+        Attention op reads it blockwise), else as floats in `new`'s dtype."""
+        s = int(new.shape[2])
+        if isinstance(self.buffer, tuple):
+            d = int(new.shape[3])
+            parts = kv_quant.quantize(backend, new, d // int(self.buffer[1].shape[3]))
+            self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos)
+        else:
+            self.buffer = backend.cache_write(self.buffer, new, self.pos)
+            if backend.dtype(self.buffer) == backend.dtype(new):
+                if self.static:
+                    return self.buffer
+                return backend.slice(self.buffer, (slice(None), slice(None), slice(0, int(self.pos) + s)))
+        b, h, _, d = (int(x) for x in new.shape)
+        t = self.max_len if self.static else int(self.pos) + s
+        pos = _host_int(backend, self.pos)
+        view = StoredKV(self.buffer, (b, h, t, d), None if pos is None else pos + s, backend.dtype(new))
+        return view if stored_ok else view.floats(backend)
+
+
+def _head_dim_of(stored: tuple) -> int:
+    """head_dim of an 8-bit cache: q's last dim is D (torch uint8) or D/4 (MLX packs 4 into uint32)."""
+    return int(stored[0].shape[3]) * (4 if "uint32" in str(stored[0].dtype) else 1)

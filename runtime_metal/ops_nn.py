@@ -11,7 +11,8 @@ import numpy as np
 
 from fuselm.errors import FuselmError
 
-from .kvcache import CacheView
+from . import attention_blocks
+from .kvcache import CacheView, StoredKV
 from .ops import _axis, _np_dtype, _scalar, op
 
 RUNTIME = "fuselm.runtime"  # ops the runtime introduces at load; never written to a file
@@ -78,11 +79,11 @@ def _check_3d_heads(b, Q, K, V, q_heads: int, kv_heads: int) -> None:
                           "heads of one size; the graph is invalid")
 
 
-def _append(b, past, new):
+def _append(b, past, new, stored_ok: bool = False):
     if past is None:
         return new
     if isinstance(past, CacheView):
-        return past.append(b, new)
+        return past.append(b, new, stored_ok)
     return b.concat([past, new], 2)
 
 
@@ -157,14 +158,17 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
         raise FuselmError(f"Attention: q_num_heads {q_num_heads} / kv_num_heads {kv_num_heads} contradict the inputs' "
                           f"{b.shape(Q)[1]} / {b.shape(K)[1]} heads; the graph is invalid")
     s = b.shape(Q)[2]
-    K, V = _append(b, past_key, K), _append(b, past_value, V)
-    t = b.shape(K)[2]
+    blockwise = fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q))
+    K, V = _append(b, past_key, K, blockwise), _append(b, past_value, V, blockwise)
+    t = K.shape[2] if isinstance(K, StoredKV) else b.shape(K)[2]
     scale = float(1.0 / np.sqrt(b.shape(Q)[3])) if scale is None else float(scale)
     mask = _attention_bias(b, attn_mask, past_key, s, t, is_causal, nonpad_kv_seqlen, left_window_size,
                            right_window_size)
     qk_out = None
-    if fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q)):
-        Y = b.sdpa(Q, K, V, mask, scale)
+    if blockwise:
+        # a cache stored as float16/int8, or a long prompt: keys in blocks, online softmax
+        Y = attention_blocks.attention(b, Q, K, V, mask, scale) if attention_blocks.wanted(b, Q, K, V) else \
+            b.sdpa(Q, K, V, mask, scale)
         if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
             # a query row with every key masked attends nothing (Y = 0), as the spec says; the graph's
             # own float masks (finite minimum) never mask a whole row, so decode skips this

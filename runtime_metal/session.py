@@ -35,7 +35,7 @@ from onnx import TensorProto
 from fuselm.errors import FuselmError
 
 from . import graph as graph_mod
-from . import loader
+from . import kvcache, loader
 from .backends import make_backend
 from .compiled import CompiledDecode, agrees, static_feeds
 from .executor import Executor, Profiler
@@ -65,7 +65,9 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None,
                  fused: bool = True, static_decode: bool = True, compile: bool | None = None,
-                 threads: int | None = None, dtype: str = "auto"):
+                 threads: int | None = None, dtype: str = "auto", kv_bits: int | None = None,
+                 kv_bits_k: int | None = None, kv_bits_v: int | None = None, kv_group_size: int | None = None):
+        self.kv_formats = kvcache.formats(kv_bits, kv_bits_k, kv_bits_v, kv_group_size)  # (key, value)
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
         self.backend = make_backend(backend, device, dtype=dtype, threads=threads)
@@ -80,6 +82,8 @@ class Session:
         self.executor = Executor(self.graph, self.backend)
         self.fused = fused
         self.in_place = self._in_place_ok()
+        kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
+                              self.lm.path)
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
         self.mode = Decode.CHECKING if static_decode and self.in_place else Decode.DYNAMIC
@@ -162,7 +166,7 @@ class Session:
         """Empty the cache and preallocate room for `max_len` tokens."""
         b = self.backend
         self.max_len, self.pos = int(max_len), 0
-        need = sum(c.heads * self.max_len * c.head_dim * np.dtype(loader.NP_DTYPES.get(c.dtype, np.float32)).itemsize
+        need = sum(kvcache.cache_bytes((1, c.heads, self.max_len, c.head_dim), c.dtype, self._kv_format(c))
                    for c in self.caches) if self.in_place else 0
         free = psutil.virtual_memory().available
         if need > free:  # refuse before allocating (a huge --max-tokens, or absurd cache dims in the graph)
@@ -170,7 +174,11 @@ class Session:
                               f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
         self._pos_dev = None  # (position, the same as a device array) the compiled step handed back
         length = self.max_len if self.in_place else 0
-        self.buffers = {c.name: b.full((1, c.heads, length, c.head_dim), 0, c.dtype) for c in self.caches}
+        self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, length, c.head_dim), c.dtype, self._kv_format(c))
+                        for c in self.caches}
+
+    def _kv_format(self, c: CacheSpec) -> kvcache.KVFormat:
+        return self.kv_formats[c.name.endswith(".value")]
 
     def _ids(self, ids):
         """Token ids as the graph's [1, n] int64 input: a list, or a device array (a picked token)."""
@@ -296,10 +304,10 @@ class Session:
     def _checked_static(self, token):
         """First decode step: run it dynamic and static; keep static decode only if both agree."""
         b = self.backend
-        saved = {k: b.to_numpy(v).copy() for k, v in self.buffers.items()}
         pos = self.pos
+        saved = {k: kvcache.snapshot(b, v, pos, pos + 1) for k, v in self.buffers.items()}
         dyn = np.asarray(b.to_numpy(self._step_dynamic(token)), np.float64)
-        self.buffers = {k: b.asarray(v) for k, v in saved.items()}
+        self.buffers = {k: kvcache.restore(b, self.buffers[k], v) for k, v in saved.items()}
         self.pos = pos
         self.mode = Decode.STATIC
         out = self._step_static(token)
@@ -345,7 +353,14 @@ class Session:
         elif self.mode is Decode.COMPILED:
             mode += f": {self.compiled.what}" if self.compiled is not None else ""
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
-        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra})"
+        kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
+        return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
+               f"KV cache {kv})"
+
+
+def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
+    """The KV cache keywords run/validate pass on to Session (any other keyword is a TypeError, as before)."""
+    return {"kv_bits": kv_bits, "kv_bits_k": kv_bits_k, "kv_bits_v": kv_bits_v, "kv_group_size": kv_group_size}
 
 
 def _check_declared(ins: dict) -> None:

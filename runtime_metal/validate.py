@@ -21,7 +21,7 @@ import numpy as np
 from fuselm.errors import CheckFailed, FuselmError
 
 from .generate import load_tokenizer
-from .session import Session
+from .session import Session, kv_options
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"
 INT8_DRIFT_FACTOR = 2.0
@@ -133,7 +133,7 @@ def _int8_drift(ours: Trace, level1: Trace, level4: Trace) -> dict:
 
 
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto") -> dict:
+             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", **kv) -> dict:
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
     from rich.console import Console
     from rich.table import Table
@@ -146,7 +146,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
                           "checkpoint the model was converted from")
     path = Path(model_dir)
     sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                   threads=threads, dtype=dtype)
+                   threads=threads, dtype=dtype, **kv_options(**kv))
     if prompt_ids is None:
         tok = load_tokenizer(path, required=False)
         prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))

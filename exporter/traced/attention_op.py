@@ -1,0 +1,111 @@
+"""Attention as a torch custom op that torch.onnx writes as one ONNX `Attention`-23 node.
+
+transformers routes every attention module through its attention interface; `fuselm_trace` is
+registered there. While a layer is traced the module's cache is None, so the function receives
+the NEW keys/values only; it takes the layer's past from the trace context and calls
+`fuselm_trace::attention(q, k, v, mask, past_key, past_value)`, whose ONNX form is
+`Attention(q, k, v, mask, past_key, past_value) -> (y, present_key, present_value)` with
+q/kv heads (GQA), `scale`, `softcap`, `is_causal=0`: the mask is the graph's additive
+[B,1,S,T] mask (causal, padding and sliding window in it), as in the builder's optimized graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuselm.errors import FuselmError
+
+NAME = "fuselm_trace"
+
+
+@torch.library.custom_op("fuselm_trace::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, past_key: torch.Tensor,
+              past_value: torch.Tensor, scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B,H,S,D], k/v [B,KV,S,D], mask [B,1,S,T] additive, past [B,KV,P,D] -> (y [B,H,S,Dv], present k, v)."""
+    key = torch.cat((past_key, k), dim=2)
+    value = torch.cat((past_value, v), dim=2)
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ key.repeat_interleave(rep, dim=1).transpose(2, 3) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + mask, dim=-1)
+    return probs @ value.repeat_interleave(rep, dim=1), key, value
+
+
+@attention.register_fake
+def _(q, k, v, mask, past_key, past_value, scale, softcap):
+    b, h, s, _ = q.shape
+    t = past_key.shape[2] + k.shape[2]
+    present_k = k.new_empty(b, k.shape[1], t, k.shape[3])
+    present_v = v.new_empty(b, v.shape[1], t, v.shape[3])
+    return q.new_empty(b, h, s, v.shape[3]), present_k, present_v
+
+
+def translation():
+    """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
+    from onnxscript import opset23 as op
+
+    def to_onnx(q, k, v, mask, past_key, past_value, scale, softcap):
+        y, present_k, present_v, _ = op.Attention(q, k, v, mask, past_key, past_value, scale=float(scale),
+                                                  softcap=float(softcap), is_causal=0)
+        return y, present_k, present_v
+
+    return {torch.ops.fuselm_trace.attention.default: to_onnx}
+
+
+class Context:
+    """What the attention function needs during one layer trace, and what it leaves behind."""
+
+    def __init__(self):
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.mask: torch.Tensor | None = None  # the layer's mask input: attention must receive it as is
+        self.present: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sliding_window: int | None = None
+        self.calls = 0
+
+
+CONTEXT = Context()
+_IGNORED_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
+                   "output_attentions", "use_cache", "is_causal", "past_key_values", "past_key_value"}
+
+
+def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention-interface function: (attn_output [B,S,H,D], None)."""
+    ctx = CONTEXT
+    if ctx.past is None:
+        raise FuselmError("fuselm_trace attention called outside a layer trace")
+    if ctx.calls:
+        raise FuselmError(f"{type(module).__name__}: a decoder layer with more than one attention call "
+                          "(cross-attention, parallel heads) is not supported by the traced exporter")
+    extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and isinstance(v, torch.Tensor))
+    if extra:
+        raise FuselmError(f"{type(module).__name__}: attention takes {', '.join(extra)} (e.g. attention sinks), "
+                          "which ONNX Attention cannot express; this model_type is not supported")
+    if attention_mask is None:
+        raise FuselmError(f"{type(module).__name__}: attention was called without a mask; not supported")
+    if attention_mask is not ctx.mask:
+        raise FuselmError(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
+                          "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
+    ctx.calls += 1
+    ctx.sliding_window = kwargs.get("sliding_window")
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    softcap = float(kwargs.get("softcap") or 0.0)
+    y, present_k, present_v = torch.ops.fuselm_trace.attention(query, key, value, attention_mask, *ctx.past,
+                                                                scale, softcap)
+    ctx.present = (present_k, present_v)
+    return y.transpose(1, 2).contiguous(), None
+
+
+def register(masks: bool = True) -> None:
+    """Make `attn_implementation="fuselm_trace"` known to transformers. `masks`: the model builds its
+    masks as eager attention does (the probe reads them); False: it builds none (the outer trace,
+    where the layers are markers and the graph's mask is the builder's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(NAME, fuselm_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask if masks else _no_mask)
+
+
+def _no_mask(*args, **kwargs):
+    return None

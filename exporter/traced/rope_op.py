@@ -1,0 +1,154 @@
+"""The rotary application as a torch custom op that torch.onnx writes as `fuselm::FusedRoPE`.
+
+`install(modeling_module, ...)` swaps the module's `apply_rotary_pos_emb(q, k, cos, sin, ...)`
+for one that calls `fuselm_trace::rope` on q and k. While a layer is traced, the layer receives
+`position_embeddings = (position_ids, position_ids)`, so the replacement sees the positions (not
+cos/sin tables) and the op carries the layer kind's `inv_freq` / `attention_scaling` as attributes.
+
+Before anything is traced, `rope_layout` runs the family's own `apply_rotary_pos_emb` on random
+q/k with the rotary module's real cos/sin, and checks which FusedRoPE layout (rotate_half or
+interleaved, full or partial rotary) reproduces it: a family whose rotary application is neither
+is refused instead of exported wrong.
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from onnx.defs import OpSchema
+
+from fuselm.errors import FuselmError
+
+from .. import rope as rope_mod
+
+
+@torch.library.custom_op("fuselm_trace::rope", mutates_args=())
+def rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: list[float], attention_scaling: float,
+         interleaved: int) -> torch.Tensor:
+    """x [B,S,H,D], position_ids int64 [B,S] -> x rotated (the FusedRoPE contract, DESIGN.md)."""
+    return reference(x, position_ids, torch.tensor(inv_freq, dtype=torch.float32), attention_scaling, interleaved)
+
+
+@rope.register_fake
+def _(x, position_ids, inv_freq, attention_scaling, interleaved):
+    return torch.empty_like(x)
+
+
+def reference(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+              interleaved: int = 0) -> torch.Tensor:
+    """FusedRoPE in torch. cos/sin are [B,S,1,R]: `unsqueeze(2)` of [B,S,R] broadcasts over the heads of
+    [B,S,H,D] (never [S,1,R,1], the unsqueeze trap); dims R..D pass through unrotated."""
+    rdim = 2 * inv_freq.shape[0]
+    freqs = position_ids[..., None].to(torch.float32) * inv_freq.to(x.device)  # [B,S,R/2]
+    x_rot, x_pass = x[..., :rdim], x[..., rdim:]
+    if interleaved:
+        emb = freqs.repeat_interleave(2, dim=-1)
+        pairs = x_rot.unflatten(-1, (-1, 2))
+        rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = rdim // 2
+        rot = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    cos = (emb.cos() * attention_scaling).unsqueeze(2).to(x.dtype)
+    sin = (emb.sin() * attention_scaling).unsqueeze(2).to(x.dtype)
+    return torch.cat((x_rot * cos + rot * sin, x_pass), dim=-1)
+
+
+def _schema() -> OpSchema:
+    """FusedRoPE's OpSchema: onnxscript needs one to emit a node of a custom domain."""
+    return OpSchema(
+        rope_mod.OP, rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION,
+        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")],
+        outputs=[OpSchema.FormalParameter("Y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
+                    OpSchema.Attribute("attention_scaling", onnx.helper.make_attribute("attention_scaling", 1.0), ""),
+                    OpSchema.Attribute("interleaved", onnx.helper.make_attribute("interleaved", 0), "")])
+
+
+def translation():
+    """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
+    from onnxscript import values
+
+    fused_rope = values.Op(values.Opset(rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION), rope_mod.OP, _schema())
+
+    def to_onnx(x, position_ids, inv_freq, attention_scaling, interleaved):
+        return fused_rope(x, position_ids, inv_freq=list(inv_freq), attention_scaling=float(attention_scaling),
+                          interleaved=int(interleaved))
+
+    return {torch.ops.fuselm_trace.rope.default: to_onnx}
+
+
+class RopeSpec:
+    """One layer kind's rotary: the frequencies (scaling folded in, as the model's module holds them)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, interleaved: int = 0):
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        self.attention_scaling = float(attention_scaling)
+        self.interleaved = interleaved
+
+    def key(self) -> tuple:
+        return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.interleaved)
+
+
+class Installed:
+    """While active: `apply_rotary_pos_emb` of the family's module calls the custom op with `spec`."""
+
+    def __init__(self, module, positions_marker):
+        self.module, self.marker = module, positions_marker
+        self.spec: RopeSpec | None = None
+        self.original = getattr(module, "apply_rotary_pos_emb", None)
+        self.calls = 0
+
+    def __enter__(self):
+        if self.original is not None:
+            self.module.apply_rotary_pos_emb = self._apply
+        return self
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            self.module.apply_rotary_pos_emb = self.original
+        return False
+
+    def _apply(self, q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[-1] if args and isinstance(args[-1], int) else 1)
+        if cos is not self.marker() or sin is not self.marker() or self.spec is None:
+            raise FuselmError(f"{self.module.__name__}: the layer changes cos/sin before apply_rotary_pos_emb; "
+                              "fuselm's traced exporter cannot map this rotary to FusedRoPE")
+        self.calls += 1
+        s = self.spec
+        out = []
+        for t in (q, k):
+            t = t.transpose(1, 2) if unsqueeze_dim == 1 else t  # HF's [B,H,S,D] -> FusedRoPE's [B,S,H,D]
+            y = torch.ops.fuselm_trace.rope(t, cos, s.inv_freq.tolist(), s.attention_scaling, s.interleaved)
+            out.append(y.transpose(1, 2) if unsqueeze_dim == 1 else y)
+        return tuple(out)
+
+
+def rope_layout(module, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                attention_scaling: float, head_dim: int, model_type: str) -> int:
+    """Which `interleaved` value makes FusedRoPE equal the family's apply_rotary_pos_emb (checked on
+    random q/k, with the real cos/sin of the model's rotary module); refuses anything else."""
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise FuselmError(f"model_type {model_type!r}: its modeling code has no apply_rotary_pos_emb; fuselm's "
+                          "traced exporter maps only that function to FusedRoPE")
+    gen = torch.Generator().manual_seed(0)
+    batch, seq = positions.shape
+    # head_dim wide (the function handles partial rotary itself), or only the rotary part (the
+    # attention slices q/k before calling it: Phi, StableLM, Persimmon)
+    for width in dict.fromkeys((head_dim, cos.shape[-1])):
+        q = torch.randn(batch, 3, seq, width, generator=gen)
+        k = torch.randn(batch, 1, seq, width, generator=gen)
+        with torch.no_grad():
+            try:
+                want_q, want_k = apply(q, k, cos, sin)
+            except RuntimeError:  # shapes it does not take
+                continue
+            for interleaved in (0, 1):
+                got = [reference(t.transpose(1, 2), positions, inv_freq, attention_scaling, interleaved).transpose(1, 2)
+                       for t in (q, k)]
+                if all(torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, (want_q, want_k), strict=True)):
+                    return interleaved
+    raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb matches neither rotate_half nor "
+                      "interleaved FusedRoPE with the rotary module's inv_freq; it cannot be exported as FusedRoPE")

@@ -1,0 +1,334 @@
+"""The HF model without weights, checked for what the traced exporter can express.
+
+`Skeleton(hf_dir)` reads config.json with transformers (local files, no remote code), builds
+transformers' own class for the model_type with every parameter on the meta device (buffers stay
+real: inv_freq, embed scales), and refuses what it cannot export: remote code, vision/audio towers,
+mixture of experts, hybrid (linear attention / state space) layers, non-rotary position schemes,
+rope types whose frequencies change with the sequence length.
+
+`probe()` runs the model's own forward once on CPU with every decoder layer replaced by a
+recorder: which rotary frequencies and which mask (causal or sliding window) each layer gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fuselm.errors import FuselmError
+
+from .rope_op import RopeSpec, rope_layout
+
+# Config keys that mark a model the traced exporter cannot express, and why.
+_REFUSED_KEYS = {
+    "vision_config": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
+    "audio_config": "it has an audio tower (a multimodal model); convert its text-only checkpoint",
+}
+# Module class names (substrings) of what the exporter refuses, found in the built model (a config's
+# num_experts alone does not make a model sparse: Doge keeps it with is_moe false).
+_REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
+                    "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
+                    "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
+                    "Vision": "it has a vision tower"}
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
+                      "longrope": "longrope switches between two frequency sets at run time by sequence length"}
+PROBE_LEN = 8
+PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Every parameter created inside goes to the meta device; buffers stay real (accelerate's
+    `init_empty_weights(include_buffers=False)`)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@dataclass
+class LayerPlan:
+    """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key."""
+
+    index: int
+    rope: RopeSpec | None
+    sliding: bool
+    kind: int = -1
+
+
+class Skeleton:
+    """transformers' model for a checkpoint directory, parameters on meta."""
+
+    def __init__(self, hf_dir: Path, config_dict: dict):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .attention_op import NAME, register
+
+        self.hf_dir, self.raw = hf_dir, config_dict
+        self.model_type = config_dict.get("model_type")
+        if config_dict.get("auto_map"):
+            raise FuselmError(f"config.json: auto_map names remote code ({', '.join(config_dict['auto_map'])}); fuselm "
+                              "never runs a checkpoint's own code (trust_remote_code); use a model_type that the "
+                              "installed transformers implements")
+        for key, why in _REFUSED_KEYS.items():
+            if config_dict.get(key):
+                raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} (config.json has {key})")
+        try:
+            config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
+        except (ValueError, KeyError, OSError) as e:
+            raise FuselmError(f"model_type {self.model_type!r} is not known to the installed transformers "
+                              f"({_first_line(e)}); use a checkpoint of a model_type it implements") from None
+        except Exception as e:  # transformers' own config validation (types, ranges)
+            raise FuselmError(f"config.json is not a valid {self.model_type!r} config for transformers "
+                              f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the "
+                              "checkpoint") from None
+        self._refuse_layer_types(config)
+        self._refuse_rope(config)
+        register()
+        config._attn_implementation = NAME
+        config.use_cache = False
+        try:
+            with params_on_meta(), torch.device("cpu"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=NAME)
+        except ValueError as e:  # no causal-LM class for this config
+            raise FuselmError(f"model_type {self.model_type!r}: transformers has no causal LM for it "
+                              f"({_first_line(e)}); fuselm converts decoder-only causal LMs") from None
+        except Exception as e:  # the model's constructor rejects the config (sizes that do not divide, ...)
+            raise FuselmError(f"model_type {self.model_type!r}: transformers cannot build the model from config.json "
+                              f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the "
+                              "checkpoint") from None
+        self.config, self.model = config, model.eval()
+        for name, module in model.named_modules():
+            for part, why in _REFUSED_MODULES.items():
+                if part.lower() in type(module).__name__.lower():
+                    raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
+                                      f"({type(module).__name__}{f' at {name}' if name else ''})")
+        self.layers_name, self.layers = self._find_layers()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        import importlib
+
+        self.modeling = importlib.import_module(type(self.layers[0]).__module__)
+
+    def _refuse_layer_types(self, config) -> None:
+        types = getattr(config, "layer_types", None) or []
+        odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+        if odd:
+            raise FuselmError(f"model_type {self.model_type!r} is not supported: it has {', '.join(odd)} layers "
+                              "(hybrid attention); fuselm converts full / sliding-window attention layers only")
+
+    def _refuse_rope(self, config) -> None:
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
+        for p in [params, *nested]:
+            if not isinstance(p, dict):
+                continue
+            kind = p.get("rope_type", p.get("type"))
+            if isinstance(kind, str) and kind in REFUSED_ROPE_TYPES:
+                raise FuselmError(f"rope type {kind!r} is not supported by the traced exporter: "
+                                  f"{REFUSED_ROPE_TYPES[kind]}, and FusedRoPE carries fixed frequencies. Use a "
+                                  "checkpoint with a static rope type (default, linear, llama3, yarn, ...)")
+
+    def _find_layers(self) -> tuple[str, nn.ModuleList]:
+        n = self.config.num_hidden_layers
+        found = [(name, m) for name, m in self.model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) == n and name.endswith("layers")]
+        if len(found) != 1:
+            raise FuselmError(f"model_type {self.model_type!r}: cannot find its {n} decoder layers (one ModuleList "
+                              "named *layers); not supported by the traced exporter")
+        return found[0]
+
+    @property
+    def base(self) -> nn.Module:
+        """The module that owns the layer list (HF's `XModel`)."""
+        return self.model.get_submodule(self.layers_name.rsplit(".", 1)[0]) if "." in self.layers_name else self.model
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
+        out = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        persistent = set(self.model.state_dict(keep_vars=True))
+        out.update({name: tuple(b.shape) for name, b in self.model.named_buffers() if name in persistent})
+        return out
+
+    def tied_names(self) -> set[str]:
+        """State-dict names that alias another parameter (a tied lm_head): allowed in the checkpoint."""
+        return set(self.model.state_dict(keep_vars=True)) - set(self.expected_tensors())
+
+    def aliases(self) -> dict[str, str]:
+        """Parameter name -> the name it is stored under (a tied lm_head.weight -> the embedding's)."""
+        first: dict[int, str] = {}
+        out = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out[name] = first.setdefault(id(p), name)
+        return out
+
+    def embed_name(self) -> str:
+        weight = self.model.get_input_embeddings().weight
+        return next(n for n, p in self.model.named_parameters() if p is weight)
+
+    def metadata(self, plans: list[LayerPlan], kinds: int, kv_shape: tuple[int, int, int]) -> dict:
+        """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer."""
+        c = self.config
+        rope = next((p.rope for p in plans if p.rope is not None), None)
+        sliding = any(p.sliding for p in plans)
+        params = getattr(c, "rope_parameters", None) or {}
+        return {
+            "family": self.model_type,
+            "model_type": self.model_type,
+            "architecture": (self.raw.get("architectures") or [type(self.model).__name__])[0],
+            "dims": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                     "kv_heads": kv_shape[0], "head_dim": kv_shape[1],
+                     "intermediate": getattr(c, "intermediate_size", None), "vocab": c.vocab_size},
+            "rms_norm_eps": getattr(c, "rms_norm_eps", None),
+            "tie_word_embeddings": bool(self.tied_names()),
+            "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+            "sliding_window": getattr(c, "sliding_window", None) if sliding else None,
+            "rope": {"type": params.get("rope_type") if isinstance(params.get("rope_type"), str) else "per_layer_type",
+                     "theta": params.get("rope_theta"), "scaling": params,
+                     "rotary_dim": 2 * len(rope.inv_freq) if rope else 0,
+                     "inv_freq_len": len(rope.inv_freq) if rope else 0,
+                     "attention_scaling": rope.attention_scaling if rope else 1.0,
+                     "interleaved": rope.interleaved if rope else 0,
+                     "layers_without_rope": [p.index for p in plans if p.rope is None]},
+            "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding]},
+        }
+
+    def probe(self) -> list[LayerPlan]:
+        """Run the base model's forward once with recorder layers; one LayerPlan per decoder layer."""
+        base, config = self.base, self.config
+        rotaries = [m for m in base.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        tags: dict[int, tuple] = {}
+
+        def tagged(module, forward):
+            def run(*args, **kwargs):
+                cos, sin = forward(*args, **kwargs)
+                tags[id(cos)] = (module, args, kwargs, cos, sin)
+                return cos, sin
+            return run
+
+        seen: list[dict] = []
+        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
+
+        class Stop(Exception):
+            pass
+
+        class Recorder(nn.Module):
+            def __init__(self, last, returns_tuple):
+                super().__init__()
+                self.last, self.returns_tuple = last, returns_tuple
+
+            def forward(self, hidden_states, *args, **kwargs):
+                chained.append(not seen or hidden_states is seen[-1]["_returned"])
+                seen.append({**kwargs, "_returned": hidden_states})
+                if self.last:
+                    raise Stop
+                return (hidden_states,) if self.returns_tuple else hidden_states
+
+        originals = list(self.layers)
+        window = getattr(config, "sliding_window", None)
+        saved_forwards = {id(m): m.forward for m in rotaries}
+        try:
+            for m in rotaries:
+                m.forward = tagged(m, m.forward)
+            if window is not None:
+                config.sliding_window = PROBE_WINDOW
+            positions = torch.arange(PROBE_LEN)[None]
+            for returns_tuple in (False, True):  # transformers 5 layers return a tensor; older ones a tuple
+                seen.clear()
+                chained.clear()
+                for i in range(len(originals)):
+                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple)
+                try:
+                    with torch.no_grad():
+                        base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
+                             attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+                except Stop:
+                    pass
+                except (RuntimeError, NotImplementedError) as e:  # e.g. a meta parameter used before the layers
+                    why = ("it adds learned absolute positions to the embeddings" if "meta" in str(e) else
+                           f"{type(e).__name__}: {_first_line(e)}")
+                    raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
+                                      f"cannot be probed ({why}); fuselm converts rotary decoders only") from None
+                if all(chained):
+                    self.returns_tuple = returns_tuple
+                    break
+            else:
+                raise FuselmError(f"model_type {self.model_type!r}: its forward changes the hidden state between "
+                                  "decoder layers; not supported by the traced exporter")
+        finally:
+            config.sliding_window = window
+            for i, layer in enumerate(originals):
+                self.layers[i] = layer
+            for m in rotaries:
+                m.forward = saved_forwards[id(m)]
+        if len(seen) != len(originals):
+            raise FuselmError(f"model_type {self.model_type!r}: its forward did not call every decoder layer once; "
+                              "not supported by the traced exporter")
+        causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
+        sliding = causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool()
+        plans, specs = [], {}
+        for i, kwargs in enumerate(seen):
+            pe = kwargs.get("position_embeddings")
+            if pe is None:
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
+                                  "embeddings from the model; fuselm converts rotary decoders only")
+            tag = tags.get(id(pe[0]))
+            if tag is None:
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
+                                  "embedding module made; not supported by the traced exporter")
+            if id(pe[0]) not in specs:
+                specs[id(pe[0])] = self._rope_spec(*tag, positions)
+            allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
+            if torch.equal(allowed, causal):
+                is_sliding = False
+            elif window is not None and torch.equal(allowed, sliding):
+                is_sliding = True
+            else:
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
+                                  "causal nor a sliding window (chunked or bidirectional attention); not supported")
+            plans.append(LayerPlan(i, specs[id(pe[0])], is_sliding))
+        return plans
+
+    def _rope_spec(self, module, args, kwargs, cos, sin, positions) -> RopeSpec:
+        """The frequencies the rotary module used for this call, checked against its own cos/sin."""
+        layer_type = next((a for a in (*args[2:], *kwargs.values()) if isinstance(a, str)), None)
+        prefix = f"{layer_type}_" if layer_type else ""
+        inv = getattr(module, f"{prefix}inv_freq", None)
+        scaling = getattr(module, f"{prefix}attention_scaling", 1.0)
+        if not isinstance(inv, torch.Tensor) or inv.device.type == "meta":
+            raise FuselmError(f"model_type {self.model_type!r}: its rotary module {type(module).__name__} has no "
+                              f"{prefix}inv_freq buffer; not supported by the traced exporter")
+        freqs = positions[..., None].float() * inv.float()
+        # rotate_half tables repeat the angles as [f, f]; interleaved ones (Cohere) as [f0, f0, f1, f1, ...]
+        if not any(torch.allclose(emb.cos() * scaling, cos, atol=1e-6) and torch.allclose(emb.sin() * scaling, sin, atol=1e-6)
+                   for emb in (torch.cat((freqs, freqs), dim=-1), freqs.repeat_interleave(2, dim=-1))):
+            raise FuselmError(f"model_type {self.model_type!r}: {type(module).__name__}'s cos/sin are not "
+                              "cos/sin(position x inv_freq) x attention_scaling; not supported by the traced exporter")
+        interleaved = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling), self.head_dim,
+                                  self.model_type)
+        return RopeSpec(inv, scaling, interleaved)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:160]
+
+
+def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
+    """The boolean [S, T] pattern of the mask a layer received (additive float or boolean)."""
+    if not isinstance(mask, torch.Tensor):
+        raise FuselmError(f"model_type {model_type!r}: decoder layer {i} got no attention mask tensor; "
+                          "not supported by the traced exporter")
+    m = mask[0, 0] if mask.dim() == 4 else mask
+    return m if m.dtype == torch.bool else m == 0

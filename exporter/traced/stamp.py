@@ -1,0 +1,177 @@
+"""Stamp the traced templates into one graph, with the builder's weights, inputs and outputs.
+
+The outer template's `fuselm_trace::Layer` markers are replaced, in order, by copies of each
+layer's kind template: values and nodes renamed under `/model/layers.{i}/`, the layer inputs wired
+to the previous hidden state, the shared mask of its kind (exporter/graph.py's `attention_mask`,
+sliding window or not), `position_ids`, `past_key_values.{i}.*`, and its outputs to
+`present.{i}.*`. Node names follow the module scopes torch.onnx records
+(`/model/layers.3/self_attn/q_proj/MatMul`).
+
+Parameters become the builder's weights (exporter/quant.py's Plan, so f32/f16/q8/q4 are
+stored exactly as the builder stores them), named by their HF tensor names:
+- `Transpose(W, perm=[1,0])` (torch's Linear) -> the plan's [in, out] weight (Cast / DQ for f16 / q8 / q4);
+- `Gather(W, ids)` in the outer graph (the embedding) -> the plan's embedding;
+- anything else (norm weights, biases, scales) -> float32 as in the checkpoint.
+Non-parameter initializers (buffers, traced constants) are copied once per template.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import onnx
+from onnx import helper as oh
+
+from fuselm.errors import FuselmError
+
+from ..graph import Builder, attention_mask, graph_inputs
+from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
+
+
+class Stamper:
+    """Builds the final graph into a Builder from the outer template and one template per layer kind."""
+
+    def __init__(self, plan, aliases: dict[str, str], layers_prefix: str, embed_name: str,
+                 kv_shape: tuple[int, int, int]):
+        self.b, self.plan, self.aliases, self.prefix, self.embed = Builder(), plan, aliases, layers_prefix, embed_name
+        self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
+        self.kv_heads, self.k_dim, self.v_dim = kv_shape
+        self.used: set[str] = set()  # checkpoint tensors the graph reads
+
+    def build(self, outer: Template, layers: list[Template], sliding: list[bool], window: int | None) -> Builder:
+        b = self.b
+        ids, mask_in, position_ids = graph_inputs(b)
+        masks = {s: attention_mask(b, ids, mask_in, window if s else None, "/model/attn_mask" + ("_sliding" if s else ""))
+                 for s in sorted(set(sliding))}
+        names = {outer.graph.input[0].name: ids}
+        self._constants(outer, "outer", names)
+        self._weights(outer, names, "/model", None, lambda rel: self.aliases.get(rel, rel))
+        markers = 0
+        for node in outer.graph.node:
+            if node.domain == "fuselm_trace" and node.op_type == "Layer":
+                i = node.attribute[0].i
+                if i != markers:
+                    raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
+                x = names[node.input[0]]
+                names[node.output[0]] = self._layer(layers[i], i, x, masks[sliding[i]], position_ids)
+                markers += 1
+                continue
+            self._copy(outer, node, names, "/model", prefix_values="/model/")
+        if markers != len(layers):
+            raise FuselmError(f"the traced model called {markers} of its {len(layers)} decoder layers; not supported")
+        logits = names[outer.graph.output[0].name]
+        b.nodes.append(oh.make_node("Identity", [logits], ["logits"], name="/model/logits/Identity"))
+        vocab = outer.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
+        b.outputs.insert(0, oh.make_tensor_value_info("logits", onnx.TensorProto.FLOAT,
+                                                      ["batch_size", "sequence_length", vocab]))
+        return b
+
+    def _layer(self, t: Template, i: int, x: str, mask: str, position_ids: str) -> str:
+        b, scope = self.b, f"/model/layers.{i}"
+        past = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        present = [f"present.{i}.key", f"present.{i}.value"]
+        for name, dim in zip(past, (self.k_dim, self.v_dim), strict=True):
+            b.inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
+                                                      ["batch_size", self.kv_heads, "past_sequence_length", dim]))
+        names = dict(zip([v.name for v in t.graph.input], [x, mask, position_ids, *past], strict=True))
+        self._constants(t, f"layer_kind_{id(t)}", names)
+        self._weights(t, names, scope, i, lambda rel: self.aliases.get(f"{self.prefix}.{i}.{rel}", f"{self.prefix}.{i}.{rel}"))
+        outputs = [o.name for o in t.graph.output]
+        assert outputs == LAYER_OUTPUTS and [v.name for v in t.graph.input] == LAYER_INPUTS
+        out_names = {outputs[1]: present[0], outputs[2]: present[1]}
+        for node in t.graph.node:
+            self._copy(t, node, names, scope, prefix_values=f"{scope}/", fixed=out_names)
+        for out, name, dim in zip(outputs[1:], present, (self.k_dim, self.v_dim), strict=True):
+            if names.get(out) != name:
+                raise FuselmError(f"layer {i}: the traced layer does not produce its cache output directly; not supported")
+            b.outputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
+                                                       ["batch_size", self.kv_heads, "total_sequence_length", dim]))
+        return names[outputs[0]]
+
+    def _constants(self, t: Template, tag: str, names: dict[str, str]) -> None:
+        """Traced non-parameter initializers, once per template (shared by every stamp of it)."""
+        for name, proto in t.constants.items():
+            key = ("traced", tag, name)
+            if key not in self.b.constants:
+                copy = onnx.TensorProto()
+                copy.CopyFrom(proto)
+                copy.name = f"/model/traced/{tag}/{name}"
+                self.b.constants[key] = copy
+            names[name] = self.b.constants[key].name
+
+    def _weights(self, t: Template, names: dict[str, str], scope: str, layer: int | None, hf_name) -> None:
+        """Declare the plan's weights for the template's parameters; map the values that use them."""
+        consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in t.graph.node:
+            for inp in node.input:
+                if inp in t.params:
+                    consumers.setdefault(inp, []).append(node)
+        for value, rel in t.params.items():
+            name = hf_name(rel)
+            if name not in self.plan.shapes:
+                raise FuselmError(f"the traced model reads parameter {name}, which is not a tensor of the checkpoint")
+            self.used.add(name)
+            vector = None
+            for node in consumers.get(value, []):
+                if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
+                    names[node.output[0]] = self._linear(name, node, scope, layer)
+                elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
+                    names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]])
+                else:
+                    continue
+                self.skip.add((id(t), node.name))
+            if any((id(t), n.name) not in self.skip for n in consumers.get(value, [])):
+                vector = self.plan.vector(self.b, name, layer)
+            names[value] = vector if vector is not None else name
+
+    def _linear(self, name: str, node: onnx.NodeProto, scope: str, layer: int | None) -> str:
+        if layer is None:  # the outer graph's only Linear is the lm_head (tied or not)
+            return self.plan.head_weight(self.b, self.embed, None if name == self.embed else name)
+        rel = name[len(f"{self.prefix}.{layer}."):].removesuffix(".weight").replace(".", "/")
+        return self.plan.linear_weight(self.b, name, f"{scope}/{rel}", layer)
+
+    def _copy(self, t: Template, node: onnx.NodeProto, names: dict[str, str], scope: str, prefix_values: str,
+              fixed: dict[str, str] | None = None) -> None:
+        if (id(t), node.name) in self.skip:
+            return
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            raise FuselmError(f"the traced graph has a control-flow node ({node.op_type}); not supported")
+        fixed = fixed or {}
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        del new.metadata_props[:]
+        for k, inp in enumerate(node.input):
+            if inp:
+                if inp not in names:
+                    raise FuselmError(f"traced node {node.name} reads {inp}, which nothing produces; not supported")
+                new.input[k] = names[inp]
+        for k, out in enumerate(node.output):
+            if out:
+                names[out] = fixed.get(out, f"{prefix_values}{out}")
+                new.output[k] = names[out]
+        new.name = self._node_name(node, scope)
+        self.b.node(new)
+
+    def _node_name(self, node: onnx.NodeProto, scope: str) -> str:
+        """`{scope}/{module path}/{op}` from the name scopes torch.onnx records, made unique."""
+        meta = {p.key: p.value for p in node.metadata_props}
+        path = ""
+        try:
+            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+            modules = [s for s in scopes if s.startswith(("layer.", "lm."))]
+            if modules:
+                path = modules[-1].split(".", 1)[1]
+                path = path.removeprefix("model.") if scope == "/model" else path
+        except (ValueError, SyntaxError):
+            pass
+        base = "/".join(p for p in (scope, path.replace(".", "/"), node.op_type) if p)
+        name, n = base, 0
+        while name in self.b._node_names:
+            n += 1
+            name = f"{base}_{n}"
+        return name
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    a = next((a for a in node.attribute if a.name == name), None)
+    return oh.get_attribute_value(a) if a is not None else default

@@ -1,0 +1,298 @@
+"""Trace one decoder layer per layer kind, and the model around the layers, to ONNX templates.
+
+A layer kind is what makes two layers' graphs differ: the module classes and their settings
+(e.g. SmolLM3's `use_rope`), parameter shapes, the rotary frequencies and the mask kind. Each
+kind is traced once with `torch.onnx.export(dynamo=True, opset_version=23, optimize=False)` on
+placeholder weights of the real shapes (uninitialized memory: the trace never reads them):
+
+    layer(hidden [B,S,hidden], mask [B,1,S,T], position_ids [B,S], past_key, past_value)
+        -> (hidden, present_key, present_value)
+
+The model around the layers (embedding and its scale, final norm, lm_head, logit scaling or
+soft-capping) is traced once with every layer replaced by a `fuselm_trace::layer` marker node;
+exporter/traced/stamp.py puts the stamped layers in their place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from fuselm.errors import FuselmError
+
+from . import attention_op, rope_op
+from .skeleton import LayerPlan, Skeleton
+
+LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
+LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value"]
+_SKIPPED_ATTRS = {"layer_idx", "training", "layer_id", "idx"}
+
+
+@torch.library.custom_op("fuselm_trace::layer", mutates_args=())
+def layer_marker(x: torch.Tensor, index: int) -> torch.Tensor:
+    """Where decoder layer `index` goes in the outer graph (never run)."""
+    return x.clone()
+
+
+@layer_marker.register_fake
+def _(x, index):
+    return torch.empty_like(x)
+
+
+def _marker_translation():
+    from onnx.defs import OpSchema
+    from onnxscript import values
+
+    schema = OpSchema("Layer", "fuselm_trace", 1, inputs=[OpSchema.FormalParameter("X", "T")],
+                      outputs=[OpSchema.FormalParameter("Y", "T")], type_constraints=[("T", ["tensor(float)"], "")],
+                      attributes=[OpSchema.Attribute("index", OpSchema.AttrType.INT, "")])
+    marker = values.Op(values.Opset("fuselm_trace", 1), "Layer", schema)
+    return {torch.ops.fuselm_trace.layer.default: lambda x, index: marker(x, index=int(index))}
+
+
+@dataclass
+class Template:
+    """A traced graph: nodes, initializers (parameters have no data), inputs and outputs by name."""
+
+    graph: onnx.GraphProto
+    params: dict[str, str]  # initializer name -> parameter name relative to the traced module
+    constants: dict[str, onnx.TensorProto]  # non-parameter initializers, with their values
+
+
+def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
+    """Assign `plan.kind`: layers with the same structure, settings, rotary and mask share one trace."""
+    kinds: dict[tuple, int] = {}
+    for plan in plans:
+        layer = skel.layers[plan.index]
+        key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.sliding)
+        plan.kind = kinds.setdefault(key, len(kinds))
+    return kinds
+
+
+def _structure(layer: nn.Module) -> tuple:
+    parts = []
+    for name, m in layer.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and k not in _SKIPPED_ATTRS
+                             and isinstance(v, (bool, int, float, str, type(None)))))
+        params = tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))
+        parts.append((name, type(m).__name__, attrs, params))
+    return tuple(parts)
+
+
+class _LayerWrapper(nn.Module):
+    def __init__(self, layer: nn.Module, rope: rope_op.Installed):
+        super().__init__()
+        self.layer, self.rope = layer, rope
+
+    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value):
+        ctx = attention_op.CONTEXT
+        ctx.past, ctx.present, ctx.calls, ctx.mask = (past_key, past_value), None, 0, attention_mask
+        self.rope.positions = position_ids
+        out = self.layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                         position_embeddings=(position_ids, position_ids), past_key_values=None, use_cache=False)
+        out = out[0] if isinstance(out, tuple) else out
+        if ctx.present is None:
+            raise FuselmError(f"{type(self.layer).__name__}: the layer never called its attention function; "
+                              "not supported by the traced exporter")
+        return out, *ctx.present
+
+
+class _MarkedLayer(nn.Module):
+    def __init__(self, index: int, returns_tuple: bool):
+        super().__init__()
+        self.index, self.returns_tuple = index, returns_tuple
+
+    def forward(self, hidden_states, *args, **kwargs):
+        y = torch.ops.fuselm_trace.layer(hidden_states, self.index)
+        return (y,) if self.returns_tuple else y
+
+
+class _Outer(nn.Module):
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def _placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Give every meta parameter of `module` real-shaped uninitialized memory; returns what to undo."""
+    undo = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                undo.append((m, name, p))
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
+    # tied parameters must stay one object
+    by_id = {}
+    for m, name, p in undo:
+        if id(p) in by_id:
+            m._parameters[name] = by_id[id(p)]
+        else:
+            by_id[id(p)] = m._parameters[name]
+    return undo
+
+
+def _restore(undo) -> None:
+    for m, name, p in undo:
+        m._parameters[name] = p
+
+
+def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
+    """The ONNX template of decoder layer `plan.index` (its kind's representative)."""
+    layer = skel.layers[plan.index]
+    cfg = skel.config
+    kv, d = cfg.num_key_value_heads if getattr(cfg, "num_key_value_heads", None) else cfg.num_attention_heads, skel.head_dim
+    batch, seq, past = 2, 3, 4
+    args = (torch.randn(batch, seq, cfg.hidden_size), torch.zeros(batch, 1, seq, past + seq),
+            torch.arange(past, past + seq)[None].repeat(batch, 1), torch.randn(batch, kv, past, d),
+            torch.randn(batch, kv, past, d))
+    b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
+    dynamic = {"hidden_states": {0: b, 1: s}, "attention_mask": {0: b, 2: s, 3: t}, "position_ids": {0: b, 1: s},
+               "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p}}
+    installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
+    installed.spec = plan.rope
+    undo = _placeholders(layer)
+    try:
+        with installed:
+            wrapper = _LayerWrapper(layer, installed).eval()
+            program = _export(wrapper, args, dynamic, LAYER_INPUTS, LAYER_OUTPUTS, skel.model_type)
+    finally:
+        _restore(undo)
+    if plan.rope is not None and installed.calls == 0:
+        plan.rope = None  # the layer skips rope (SmolLM3's no-rope layers): nothing to carry
+    return _template(program, "layer.")
+
+
+def trace_outer(skel: Skeleton) -> Template:
+    """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes."""
+    originals = list(skel.layers)
+    for i in range(len(originals)):
+        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple)
+    undo = _placeholders(skel.model)
+    attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
+    try:
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        dynamic = {"input_ids": {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
+        program = _export(_Outer(skel.model).eval(), (ids,), dynamic, ["input_ids"], ["logits"], skel.model_type)
+    finally:
+        attention_op.register()
+        _restore(undo)
+        for i, layer in enumerate(originals):
+            skel.layers[i] = layer
+    return _template(program, "lm.")
+
+
+def _export(module, args, dynamic, input_names, output_names, model_type):
+    table = {**rope_op.translation(), **attention_op.translation(), **_marker_translation()}
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(module, args, dynamo=True, opset_version=23, optimize=False, verbose=False,
+                                     dynamic_shapes=dynamic, input_names=input_names, output_names=output_names,
+                                     custom_translation_table=table, report=False)
+    except FuselmError:
+        raise
+    except Exception as e:  # torch.export / translation failures: the modeling code does something we cannot trace
+        cause = e
+        while cause.__cause__ is not None and not isinstance(cause, FuselmError):
+            cause = cause.__cause__
+        if isinstance(cause, FuselmError):
+            raise cause from None
+        raise FuselmError(f"model_type {model_type!r}: tracing transformers' modeling code failed "
+                          f"({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ''}); "
+                          "this model_type is not supported by the traced exporter") from None
+
+
+def _template(program, prefix: str) -> Template:
+    """onnx_ir model -> GraphProto without parameter bytes; parameters by their module-relative names."""
+    import onnx_ir as ir
+
+    model = program.model
+    graph = model.graph
+    params, constants = {}, {}
+    state = set(program.exported_program.state_dict) if program.exported_program is not None else set()
+    for name, value in list(graph.initializers.items()):
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        if name in state and isinstance(program.exported_program.state_dict[name], nn.Parameter):
+            params[name] = rel
+            graph.initializers.pop(name)  # the bytes come from the checkpoint, never from here
+        else:
+            constants[name] = ir.serde.serialize_tensor(value.const_value)
+            graph.initializers.pop(name)
+    proto = ir.serde.serialize_graph(graph)
+    _simplify(proto)
+    return Template(proto, params, constants)
+
+
+def _simplify(graph: onnx.GraphProto) -> None:
+    """Cancel Transpose pairs that compose to the identity (HF's [B,H,S,D] transpose meeting the
+    rope op's [B,S,H,D] one), turn `chunk` (SplitToSequence + SequenceAt) into Split, then drop
+    nodes no output depends on."""
+    _sequence_to_split(graph)
+    producer = {o: n for n in graph.node for o in n.output}
+    replace: dict[str, str] = {}
+    for n in graph.node:
+        src = producer.get(n.input[0]) if n.op_type == "Transpose" and n.input else None
+        if src is not None and src.op_type == "Transpose":
+            p1, p2 = _perm(src), _perm(n)
+            if p1 and p2 and len(p1) == len(p2) and [p1[i] for i in p2] == list(range(len(p1))):
+                replace[n.output[0]] = replace.get(src.input[0], src.input[0])
+    graph_outputs = {o.name for o in graph.output}
+    for n in graph.node:
+        for k, inp in enumerate(n.input):
+            if inp in replace:
+                n.input[k] = replace[inp]
+    live, keep = {o.name for o in graph.output}, []
+    for n in reversed(graph.node):
+        if any(o in live for o in n.output) and not all(o in replace and o not in graph_outputs for o in n.output):
+            keep.append(n)
+            live.update(i for i in n.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(keep))
+
+
+def _sequence_to_split(graph: onnx.GraphProto) -> None:
+    """SplitToSequence(x, chunk c, axis) read only by SequenceAt(const i) -> Split(x, [c]*n) with
+    outputs i (torch's `chunk` at optimize=False); needs x's axis length static in the trace."""
+    from onnx import numpy_helper
+
+    consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in graph.value_info}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    for n in list(graph.node):
+        if n.op_type != "SplitToSequence" or len(n.input) != 2 or n.input[1] not in consts:
+            continue
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        shape, chunk = shapes.get(n.input[0]), consts[n.input[1]]
+        seq_users = users.get(n.output[0], [])
+        if (shape is None or chunk.ndim != 0 or not shape[axis] or shape[axis] % int(chunk)
+                or not all(u.op_type == "SequenceAt" and u.input[1] in consts for u in seq_users)):
+            continue
+        parts = shape[axis] // int(chunk)
+        outputs = [f"{n.output[0]}_split_{k}" for k in range(parts)]
+        sizes = f"{n.output[0]}_split_sizes"
+        at = list(graph.node).index(n)
+        graph.node.insert(at, onnx.helper.make_node("Constant", [], [sizes], name=f"{n.name}_sizes",
+                          value=numpy_helper.from_array(np.full(parts, int(chunk), np.int64))))
+        graph.node.insert(at + 1, onnx.helper.make_node("Split", [n.input[0], sizes], outputs, name=f"{n.name}_split",
+                                                        axis=axis))
+        for u in seq_users:
+            u.CopyFrom(onnx.helper.make_node("Identity", [outputs[int(consts[u.input[1]]) % parts]], [u.output[0]],
+                                             name=u.name))
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    a = next((a for a in node.attribute if a.name == "perm"), None)
+    return list(a.ints) if a is not None else None

@@ -1,0 +1,104 @@
+"""Which model_types the traced exporter converts: tiny random checkpoint -> convert -> check vs HF.
+
+    python scripts/traced_sweep.py                      # the rotary decoder candidates below
+    python scripts/traced_sweep.py llama gemma2 phi     # these model_types
+    python scripts/traced_sweep.py --markdown           # the README table from the last results
+
+Each model_type runs in its own child (a crash or hang costs only that one): a 2-layer checkpoint
+from fuselm.synth (GENERIC_TINY sizes unless TINY has the family), `fuselm.convert(...,
+exporter="torch")` at f32, then exporter/check.py (onnxruntime vs HF transformers, prefill + a
+decode step with past). Result per model_type: ok (max abs logit diff), refused (the FuselmError,
+i.e. what the user sees), failed (anything else: a bug to fix or a refusal to add). Writes
+bench/results/traced_sweep.json; the README's table is made from it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CANDIDATES = [
+    "apertus", "arcee", "bitnet", "cohere", "cohere2", "cwm", "diffllama", "doge", "ernie4_5", "exaone4",
+    "gemma", "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hunyuan_v1_dense",
+    "jais2", "llama", "ministral", "mistral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "persimmon",
+    "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
+    "qwen3_moe", "qwen3_next", "minicpm3", "gpt2", "falcon_h1", "lfm2",
+]
+RESULT = Path(__file__).resolve().parent.parent / "bench" / "results" / "traced_sweep.json"
+
+CHILD = r"""
+import json, sys, time, tempfile
+from pathlib import Path
+import fuselm
+from fuselm.errors import FuselmError
+from fuselm.exporter.check import check
+from fuselm.synth import make_checkpoint
+model_type, work = sys.argv[1], Path(sys.argv[2])
+out = {"model_type": model_type}
+try:
+    hf = make_checkpoint(work / "hf", model_type, generic=True)
+except Exception as e:
+    print(json.dumps({**out, "status": "no tiny config", "detail": f"{type(e).__name__}: {str(e)[:200]}"})); sys.exit()
+t = time.perf_counter()
+try:
+    fuselm.convert(hf, work / "out", exporter="torch", quiet=True)
+except FuselmError as e:
+    print(json.dumps({**out, "status": "refused", "detail": str(e)[:300]})); sys.exit()
+except Exception as e:
+    print(json.dumps({**out, "status": "failed", "detail": f"convert: {type(e).__name__}: {str(e)[:300]}"})); sys.exit()
+out["convert_s"] = round(time.perf_counter() - t, 1)
+try:
+    r = check(work / "out", hf, quiet=True)
+except Exception as e:
+    print(json.dumps({**out, "status": "failed", "detail": f"check: {type(e).__name__}: {str(e)[:300]}"})); sys.exit()
+meta = json.loads((work / "out" / "fuselm.json").read_text())
+print(json.dumps({**out, "status": "ok" if r["max_abs_logit_diff"] <= 1e-4 else "wrong",
+                  "max_abs_logit_diff": r["max_abs_logit_diff"], "layer_kinds": meta["traced"]["layer_kinds"],
+                  "interleaved": meta["rope"]["interleaved"], "rotary_dim": meta["rope"]["rotary_dim"],
+                  "head_dim": meta["dims"]["head_dim"]}))
+"""
+
+
+def markdown() -> str:
+    """The README table from the last sweep's JSON."""
+    rows = ["| model_type | traced result | max abs logit diff vs HF | layer kinds | rope |", "|---|---|---|---|---|"]
+    for mt, r in json.loads(RESULT.read_text())["results"].items():
+        if r["status"] == "ok":
+            rope = ("interleaved" if r["interleaved"] else "rotate_half") + (
+                f", partial {r['rotary_dim']}/{r['head_dim']}" if r["rotary_dim"] < r["head_dim"] else "")
+            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} | {r['layer_kinds']} | {rope} |")
+        else:
+            rows.append(f"| {mt} | {r['status']}: {r['detail'].splitlines()[0][:150]} | | | |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    model_types = (argv if argv is not None else sys.argv[1:]) or CANDIDATES
+    if model_types == ["--markdown"]:
+        print(markdown())
+        return 0
+    for mt in model_types:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as work:
+            try:
+                p = subprocess.run([sys.executable, "-c", CHILD, mt, work], capture_output=True, text=True, timeout=600)
+                line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+                r = json.loads(line) if line else {"model_type": mt, "status": "failed",
+                                                   "detail": f"child exit {p.returncode}: {p.stderr[-300:]}"}
+            except subprocess.TimeoutExpired:
+                r = {"model_type": mt, "status": "failed", "detail": "timed out after 600 s"}
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(r), flush=True)
+        results = json.loads(RESULT.read_text())["results"] if RESULT.is_file() else {}  # another sweep may have written
+        results[mt] = r
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps({"results": dict(sorted(results.items()))}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
