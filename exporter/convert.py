@@ -33,7 +33,7 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`.
 
     quant: f32 | f16 | q8 | q4 for linear layers (blockwise asymmetric, `block_size` 32/64/128);
-    lm_head / embed: their precision (default: the head as `quant`; a tied embedding as the head,
+    lm_head / embed: their precision (default: the head q8 when quantizing, else as `quant`; a tied embedding as the head,
     one tensor for both; an untied one f16 when quantizing, else as `quant`).
     exporter: builder (the hand-written families), torch (trace transformers' modeling code,
     exporter/traced/) or auto (the builder where a family exists, else torch).

@@ -192,7 +192,8 @@ class Plan:
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None,
                tied: bool = False) -> tuple[Precision, Precision, Precision]:
     """(linear, embed, lm_head) precisions from the CLI flags, with the documented defaults
-    (chosen by bench/head_formats.py; README "Defaults"): the lm_head as --quant; the embedding of a
+    (chosen by bench/head_formats.py; README "Defaults"): the lm_head q8 when quantizing, else as --quant;
+    the embedding of a
     tied checkpoint at the head's precision (one stored tensor serves both), of an untied one f16
     when quantizing, else as --quant."""
     for flag, value in (("--quant", quant), ("--lm-head", lm_head), ("--embed", embed)):
@@ -201,6 +202,6 @@ def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | No
     if block_size not in BLOCK_SIZES:
         raise FuselmError(f"--block-size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
     quantized = quant in _BITS
-    head = lm_head or quant
+    head = lm_head or ("q8" if quantized else quant)  # q4 flattened a trained tiny model's greedy text
     emb = embed or (head if tied else "f16" if quantized else quant)
     return Precision(quant, block_size), Precision(emb, block_size), Precision(head, block_size)

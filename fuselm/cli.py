@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quant", choices=["f32", "f16", "q8", "q4"], default="f32")
     c.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
     c.add_argument("--lm-head", choices=["f32", "f16", "q8", "q4"], default=None,
-                   help="lm_head precision (default: as --quant)")
+                   help="lm_head precision (default: q8 when quantizing, else as --quant)")
     c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
                    help="embedding precision (default: tied checkpoints as the lm_head, one tensor for both; "
                         "untied f16 when quantizing, else as --quant)")

@@ -129,13 +129,15 @@ def test_metadata_records_precisions(exported):
     assert q["linear"] == {"bits": 4, "block_size": 32, "symmetric": False, "dtype": "uint4",
                            "scale_dtype": "float32", "zero_point_dtype": "uint4"}
     # the defaults (README "Defaults"): a tied checkpoint's head as --quant, its embedding the same tensor
-    assert q["lm_head"] == {**q["linear"], "shares": "embed"} and q["embed"] == q["linear"]
+    assert q["lm_head"]["bits"] == 8 and q["lm_head"]["shares"] == "embed" and q["embed"] == {
+        k: v for k, v in q["lm_head"].items() if k != "shares"}
 
 
 def test_default_precisions():
     from fuselm.exporter.quant import Precision, precisions
 
-    assert precisions("q4", 32, None, None, tied=True) == (Precision("q4"),) * 3
-    assert precisions("q4", 64, None, None, tied=False) == (Precision("q4", 64), Precision("f16", 64), Precision("q4", 64))
+    assert precisions("q4", 32, None, None, tied=True) == (Precision("q4"), Precision("q8"), Precision("q8"))
+    assert precisions("q4", 64, None, None, tied=False) == (Precision("q4", 64), Precision("f16", 64), Precision("q8", 64))
+    assert precisions("q4", 32, "q4", None, tied=True) == (Precision("q4"),) * 3
     assert precisions("q4", 32, "q8", None, tied=True) == (Precision("q4"), Precision("q8"), Precision("q8"))
     assert precisions("f16", 32, None, None, tied=True) == (Precision("f16"),) * 3
