@@ -17,6 +17,7 @@ import fuselm
 from fuselm import cli
 
 BENCH = Path(__file__).parent.parent / "bench" / "mlx_peer.py"
+FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 
 
 def _host_greedy(sess, ids, n):
