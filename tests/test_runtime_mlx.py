@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAMILIES
 from fuselm.runtime_metal.sampling import Sampler
 from fuselm.runtime_metal.session import Decode, Session
 
