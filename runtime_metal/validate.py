@@ -212,7 +212,7 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     """Half-precision compute against the f32 reference, HF transformers' own run in the same dtype as the
     yardstick. All runs are teacher-forced on the reference's greedy tokens, so every step compares logits
     over the same context: fuselm's drift from the f32 reference must stay within twice HF's drift in that
-    format plus one rounding of the largest logit (HALF_FLOOR). Free-running greedy tokens are reported
+    format plus one rounding of the largest logit (HALF_FLOOR; two for a quantized graph). Free-running greedy tokens are reported
     (first step that differs from the reference, for fuselm and for HF in that dtype), not required equal:
     near-ties flip under any rounding."""
     from rich.console import Console
@@ -227,7 +227,11 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     hf_half = hf_greedy(ref, ids, n, dtype=dtype, force=force)
     drift, yard = _max_diff(ours, f32), _max_diff(hf_half, hf32)
     scale = max(1.0, max(float(np.abs(x).max()) for x in f32.logits))
-    tol = [2 * y + HALF_FLOOR[dtype] * scale for y in yard]
+    # a quantized graph rounds its affine dequantization too: scale and bias = -zero_point * scale are each
+    # rounded to the compute type (MLX's w = scale * q + bias; the bias is as large as the weight itself),
+    # where HF's half run rounds each weight once: one more rounding of the largest logit
+    floors = 2 if quantized else 1
+    tol = [2 * y + floors * HALF_FLOOR[dtype] * scale for y in yard]
     free = runtime_greedy(sess, ids, n)
     first = _first_diff(free.tokens, f32.tokens)
     hf_first = _first_diff(hf_greedy(ref, ids, n, dtype=dtype).tokens, hf32.tokens if not quantized else
