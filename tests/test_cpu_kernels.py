@@ -20,7 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fuselm.runtime_metal.backends import kernel_build, make_backend, torch_quant
-from fuselm.runtime_metal.backends.torch_quant import GEMV_MAX_ROWS, ISAS, attention, cpu_kernels, matmul, prepare
+from fuselm.runtime_metal.backends.torch_quant import (
+    GEMV_MAX_ROWS,
+    ISAS,
+    attention,
+    cpu_kernels,
+    matmul,
+    prepare,
+)
 
 from fuselm.errors import FuselmError
 

@@ -24,6 +24,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from fuselm.errors import FuselmError
 
 from . import cuda_kernels, kernel_build
