@@ -1,7 +1,6 @@
 """The CLI surface: a thin layer over the Python API, with DESIGN.md's exit codes."""
 
-import subprocess
-import sys
+import pytest
 
 from fuselm import cli
 
@@ -16,7 +15,9 @@ def test_help_lists_every_command(capsys):
         assert command in out
 
 
-def test_bad_usage_exits_2():
-    r = subprocess.run([sys.executable, "-m", "fuselm.cli", "convert"], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "required" in r.stderr
+def test_bad_usage_exits_2(capsys):
+    """(A real process's exit status: tests/test_runtime_errors.py, tests/test_convert_inputs.py.)"""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert"])
+    assert e.value.code == 2
+    assert "required" in capsys.readouterr().err
