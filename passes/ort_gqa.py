@@ -9,10 +9,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from fuselm import contract
 from fuselm.graphcheck import ORT_DOMAIN
+from fuselm.reference import ort_session
 
 from .base import (
-    FUSELM_DOMAIN,
     SMALL_CONST,
     Fusion,
     Stats,
@@ -58,7 +59,7 @@ def _unrotated(v: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value, Rope |
     (v, None) when v is not rotated."""
     r = producer(v, "Reshape")
     rope = r.inputs[0].producer() if r is not None else None
-    if rope is None or rope.domain != FUSELM_DOMAIN or rope.op_type != "FusedRoPE":
+    if rope is None or rope.domain != contract.DOMAIN or rope.op_type != contract.ROPE_OP:
         return v, None
     if len(rope.outputs[0].uses()) != 1 or rope.outputs[0].is_graph_output():
         fail(f"{rope.name} (FusedRoPE) has other readers")
@@ -141,14 +142,9 @@ def check_causal_mask(graph: ir.Graph, mask: ir.Value) -> None:
     position P + s sees keys t <= P + s) and masks attention_mask's zeros: what GroupQueryAttention
     computes from attention_mask's row sums (valid tokens first). Probes: prefill, decode, a chunk
     after a past, a right-padded prompt, and one query after 8191 past tokens (a sliding window)."""
-    import onnxruntime as ort
-
     model, inputs = _probe_model(graph, mask)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
     try:
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(model)
     except Exception as e:
         fail(f"the mask's subgraph does not run alone in onnxruntime ({type(e).__name__})")
     for s, p, valid in ((4, 0, 4), (1, 6, 7), (3, 5, 8), (5, 0, 3), (1, 8191, 8192)):
@@ -157,13 +153,13 @@ def check_causal_mask(graph: ir.Graph, mask: ir.Value) -> None:
         feeds = {}
         for i in inputs:
             dims = [d if isinstance(d, int) else 1 for d in (i.shape.dims if i.shape is not None else [])]
-            if i.name == "attention_mask":
+            if i.name == contract.ATTENTION_MASK:
                 feeds[i.name] = am
-            elif i.name == "input_ids":
+            elif i.name == contract.INPUT_IDS:
                 feeds[i.name] = np.zeros((1, s), np.int64)
-            elif i.name == "position_ids":
+            elif i.name == contract.POSITION_IDS:
                 feeds[i.name] = np.arange(p, p + s, dtype=np.int64)[None]
-            elif i.name.startswith("past_key_values.") and len(dims) == 4:
+            elif contract.is_past(i.name) and len(dims) == 4:
                 feeds[i.name] = np.zeros((1, dims[1], p, dims[3]), np.float32)
             else:
                 fail(f"the mask reads the graph input {i.name}, not only attention_mask / input_ids / positions / "
@@ -222,9 +218,9 @@ class OrtGroupQueryAttention(Fusion):
         if modified:
             model.opset_imports.setdefault(ORT_DOMAIN, 1)
             remove_unused(model)
-            if not any(n.domain == FUSELM_DOMAIN for n in model.graph):  # FusedRoPE went into GQA
-                model.opset_imports.pop(FUSELM_DOMAIN, None)
-                for key in [k for k in model.functions if k[0] == FUSELM_DOMAIN]:
+            if not any(n.domain == contract.DOMAIN for n in model.graph):  # FusedRoPE went into GQA
+                model.opset_imports.pop(contract.DOMAIN, None)
+                for key in [k for k in model.functions if k[0] == contract.DOMAIN]:
                     del model.functions[key]
         return modified
 
@@ -315,7 +311,7 @@ class OrtGroupQueryAttention(Fusion):
         """seqlens_k = int32(ReduceSum(attention_mask, 1) - 1) [B] and total_sequence_length =
         int32(attention_mask's length), made once at the top of the graph."""
         if "lengths" not in self._shared:
-            am = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+            am = next((v for v in graph.inputs if v.name == contract.ATTENTION_MASK), None)
             if am is None:
                 fail("the graph has no attention_mask input")
             s, i64 = "/model/attn_mask/gqa", np.int64
