@@ -170,14 +170,16 @@ def check_causal_mask(graph: ir.Graph, mask: ir.Value) -> None:
             fail(f"the mask's subgraph fails on a probe input ({type(e).__name__})")
         want = (np.arange(t)[None] <= (p + np.arange(s))[:, None]) & (am[0][None] > 0)
         rows = min(s, valid - p)  # a right-padded prompt: the pad queries' rows are not compared
-        if m.ndim != 4 or m.shape[-2:] != (s, t) or m.shape[0] != 1 or m.shape[1] != 1:
+        try:
+            m = np.broadcast_to(m, (1, 1, s, t))
+        except ValueError:
             fail(f"the mask has shape {list(m.shape)} for {s} queries over {t} keys, not [1, 1, {s}, {t}]")
         seen = m[0, 0, :rows] if m.dtype == np.bool_ else (m[0, 0, :rows] == 0)
-        if m.dtype != np.bool_ and np.any(m[0, 0, :rows][~want[:rows]] > _MASKED):
-            fail("the mask's masked entries are not large negative numbers")
         if not np.array_equal(seen, want[:rows]):
             fail(f"the mask is not causal + attention_mask padding (differs at {s} queries after {p} past, "
                  f"{valid} valid keys): e.g. a sliding window, bidirectional or custom mask")
+        if m.dtype != np.bool_ and np.any(m[0, 0, :rows][~want[:rows]] > _MASKED):
+            fail("the mask's masked entries are not large negative numbers")
 
 
 class OrtGroupQueryAttention(Fusion):
