@@ -19,9 +19,12 @@ class NormMatch:
 
 
 def _same_shape(a: ir.Value, b: ir.Value) -> bool:
-    if a.shape is None or b.shape is None or a.shape.rank() != 3 or b.shape.rank() != 3:
+    """Whether the Add cannot broadcast: both rank 3 with equal dims where shapes are known (the
+    passes' graphs often carry none; a residual Add of two computed tensors is then taken as one)."""
+    known = [v.shape for v in (a, b) if v.shape is not None]
+    if any(s.rank() != 3 for s in known):
         return False
-    return all(x == y for x, y in zip(a.shape.dims, b.shape.dims, strict=True))
+    return len(known) < 2 or all(x == y for x, y in zip(known[0].dims, known[1].dims, strict=True))
 
 
 class OrtSkipRMSNorm(Fusion):
@@ -36,8 +39,8 @@ class OrtSkipRMSNorm(Fusion):
     SimplifiedLayerNormalization.
     Must not fire (and says why): a norm not over the last axis; stash_type other than float32;
     a weight that is not a 1-D constant; an input that is not float32. The Add stays outside (and
-    the norm becomes SimplifiedLayerNormalization) when it broadcasts, is not rank 3, or adds a
-    constant.
+    the norm becomes SimplifiedLayerNormalization) when it broadcasts or is not rank 3 (as far as
+    shapes are known), or adds a constant.
     """
 
     aliases = ("ort-skip-norm", "skip-norm", "skip-rms-norm")

@@ -251,3 +251,17 @@ def test_gather_block_quantized_fires_and_matches(form, bits, tmp_path):
 def test_gather_block_quantized_must_not_fire_on_different_indices(tmp_path):
     _, modified, stats = lower(OrtGatherBlockQuantized(), embedding("different-ids", 8).model(), tmp_path)
     assert not modified and "the Gathers do not read the same indices" in reasons(stats)
+
+
+def test_graph_checker_has_onnxruntime_refuse_a_broken_contrib_op(tmp_path):
+    """onnx.checker knows no contrib-op schema: fuselm's checker has onnxruntime load the graph."""
+    from fuselm.errors import FuselmError
+
+    good, _, _ = lower(OrtMatMulNBits(), projection("q4").model(), tmp_path)
+    node = good.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "K"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    onnx.save(good, str(tmp_path / "broken.onnx"))
+    with pytest.raises(FuselmError, match=r"onnxruntime rejects the graph's contrib ops: .*MatMulNBits"):
+        check_graph_file(tmp_path / "broken.onnx")
