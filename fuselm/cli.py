@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=["auto", "mlx", "torch"], default="auto")
+        r.add_argument("--backend", choices=["auto", "mlx", "torch", "onnxruntime"] if name == "run" else
+                       ["auto", "mlx", "torch"], default="auto",
+                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")

@@ -201,7 +201,7 @@ class OrtGroupQueryAttention(Fusion):
     qk output read; a mask that, run in onnxruntime on probe inputs, is not causal + padding (a
     sliding window, a bidirectional or custom mask); only one of q and k rotated, or by different
     FusedRoPEs; a head size onnxruntime's CPU kernel does not take (not a multiple of 16); a
-    rotary dim > the head size; not float32.
+    rotary dim > the head size or not a multiple of 16 (GQA's caches); not float32.
     """
 
     aliases = ("ort-gqa", "gqa", "group-query-attention")
@@ -270,6 +270,8 @@ class OrtGroupQueryAttention(Fusion):
                 fail("q and k are rotated by FusedRoPEs of different frequencies, scaling or positions")
             if 2 * len(rq.inv_freq) > head_dim:
                 fail(f"rotary dim {2 * len(rq.inv_freq)} exceeds the head size {head_dim}")
+            if len(rq.inv_freq) % 8:
+                fail(f"rotary dim {2 * len(rq.inv_freq)} is not a multiple of 16 (GQA's cos/sin caches)")
         # q/k as GQA reads them: the tensor before the rotation, or the Rope (a 3-D view made in rewrite)
         return GQAMatch(node, q_in if q_in is not None else rq, k_in if k_in is not None else rk, heads, kv_heads,
                         head_dim, rq)

@@ -99,3 +99,43 @@ def test_cli_target_flag_and_skip(exported, tmp_path, capsys):
     assert config["search"]["past_present_share_buffer"] is False  # Attention-23 reads the past: no sharing
     assert main(["optimize", str(src), "-o", str(tmp_path / "b"), "--skip", "gqa", "--quiet"]) == 2
     assert "no such pass" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["genai", "ort"])
+def test_run_backend_onnxruntime(lowered, optimized, engine):
+    """`fuselm run --backend onnxruntime` (fuselm/ort_run.py): onnxruntime-genai, or onnxruntime with IO
+    binding and one preallocated past/present buffer (the GQA graph) / presents fed back (the standard
+    graph); greedy tokens equal plain onnxruntime's on the standard graph."""
+    import io
+
+    from fuselm.ort_run import run
+
+    if engine == "genai":
+        pytest.importorskip("onnxruntime_genai")
+    prompt = [100, 200, 300, 50]
+    want = OrtRunner(optimized("qwen2", "q4")).greedy(prompt, 10).tokens
+    for model_dir in (lowered("qwen2", "q4", 1), optimized("qwen2", "f32")):
+        got = run(model_dir, prompt_ids=prompt, max_tokens=10, ignore_eos=True, engine=engine, quiet=True,
+                  stream=io.StringIO())
+        ref = want if model_dir.parent.name.startswith("ort-") else OrtRunner(model_dir).greedy(prompt, 10).tokens
+        assert got["tokens"] == ref and got["decode_tok_s"] > 0, (model_dir, engine)
+
+
+def test_run_backend_onnxruntime_cli(lowered, capsys):
+    out = lowered("qwen2", "q4", 4)
+    assert main(["run", str(out), "--prompt-ids", "5,17,33", "--max-tokens", "3", "--ignore-eos",
+                 "--backend", "onnxruntime"]) == 0
+    captured = capsys.readouterr()
+    assert "decode 2 tokens" in captured.err and "onnxruntime" in captured.err and captured.out.strip()
+    assert main(["run", str(out), "--prompt-ids", "5", "--backend", "onnxruntime", "--compile"]) == 2
+    assert "--backend onnxruntime does not take --compile" in capsys.readouterr().err
+
+
+def test_lowered_graph_runs_on_onnxruntime_by_default_and_torch_refuses(lowered):
+    import io
+
+    out = lowered("qwen2", "q4", 4)
+    r = fuselm.run(out, prompt_ids=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
+    assert r["backend"].startswith("onnxruntime") and len(r["tokens"]) == 2
+    with pytest.raises(fuselm.FuselmError, match=r"lowered for onnxruntime .* --backend onnxruntime"):
+        fuselm.run(out, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())

@@ -135,7 +135,8 @@ H, KV, D = 4, 2, 16
 INV = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
 
 
-def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, head_dim: int = D) -> G:
+def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, head_dim: int = D,
+              rotary: int | None = None) -> G:
     """One 3-D Attention-23 over a past, q/k rotated by FusedRoPE after a Reshape to heads, the mask
     computed from attention_mask as fuselm's exporter does (causal and padding, or variants)."""
     g = G()
@@ -168,7 +169,7 @@ def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, he
         if rope == "both" or (rope == "q-only" and role == "q"):
             x4 = g.node("Reshape", [x, g.init(f"{role}4", np.array([0, 0, heads, hd], np.int64))])
             g.nodes.append(contract.fused_rope_node(x4, "position_ids", f"{role}_rot", f"/model/layers.0/attn/{role}_rope",
-                                                    INV[: hd // 2], 1.0, interleaved))
+                                                    INV[: (rotary or hd) // 2], 1.0, interleaved))
             x = g.node("Reshape", [f"{role}_rot", g.init(f"{role}3", np.array([0, 0, heads * hd], np.int64))])
         qk.append(x)
     y, _, _ = g.node("Attention", [*qk, "v", additive, "past_key_values.0.key", "past_key_values.0.value"], n_out=3,
@@ -187,9 +188,10 @@ def model_of(g: G) -> onnx.ModelProto:
     return m
 
 
-@pytest.mark.parametrize("interleaved", [0, 1])
-def test_gqa_fires_and_matches_prefill_and_decode(interleaved, tmp_path):
-    g = attention(interleaved=interleaved)
+@pytest.mark.parametrize("interleaved,head_dim,rotary", [(0, D, None), (1, D, None), (0, 2 * D, D)])
+def test_gqa_fires_and_matches_prefill_and_decode(interleaved, head_dim, rotary, tmp_path):
+    """rotate_half and interleaved FusedRoPE (GQA's rotary_interleaved), and partial rotary (rd < D)."""
+    g = attention(interleaved=interleaved, head_dim=head_dim, rotary=rotary)
     before = model_of(g)
     after, modified, stats = lower(OrtGroupQueryAttention(max_length=64), before, tmp_path)
     assert modified, reasons(stats)
@@ -200,7 +202,7 @@ def test_gqa_fires_and_matches_prefill_and_decode(interleaved, tmp_path):
     assert_same(before, after, g.feeds, rtol=1e-5)  # a decode-like chunk: 3 new tokens after 4 past
     prefill = dict(g.feeds, attention_mask=np.ones((1, 3), np.int64), position_ids=np.arange(3)[None],
                    input_ids=np.zeros((1, 3), np.int64),
-                   **{f"past_key_values.0.{k}": np.zeros((1, KV, 0, D), np.float32) for k in ("key", "value")})
+                   **{f"past_key_values.0.{k}": np.zeros((1, KV, 0, head_dim), np.float32) for k in ("key", "value")})
     assert_same(before, after, prefill, rtol=1e-5)
 
 
@@ -208,6 +210,7 @@ def test_gqa_fires_and_matches_prefill_and_decode(interleaved, tmp_path):
     ({"mask": "padding-only"}, "the mask is not causal + attention_mask padding"),
     ({"rope": "q-only"}, "only one of q and k is rotated"),
     ({"head_dim": 8}, "head size 8 is not a multiple of 16"),
+    ({"rotary": D // 2}, "rotary dim 8 is not a multiple of 16"),
 ])
 def test_gqa_must_not_fire(kw, why, tmp_path):
     _, modified, stats = lower(OrtGroupQueryAttention(), model_of(attention(**kw)), tmp_path)
