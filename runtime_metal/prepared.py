@@ -40,7 +40,7 @@ class PreparedStore:
         self.backend, self.tag = backend, backend.prepared_format()
         self.loaded: dict[str, QuantizedWeight] = {}
         self.new: dict[str, QuantizedWeight] = {}
-        self.path = self.key = None
+        self.path = self.key = self._held = None
         self.state = "off"
         if self.tag is None or os.environ.get("FUSELM_PREPARED", "1") in ("0", "false", "no"):
             return
@@ -49,7 +49,6 @@ class PreparedStore:
         self.key = _key(model, self.tag)
         self.path = _folder(model.parent) / f"{self.tag}-{self.key[:24]}.safetensors"
         self.state = "missing"
-        self._held = None
         self._read()
         if self.state != "read":  # prepare under the lock: a process already preparing it is waited for
             try:
