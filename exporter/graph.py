@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -23,6 +24,17 @@ from . import rope as rope_mod
 
 OPSET = 23
 FLOAT_MIN = float(np.finfo(np.float32).min)  # HF's mask value: torch.finfo(float32).min
+
+
+class Export(NamedTuple):
+    """What an exporter's `build(hf_dir, config, precisions)` returns (exporter/families/build.py,
+    exporter/traced/): the graph with every weight declared, the checkpoint the weights stream from,
+    the model fields of fuselm.json, and a label for messages."""
+
+    builder: Builder
+    checkpoint: object  # exporter.weights.Checkpoint
+    meta: dict
+    label: str
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 from fuselm.errors import FuselmError, Unsupported
 
 from ..families import IGNORED_SUFFIXES
+from ..graph import Export
 from ..quant import Plan
 from ..weights import Checkpoint
 
@@ -30,8 +31,8 @@ _TRACED: dict[str, tuple] = {}
 _CACHED = 8
 
 
-def build(hf_dir: Path, config: dict, precisions) -> tuple:
-    """(Builder with every weight declared, Checkpoint, fuselm.json fields, label) for `hf_dir`."""
+def build(hf_dir: Path, config: dict, precisions) -> Export:
+    """The traced graph for `hf_dir` (transformers' modeling code for its model_type), weights declared."""
     from .skeleton import Skeleton
     from .stamp import Stamper
 
@@ -58,7 +59,7 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     with _unsupported():
         builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
                                 getattr(skel.config, "sliding_window", None))
-    return builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type
+    return Export(builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type)
 
 
 def _trace(skel) -> tuple:
