@@ -62,6 +62,7 @@ class Builder:
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []  # shapes of inner values, where an exporter knows them
         self.constants: dict[tuple, TensorProto] = {}
         self.jobs: list[WeightJob] = []
         self._node_names: set[str] = set()
@@ -97,7 +98,8 @@ class Builder:
 
     def model(self, functions: list[onnx.FunctionProto], doc: str) -> onnx.ModelProto:
         initializers = list(self.constants.values()) + [o.proto for j in self.jobs for o in j.outputs]
-        graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers)
+        graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers,
+                              value_info=self.value_info)
         model = oh.make_model(graph, ir_version=11, producer_name="fuselm", doc_string=doc,
                               opset_imports=[oh.make_opsetid("", OPSET),
                                              oh.make_opsetid(rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION)],
