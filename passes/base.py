@@ -17,9 +17,10 @@ from typing import Any, NoReturn
 import numpy as np
 import onnx_ir as ir
 
+from fuselm import contract
+
 # Constants larger than this are weights: never read them to check a pattern.
 SMALL_CONST = 4096
-FUSELM_DOMAIN = "fuselm"
 
 
 class Reject(Exception):
@@ -43,6 +44,11 @@ class Stats:
 
     def skip(self, where: str, reason: str) -> None:
         self.skipped.append((where, reason))
+
+    def merge(self, other: Stats) -> None:
+        self.fired += other.fired
+        self.skipped += other.skipped
+        self.counts.update(other.counts)
 
     def as_dict(self) -> dict[str, Any]:
         return {"fired": len(self.fired), "fired_at": list(self.fired),
@@ -75,7 +81,8 @@ class Pass:
 class Fusion(Pass):
     """Pattern / check / rewrite over the anchors a subclass yields."""
 
-    needs_opset: int | None = 23
+    needs_opset: int | None = contract.OPSET
+    only: set[str] | None = None  # anchor names to try (the pipeline's one-at-a-time retry), None: all
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         raise NotImplementedError
@@ -93,6 +100,8 @@ class Fusion(Pass):
         modified = False
         for anchor in list(self.anchors(graph)):
             if anchor.graph is not graph:  # removed by an earlier rewrite in this pass
+                continue
+            if self.only is not None and anchor.name not in self.only:
                 continue
             try:
                 if self.needs_opset and opset < self.needs_opset:
@@ -344,3 +353,21 @@ def name_like(template: str | None, old: str, new: str, fallback: str) -> str:
     if template and old in template:
         return template.replace(old, new)
     return fallback
+
+
+def rope_node(graph: ir.Graph, x: ir.Value, position_ids: ir.Value, name: str, inv_freq, scaling: float,
+              interleaved: int) -> ir.Node:
+    """A `fuselm::FusedRoPE` node (fuselm/contract.py), x [B,S,H,D] -> [B,S,H,D]."""
+    return new_node(graph, contract.ROPE_OP, [x, position_ids], name, domain=contract.DOMAIN,
+                    inv_freq=[float(v) for v in inv_freq], attention_scaling=float(scaling), interleaved=int(interleaved))
+
+
+def attach_functions(model: ir.Model) -> None:
+    """Attach the model-local functions of the fuselm ops the graph uses (one definition: the contract's),
+    in the rotary layout its nodes use."""
+    protos = contract.functions_for(list(model.graph))
+    if protos:
+        model.opset_imports.setdefault(contract.DOMAIN, contract.DOMAIN_VERSION)
+    for proto in protos:
+        fn = ir.serde.deserialize_function(proto)
+        model.functions[fn.identifier()] = fn

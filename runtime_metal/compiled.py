@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from fuselm import contract
+
 from .kvcache import CacheView
 
 N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
@@ -23,7 +25,8 @@ N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffer
 def static_feeds(b, ids, pos, max_len: int) -> dict:
     """The graph's small inputs for one static decode step at 0-d device position `pos`."""
     mask = b.cast(b.binary("less_equal", b.reshape(b.arange(0, max_len, 1, 7), (1, max_len)), b.cast(pos, 7)), 7)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": b.reshape(b.cast(pos, 7), (1, 1))}
+    return {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask,
+            contract.POSITION_IDS: b.reshape(b.cast(pos, 7), (1, 1))}
 
 
 class CompiledDecode:
@@ -45,7 +48,7 @@ class CompiledDecode:
         out = sess.executor._execute(self.plan, feeds)
         # the next position, on the device: no host array crosses over per token
         nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
-        return (out["logits"], nxt, *[views[n].buffer for n in self.names])
+        return (out[contract.LOGITS], nxt, *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()

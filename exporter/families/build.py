@@ -11,6 +11,8 @@ from pathlib import Path
 
 import onnx
 
+from fuselm import contract
+
 from ..graph import Builder, Dims, Export, Layer, attention_mask, graph_inputs, rms_norm
 from ..quant import Plan
 from ..rope import Rope, rope_inputs
@@ -44,7 +46,7 @@ def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
     x = rms_norm(b, x, plan.vector(b, hf_name("final_norm"), None), cfg.rms_norm_eps, "/model/norm")
     plan.logits(b, x, hf_name("embed"), None if cfg.tie_word_embeddings else hf_name("lm_head"))
     b.outputs.insert(0, onnx.helper.make_tensor_value_info(
-        "logits", onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
+        contract.LOGITS, onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
     return b
 
 
