@@ -95,8 +95,12 @@ def _transformers_init(config: dict, rope_type: str, head_dim: int):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     model_type = config.get("model_type")
-    hf_config = AutoConfig.for_model(model_type, **{**{k: v for k, v in config.items() if k != "model_type"},
-                                                    "head_dim": head_dim})
+    try:
+        hf_config = AutoConfig.for_model(model_type, **{**{k: v for k, v in config.items() if k != "model_type"},
+                                                        "head_dim": head_dim})
+    except Exception as e:  # transformers' own validation of the config (types, ranges)
+        raise FuselmError(f"config.json is not a valid {model_type!r} config for transformers ({type(e).__name__}: "
+                          f"{str(e).strip()[:160]}); use the config.json that came with the checkpoint") from None
     if rope_type != "default":
         return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
