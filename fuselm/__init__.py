@@ -6,7 +6,7 @@ stays cheap.
 
 from .errors import CheckFailed, FuselmError
 
-__all__ = ["convert", "optimize", "diff", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
+__all__ = ["convert", "optimize", "diff", "split", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
 __version__ = "0.1.0"
 
 
@@ -39,6 +39,14 @@ def diff(in_path, **kwargs):
     from .passes.pipeline import diff as _diff
 
     return _diff(in_path, **kwargs)
+
+
+def split(in_path, out, **kwargs):
+    """Cut a model into pipeline stages at decoder-layer boundaries (see `fuselm split -h`)."""
+    from .passes.split import split as _split
+
+    _input_not_inside(in_path, out)
+    return _split(in_path, out, **kwargs)
 
 
 def run(model_dir, **kwargs):

@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
 
+    sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
+    sp.add_argument("in_path")
+    sp.add_argument("-o", "--out", required=True)
+    how = sp.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="N stages balanced by weight bytes")
+    how.add_argument("--layers", help="explicit layer ranges, e.g. 0-13,14-27")
+    sp.add_argument("--force", action="store_true")
+    sp.add_argument("--quiet", action="store_true")
+
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
@@ -105,7 +114,7 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         args = vars(build_parser().parse_args(argv))
         command = f"fuselm {args.pop('command')}"
         positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
-                      "fuselm diff": ("in_path",), "fuselm run": ("model_dir",),
+                      "fuselm diff": ("in_path",), "fuselm split": ("in_path", "out"), "fuselm run": ("model_dir",),
                       "fuselm validate": ("model_dir", "reference")}[command]
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
