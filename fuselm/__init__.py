@@ -50,7 +50,13 @@ def split(in_path, out, **kwargs):
 
 
 def run(model_dir, **kwargs):
-    """Generate text from a model directory (see `fuselm run -h`)."""
+    """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
+    per process under `mlx.launch` (runtime_metal/pipeline_run.py)."""
+    from .runtime_metal import pipeline_run
+
+    if pipeline_run.is_split(model_dir):
+        return pipeline_run.run(model_dir, **kwargs)
+    kwargs.pop("pipe_timeout", None)
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, **kwargs)

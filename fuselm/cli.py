@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--top-p", type=float, default=1.0)
             r.add_argument("--seed", type=int, default=None)
             r.add_argument("--profile", action="store_true", help="per-op time table")
+            r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
+                           help="a `fuselm split` output under mlx.launch: seconds a rank waits for its neighbour")
         else:
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)

@@ -103,7 +103,7 @@ class Graph:
             return None  # a name like `layers.99` that is no decoder layer of this graph
         return layer
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one Graph per split run
+    @functools.cache  # noqa: B019 - one Graph per split run
     def stage(self, lo: int, hi: int, first: bool, last: bool) -> Stage:
         """The nodes, weights and crossing value of the stage holding layers lo..hi-1."""
         st = Stage(-1, range(lo, hi), first, last)
@@ -177,7 +177,7 @@ class Graph:
         if not 1 <= n_stages <= L:
             raise FuselmError(f"--stages {n_stages}: the graph has {L} layers; choose 1..{L} stages")
 
-        @functools.lru_cache(maxsize=None)
+        @functools.cache
         def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
             # the largest stage's bytes and the cut points of layers start..L-1 in k stages
             if k == 1:
@@ -336,7 +336,7 @@ def split(in_path, out, stages: int | None = None, layers: str | None = None, fo
                 raise CheckFailed(f"stage {k} fails onnx.checker ({e}); the cut at layer {st.layers.start} is not "
                                   "clean: choose other --layers") from None
             info = {"stage": k, "of": len(plan), "layers": [st.layers.start, st.layers.stop - 1],
-                    "bytes": st.bytes, "first": st.first, "last": st.last,
+                    "bytes": st.bytes, "first": st.first, "last": st.last, "hidden": width,
                     "input": contract.INPUT_IDS if st.first else contract.HIDDEN,
                     "output": contract.LOGITS if st.last else contract.NEXT_HIDDEN,
                     "cut_value": st.crossing, "nodes": len(st.nodes)}

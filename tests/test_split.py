@@ -7,11 +7,11 @@ import json
 import numpy as np
 import onnx
 import pytest
+from fuselm.passes.split import split
 
 import fuselm
 from fuselm import contract
 from fuselm.errors import FuselmError
-from fuselm.passes.split import split
 from fuselm.reference import OrtRunner, ort_session
 
 LAYERS = 4  # 3 stages need 3 layers at least; the fixtures' default has 2
