@@ -22,10 +22,11 @@ from .kvcache import CacheView
 N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
 
 
-def static_feeds(b, ids, pos, max_len: int) -> dict:
-    """The graph's small inputs for one static decode step at 0-d device position `pos`."""
+def static_feeds(b, ids, pos, max_len: int, first: str = contract.INPUT_IDS) -> dict:
+    """The graph's small inputs for one static decode step at 0-d device position `pos`; `ids` goes to
+    `first` (a pipeline stage's hidden state: contract.HIDDEN)."""
     mask = b.cast(b.binary("less_equal", b.reshape(b.arange(0, max_len, 1, 7), (1, max_len)), b.cast(pos, 7)), 7)
-    return {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask,
+    return {first: ids, contract.ATTENTION_MASK: mask,
             contract.POSITION_IDS: b.reshape(b.cast(pos, 7), (1, 1))}
 
 
@@ -44,11 +45,11 @@ class CompiledDecode:
         views = {n: CacheView(buf, pos, 1, static=True) for n, buf in zip(self.names, bufs, strict=True)}
         sess.executor.ctx["rope_offset"] = pos
         sess.executor.ctx["all_logits"] = False
-        feeds = {**static_feeds(sess.backend, ids, pos, self.max_len), **views}
+        feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views}
         out = sess.executor._execute(self.plan, feeds)
         # the next position, on the device: no host array crosses over per token
         nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
-        return (out[contract.LOGITS], nxt, *[views[n].buffer for n in self.names])
+        return (out[sess.output], nxt, *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()

@@ -119,7 +119,11 @@ class Session:
                               "as onnxruntime-genai's builder writes them; run `fuselm optimize DIR -o OUT` first "
                               "(it maps them to standard ops and the graph contract) and run OUT")
         ins, outs = self.lm.input_types, set(self.lm.output_names)
-        missing = [n for n in contract.STEP_INPUTS if n not in ins] + [n for n in (contract.LOGITS,) if n not in outs]
+        # a pipeline stage (`fuselm split`) takes / returns the hidden state in place of input_ids / logits
+        self.first_input = contract.HIDDEN if contract.HIDDEN in ins else contract.INPUT_IDS
+        self.output = contract.NEXT_HIDDEN if contract.NEXT_HIDDEN in outs else contract.LOGITS
+        step_inputs = (self.first_input, contract.ATTENTION_MASK, contract.POSITION_IDS)
+        missing = [n for n in step_inputs if n not in ins] + [n for n in (self.output,) if n not in outs]
         specs = []
         for name, (elem, dims) in sorted(ins.items(), key=lambda kv: contract.cache_order(kv[0])):
             if not contract.is_past(name):
@@ -133,13 +137,13 @@ class Session:
             specs.append(CacheSpec(name, present, dims[1], dims[3], elem))
         if not specs:
             missing.append(contract.past_name("{i}", "key/.value"))
-        unknown = [n for n in ins if n not in contract.STEP_INPUTS and not contract.is_past(n)]
+        unknown = [n for n in ins if n not in step_inputs and not contract.is_past(n)]
         if missing or unknown:
             what = (f"missing {', '.join(missing)}" if missing else "") + \
                    ("; " if missing and unknown else "") + (f"unexpected inputs {unknown}" if unknown else "")
             raise FuselmError(f"{self.lm.path} does not follow the fuselm graph contract ({what}); it needs "
                               f"{contract.NAMES_TEXT} (DESIGN.md); re-export with `fuselm convert`")
-        _check_declared(ins)
+        _check_declared({n: t for n, t in ins.items() if n != contract.HIDDEN})
         return specs
 
     def _in_place_ok(self) -> bool:
@@ -176,12 +180,14 @@ class Session:
 
     def _ids(self, ids):
         """Token ids as the graph's [1, n] int64 input: a list, or a device array (a picked token)."""
+        if self.first_input == contract.HIDDEN:  # a stage's hidden state [1, n, hidden], as it came
+            return ids
         if isinstance(ids, (list, tuple, np.ndarray)):
             return self.backend.asarray(np.asarray(ids, np.int64).reshape(1, -1))
         return self.backend.reshape(self.backend.cast(ids, TensorProto.INT64), (1, -1))
 
     def _run(self, ids, pos, mask, positions, views: dict) -> object:
-        feeds = {contract.INPUT_IDS: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
+        feeds = {self.first_input: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
                  **views}
         self.executor.ctx["rope_offset"] = pos
         self.executor.ctx["all_logits"] = False
@@ -192,7 +198,7 @@ class Session:
         else:
             for c in self.caches:
                 self.buffers[c.name] = out[c.present]
-        return out[contract.LOGITS]
+        return out[self.output]
 
     def prefill(self, ids: list[int], chunk: int | None = None):
         """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]).
@@ -214,7 +220,8 @@ class Session:
 
     def _step_dynamic(self, part):
         b, pos = self.backend, self.pos
-        s = len(part) if isinstance(part, (list, tuple)) else 1
+        s = len(part) if isinstance(part, (list, tuple)) else \
+            (b.shape(part)[1] if self.first_input == contract.HIDDEN else 1)
         mask = b.asarray(np.ones((1, pos + s), np.int64))
         positions = b.asarray(np.arange(pos, pos + s, dtype=np.int64).reshape(1, -1))
         if self.in_place:
@@ -223,6 +230,8 @@ class Session:
             views = dict(self.buffers)
         logits = self._run(part, pos, mask, positions, views)
         self.pos += s
+        if self.output == contract.NEXT_HIDDEN:  # every row goes on to the next stage
+            return logits
         return b.slice(logits, (0, b.shape(logits)[1] - 1))  # [B, 1, vocab] unless all_logits
 
     def decode(self, token):
@@ -263,7 +272,7 @@ class Session:
         """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
 
         Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
-        feeds = static_feeds(self.backend, ids, pos_dev, self.max_len)
+        feeds = static_feeds(self.backend, ids, pos_dev, self.max_len, self.first_input)
         plan = self.executor.plan_for({**feeds, **{c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True)
                                                    for c in self.caches}})
         if plan is None:
