@@ -204,8 +204,10 @@ class CacheView:
             d = _head_dim_of(self.buffer)
         return (b, h, self.max_len - self.seq if self.static else int(self.pos), d)
 
-    def append(self, backend, new, stored_ok: bool = False):
-        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced.
+    def append(self, backend, new, stored_ok: bool = False, rows: tuple[int, int] | None = None):
+        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced, or with
+        `rows` (t0, t1) only those rows of the cache after the write (a causal read of the filled rows,
+        which needs `pos` as a host int).
 
         A cache stored in another format than `new`'s comes back as a StoredKV when `stored_ok` (the
         Attention op reads it blockwise), else as floats in `new`'s dtype."""
@@ -216,14 +218,16 @@ class CacheView:
             self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos)
         else:
             self.buffer = backend.cache_write(self.buffer, new, self.pos)
-            if backend.dtype(self.buffer) == backend.dtype(new):
-                if self.static:
-                    return self.buffer
-                return backend.slice(self.buffer, (slice(None), slice(None), slice(0, int(self.pos) + s)))
+        t0, t1 = rows or (0, self.max_len if self.static else int(self.pos) + s)
+        if not isinstance(self.buffer, tuple) and backend.dtype(self.buffer) == backend.dtype(new):
+            whole = t0 == 0 and t1 == self.max_len
+            return self.buffer if whole else backend.slice(self.buffer, (slice(None), slice(None), slice(t0, t1)))
         b, h, _, d = (int(x) for x in new.shape)
-        t = self.max_len if self.static else int(self.pos) + s
+        data = self.buffer
+        if t0:  # a window: the stored rows from t0 on
+            data = kv_quant.rows(data, t0, t1) if isinstance(data, tuple) else data[:, :, t0:t1]
         pos = _host_int(backend, self.pos)
-        view = StoredKV(self.buffer, (b, h, t, d), None if pos is None else pos + s, backend.dtype(new))
+        view = StoredKV(data, (b, h, t1 - t0, d), None if pos is None else pos + s - t0, backend.dtype(new))
         return view if stored_ok else view.floats(backend)
 
 

@@ -18,6 +18,10 @@ Decode runs in one of four modes (`Decode`), which only move forward:
   STATIC   — one plan over the whole preallocated cache, the same shapes every token;
   COMPILED — that plan as one compiled function (mx.compile; inductor + CUDA graph), built on the
              first static step and kept only if it reproduces the eager step.
+Where the backend reads only the filled rows of the cache (`causal_reads`: MLX) and every Attention's
+mask is a causal band (mask_kind.py), the static plan's attentions read rows 0..pos (the window's last
+rows) with no array mask, prefill chunks use mask="causal", and COMPILED compiles the pieces between the
+attentions (compiled.py PiecewiseDecode): the attention shapes grow with the cache.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from fuselm.errors import FuselmError
 from . import graph as graph_mod
 from . import kvcache, loader
 from .backends import make_backend
-from .compiled import CompiledDecode, agrees, static_feeds
+from .compiled import CompiledDecode, PiecewiseDecode, agrees, static_feeds
 from .executor import Executor, Profiler
 from .kvcache import CacheView
 
@@ -86,6 +90,11 @@ class Session:
                               self.lm.path)
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
+        attention = [n for n in self.graph.nodes if n.key == ("", "Attention")]
+        self.causal_reads = bool(self.backend.causal_reads and self.in_place and attention and fused
+                                 and all("causal_rows" in n.attrs for n in attention)
+                                 and not any(n.op_type == "KVAppend" for n in self.graph.nodes))
+        self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (mask_kind.py)
         self.mode = Decode.CHECKING if static_decode and self.in_place else Decode.DYNAMIC
         self.profiler = Profiler()
         self.executor.profiler = self.profiler
@@ -238,8 +247,10 @@ class Session:
         self.backend.set_threads(decode=True)
         token = [int(token)] if isinstance(token, (int, np.integer)) else token
         # a sliding-window mask is computed from the cache index: static shapes would move the query
-        # to the end of the buffer, so the window only stays right while the buffer fits in it
-        if self.mode is Decode.DYNAMIC or (self.window is not None and self.max_len > self.window):
+        # to the end of the buffer, so the window only stays right while the buffer fits in it (causal
+        # reads cut the window's rows themselves)
+        if self.mode is Decode.DYNAMIC or (self.window is not None and self.max_len > self.window
+                                           and not self.causal_reads):
             return self._step_dynamic(token)
         if self.mode is Decode.CHECKING:
             return self._checked_static(token)
@@ -254,10 +265,11 @@ class Session:
         if step is not None and not self.profiler.enabled:
             logits, nxt, bufs = step(ids, pos_dev, [self.buffers[c.name] for c in self.caches])
             self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
-            self._pos_dev = (pos + 1, nxt)
+            self._pos_dev = (pos + 1, nxt) if nxt is not None else None
         else:
             feeds = static_feeds(b, ids, pos_dev, self.max_len)
-            views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
+            at = pos if self.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
+            views = {c.name: CacheView(self.buffers[c.name], at, 1, static=True) for c in self.caches}
             logits = self._run(ids, pos_dev, feeds["attention_mask"], feeds["position_ids"], views)
             if step is None and self.compile and self.compile_failed is None:
                 self._build_compiled(ids, pos_dev, logits)
@@ -273,7 +285,7 @@ class Session:
                                                    for c in self.caches}})
         if plan is None:
             return
-        compiled = CompiledDecode(self, plan, self.max_len)
+        compiled = (PiecewiseDecode if self.causal_reads else CompiledDecode)(self, plan, self.max_len)
         bufs = [self.buffers[c.name] for c in self.caches]
         try:
             compiled.build((ids, pos_dev, *bufs))
@@ -353,6 +365,8 @@ class Session:
         elif self.mode is Decode.COMPILED:
             mode += f": {self.compiled.what}" if self.compiled is not None else ""
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
+        if self.causal_reads and self.mode is not Decode.COMPILED:
+            mode += ", attention over the filled rows (no mask at decode, causal at prefill)"
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
                f"KV cache {kv})"

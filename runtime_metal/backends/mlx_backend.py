@@ -100,6 +100,7 @@ class MLXBackend(Backend):
     name = "mlx"
     lazy = True
     compile_default = True
+    causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
         from fuselm.errors import FuselmError
@@ -354,7 +355,7 @@ class MLXBackend(Backend):
         return mx.concatenate([y, x[..., rd:]], axis=-1) if rd < x.shape[-1] else y
 
     def sdpa(self, q, k, v, mask, scale):
-        if mask is not None and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
+        if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
             mask = mask.astype(q.dtype)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
