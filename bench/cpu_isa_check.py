@@ -85,12 +85,12 @@ def main() -> int:
                     continue
                 for th in sorted({1, threads}):
                     x1 = torch.randn(1, k)
-                    dec = best_ms(lambda: kernels.gemv(x1, *p, bits, th, act, ISAS[isa]), 5 if isa == "scalar" else 30)
+                    dec = best_ms(lambda: kernels.gemv(x1, *p, bits, th, act, ISAS[isa]), 5 if isa == "scalar" else 30)  # noqa: B023 - called at once
                     row = {"isa": isa, "act_bits": act, "K": k, "N": n, "bits": bits, "threads": th,
                            "decode_ms": dec, "decode_gb_s": nbytes / dec / 1e6}
                     if bits == 4 and isa != "scalar":
                         x = torch.randn(512, k)
-                        pre = best_ms(lambda: kernels.gemv(x, *p, bits, th, act, ISAS[isa]), 3)
+                        pre = best_ms(lambda: kernels.gemv(x, *p, bits, th, act, ISAS[isa]), 3)  # noqa: B023 - called at once
                         row.update(prefill512_ms=pre, prefill512_gflop_s=2 * 512 * k * n / pre / 1e6)
                     rows.append(row)
                     print(f"{isa:>10} int{act:<2} {k}x{n} {bits}-bit {th} thr: decode {dec:7.3f} ms "

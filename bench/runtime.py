@@ -76,38 +76,31 @@ def run_fuselm(model: Path, device: str, runs: int, compile_: bool, threads: int
 
 
 def run_ort(model: Path, runs: int, accuracy_level: int | None, threads: int | None) -> dict:
+    """onnxruntime as a peer: its own graph optimizations on (MatMulNBits), as users run it."""
     import numpy as np
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    if accuracy_level is not None:
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
-    t0 = time.perf_counter()
-    s = ort.InferenceSession(str(model / "model.onnx"), so, providers=["CPUExecutionProvider"])
-    load = time.perf_counter() - t0
-    outs = [o.name for o in s.get_outputs()]
-    empty = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in s.get_inputs()
-             if i.name.startswith("past_key_values.")}
+    from fuselm.reference import OrtRunner
 
-    def step(ids, pos, pasts):
-        n = len(ids)
-        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, pos + n), np.int64),
-                 "position_ids": np.arange(pos, pos + n, dtype=np.int64)[None], **pasts}
-        res = dict(zip(outs, s.run(None, feeds), strict=True))
-        return int(np.argmax(res["logits"][0, -1])), {k: res[k.replace("past_key_values.", "present.")] for k in pasts}
+    t0 = time.perf_counter()
+    runner = OrtRunner(model, optimize=True, accuracy_level=accuracy_level or 4, threads=threads)
+    load = time.perf_counter() - t0
+
+    def step(ids):
+        return int(np.argmax(runner.step(ids)[0, -1]))
 
     decode, prefill = [], []
     for r in range(runs + 1):
-        token, pasts = step(_ids(PROMPT), 0, empty)
+        runner.reset()
+        token = step(_ids(PROMPT))
         steps = []
-        for i in range(DECODE):
+        for _ in range(DECODE):
             t = time.perf_counter()
-            token, pasts = step([token], PROMPT + i, pasts)
+            token = step([token])
             steps.append(time.perf_counter() - t)
+        runner.reset()
         t = time.perf_counter()
-        step(_ids(PREFILL, 1), 0, empty)
+        step(_ids(PREFILL, 1))
         if r:
             decode.append(1 / statistics.median(steps))
             prefill.append(PREFILL / (time.perf_counter() - t))

@@ -15,22 +15,8 @@ import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from fuselm.exporter.check import OrtModel
-
 import fuselm
-
-
-def greedy(model: OrtModel, prompt_ids: list[int], steps: int) -> list[int]:
-    """Greedy decoding with the KV cache the graph returns."""
-    ids, past, tokens = np.array([prompt_ids]), None, []
-    positions = np.arange(len(prompt_ids))[None]
-    for _ in range(steps):
-        total = int(positions[0, -1]) + 1
-        logits, past = model.forward(ids, np.ones((1, total)), positions, past)
-        tokens.append(int(logits[0, -1].argmax()))
-        ids, positions = np.array([[tokens[-1]]]), np.array([[total]])
-    return tokens
+from fuselm.reference import OrtRunner
 
 
 def main() -> None:
@@ -57,7 +43,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(str(out))
     prompt = tok(args.prompt)["input_ids"]
-    tokens = greedy(OrtModel(out), prompt, steps=12)
+    tokens = OrtRunner(out).greedy(prompt, 12).tokens
     print(f"{args.prompt!r} -> {tok.decode(tokens)!r}  (random weights: the text is noise)")
 
 

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import onnx
 
-from fuselm import __version__
+from fuselm import __version__, contract
+from fuselm.contract import DATA_NAME, MODEL_NAME
 from fuselm.errors import FuselmError, Unsupported
-from fuselm.modeldir import DATA_NAME, MODEL_NAME, atomic_output_dir, copy_tokenizer_files, write_meta
+from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import families
 from .graph import Builder, Dims, Layer, attention_mask, graph_inputs, rms_norm
 from .quant import Plan, Precision, precisions
-from .rope import Rope, fused_rope_function, rope_inputs
+from .rope import Rope, rope_inputs
 from .weights import Checkpoint, write_data
 
 EXPORTERS = ("auto", "builder", "torch")
@@ -60,7 +61,7 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
             raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
                               f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
     plan_meta = {"quantization": quantization_meta(quant, *precision, tied=tied), "special_tokens": special_tokens(hf_dir, config),
-                 "graph": {"opset": 23, "domains": {"fuselm": 1}, "kv_dtype": "float32", "logits_dtype": "float32",
+                 "graph": {"opset": contract.OPSET, "domains": {contract.DOMAIN: contract.DOMAIN_VERSION}, "kv_dtype": "float32", "logits_dtype": "float32",
                            "linear_layout": "[in, out]"},
                  "exporter": {"fuselm_version": __version__, "kind": chosen}}
     meta = {"stage": "exported", "passes": [], **meta, **plan_meta}
@@ -70,7 +71,7 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
             with _progress(quiet, meta["dims"]["layers"]) as advance:
                 write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
             # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
-            onnx.save_model(builder.model([fused_rope_function()], f"fuselm {__version__} export of {label}"),
+            onnx.save_model(builder.model(contract.functions_for(builder.nodes), f"fuselm {__version__} export of {label}"),
                             tmp / MODEL_NAME)
             onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
             copy_tokenizer_files(hf_dir, tmp)
@@ -145,7 +146,7 @@ def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
     head = None if cfg.tie_word_embeddings else families.hf_name("lm_head")
     plan.logits(b, x, families.hf_name("embed"), head)
     b.outputs.insert(0, onnx.helper.make_tensor_value_info(
-        "logits", onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
+        contract.LOGITS, onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
     return b
 
 

@@ -19,9 +19,10 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
+from fuselm import contract
+
 from . import rope as rope_mod
 
-OPSET = 23
 FLOAT_MIN = float(np.finfo(np.float32).min)  # HF's mask value: torch.finfo(float32).min
 
 
@@ -87,8 +88,8 @@ class Builder:
         initializers = list(self.constants.values()) + [o.proto for j in self.jobs for o in j.outputs]
         graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers)
         model = oh.make_model(graph, ir_version=11, producer_name="fuselm", doc_string=doc,
-                              opset_imports=[oh.make_opsetid("", OPSET),
-                                             oh.make_opsetid(rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION)],
+                              opset_imports=[oh.make_opsetid("", contract.OPSET),
+                                             oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)],
                               functions=functions)
         return model
 
@@ -136,7 +137,8 @@ class Layer:
     def rotary(self, x: str, scope: str) -> str:
         """fuselm::FusedRoPE on [B,S,H,D]."""
         name = f"{self.scope}/{scope}/FusedRoPE"
-        return self.b.node(rope_mod.fused_rope_node(x, self.position_ids, f"{name}_output_0", name, self.rope))
+        return self.b.node(contract.fused_rope_node(x, self.position_ids, f"{name}_output_0", name, self.rope.inv_freq,
+                                                    self.rope.attention_scaling))
 
     def attention(self, q: str, k: str, v: str) -> str:
         """HF eager attention on q [B,S,H,D], k/v [B,S,KV,D] (after rope); appends present.{i}.*.
@@ -151,9 +153,9 @@ class Layer:
         v = b.op("Transpose", v, name=f"{s}/v/Transpose", perm=perm)
         present = []
         for kind, new in (("key", k), ("value", v)):
-            past = f"past_key_values.{self.i}.{kind}"
+            past = contract.past_name(self.i, kind)
             b.inputs.append(_kv_info(past, "past_sequence_length", d))
-            present.append(b.op("Concat", past, new, name=f"{s}/{kind}/Concat", out=f"present.{self.i}.{kind}", axis=2))
+            present.append(b.op("Concat", past, new, name=f"{s}/{kind}/Concat", out=contract.present_name(self.i, kind), axis=2))
             b.outputs.append(_kv_info(present[-1], "total_sequence_length", d))
         k, v = (self._repeat_kv(t, kind) for t, kind in zip(present, ("key", "value"), strict=True))
         kt = b.op("Transpose", k, name=f"{s}/key/Transpose", perm=[0, 1, 3, 2])
@@ -231,10 +233,11 @@ def attention_mask(b: Builder, input_ids: str, mask_in: str, sliding_window: int
 
 def graph_inputs(b: Builder) -> tuple[str, str, str]:
     """input_ids, attention_mask, position_ids as the graph contract names them."""
-    b.inputs += [oh.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-                 oh.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
-                 oh.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"])]
-    return "input_ids", "attention_mask", "position_ids"
+    ids, mask, positions = contract.STEP_INPUTS
+    b.inputs += [oh.make_tensor_value_info(ids, TensorProto.INT64, ["batch_size", "sequence_length"]),
+                 oh.make_tensor_value_info(mask, TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+                 oh.make_tensor_value_info(positions, TensorProto.INT64, ["batch_size", "sequence_length"])]
+    return contract.STEP_INPUTS
 
 
 def _kv_info(name: str, length: str, d: Dims) -> onnx.ValueInfoProto:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from .graph import Builder
@@ -172,7 +173,7 @@ class Plan:
         precision (MatMul on the Transpose of the [vocab, hidden] table: for a quantized table,
         of its DequantizeLinear, blocks along hidden either way), else write a copy under
         `lm_head.weight`."""
-        return b.op("MatMul", x, self.head_weight(b, embed_name, head_name), name="/model/lm_head/MatMul", out="logits")
+        return b.op("MatMul", x, self.head_weight(b, embed_name, head_name), name="/model/lm_head/MatMul", out=contract.LOGITS)
 
     def head_weight(self, b: Builder, embed_name: str, head_name: str | None) -> str:
         """The lm_head weight as float32 [hidden, vocab] (see `logits`)."""

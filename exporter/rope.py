@@ -4,8 +4,7 @@
 partial rotary too) into `inv_freq` and `attention_scaling` with the same float32 arithmetic
 as transformers' ROPE_INIT_FUNCTIONS, so the FusedRoPE attribute equals HF's buffer bit for bit.
 
-`fused_rope_function()` is the model-local ONNX function that gives FusedRoPE its meaning in
-standard ops; a runtime that knows the op runs its own kernel, any other inlines this body.
+The FusedRoPE node and its function body are the graph contract's (fuselm/contract.py).
 """
 
 from __future__ import annotations
@@ -14,15 +13,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto
-from onnx import helper as oh
 
 from fuselm.errors import FuselmError, shown
 
-DOMAIN = "fuselm"
-DOMAIN_VERSION = 1
-OP = "FusedRoPE"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -175,99 +168,3 @@ def _yarn(dim, base, p, config):
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, scaling
-
-
-def fused_rope_node(x: str, position_ids: str, y: str, name: str, rope: Rope) -> onnx.NodeProto:
-    """One `fuselm::FusedRoPE` node: x [B,S,H,D], position_ids [B,S] -> y [B,S,H,D]."""
-    return oh.make_node(OP, [x, position_ids], [y], name=name, domain=DOMAIN,
-                        inv_freq=[float(v) for v in rope.inv_freq],
-                        attention_scaling=float(rope.attention_scaling), interleaved=0)
-
-
-def fused_rope_function() -> onnx.FunctionProto:
-    """The FunctionProto of fuselm::FusedRoPE (domain fuselm, v1), standard opset-23 ops only.
-
-    freqs = position_ids[..., None] * inv_freq                      [B,S,R/2]
-    rotate_half (interleaved=0): emb = concat(freqs, freqs); rot = concat(-x2, x1)
-    interleaved=1:               emb = repeat each freq twice; rot = (-x_odd, x_even) pairs
-    cos/sin = cos/sin(emb) * attention_scaling, unsqueezed to [B,S,1,R]: they broadcast over
-    heads (never [S,1,R,1]: the unsqueeze trap). Dims R..D of x pass through unrotated.
-    """
-    def c64(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
-
-    nodes = [
-        _attr_constant("inv", "value_floats", "inv_freq", onnx.AttributeProto.FLOATS),
-        _attr_constant("scale", "value_float", "attention_scaling", onnx.AttributeProto.FLOAT),
-        _attr_constant("interleaved_i", "value_int", "interleaved", onnx.AttributeProto.INT),
-        c64("axis_last", [-1]), c64("axis_2", [2]), c64("zero", [0]), c64("two", [2]), c64("big", [2**62]),
-        c64("shape_pairs", [0, 0, 0, -1, 2]), c64("shape_flat3", [0, 0, -1]), c64("shape_flat4", [0, 0, 0, -1]),
-        c64("one", [1]),
-        oh.make_node("Shape", ["inv"], ["half"]),
-        oh.make_node("Mul", ["half", "two"], ["rdim"]),
-        oh.make_node("Cast", ["position_ids"], ["pos_f"], to=TensorProto.FLOAT),
-        oh.make_node("Unsqueeze", ["pos_f", "axis_last"], ["pos_u"]),
-        oh.make_node("Mul", ["pos_u", "inv"], ["freqs"]),  # [B,S,R/2]
-        oh.make_node("Slice", ["X", "zero", "rdim", "axis_last"], ["x_rot"]),
-        oh.make_node("Slice", ["X", "rdim", "big", "axis_last"], ["x_pass"]),
-        oh.make_node("Cast", ["interleaved_i"], ["interleaved"], to=TensorProto.BOOL),
-        oh.make_node("Squeeze", ["interleaved"], ["cond"]),
-        oh.make_node("If", ["cond"], ["emb", "rot"], then_branch=_interleaved_branch(), else_branch=_half_branch()),
-        oh.make_node("Cos", ["emb"], ["cos_raw"]),
-        oh.make_node("Sin", ["emb"], ["sin_raw"]),
-        oh.make_node("Mul", ["cos_raw", "scale"], ["cos3"]),
-        oh.make_node("Mul", ["sin_raw", "scale"], ["sin3"]),
-        oh.make_node("Unsqueeze", ["cos3", "axis_2"], ["cos"]),  # [B,S,1,R]
-        oh.make_node("Unsqueeze", ["sin3", "axis_2"], ["sin"]),
-        oh.make_node("Mul", ["x_rot", "cos"], ["x_cos"]),
-        oh.make_node("Mul", ["rot", "sin"], ["rot_sin"]),
-        oh.make_node("Add", ["x_cos", "rot_sin"], ["y_rot"]),
-        oh.make_node("Concat", ["y_rot", "x_pass"], ["Y"], axis=-1),
-    ]
-    return oh.make_function(
-        DOMAIN, OP, ["X", "position_ids"], ["Y"], nodes,
-        opset_imports=[oh.make_opsetid("", 23)],
-        attributes=["inv_freq"],
-        attribute_protos=[oh.make_attribute("attention_scaling", 1.0), oh.make_attribute("interleaved", 0)],
-        doc_string=fused_rope_function.__doc__,
-    )
-
-
-def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
-    """A Constant whose value is the function attribute `function_attr` (an attribute reference)."""
-    node = oh.make_node("Constant", [], [output])
-    ref = node.attribute.add()
-    ref.name, ref.type, ref.ref_attr_name = const_attr, kind, function_attr
-    return node
-
-
-def _half_branch() -> onnx.GraphProto:
-    """rotate_half: emb = [freqs, freqs], rot = [-x2, x1] (HF's Llama/Qwen layout)."""
-    nodes = [
-        oh.make_node("Concat", ["freqs", "freqs"], ["h_emb"], axis=-1),
-        oh.make_node("Slice", ["x_rot", "zero", "half", "axis_last"], ["h_x1"]),
-        oh.make_node("Slice", ["x_rot", "half", "rdim", "axis_last"], ["h_x2"]),
-        oh.make_node("Neg", ["h_x2"], ["h_neg"]),
-        oh.make_node("Concat", ["h_neg", "h_x1"], ["h_rot"], axis=-1),
-    ]
-    return oh.make_graph(nodes, "rotate_half", [], [_value("h_emb", 3), _value("h_rot", 4)])
-
-
-def _interleaved_branch() -> onnx.GraphProto:
-    """interleaved (GPT-J layout): pairs (x[2i], x[2i+1]) rotate by freqs[i]."""
-    nodes = [
-        oh.make_node("Unsqueeze", ["freqs", "axis_last"], ["i_f"]),
-        oh.make_node("Concat", ["i_f", "i_f"], ["i_ff"], axis=-1),
-        oh.make_node("Reshape", ["i_ff", "shape_flat3"], ["i_emb"]),
-        oh.make_node("Reshape", ["x_rot", "shape_pairs"], ["i_pairs"]),
-        oh.make_node("Slice", ["i_pairs", "zero", "one", "axis_last"], ["i_even"]),
-        oh.make_node("Slice", ["i_pairs", "one", "two", "axis_last"], ["i_odd"]),
-        oh.make_node("Neg", ["i_odd"], ["i_neg"]),
-        oh.make_node("Concat", ["i_neg", "i_even"], ["i_rot5"], axis=-1),
-        oh.make_node("Reshape", ["i_rot5", "shape_flat4"], ["i_rot"]),
-    ]
-    return oh.make_graph(nodes, "interleaved", [], [_value("i_emb", 3), _value("i_rot", 4)])
-
-
-def _value(name: str, rank: int) -> onnx.ValueInfoProto:
-    return oh.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}_{i}" for i in range(rank)])

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import onnx
 
+from . import contract
+
 NAME = "genai_config.json"
 # The graph contract (DESIGN.md) in genai's %d form.
-_INPUTS = {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
-           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
-_OUTPUTS = {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
+_INPUTS = {**{n: n for n in contract.STEP_INPUTS},
+           "past_key_names": contract.past_name("%d", "key"), "past_value_names": contract.past_name("%d", "value")}
+_OUTPUTS = {contract.LOGITS: contract.LOGITS, "present_key_names": contract.present_name("%d", "key"),
+            "present_value_names": contract.present_name("%d", "value")}
 _NEEDED = ("layers", "heads", "kv_heads", "head_dim")
 
 
@@ -28,8 +31,8 @@ def genai_config(meta: dict, graph_inputs: list[str]) -> dict | None:
     """The config for a model directory's fuselm.json contents and graph input names; None when
     the graph is not a decoder of the contract or the dims genai needs are unknown."""
     dims = meta.get("dims") or {}
-    if any(not dims.get(k) for k in _NEEDED) or "input_ids" not in graph_inputs \
-            or "past_key_values.0.key" not in graph_inputs:
+    if any(not dims.get(k) for k in _NEEDED) or contract.INPUT_IDS not in graph_inputs \
+            or contract.past_name(0, "key") not in graph_inputs:
         return None
     tokens = meta.get("special_tokens") or {}
     eos = tokens.get("eos_token_id")
@@ -68,9 +71,7 @@ def genai_config(meta: dict, graph_inputs: list[str]) -> dict | None:
 
 def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
     """Write genai_config.json beside the directory's model.onnx (graph read without weights)."""
-    from .modeldir import MODEL_NAME
-
-    path = Path(model_dir) / MODEL_NAME
+    path = Path(model_dir) / contract.MODEL_NAME
     if not path.is_file():
         return None
     graph = onnx.load(str(path), load_external_data=False).graph

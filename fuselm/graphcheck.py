@@ -25,6 +25,7 @@ from pathlib import Path
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
+from . import contract
 from .errors import FuselmError, shown
 
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4, TensorProto.FLOAT4E2M1)
@@ -97,23 +98,27 @@ def _contrib_view(model: onnx.ModelProto, path: Path) -> onnx.ModelProto | None:
 
 
 def _check_functions(model: onnx.ModelProto, path: Path) -> None:
-    """A model-local function of the fuselm domain must be fuselm's own definition: the runtime runs
-    its kernel for the op while onnxruntime and Netron read the body, so a different body would make
-    them compute different things."""
-    from fuselm.exporter.rope import fused_rope_function
-
-    canonical = {("fuselm", "FusedRoPE"): fused_rope_function()}
+    """A model-local function of the fuselm domain must be fuselm's own definition (fuselm/contract.py), in
+    the rotary layout the graph's nodes use: the runtime runs its kernel for the op while onnxruntime and
+    Netron read the body, so a different body would make them compute different things."""
+    try:
+        layout = contract.rope_layout(model.graph.node)
+    except FuselmError as e:
+        raise FuselmError(f"{path}: {e}") from None
+    layouts = (False, True) if layout is None else (layout,)
+    canonical = [contract.fused_rope_function(x) for x in layouts]
+    for proto in canonical:
+        proto.doc_string = ""
     for f in model.functions:
-        if f.domain != "fuselm":
+        if f.domain != contract.DOMAIN:
             continue
-        given, expected = onnx.FunctionProto(), canonical.get((f.domain, f.name))
+        given = onnx.FunctionProto()
         given.CopyFrom(f)
         given.doc_string = ""
-        if expected is not None:
-            expected.doc_string = ""
-        if expected is None or given != expected:
-            raise FuselmError(f"{path}: the model-local function fuselm::{shown(f.name, 60)} is not fuselm's definition "
-                              f"of that op (domain version 1); a runtime would compute something else than its body; {_FIX}")
+        if f.name != contract.ROPE_OP or all(given != proto for proto in canonical):
+            raise FuselmError(f"{path}: the model-local function {contract.DOMAIN}::{shown(f.name, 60)} is not "
+                              f"fuselm's definition of that op (domain version {contract.DOMAIN_VERSION}) for this "
+                              f"graph's rotary layout; a runtime would compute something else than its body; {_FIX}")
 
 
 def _check_ops(model: onnx.ModelProto, path: Path) -> None:
@@ -136,7 +141,7 @@ def _check_ops(model: onnx.ModelProto, path: Path) -> None:
                 if attr in attrs and heads is not None and attrs[attr] != heads:
                     raise FuselmError(f"{path}: node {shown(n.name, 80)} (Attention): {attr} = {attrs[attr]}, but its "
                                       f"input has {heads} heads; {_FIX}")
-        if n.domain != "fuselm" or n.op_type != "FusedRoPE":
+        if n.domain != contract.DOMAIN or n.op_type != contract.ROPE_OP:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         inv = attrs.get("inv_freq")

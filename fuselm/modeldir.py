@@ -13,12 +13,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from .contract import META_NAME
 from .errors import FuselmError, shown
+from .genai_config import write_genai_config
 
 SCHEMA_VERSION = 1
-META_NAME = "fuselm.json"
-MODEL_NAME = "model.onnx"
-DATA_NAME = "model.onnx.data"
 # Copied unchanged from the checkpoint into every model directory.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -85,8 +84,6 @@ _META_FIELDS = {
 def write_meta(model_dir: str | os.PathLike, meta: dict) -> None:
     """Write fuselm.json and, from the same fields, genai_config.json (fuselm/genai_config.py), so
     onnxruntime-genai runs the directory as it is; model.onnx must be written first."""
-    from .genai_config import write_genai_config
-
     meta = {"schema_version": SCHEMA_VERSION, **meta}
     (Path(model_dir) / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     write_genai_config(model_dir, meta)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fuselm import contract
+
 from .base import (
     Fusion,
     attr,
@@ -43,7 +45,7 @@ class Match:
 
 _SAME_RANK = {"Split", "Cast", "Sigmoid", "Relu", "Neg", "Sqrt", "Reciprocal", "Identity", "Softmax", "Transpose",
               "RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "DequantizeLinear",
-              "FusedRoPE", "Attention", "Concat"}
+              contract.ROPE_OP, "Attention", "Concat"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "MatMul"}
 _REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"}
 

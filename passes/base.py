@@ -17,9 +17,10 @@ from typing import Any, NoReturn
 import numpy as np
 import onnx_ir as ir
 
+from fuselm import contract
+
 # Constants larger than this are weights: never read them to check a pattern.
 SMALL_CONST = 4096
-FUSELM_DOMAIN = "fuselm"
 
 
 class Reject(Exception):
@@ -344,3 +345,21 @@ def name_like(template: str | None, old: str, new: str, fallback: str) -> str:
     if template and old in template:
         return template.replace(old, new)
     return fallback
+
+
+def rope_node(graph: ir.Graph, x: ir.Value, position_ids: ir.Value, name: str, inv_freq, scaling: float,
+              interleaved: int) -> ir.Node:
+    """A `fuselm::FusedRoPE` node (fuselm/contract.py), x [B,S,H,D] -> [B,S,H,D]."""
+    return new_node(graph, contract.ROPE_OP, [x, position_ids], name, domain=contract.DOMAIN,
+                    inv_freq=[float(v) for v in inv_freq], attention_scaling=float(scaling), interleaved=int(interleaved))
+
+
+def attach_functions(model: ir.Model) -> None:
+    """Attach the model-local functions of the fuselm ops the graph uses (one definition: the contract's),
+    in the rotary layout its nodes use."""
+    protos = contract.functions_for(list(model.graph))
+    if protos:
+        model.opset_imports.setdefault(contract.DOMAIN, contract.DOMAIN_VERSION)
+    for proto in protos:
+        fn = ir.serde.deserialize_function(proto)
+        model.functions[fn.identifier()] = fn

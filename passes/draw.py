@@ -21,9 +21,11 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from fuselm import contract
+
 from .base import node_layer
 
-_FUSED = {"RMSNormalization", "Attention", "FusedRoPE", "RotaryEmbedding", "GroupQueryAttention",
+_FUSED = {"RMSNormalization", "Attention", contract.ROPE_OP, "RotaryEmbedding", "GroupQueryAttention",
           "SkipSimplifiedLayerNormalization", "MatMulNBits"}
 _MATMUL = {"MatMul", "Gemm", "DequantizeLinear"}
 _SHAPE = {"Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Reshape", "Range",

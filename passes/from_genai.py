@@ -14,27 +14,29 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from fuselm import contract
 from fuselm.errors import FuselmError, shown
 from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
 
 from .base import (
-    FUSELM_DOMAIN,
     Pass,
     Reject,
     Stats,
+    attach_functions,
     attr,
     fail,
     initializer,
     new_node,
     producer,
+    rope_node,
     small_constant,
     take_over,
 )
-from .fuse_rope import attach_function, inv_freq_from_tables
+from .fuse_rope import inv_freq_from_tables
 
 # onnxruntime-genai writes the graph contract's names except position_ids (GQA derives positions
 # from the mask); the mapped graph takes it as an input, as the contract says.
-POSITIONS = "position_ids"
+POSITIONS = contract.POSITION_IDS
 
 
 @dataclass
@@ -49,7 +51,7 @@ class _Shared:
         if self.positions is None:
             found = next((v for v in self.graph.inputs if v.name == POSITIONS), None)
             if found is None:
-                ids = next((v for v in self.graph.inputs if v.name == "input_ids"), None)
+                ids = next((v for v in self.graph.inputs if v.name == contract.INPUT_IDS), None)
                 dims = list(ids.shape.dims) if ids is not None and ids.shape is not None else ["batch_size", "sequence_length"]
                 found = ir.Value(name=POSITIONS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(dims))
                 self.graph.inputs.append(found)
@@ -62,8 +64,8 @@ class _Shared:
         mask with the query length, not one broadcast over it."""
         if self.mask is None:
             g = self.graph
-            am = next((v for v in g.inputs if v.name == "attention_mask"), None)
-            ids = next((v for v in g.inputs if v.name == "input_ids"), None)
+            am = next((v for v in g.inputs if v.name == contract.ATTENTION_MASK), None)
+            ids = next((v for v in g.inputs if v.name == contract.INPUT_IDS), None)
             if am is None or ids is None:
                 fail("the graph has no attention_mask / input_ids input to build the mask from")
             s = "/model/attn_mask"
@@ -261,8 +263,7 @@ def _rope(graph: ir.Graph, x: ir.Value, heads: int, head_dim: int, inv: np.ndarr
     to4 = small_constant(graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
     to3 = small_constant(graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
     r1 = new_node(graph, "Reshape", [x, to4], f"{scope}/Reshape")
-    rope = new_node(graph, "FusedRoPE", [r1.outputs[0], pos], f"{scope}/FusedRoPE", domain=FUSELM_DOMAIN,
-                    inv_freq=[float(v) for v in inv], attention_scaling=float(scaling), interleaved=int(interleaved))
+    rope = rope_node(graph, r1.outputs[0], pos, f"{scope}/{contract.ROPE_OP}", inv, scaling, interleaved)
     r2 = new_node(graph, "Reshape", [rope.outputs[0], to3], f"{scope}/Reshape_1")
     return [r1, rope, r2], r2.outputs[0]
 
@@ -410,7 +411,7 @@ class FromGenAI(Pass):
         _fix_constant_shapes(graph)
         if not any(x.domain == ORT_DOMAIN for x in graph):
             model.opset_imports.pop(ORT_DOMAIN, None)
-        attach_function(model)
+        attach_functions(model)
         return True
 
 

@@ -8,7 +8,21 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .base import FUSELM_DOMAIN, Fusion, attr, const, fail, new_node, other_input, producer, scalar, take_over
+from fuselm import contract
+
+from .base import (
+    Fusion,
+    attach_functions,
+    attr,
+    const,
+    fail,
+    new_node,
+    other_input,
+    producer,
+    rope_node,
+    scalar,
+    take_over,
+)
 
 _BHSD = [0, 2, 1, 3]  # [B,H,S,D] <-> [B,S,H,D]; its own inverse
 
@@ -359,7 +373,7 @@ class FuseRoPE(Fusion):
     def apply(self, model: ir.Model, stats) -> bool:
         modified = super().apply(model, stats)
         if modified:
-            attach_function(model)
+            attach_functions(model)
         return modified
 
     def rewrite(self, graph: ir.Graph, m: RopeMatch) -> str:
@@ -374,9 +388,8 @@ class FuseRoPE(Fusion):
                 t = new_node(graph, "Transpose", [m.x], f"{scope}/in/Transpose", perm=_BHSD)
                 new.append(t)
                 src = t.outputs[0]
-        rope = new_node(graph, "FusedRoPE", [src, m.position_ids], f"{scope}/FusedRoPE", domain=FUSELM_DOMAIN,
-                        inv_freq=[float(v) for v in m.inv_freq], attention_scaling=float(m.scaling),
-                        interleaved=m.interleaved)
+        rope = rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
+                         m.interleaved)
         new.append(rope)
         out = rope.outputs[0]
         if m.heads_first:
@@ -388,18 +401,6 @@ class FuseRoPE(Fusion):
         return scope
 
 
-def attach_function(model: ir.Model) -> None:
-    """Attach fuselm::FusedRoPE's FunctionProto (the exporter's, one definition) when the graph uses it."""
-    from fuselm.exporter.rope import DOMAIN, DOMAIN_VERSION, OP, fused_rope_function
-
-    if not any(n.domain == DOMAIN and n.op_type == OP for n in model.graph):
-        return
-    model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
-    if (DOMAIN, OP, "") not in model.functions:
-        fn = ir.serde.deserialize_function(fused_rope_function())
-        model.functions[fn.identifier()] = fn
-
-
 def _scope(m: RopeMatch) -> str:
     """Name the node after what reads it: /model/layers.i/attn/{q,k} when an Attention does."""
     for use in m.out.uses():
@@ -407,7 +408,7 @@ def _scope(m: RopeMatch) -> str:
         if node.op_type == "Attention" and use.idx in (0, 1):
             base = (node.name or "attn").rsplit("/", 1)[0]
             return f"{base}/{'qk'[use.idx]}_rope"
-        if node.op_type == "Concat" and node.outputs[0].name and node.outputs[0].name.startswith("present."):
-            layer = node.outputs[0].name.split(".")[1]
+        if node.op_type == "Concat" and contract.is_present(node.outputs[0].name):
+            layer = contract.parse_cache(node.outputs[0].name).layer
             return f"/model/layers.{layer}/attn/k_rope"
     return f"{m.anchor.name or 'rope'}/rope"

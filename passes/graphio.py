@@ -13,9 +13,10 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from fuselm.contract import DATA_NAME, META_NAME, MODEL_NAME
 from fuselm.errors import FuselmError
 from fuselm.graphcheck import check_graph_file
-from fuselm.modeldir import DATA_NAME, META_NAME, MODEL_NAME, read_meta
+from fuselm.modeldir import read_meta
 
 
 def resolve(in_path: str | os.PathLike) -> tuple[Path, dict | None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from fuselm import contract
 from fuselm.errors import CheckFailed, FuselmError
 from fuselm.genai_config import meta_from_genai_config
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
@@ -42,7 +43,6 @@ PIPELINE: list[Pass] = [
     FuseRoPE(),
     AttentionTo3D(),
 ]
-REQUIRED_OPSET = 23
 
 
 def _key(name: str) -> str:
@@ -157,7 +157,7 @@ def _meta_record(r: dict) -> dict:
 def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> dict:
     """fuselm.json fields a plain .onnx input lets us infer (dims from the cache inputs and logits);
     an onnxruntime-genai directory's genai_config.json adds context length and special tokens."""
-    past = [v for v in model.graph.inputs if re.fullmatch(r"past_key_values\.\d+\.key", v.name or "")]
+    past = [v for v in model.graph.inputs if contract.is_past(v.name) and contract.parse_cache(v.name).kind == "key"]
     dims: dict = {"layers": len(past) or None}
     if past and past[0].shape is not None and past[0].shape.rank() == 4:
         kv, hd = past[0].shape[1], past[0].shape[3]
@@ -166,13 +166,13 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
              and "q_num_heads" in n.attributes}
     if len(heads) == 1:
         dims["heads"] = heads.pop()
-    logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
+    logits = next((v for v in model.graph.outputs if v.name == contract.LOGITS), None)
     if logits is not None and logits.shape is not None and isinstance(logits.shape[-1], int):
         dims["vocab"] = logits.shape[-1]
     extra = meta_from_genai_config(src_dir) if src_dir is not None else {}
     dims.update(extra.pop("dims", {}))
     return {"stage": "optimized", "source": {"onnx": os.fspath(source)}, "family": None, "dims": dims,
-            "graph": {"opset": REQUIRED_OPSET, "domains": dict(model.opset_imports)}, **extra}
+            "graph": {"opset": contract.OPSET, "domains": dict(model.opset_imports)}, **extra}
 
 
 def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> dict:
@@ -185,7 +185,8 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
     decoder layer before and after each pass; `json_path` the same data as JSON.
     """
     from . import check, draw
-    from .report import print_report, write_html, write_json
+    from .diff_page import write_html
+    from .report import print_report, write_json
 
     onnx_path, meta = graphio.resolve(in_path)
     skipped = resolve_skip(skip)

@@ -121,11 +121,3 @@ def _write(path: str | os.PathLike, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         raise FuselmError(f"cannot write {path}: {e.strerror}; choose a writable location") from None
-
-
-def write_html(data: dict, path: str | os.PathLike) -> None:
-    """One self-contained page (passes/diff_page.py): the tables, and each pass's drawings of the
-    layer the reader picks, removed / added / rewired nodes marked."""
-    from .diff_page import write_html as write_page
-
-    write_page(data, path)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fuselm import contract
+
 
 def export_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, optimize: bool = False,
-              attn_implementation: str = "eager", opset: int | None = 23, dynamo: bool = True) -> Path:
+              attn_implementation: str = "eager", opset: int | None = contract.OPSET, dynamo: bool = True) -> Path:
     """Export the checkpoint at `hf_dir` to `out_path` (an .onnx file, weights in `<name>.data`).
 
     `opset=None` takes the exporter's default opset; `dynamo=False` uses the TorchScript exporter
@@ -54,17 +56,16 @@ def export_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, *, optimiz
     pos = torch.arange(past_len, past_len + seq)[None]
     past = tuple(torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers))
     b, s, p, t = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
-    dynamic = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: t}, "position_ids": {0: b, 1: s},
+    dynamic = {contract.INPUT_IDS: {0: b, 1: s}, contract.ATTENTION_MASK: {0: b, 1: t}, contract.POSITION_IDS: {0: b, 1: s},
                "past": tuple({0: b, 2: p} for _ in range(2 * layers))}
-    names_in = ["input_ids", "attention_mask", "position_ids"]
-    names_in += [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    names_out = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    names_in = [*contract.STEP_INPUTS, *contract.cache_names(layers)]
+    names_out = [contract.LOGITS, *contract.cache_names(layers, contract.PRESENT)]
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     args = (ids, mask, pos, *past)
     if not dynamo:
-        axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
-                "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+        axes = {contract.INPUT_IDS: {0: "batch", 1: "seq"}, contract.ATTENTION_MASK: {0: "batch", 1: "total"},
+                contract.POSITION_IDS: {0: "batch", 1: "seq"}, contract.LOGITS: {0: "batch", 1: "seq"}}
         axes.update({n: {0: "batch", 2: "past"} for n in names_in[3:]})
         axes.update({n: {0: "batch", 2: "total"} for n in names_out[1:]})
         with torch.no_grad():

@@ -9,16 +9,16 @@ from __future__ import annotations
 import onnx
 import onnx.version_converter
 import onnx_ir as ir
-from fuselm.exporter.graph import OPSET as TARGET_OPSET
 
+from fuselm.contract import OPSET as TARGET_OPSET
 from fuselm.errors import FuselmError, shown
+from fuselm.graphcheck import ORT_ONNX_DOMAIN_CONTRIB
 
 from .base import Pass, Stats
 
 OLDEST_OPSET = 14  # the oldest opset the exporters users bring write (optimum's default)
 # Held out of the converter (it knows no schema for them) and mapped by FromGenAI afterwards:
 # onnxruntime registers these contrib ops in the ONNX domain, and onnxruntime-genai writes them there.
-ORT_ONNX_DOMAIN_CONTRIB = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 _HELD = "fuselm.held"
 
 

@@ -17,10 +17,11 @@ The first compiled step is checked against the eager step (same inputs) before i
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from dataclasses import dataclass
+from fuselm import contract
 
 from .executor import Step
 from .kvcache import CacheView
@@ -31,7 +32,8 @@ N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffer
 def static_feeds(b, ids, pos, max_len: int) -> dict:
     """The graph's small inputs for one static decode step at 0-d device position `pos`."""
     mask = b.cast(b.binary("less_equal", b.reshape(b.arange(0, max_len, 1, 7), (1, max_len)), b.cast(pos, 7)), 7)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": b.reshape(b.cast(pos, 7), (1, 1))}
+    return {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask,
+            contract.POSITION_IDS: b.reshape(b.cast(pos, 7), (1, 1))}
 
 
 class CompiledDecode:
@@ -53,7 +55,7 @@ class CompiledDecode:
         out = sess.executor._execute(self.plan, feeds)
         # the next position, on the device: no host array crosses over per token
         nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
-        return (out["logits"], nxt, *[views[n].buffer for n in self.names])
+        return (out[contract.LOGITS], nxt, *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()
@@ -80,7 +82,6 @@ class PiecewiseDecode:
     def __init__(self, sess, plan, max_len: int):
         self.sess, self.max_len = sess, max_len
         self.names = [c.name for c in sess.caches]
-        self.logits = "logits"
         self.pieces = _pieces(plan)
         self.seconds = 0.0
         n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
@@ -119,7 +120,7 @@ class PiecewiseDecode:
                 ex.run_steps(p.steps, env)
             else:
                 env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
-        return env[self.logits], None, [views[n].buffer for n in self.names]
+        return env[contract.LOGITS], None, [views[n].buffer for n in self.names]
 
 
 def _pieces(plan) -> list[Piece]:

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import ops_nn  # noqa: F401 - registers the nn ops into OPS
@@ -305,7 +306,7 @@ def _rename_inputs(branch: Branch, alias: dict[str, str]) -> None:
 
 
 def _kv_append(graph: Graph) -> None:
-    pasts = {x for x in graph.inputs if x.startswith("past_key_values.")}
+    pasts = {x for x in graph.inputs if contract.is_past(x)}
     for i, n in enumerate(graph.nodes):
         if n.key == ("", "Concat") and len(n.inputs) == 2 and n.inputs[0] in pasts and n.attrs.get("axis") in (2, -2):
             graph.nodes[i] = Node("KVAppend", RUNTIME, n.name, list(n.inputs), list(n.outputs))
@@ -316,10 +317,10 @@ _LOGIT_TAIL = {"Mul", "Div", "Add", "Sub", "Tanh", "Cast", "Identity"}  # soft-c
 
 def _last_rows(graph: Graph) -> None:
     """Put LastRows on the input of the matmul that makes `logits` (through elementwise ops with constants)."""
-    if "logits" not in graph.outputs:
+    if contract.LOGITS not in graph.outputs:
         return
     producers = {o: n for n in graph.nodes for o in n.outputs}
-    n = producers.get("logits")
+    n = producers.get(contract.LOGITS)
     for _ in range(6):
         if n is None:
             return

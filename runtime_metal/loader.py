@@ -19,9 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from fuselm.contract import META_NAME, MODEL_NAME
 from fuselm.errors import FuselmError
 from fuselm.graphcheck import check_graph_file
-from fuselm.modeldir import META_NAME, MODEL_NAME, read_meta
+from fuselm.modeldir import read_meta
 
 # ONNX element type -> numpy dtype of the values as the runtime holds them on the host.
 # 4-bit types are unpacked to one value per byte (uint8 / int8).

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from fuselm import contract
+
 from .graph import Graph, Node, reads
 
-SMALL = ("input_ids", "attention_mask", "position_ids")
+SMALL = contract.STEP_INPUTS
 MASKED_BELOW = -1e4  # an additive mask entry at or below this adds nothing after the softmax
 PROBES = ((1, 1), (1, 2), (2, 2), (3, 7), (1, 9), (5, 40), (1, 300), (3, 1500), (1, 4100), (1, 9000))
 
@@ -80,8 +82,8 @@ def _band(graph: Graph, producers: dict, mask: str, probes) -> int | None:
                    NumpyBackend())
     window = 0
     for s, t in sorted(probes, key=lambda p: p[1]):
-        feeds = {"input_ids": np.zeros((1, s), np.int64), "attention_mask": np.ones((1, t), np.int64),
-                 "position_ids": np.arange(t - s, t, dtype=np.int64).reshape(1, s)}
+        feeds = {contract.INPUT_IDS: np.zeros((1, s), np.int64), contract.ATTENTION_MASK: np.ones((1, t), np.int64),
+                 contract.POSITION_IDS: np.arange(t - s, t, dtype=np.int64).reshape(1, s)}
         try:
             value = np.asarray(sub.run(feeds)[mask])
         except Exception:  # noqa: BLE001 - a subgraph the host cannot run keeps its array mask

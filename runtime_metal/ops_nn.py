@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import attention_blocks
@@ -259,7 +260,7 @@ def Attention(b, *inputs, **attrs):
 
 
 # --- rotary embeddings ---------------------------------------------------------------------
-@op("FusedRoPE", domain="fuselm", fused=True, wants_context=True)
+@op(contract.ROPE_OP, domain=contract.DOMAIN, fused=True, wants_context=True)
 def FusedRoPE(b, x, position_ids, *, inv_freq, attention_scaling=1.0, interleaved=0, _ctx=None):
     offset = (_ctx or {}).get("rope_offset")
     return b.rope(x, position_ids, inv_freq, float(attention_scaling), bool(interleaved), offset=offset)

@@ -7,8 +7,7 @@
     for token in sess.generate([1, 2, 3], 32, Sampler()):   # picked on the device, pipelined
         ...
 
-The graph contract (DESIGN.md) is checked at load: input_ids, attention_mask, position_ids,
-past_key_values.{i}.key/.value in; logits and present.{i}.key/.value out.
+The graph contract (fuselm/contract.py) is checked at load.
 
 Decode runs in one of four modes (`Decode`), which only move forward:
   DYNAMIC  — every step is traced at its own shapes (graphs whose cache cannot live in place, or a
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +34,7 @@ import numpy as np
 import psutil
 from onnx import TensorProto
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import graph as graph_mod
@@ -44,8 +43,6 @@ from .backends import make_backend
 from .compiled import CompiledDecode, PiecewiseDecode, agrees, static_feeds
 from .executor import Executor, Profiler
 from .kvcache import CacheView
-
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
 class Decode(enum.Enum):
@@ -131,14 +128,12 @@ class Session:
                               "as onnxruntime-genai's builder writes them; run `fuselm optimize DIR -o OUT` first "
                               "(it maps them to standard ops and the graph contract) and run OUT")
         ins, outs = self.lm.input_types, set(self.lm.output_names)
-        missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
-        missing += [n for n in ("logits",) if n not in outs]
+        missing = [n for n in contract.STEP_INPUTS if n not in ins] + [n for n in (contract.LOGITS,) if n not in outs]
         specs = []
-        for name, (elem, dims) in sorted(ins.items(), key=lambda kv: _cache_order(kv[0])):
-            m = _PAST.match(name)
-            if not m:
+        for name, (elem, dims) in sorted(ins.items(), key=lambda kv: contract.cache_order(kv[0])):
+            if not contract.is_past(name):
                 continue
-            present = f"present.{m.group(1)}.{m.group(2)}"
+            present = contract.present_of(name)
             if present not in outs:
                 missing.append(present)
             if len(dims) != 4 or not isinstance(dims[1], int) or not isinstance(dims[3], int):
@@ -146,14 +141,13 @@ class Session:
                                   "head_dim] with fixed kv_heads and head_dim")
             specs.append(CacheSpec(name, present, dims[1], dims[3], elem))
         if not specs:
-            missing.append("past_key_values.{i}.key/.value")
-        unknown = [n for n in ins if n not in ("input_ids", "attention_mask", "position_ids") and not _PAST.match(n)]
+            missing.append(contract.past_name("{i}", "key/.value"))
+        unknown = [n for n in ins if n not in contract.STEP_INPUTS and not contract.is_past(n)]
         if missing or unknown:
             what = (f"missing {', '.join(missing)}" if missing else "") + \
                    ("; " if missing and unknown else "") + (f"unexpected inputs {unknown}" if unknown else "")
-            raise FuselmError(f"{self.lm.path} does not follow the fuselm graph contract ({what}); inputs must be "
-                              "input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value and outputs "
-                              "logits, present.{i}.key/.value (DESIGN.md); re-export with `fuselm convert`")
+            raise FuselmError(f"{self.lm.path} does not follow the fuselm graph contract ({what}); it needs "
+                              f"{contract.NAMES_TEXT} (DESIGN.md); re-export with `fuselm convert`")
         _check_declared(ins)
         return specs
 
@@ -196,7 +190,8 @@ class Session:
         return self.backend.reshape(self.backend.cast(ids, TensorProto.INT64), (1, -1))
 
     def _run(self, ids, pos, mask, positions, views: dict) -> object:
-        feeds = {"input_ids": self._ids(ids), "attention_mask": mask, "position_ids": positions, **views}
+        feeds = {contract.INPUT_IDS: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
+                 **views}
         self.executor.ctx["rope_offset"] = pos
         self.executor.ctx["all_logits"] = False
         out = self.executor.run(feeds)
@@ -206,7 +201,7 @@ class Session:
         else:
             for c in self.caches:
                 self.buffers[c.name] = out[c.present]
-        return out["logits"]
+        return out[contract.LOGITS]
 
     def prefill(self, ids: list[int], chunk: int | None = None):
         """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]).
@@ -270,7 +265,7 @@ class Session:
             feeds = static_feeds(b, ids, pos_dev, self.max_len)
             at = pos if self.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
             views = {c.name: CacheView(self.buffers[c.name], at, 1, static=True) for c in self.caches}
-            logits = self._run(ids, pos_dev, feeds["attention_mask"], feeds["position_ids"], views)
+            logits = self._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
             if step is None and self.compile and self.compile_failed is None:
                 self._build_compiled(ids, pos_dev, logits)
         self.pos += 1
@@ -381,7 +376,7 @@ def _check_declared(ins: dict) -> None:
     """The inputs' declared types and static dims must admit what the session feeds: int64 ids [1, n],
     float caches [1, kv_heads, past, head_dim] (dims without a size, `[]`, admit anything)."""
     for name, (elem, dims) in ins.items():
-        ids = not _PAST.match(name)
+        ids = not contract.is_past(name)
         growing = (1,) if ids else (2,)  # seq / past length: different at every step
         if (elem != TensorProto.INT64) if ids else elem not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
             problem = f"element type {TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else elem}"
@@ -394,8 +389,3 @@ def _check_declared(ins: dict) -> None:
                           "contract is input_ids / attention_mask / position_ids int64 [batch, sequence] and "
                           "past_key_values float [batch, kv_heads, past, head_dim], batch 1 or free, sequence and "
                           "past free (DESIGN.md); re-export with `fuselm convert`")
-
-
-def _cache_order(name: str):
-    m = _PAST.match(name)
-    return (int(m.group(1)), m.group(2)) if m else (-1, name)

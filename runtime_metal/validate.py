@@ -12,33 +12,18 @@ INT8_DRIFT_FACTOR times level 4's, and its tokens must not leave level 1's earli
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from fuselm.errors import CheckFailed, FuselmError
+from fuselm.reference import OrtRunner, Trace, hf_model, hf_steps
 
 from .generate import load_tokenizer
 from .session import Session, kv_options
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"
 INT8_DRIFT_FACTOR = 2.0
-
-
-@dataclass
-class Trace:
-    """Greedy tokens and the logits each step chose from."""
-
-    tokens: list[int] = field(default_factory=list)
-    logits: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, np.float32).reshape(-1)
-        self.logits.append(logits)
-        self.tokens.append(int(np.argmax(logits)))
-        return self.tokens[-1]
 
 
 def runtime_greedy(sess: Session, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
@@ -49,64 +34,6 @@ def runtime_greedy(sess: Session, ids: list[int], n: int, force: list[int] | Non
     token = trace.add(sess.logits_to_numpy(sess.prefill(ids)))
     for i in range(n - 1):
         token = trace.add(sess.logits_to_numpy(sess.decode(force[i] if force is not None else token)))
-    return trace
-
-
-def ort_greedy(onnx_path: Path, ids: list[int], n: int, quantized: bool, level: int = 1,
-               force: list[int] | None = None) -> Trace:
-    """The same graph in onnxruntime, past/present fed back by hand. `level`: MatMulNBits' accuracy
-    level, 1 = f32 activations (not onnxruntime's default, 4 = int8); `force`: teacher forcing."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if quantized:
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
-    s = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    pasts = {}
-    for i in s.get_inputs():
-        if i.name.startswith("past_key_values."):
-            dtype = np.float16 if "float16" in i.type else np.float32
-            pasts[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dtype)
-    outs = [o.name for o in s.get_outputs()]
-    trace, pos, step = Trace(), 0, list(ids)
-    for i in range(n):
-        feeds = {"input_ids": np.array([step], np.int64), "attention_mask": np.ones((1, pos + len(step)), np.int64),
-                 "position_ids": np.arange(pos, pos + len(step), dtype=np.int64)[None], **pasts}
-        res = dict(zip(outs, s.run(None, feeds), strict=True))
-        pasts = {k: res[k.replace("past_key_values.", "present.")] for k in pasts}
-        pos += len(step)
-        token = trace.add(res["logits"][0, -1])
-        step = [force[i] if force is not None and i < len(force) else token]
-    return trace
-
-
-def hf_greedy(hf_dir: Path, ids: list[int], n: int, dtype: str = "f32", force: list[int] | None = None) -> Trace:
-    """HF transformers on the checkpoint, eager attention: the reference (float32 unless `dtype`)."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-    try:
-        torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, attn_implementation="eager",
-                                                     local_files_only=True, use_safetensors=True,
-                                                     trust_remote_code=False).eval()
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
-        raise FuselmError(f"cannot load the reference checkpoint {hf_dir} ({type(e).__name__}: {e}); pass the HF "
-                          "checkpoint directory the model was converted from") from None
-    trace = Trace()
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), use_cache=True)
-        token = trace.add(out.logits[0, -1].float().numpy())
-        for i in range(n - 1):
-            step = force[i] if force is not None else token
-            out = model(input_ids=torch.tensor([[step]]), cache=out.past_key_values, use_cache=True)
-            token = trace.add(out.logits[0, -1].float().numpy())
     return trace
 
 
@@ -157,14 +84,16 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     if sess.backend.compute != "f32":
         return _validate_half(sess, ref, ids, tokens, quantized, mode, quiet)
     ours = runtime_greedy(sess, ids, tokens)
-    onnxrt = ort_greedy(sess.lm.path, ids, tokens, quantized)
-    hf = hf_greedy(ref, ids, tokens)
+    onnxrt = OrtRunner(sess.lm.path).greedy(ids, tokens)
+    hf = hf_steps(hf_model(ref), ids, tokens)
 
     d_ort, d_hf = _max_diff(ours, onnxrt), _max_diff(ours, hf)
     target, target_name = (onnxrt, "onnxruntime") if quantized else (hf, "HF transformers")
     first = _first_diff(ours.tokens, target.tokens)
     kinds = {n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"}
-    int8 = _int8_drift(ours, onnxrt, ort_greedy(sess.lm.path, ids, tokens, quantized, level=4)) \
+    # onnxruntime's own int8 activations: its MatMulNBits fusion at accuracy level 4 (optimizations on)
+    level4 = OrtRunner(sess.lm.path, optimize=True, accuracy_level=4).greedy if quantized else None
+    int8 = _int8_drift(ours, onnxrt, level4(ids, tokens)) \
         if quantized and any(k.endswith("-int8") for k in kinds) else None
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
@@ -219,12 +148,13 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     from rich.table import Table
 
     dtype = sess.backend.compute
-    f32 = ort_greedy(sess.lm.path, ids, n, quantized) if quantized else hf_greedy(ref, ids, n)
+    hf_f32, hf_dtype = hf_model(ref), hf_model(ref, dtype)
+    f32 = OrtRunner(sess.lm.path).greedy(ids, n) if quantized else hf_steps(hf_f32, ids, n)
     target_name = "onnxruntime (f32 activations)" if quantized else "HF transformers f32"
     force = f32.tokens
     ours = runtime_greedy(sess, ids, n, force=force)
-    hf32 = f32 if not quantized else hf_greedy(ref, ids, n, force=force)
-    hf_half = hf_greedy(ref, ids, n, dtype=dtype, force=force)
+    hf32 = f32 if not quantized else hf_steps(hf_f32, ids, n, force=force)
+    hf_half = hf_steps(hf_dtype, ids, n, force=force)
     drift, yard = _max_diff(ours, f32), _max_diff(hf_half, hf32)
     scale = max(1.0, max(float(np.abs(x).max()) for x in f32.logits))
     # a quantized graph rounds its affine dequantization too: scale and bias = -zero_point * scale are each
@@ -234,8 +164,8 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     tol = [2 * y + floors * HALF_FLOOR[dtype] * scale for y in yard]
     free = runtime_greedy(sess, ids, n)
     first = _first_diff(free.tokens, f32.tokens)
-    hf_first = _first_diff(hf_greedy(ref, ids, n, dtype=dtype).tokens, hf32.tokens if not quantized else
-                           hf_greedy(ref, ids, n).tokens)
+    hf_first = _first_diff(hf_steps(hf_dtype, ids, n).tokens, hf32.tokens if not quantized else
+                           hf_steps(hf_f32, ids, n).tokens)
     console = Console(quiet=quiet)
     table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph in {dtype}, reference {target_name}")
     for col in ("step", "reference", f"fuselm {dtype} (forced)", f"max|Δlogit| fuselm {dtype}",

@@ -6,9 +6,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from fuselm.exporter.check import OrtModel, hf_model, hf_prefill_decode, ort_prefill_decode
 
-from fuselm.modeldir import MODEL_NAME, read_meta
+from fuselm.contract import MODEL_NAME
+from fuselm.modeldir import read_meta
+from fuselm.reference import OrtRunner, hf_model, hf_prefill_decode, ort_prefill_decode
 
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 
@@ -22,7 +23,7 @@ def test_f32_matches_hf(family, make_ckpt, exported):
     """16-token prefill + one decode step with past: logits within 1e-4 of HF; graph checks; RoPE attrs."""
     out, hf = exported(family), make_ckpt(family)
     onnx.checker.check_model(str(out / MODEL_NAME), full_check=True)
-    model, ort_model = hf_model(hf), OrtModel(out)
+    model, ort_model = hf_model(hf), OrtRunner(out)
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=(2, 16))
     ref_prefill, nxt, ref_step = hf_prefill_decode(model, ids)
     got_prefill, got_step = ort_prefill_decode(ort_model, ids, nxt)
@@ -40,7 +41,7 @@ def test_f32_matches_hf(family, make_ckpt, exported):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_16_tokens_equal_hf(family, make_ckpt, exported):
-    model, ort_model = hf_model(make_ckpt(family)), OrtModel(exported(family))
+    model, ort_model = hf_model(make_ckpt(family)), OrtRunner(exported(family))
     prompt = np.array([[5, 17, 42, 9, 100, 3, 77]])
     with torch.no_grad():
         ref = model.generate(torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16,
@@ -57,7 +58,7 @@ def test_greedy_16_tokens_equal_hf(family, make_ckpt, exported):
 
 def test_llama3_positions_beyond_original_context(make_ckpt, exported):
     """llama3 scaling (tiny original_max_position_embeddings = 16): positions 40..56 match HF."""
-    model, ort_model = hf_model(make_ckpt("llama")), OrtModel(exported("llama"))
+    model, ort_model = hf_model(make_ckpt("llama")), OrtRunner(exported("llama"))
     assert model.config.rope_parameters["original_max_position_embeddings"] < 40
     ids = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(1, 16))
     positions = np.arange(40, 56)[None]
@@ -69,7 +70,7 @@ def test_llama3_positions_beyond_original_context(make_ckpt, exported):
 
 def test_left_padding_batch(make_ckpt, exported):
     """Batch of 2 with left padding on one row: the padding mask and per-row position_ids."""
-    model, ort_model = hf_model(make_ckpt("qwen3")), OrtModel(exported("qwen3"))
+    model, ort_model = hf_model(make_ckpt("qwen3")), OrtRunner(exported("qwen3"))
     ids = np.random.default_rng(3).integers(1, model.config.vocab_size, size=(2, 10))
     mask = np.ones((2, 10), np.int64)
     mask[1, :4] = 0
@@ -122,15 +123,8 @@ def test_no_per_step_constant_work(exported):
 
 def test_onnxruntime_default_optimizations_agree(exported):
     """With ORT's own fusions on (MatMulNBits for q4), the graph computes the same."""
-    import onnxruntime as ort
-
     out = exported("qwen3", "q4")
-    ref_model = OrtModel(out)
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-    ref_model.session, reference = ort.InferenceSession(str(out / MODEL_NAME), so), ref_model.session
     ids = np.arange(3, 19)[None]
-    fused, _ = ref_model.forward(ids, np.ones((1, 16)), np.arange(16)[None])
-    ref_model.session = reference
-    plain, _ = ref_model.forward(ids, np.ones((1, 16)), np.arange(16)[None])
+    fused, _ = OrtRunner(out, optimize=True).forward(ids, np.ones((1, 16)), np.arange(16)[None])
+    plain, _ = OrtRunner(out).forward(ids, np.ones((1, 16)), np.arange(16)[None])
     assert np.abs(fused - plain).max() <= 1e-3

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 from fuselm.exporter import check as check_mod
-from fuselm.exporter.check import OrtModel, hf_model, hf_prefill_decode, ort_prefill_decode
 from safetensors.torch import load_file, save_file
 
 import fuselm
 from fuselm import cli
+from fuselm.contract import DATA_NAME
 from fuselm.errors import CheckFailed
-from fuselm.modeldir import DATA_NAME
+from fuselm.reference import OrtRunner, hf_model, hf_prefill_decode, ort_prefill_decode
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_sharded_bf16_checkpoint(make_ckpt, tmp_path):
     hf = make_ckpt("qwen3", dtype="bfloat16", shard_size="100KB")
     assert (hf / "model.safetensors.index.json").is_file()
     out = fuselm.convert(hf, tmp_path / "out", quiet=True)
-    model, ort_model = hf_model(hf), OrtModel(out)
+    model, ort_model = hf_model(hf), OrtRunner(out)
     ids = np.random.default_rng(7).integers(0, model.config.vocab_size, size=(1, 16))
     ref_prefill, nxt, ref_step = hf_prefill_decode(model, ids)
     got_prefill, got_step = ort_prefill_decode(ort_model, ids, nxt)
@@ -147,13 +147,13 @@ def test_sharded_bf16_checkpoint(make_ckpt, tmp_path):
 
 
 def test_mistral_sliding_window(make_ckpt, exported):
-    model, ort_model = hf_model(make_ckpt("mistral", sliding_window=5)), OrtModel(exported("mistral", sliding_window=5))
+    model, ort_model = hf_model(make_ckpt("mistral", sliding_window=5)), OrtRunner(exported("mistral", sliding_window=5))
     ids = np.random.default_rng(8).integers(0, model.config.vocab_size, size=(1, 16))
     ref_prefill, nxt, ref_step = hf_prefill_decode(model, ids)
     got_prefill, got_step = ort_prefill_decode(ort_model, ids, nxt)
     assert max(np.abs(ref_prefill - got_prefill).max(), np.abs(ref_step - got_step).max()) <= 1e-4
     # the window matters here: without it the logits differ
-    full, _ = OrtModel(exported("mistral")).forward(ids, np.ones((1, 16)), np.arange(16)[None])
+    full, _ = OrtRunner(exported("mistral")).forward(ids, np.ones((1, 16)), np.arange(16)[None])
     assert np.abs(full - got_prefill).max() > 1e-3
 
 

@@ -6,10 +6,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from fuselm.exporter.check import OrtModel, hf_model
 from onnx import numpy_helper
 
-from fuselm.modeldir import DATA_NAME, MODEL_NAME, read_meta
+from fuselm.contract import DATA_NAME, MODEL_NAME
+from fuselm.modeldir import read_meta
+from fuselm.reference import OrtRunner, hf_model
 
 
 def _stored(out) -> dict[str, np.ndarray]:
@@ -81,7 +82,7 @@ def test_quantized_matches_dequantized_reference(case, make_ckpt, converted):
     quant = kwargs["quant"]
     out = converted(case)
     onnx.checker.check_model(str(out / MODEL_NAME), full_check=True)
-    ref_model, ort_model = _reference_model(make_ckpt(family), out), OrtModel(out)
+    ref_model, ort_model = _reference_model(make_ckpt(family), out), OrtRunner(out)
     ids = np.random.default_rng(4).integers(0, ref_model.config.vocab_size, size=(1, 16))
     pos = np.arange(16)[None]
     with torch.no_grad():

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
-from fuselm.exporter.check import OrtModel, hf_model
-from fuselm.exporter.rope import fused_rope_function, fused_rope_node, rope_inputs
+from fuselm.exporter.rope import rope_inputs
 from onnx import TensorProto
 from onnx import helper as oh
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from fuselm import contract
 from fuselm.errors import FuselmError
+from fuselm.reference import OrtRunner, hf_model, ort_session
 
 BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 ROPES = {
@@ -62,16 +62,15 @@ def test_unsupported_rope_type(rope_type):
 
 
 def _rope_session(rope):
-    node = fused_rope_node("x", "pos", "y", "rope", rope)
+    node = contract.fused_rope_node("x", "pos", "y", "rope", rope.inv_freq, rope.attention_scaling)
     graph = oh.make_graph([node], "rope", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", "H", "D"]),
                                            oh.make_tensor_value_info("pos", TensorProto.INT64, ["B", "S"])],
                           [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", "H", "D"])])
-    model = oh.make_model(graph, ir_version=11, functions=[fused_rope_function()],
-                          opset_imports=[oh.make_opsetid("", 23), oh.make_opsetid("fuselm", 1)])
+    model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
+                          opset_imports=[oh.make_opsetid("", contract.OPSET),
+                                         oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)])
     onnx.checker.check_model(model, full_check=True)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort_session(model)
 
 
 # (batch, seq, heads, head_dim): head_dim != hidden/heads, a single (kv) head, S == H, S == H == D/…
@@ -106,7 +105,7 @@ def test_partial_rotary_passes_the_rest_through():
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_model_with_seq_equal_heads(family, make_ckpt, exported):
     """S == num_attention_heads in a full model (qwen3: head_dim 32 != 64/4; llama: one kv head)."""
-    model, ort_model = hf_model(make_ckpt(family)), OrtModel(exported(family))
+    model, ort_model = hf_model(make_ckpt(family)), OrtRunner(exported(family))
     s = model.config.num_attention_heads
     ids = np.random.default_rng(5).integers(0, model.config.vocab_size, size=(1, s))
     with torch.no_grad():
@@ -118,7 +117,7 @@ def test_model_with_seq_equal_heads(family, make_ckpt, exported):
 def test_yarn_model_matches_hf(make_ckpt, exported):
     """attention_scaling != 1 end to end (qwen3 with yarn)."""
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8}
-    model, ort_model = hf_model(make_ckpt("qwen3", rope_parameters=yarn)), OrtModel(exported("qwen3", rope_parameters=yarn))
+    model, ort_model = hf_model(make_ckpt("qwen3", rope_parameters=yarn)), OrtRunner(exported("qwen3", rope_parameters=yarn))
     ids = np.random.default_rng(6).integers(0, model.config.vocab_size, size=(1, 16))
     with torch.no_grad():
         ref = model(input_ids=torch.tensor(ids)).logits.numpy()

@@ -14,13 +14,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from fuselm.exporter.check import OrtModel, check
+from fuselm.exporter.check import check
 from fuselm.exporter.traced import rope_op
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import fuselm
 from fuselm import cli
+from fuselm.modeldir import read_meta
+from fuselm.reference import OrtRunner
 from fuselm.synth import make_config
 
 # Traps per family (fuselm/synth.py TINY): gemma3_text (sliding + global layers, per-layer-type rope,
@@ -46,7 +48,7 @@ def traced(make_ckpt, tmp_path_factory):
 
 def _rotary_modules(hf_dir):
     """{layer index: (inv_freq, attention_scaling)} the HF model uses, from its own rotary module."""
-    from fuselm.exporter.check import hf_model
+    from fuselm.reference import hf_model
 
     model = hf_model(hf_dir)
     config = model.config
@@ -113,8 +115,8 @@ def test_traced_qwen3_optimizes_like_the_builder(traced, optimized, tmp_path):
     for i in range(2):
         assert layer_ops(ours, i) == layer_ops(theirs, i)
         assert layer_ops(ours, i).count("MatMul") == 4  # qkv, o, gate_up, down
-    a, b = OrtModel(ours), OrtModel(theirs)
-    ids = np.random.default_rng(3).integers(0, a.meta["dims"]["vocab"], size=(1, 7))
+    a, b = OrtRunner(ours), OrtRunner(theirs)
+    ids = np.random.default_rng(3).integers(0, read_meta(ours)["dims"]["vocab"], size=(1, 7))
     la, pa = a.forward(ids, np.ones((1, 7)), np.arange(7)[None])
     lb, pb = b.forward(ids, np.ones((1, 7)), np.arange(7)[None])
     assert np.abs(la - lb).max() <= 1e-5
@@ -167,23 +169,24 @@ def test_rope_op_equals_hf_on_trap_shapes(shape):
 @pytest.mark.parametrize("interleaved,rotary_dim", [(0, 8), (1, 16), (1, 8)])
 def test_rope_op_equals_the_onnx_function(interleaved, rotary_dim):
     """The torch op (what is traced) and FusedRoPE's FunctionProto (what runtimes inline) agree."""
-    import onnxruntime as ort
-    from fuselm.exporter.rope import Rope, fused_rope_function, fused_rope_node
     from onnx import TensorProto
     from onnx import helper as oh
 
+    from fuselm import contract
+    from fuselm.reference import ort_session
+
     inv = (1.0 / 100 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
-    node = fused_rope_node("x", "pos", "y", "rope", Rope(inv, 1.3, "default", 100.0, {}))
-    next(a for a in node.attribute if a.name == "interleaved").i = interleaved
+    node = contract.fused_rope_node("x", "pos", "y", "rope", inv, 1.3, interleaved)
     graph = oh.make_graph([node], "r", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 16]),
                                         oh.make_tensor_value_info("pos", TensorProto.INT64, [1, 3])],
                           [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 2, 16])])
-    model = oh.make_model(graph, ir_version=11, functions=[fused_rope_function()],
-                          opset_imports=[oh.make_opsetid("", 23), oh.make_opsetid("fuselm", 1)])
+    model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
+                          opset_imports=[oh.make_opsetid("", contract.OPSET),
+                                         oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)])
+    onnx.checker.check_model(model, full_check=True)
     x = np.random.default_rng(1).standard_normal((1, 3, 2, 16)).astype(np.float32)
     pos = np.array([[0, 4, 11]])
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"x": x, "pos": pos})[0]
+    got = ort_session(model).run(None, {"x": x, "pos": pos})[0]
     want = rope_op.reference(torch.tensor(x), torch.tensor(pos), torch.tensor(inv), 1.3, interleaved)
     np.testing.assert_allclose(got, want.numpy(), atol=2e-6)
 

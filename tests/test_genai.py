@@ -121,11 +121,11 @@ def test_genai_graph_diff_and_run(genai_dir, tmp_path):
     out = fuselm.optimize(src, tmp_path / "opt", quiet=True)
     meta = json.loads((out / "fuselm.json").read_text())
     assert meta["max_position_embeddings"] == 256 and meta["dims"]["head_dim"] == 16
-    from fuselm.runtime_metal.validate import ort_greedy
+    from fuselm.reference import OrtRunner
 
     result = fuselm.run(out, prompt_ids=[5, 17, 33], max_tokens=4, ignore_eos=True, backend="torch", quiet=True,
                         stream=io.StringIO())
-    assert result["tokens"] == ort_greedy(out / "model.onnx", [5, 17, 33], 4, quantized=False).tokens
+    assert result["tokens"] == OrtRunner(out / "model.onnx").greedy([5, 17, 33], 4).tokens
 
 
 def _edited(src: Path, dst: Path, edit, weights: bool = False) -> Path:
@@ -197,7 +197,7 @@ def _genai_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 def test_onnxruntime_genai_runs_fuselm_directories(exported, optimized, stage):
     """genai's greedy search on `fuselm convert` / `optimize` output (f32, untied qwen2: random
     tied embeddings just repeat the prompt) gives plain onnxruntime's tokens."""
-    from fuselm.runtime_metal.validate import ort_greedy
+    from fuselm.reference import OrtRunner
 
     model_dir = exported("qwen2") if stage == "exported" else optimized("qwen2")
     config = json.loads((model_dir / "genai_config.json").read_text())
@@ -205,5 +205,5 @@ def test_onnxruntime_genai_runs_fuselm_directories(exported, optimized, stage):
     assert config["model"]["decoder"]["inputs"]["position_ids"] == "position_ids"
     prompt = [100, 200, 300, 50]
     tokens = _genai_greedy(model_dir, prompt, 10)
-    assert tokens == ort_greedy(model_dir / "model.onnx", prompt, 10, quantized=False).tokens
+    assert tokens == OrtRunner(model_dir / "model.onnx").greedy(prompt, 10).tokens
     assert len(set(tokens)) > 3  # not a degenerate repetition

@@ -11,12 +11,13 @@ import mmap
 import numpy as np
 import onnx
 import pytest
-from fuselm.exporter.check import OrtModel
 from fuselm.runtime_metal.loader import Packed4
 from fuselm.runtime_metal.session import Session
 
 import fuselm
-from fuselm.modeldir import MODEL_NAME, read_meta
+from fuselm.contract import MODEL_NAME
+from fuselm.modeldir import read_meta
+from fuselm.reference import OrtRunner
 
 
 def _mapped(a: np.ndarray) -> bool:
@@ -107,7 +108,7 @@ def test_logits_of_the_last_position_only(exported):
         outs[every] = np.asarray(sess.backend.to_numpy(sess.executor.run(feeds)["logits"]))
     vocab = sess.meta["dims"]["vocab"]
     assert outs[False].shape == (1, 1, vocab) and outs[True].shape == (1, 16, vocab)
-    ort_logits, _ = OrtModel(model).forward(np.array([ids]), np.ones((1, 16)), np.arange(16)[None])
+    ort_logits, _ = OrtRunner(model).forward(np.array([ids]), np.ones((1, 16)), np.arange(16)[None])
     np.testing.assert_allclose(outs[True], ort_logits, atol=1e-4 * max(1.0, np.abs(ort_logits).max()))
     np.testing.assert_allclose(outs[False][0, 0], outs[True][0, -1], atol=1e-4)
 

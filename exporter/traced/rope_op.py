@@ -13,13 +13,10 @@ is refused instead of exported wrong.
 
 from __future__ import annotations
 
-import onnx
 import torch
-from onnx.defs import OpSchema
 
+from fuselm import contract
 from fuselm.errors import FuselmError
-
-from .. import rope as rope_mod
 
 
 @torch.library.custom_op("fuselm_trace::rope", mutates_args=())
@@ -54,23 +51,11 @@ def reference(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tenso
     return torch.cat((x_rot * cos + rot * sin, x_pass), dim=-1)
 
 
-def _schema() -> OpSchema:
-    """FusedRoPE's OpSchema: onnxscript needs one to emit a node of a custom domain."""
-    return OpSchema(
-        rope_mod.OP, rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION,
-        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")],
-        outputs=[OpSchema.FormalParameter("Y", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
-        attributes=[OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
-                    OpSchema.Attribute("attention_scaling", onnx.helper.make_attribute("attention_scaling", 1.0), ""),
-                    OpSchema.Attribute("interleaved", onnx.helper.make_attribute("interleaved", 0), "")])
-
-
 def translation():
     """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
     from onnxscript import values
 
-    fused_rope = values.Op(values.Opset(rope_mod.DOMAIN, rope_mod.DOMAIN_VERSION), rope_mod.OP, _schema())
+    fused_rope = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.ROPE_OP, contract.rope_schema())
 
     def to_onnx(x, position_ids, inv_freq, attention_scaling, interleaved):
         return fused_rope(x, position_ids, inv_freq=list(inv_freq), attention_scaling=float(attention_scaling),

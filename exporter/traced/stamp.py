@@ -22,6 +22,7 @@ import ast
 import onnx
 from onnx import helper as oh
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from ..graph import Builder, attention_mask, graph_inputs
@@ -60,16 +61,16 @@ class Stamper:
         if markers != len(layers):
             raise FuselmError(f"the traced model called {markers} of its {len(layers)} decoder layers; not supported")
         logits = names[outer.graph.output[0].name]
-        b.nodes.append(oh.make_node("Identity", [logits], ["logits"], name="/model/logits/Identity"))
+        b.nodes.append(oh.make_node("Identity", [logits], [contract.LOGITS], name="/model/logits/Identity"))
         vocab = outer.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
-        b.outputs.insert(0, oh.make_tensor_value_info("logits", onnx.TensorProto.FLOAT,
+        b.outputs.insert(0, oh.make_tensor_value_info(contract.LOGITS, onnx.TensorProto.FLOAT,
                                                       ["batch_size", "sequence_length", vocab]))
         return b
 
     def _layer(self, t: Template, i: int, x: str, mask: str, position_ids: str) -> str:
         b, scope = self.b, f"/model/layers.{i}"
-        past = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        present = [f"present.{i}.key", f"present.{i}.value"]
+        past = [contract.past_name(i, kind) for kind in contract.KINDS]
+        present = [contract.present_name(i, kind) for kind in contract.KINDS]
         for name, dim in zip(past, (self.k_dim, self.v_dim), strict=True):
             b.inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
                                                       ["batch_size", self.kv_heads, "past_sequence_length", dim]))

@@ -8,6 +8,9 @@ import onnx_ir as ir
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
+from fuselm import contract
+from fuselm.reference import ort_session
+
 FLOAT = TensorProto.FLOAT
 
 
@@ -56,20 +59,11 @@ class G:
 
     def model(self) -> onnx.ModelProto:
         g = oh.make_graph(self.nodes, "tiny", self.inputs, self.outputs, initializer=self.inits)
-        return oh.make_model(g, opset_imports=[oh.make_opsetid("", 23)], ir_version=11)
-
-
-def session(model: onnx.ModelProto):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return oh.make_model(g, opset_imports=[oh.make_opsetid("", contract.OPSET)], ir_version=11)
 
 
 def run(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
-    s = session(model)
+    s = ort_session(model)
     return dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds), strict=True))
 
 

@@ -8,9 +8,10 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from fuselm.passes.check import drift, run_steps, session
+from fuselm.passes.check import drift, run_steps
 
 import fuselm
+from fuselm.reference import ort_session
 
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 
@@ -65,7 +66,7 @@ def test_optimized_qwen3_layer(optimized, quant):
 
 
 def _ort_greedy(path, prompt: list[int], steps: int) -> list[int]:
-    sess = session(path)
+    sess = ort_session(path)
     names = [o.name for o in sess.get_outputs()]
     inputs = {i.name: i for i in sess.get_inputs()}
     past = {n: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for n, i in inputs.items()

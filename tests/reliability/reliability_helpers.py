@@ -108,21 +108,10 @@ def same_files(a: Path, b: Path) -> bool:
 
 def ort_runs(model_dir: str) -> bool:
     """A judge of graph validity for `run`: onnxruntime (its optimizations off) runs a 3-token prefill."""
-    import numpy as np
-    import onnxruntime as ort
+    from fuselm.reference import OrtRunner
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-    so.log_severity_level = 4
     try:
-        s = ort.InferenceSession(str(Path(model_dir) / "model.onnx"), so, providers=["CPUExecutionProvider"])
-        feeds = {"input_ids": np.array([[1, 2, 3]], np.int64), "attention_mask": np.ones((1, 3), np.int64),
-                 "position_ids": np.arange(3, dtype=np.int64)[None]}
-        for i in s.get_inputs():
-            if i.name.startswith("past_key_values."):
-                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
-        s.run(None, feeds)  # its numbers may be NaN on damaged weights: fuselm run then refuses, validate fails
+        OrtRunner(model_dir).step([1, 2, 3])  # its numbers may be NaN on damaged weights: fuselm run then refuses
         return True
     except Exception:  # noqa: BLE001 - any failure: the judge rejects the graph
         return False

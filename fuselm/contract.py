@@ -1,0 +1,310 @@
+"""The graph contract (DESIGN.md "Graph contract (v1)"): the one home of what every part agrees on.
+
+The model directory's file names, the graph's input and output names, the KV cache names and their
+parsing, the default-domain opset, the `fuselm` domain and its op `FusedRoPE` (name, attributes,
+schema, node, model-local function body), and the feeds one step of a contract graph takes. The
+exporter writes the contract, the passes keep it, the runtime and the reference runs read it; no
+other module spells these names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+from onnx import helper as oh
+
+from .errors import FuselmError
+
+# --- the model directory -----------------------------------------------------------------------
+MODEL_NAME = "model.onnx"
+DATA_NAME = "model.onnx.data"
+META_NAME = "fuselm.json"
+
+# --- versions ------------------------------------------------------------------------------------
+OPSET = 23  # default domain, every graph fuselm writes
+DOMAIN = "fuselm"
+DOMAIN_VERSION = 1
+
+# --- inputs and outputs --------------------------------------------------------------------------
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+STEP_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # int64 [batch, seq] (the mask: [batch, past + seq])
+LOGITS = "logits"
+PAST = "past_key_values"  # past_key_values.{i}.key / .value  float [batch, kv_heads, past, head_dim]
+PRESENT = "present"  # present.{i}.key / .value        float [batch, kv_heads, past + seq, head_dim]
+KINDS = ("key", "value")
+NAMES_TEXT = (f"inputs {', '.join(STEP_INPUTS)}, {PAST}.{{i}}.key/.value and outputs {LOGITS}, "
+              f"{PRESENT}.{{i}}.key/.value")
+
+_CACHE = re.compile(rf"^({PAST}|{PRESENT})\.(\d+)\.(key|value)$")
+
+
+@dataclass(frozen=True)
+class CacheName:
+    """One parsed cache tensor name: role 'past' or 'present', its layer and kind ('key' / 'value')."""
+
+    role: str
+    layer: int
+    kind: str
+
+    @property
+    def past(self) -> str:
+        return past_name(self.layer, self.kind)
+
+    @property
+    def present(self) -> str:
+        return present_name(self.layer, self.kind)
+
+
+def past_name(layer: int, kind: str) -> str:
+    return f"{PAST}.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    return f"{PRESENT}.{layer}.{kind}"
+
+
+def cache_names(layers: int, role: str = PAST) -> list[str]:
+    """[k0, v0, k1, v1, ...] names of `layers` layers' past (or present) tensors."""
+    name = past_name if role == PAST else present_name
+    return [name(i, kind) for i in range(layers) for kind in KINDS]
+
+
+def parse_cache(name: str | None) -> CacheName | None:
+    """The parts of a `past_key_values.{i}.{key,value}` or `present.{i}.{key,value}` name; None otherwise."""
+    m = _CACHE.match(name or "")
+    if not m:
+        return None
+    return CacheName("past" if m.group(1) == PAST else "present", int(m.group(2)), m.group(3))
+
+
+def is_past(name: str | None) -> bool:
+    c = parse_cache(name)
+    return c is not None and c.role == "past"
+
+
+def is_present(name: str | None) -> bool:
+    c = parse_cache(name)
+    return c is not None and c.role == "present"
+
+
+def present_of(past: str) -> str:
+    """The output a past input comes back as (past_key_values.3.key -> present.3.key)."""
+    c = parse_cache(past)
+    if c is None or c.role != "past":
+        raise ValueError(f"{past!r} is not a {PAST}.{{i}}.{{key,value}} name")
+    return c.present
+
+
+def cache_order(name: str) -> tuple:
+    """Sort key: caches by layer then key before value; other names first."""
+    c = parse_cache(name)
+    return (c.layer, c.kind) if c else (-1, name)
+
+
+# --- fuselm::FusedRoPE ---------------------------------------------------------------------------
+ROPE_OP = "FusedRoPE"
+
+
+def fused_rope_node(x: str, position_ids: str, y: str, name: str, inv_freq, attention_scaling: float = 1.0,
+                    interleaved: int = 0) -> onnx.NodeProto:
+    """One `fuselm::FusedRoPE` node: x [B,S,H,D], position_ids [B,S] -> y [B,S,H,D]."""
+    return oh.make_node(ROPE_OP, [x, position_ids], [y], name=name, domain=DOMAIN,
+                        inv_freq=[float(v) for v in inv_freq], attention_scaling=float(attention_scaling),
+                        interleaved=int(interleaved))
+
+
+def rope_schema():
+    """FusedRoPE's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
+    from onnx.defs import OpSchema
+
+    return OpSchema(
+        ROPE_OP, DOMAIN, DOMAIN_VERSION,
+        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")],
+        outputs=[OpSchema.FormalParameter("Y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
+                    OpSchema.Attribute("attention_scaling", oh.make_attribute("attention_scaling", 1.0), ""),
+                    OpSchema.Attribute("interleaved", oh.make_attribute("interleaved", 0), "")])
+
+
+def fused_rope_function(interleaved: bool = False) -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::FusedRoPE (domain fuselm, v1) for one rotary layout, opset-23 ops only.
+
+    freqs = position_ids[..., None] * inv_freq                      [B,S,R/2]
+    rotate_half (interleaved=0): emb = concat(freqs, freqs); rot = concat(-x2, x1)
+    interleaved=1:               emb = repeat each freq twice; rot = (-x_odd, x_even) pairs
+    cos/sin = cos/sin(emb) * attention_scaling, unsqueezed to [B,S,1,R]: they broadcast over
+    heads (never [S,1,R,1]: the unsqueeze trap). Dims R..D of x pass through unrotated.
+    The body is written for the layout the model uses (no `If` on the attribute), so
+    `onnx.inliner` plus any converter gets plain ops.
+    """
+    def c64(name, values):
+        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
+
+    nodes = [
+        _attr_constant("inv", "value_floats", "inv_freq", onnx.AttributeProto.FLOATS),
+        _attr_constant("scale", "value_float", "attention_scaling", onnx.AttributeProto.FLOAT),
+        c64("axis_last", [-1]), c64("axis_2", [2]), c64("zero", [0]), c64("one", [1]), c64("two", [2]),
+        c64("big", [2**62]),
+        oh.make_node("Shape", ["inv"], ["half"]),
+        oh.make_node("Mul", ["half", "two"], ["rdim"]),
+        oh.make_node("Cast", ["position_ids"], ["pos_f"], to=TensorProto.FLOAT),
+        oh.make_node("Unsqueeze", ["pos_f", "axis_last"], ["pos_u"]),
+        oh.make_node("Mul", ["pos_u", "inv"], ["freqs"]),  # [B,S,R/2]
+        oh.make_node("Slice", ["X", "zero", "rdim", "axis_last"], ["x_rot"]),
+        oh.make_node("Slice", ["X", "rdim", "big", "axis_last"], ["x_pass"]),
+        *(_interleaved_body() if interleaved else _half_body()),
+        oh.make_node("Cos", ["emb"], ["cos_raw"]),
+        oh.make_node("Sin", ["emb"], ["sin_raw"]),
+        oh.make_node("Mul", ["cos_raw", "scale"], ["cos3"]),
+        oh.make_node("Mul", ["sin_raw", "scale"], ["sin3"]),
+        oh.make_node("Unsqueeze", ["cos3", "axis_2"], ["cos"]),  # [B,S,1,R]
+        oh.make_node("Unsqueeze", ["sin3", "axis_2"], ["sin"]),
+        oh.make_node("Mul", ["x_rot", "cos"], ["x_cos"]),
+        oh.make_node("Mul", ["rot", "sin"], ["rot_sin"]),
+        oh.make_node("Add", ["x_cos", "rot_sin"], ["y_rot"]),
+        oh.make_node("Concat", ["y_rot", "x_pass"], ["Y"], axis=-1),
+    ]
+    return oh.make_function(
+        DOMAIN, ROPE_OP, ["X", "position_ids"], ["Y"], nodes,
+        opset_imports=[oh.make_opsetid("", OPSET)],
+        attributes=["inv_freq"],
+        attribute_protos=[oh.make_attribute("attention_scaling", 1.0), oh.make_attribute("interleaved", 0)],
+        doc_string=fused_rope_function.__doc__,
+    )
+
+
+def rope_layout(nodes) -> bool | None:
+    """The one `interleaved` value the FusedRoPE nodes of a graph use (None: no FusedRoPE node).
+
+    A model-local function has one body per op, so a graph mixing both layouts is refused."""
+    forms = set()
+    for n in nodes:
+        if n.domain == DOMAIN and n.op_type == ROPE_OP:
+            attrs = n.attribute if isinstance(n, onnx.NodeProto) else None
+            if attrs is not None:
+                value = next((a.i for a in attrs if a.name == "interleaved"), 0)
+            else:  # an onnx_ir node
+                a = n.attributes.get("interleaved")
+                value = a.as_int() if a is not None else 0
+            forms.add(bool(value))
+    if len(forms) > 1:
+        raise FuselmError("the graph mixes interleaved and rotate-half FusedRoPE nodes; fuselm::FusedRoPE has one "
+                          "function body per model, so one rotary layout per graph is supported")
+    return forms.pop() if forms else None
+
+
+def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
+    """A Constant whose value is the function attribute `function_attr` (an attribute reference)."""
+    node = oh.make_node("Constant", [], [output])
+    ref = node.attribute.add()
+    ref.name, ref.type, ref.ref_attr_name = const_attr, kind, function_attr
+    return node
+
+
+def _half_body() -> list[onnx.NodeProto]:
+    """rotate_half: emb = [freqs, freqs], rot = [-x2, x1] (HF's Llama/Qwen layout)."""
+    return [
+        oh.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1),
+        oh.make_node("Slice", ["x_rot", "zero", "half", "axis_last"], ["h_x1"]),
+        oh.make_node("Slice", ["x_rot", "half", "rdim", "axis_last"], ["h_x2"]),
+        oh.make_node("Neg", ["h_x2"], ["h_neg"]),
+        oh.make_node("Concat", ["h_neg", "h_x1"], ["rot"], axis=-1),
+    ]
+
+
+def _interleaved_body() -> list[onnx.NodeProto]:
+    """interleaved (GPT-J layout): pairs (x[2i], x[2i+1]) rotate by freqs[i]."""
+    def c64(name, values):
+        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
+
+    return [
+        c64("shape_pairs", [0, 0, 0, -1, 2]), c64("shape_flat3", [0, 0, -1]), c64("shape_flat4", [0, 0, 0, -1]),
+        oh.make_node("Unsqueeze", ["freqs", "axis_last"], ["i_f"]),
+        oh.make_node("Concat", ["i_f", "i_f"], ["i_ff"], axis=-1),
+        oh.make_node("Reshape", ["i_ff", "shape_flat3"], ["emb"]),
+        oh.make_node("Reshape", ["x_rot", "shape_pairs"], ["i_pairs"]),
+        oh.make_node("Slice", ["i_pairs", "zero", "one", "axis_last"], ["i_even"]),
+        oh.make_node("Slice", ["i_pairs", "one", "two", "axis_last"], ["i_odd"]),
+        oh.make_node("Neg", ["i_odd"], ["i_neg"]),
+        oh.make_node("Concat", ["i_neg", "i_even"], ["i_rot5"], axis=-1),
+        oh.make_node("Reshape", ["i_rot5", "shape_flat4"], ["rot"]),
+    ]
+
+
+def functions_for(nodes) -> list[onnx.FunctionProto]:
+    """The model-local functions a graph with these nodes must carry (FusedRoPE's, in its layout)."""
+    layout = rope_layout(nodes)
+    return [] if layout is None else [fused_rope_function(layout)]
+
+
+# --- feeds of one step ---------------------------------------------------------------------------
+def dims(value_info: onnx.ValueInfoProto) -> list:
+    """Declared dims: ints, symbolic names, or None."""
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in value_info.type.tensor_type.shape.dim]
+
+
+def step_feeds(inputs, seq: int, past: int, vocab: int, seed: int = 0, past_values: dict | None = None,
+               head_dim: int | None = None, ids=None) -> dict[str, np.ndarray]:
+    """Inputs of one step of a contract graph (`inputs`: its graph.input ValueInfoProtos), batch 1:
+    `ids` (else seeded random ids below `vocab`), a mask of ones over past + seq, consecutive positions,
+    and the caches from `past_values` (past name -> array; else seeded random). `head_dim` stands in
+    for a symbolic last dim of the cache inputs."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for inp in inputs:
+        name, shape = inp.name, dims(inp)
+        if name == INPUT_IDS:
+            out[name] = np.asarray(ids, np.int64).reshape(1, -1) if ids is not None else \
+                rng.integers(0, vocab, size=(1, seq), dtype=np.int64)
+        elif name == ATTENTION_MASK:
+            out[name] = np.ones((1, past + seq), dtype=np.int64)
+        elif name == POSITION_IDS:
+            out[name] = np.arange(past, past + seq, dtype=np.int64)[None]
+        elif is_past(name):
+            if past_values is not None:
+                out[name] = past_values[name]
+                continue
+            if len(shape) == 4 and not isinstance(shape[3], int) and head_dim is not None:
+                shape[3] = head_dim
+            if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+                raise FuselmError(f"input {name} has shape {shape}; expected [batch, kv_heads, past, head_dim] "
+                                  "with static kv_heads and head_dim (graph contract v1)")
+            out[name] = rng.standard_normal((1, shape[1], past, shape[3])).astype(np.float32)
+        else:
+            raise FuselmError(f"cannot make an input for graph input {name!r}: the graph contract's inputs are "
+                              f"{', '.join(STEP_INPUTS)} and {PAST}.{{i}}.key/.value")
+    return out
+
+
+def empty_past(inputs, batch: int = 1) -> dict[str, np.ndarray]:
+    """Zero-length caches for every past input (its element type: float16 or float32)."""
+    out = {}
+    for inp in inputs:
+        if is_past(inp.name):
+            shape = dims(inp)
+            elem = inp.type.tensor_type.elem_type
+            out[inp.name] = np.zeros((batch, shape[1], 0, shape[3]),
+                                     np.float16 if elem == TensorProto.FLOAT16 else np.float32)
+    return out
+
+
+def vocab_size(model: onnx.ModelProto) -> int:
+    """The vocabulary size: logits' last dim, else the rows of the table `input_ids` indexes."""
+    for out in model.graph.output:
+        if out.name == LOGITS:
+            d = dims(out)
+            if d and isinstance(d[-1], int) and d[-1] > 0:
+                return d[-1]
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == INPUT_IDS and node.input[0] in inits:
+            return int(inits[node.input[0]].dims[0])
+    return 64

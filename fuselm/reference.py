@@ -1,0 +1,174 @@
+"""The reference runs, in one place: onnxruntime on a graph, HF transformers on a checkpoint.
+
+- `ort_session(model, optimize=False, accuracy_level=1)`: one options policy. onnxruntime's own graph
+  optimizations are off unless asked (a reference runs the graph as written); when asked, blocked
+  DequantizeLinear -> MatMul becomes MatMulNBits, whose activations are f32 at accuracy level 1 and
+  int8 at onnxruntime's default level 4 (~0.3% error: DESIGN.md's measured facts).
+- `OrtRunner`: a contract graph step by step, each step's presents fed back as the next past.
+- `hf_model` / `hf_steps`: HF transformers (eager attention, float32 unless asked), a prefill and
+  decode steps with its cache, greedy or teacher-forced.
+- `Trace`: the tokens a run picked and the logits it picked them from.
+convert --check, diff, validate, the benchmarks and the tests all use these.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import contract
+from .errors import FuselmError
+
+
+def ort_session(model, optimize: bool = False, accuracy_level: int = 1, threads: int | None = None):
+    """An onnxruntime CPU session on `model` (a path, a model dir, serialized bytes or a ModelProto)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
+    if threads:
+        so.intra_op_num_threads = threads
+    if hasattr(model, "SerializeToString"):
+        model = model.SerializeToString()
+    elif not isinstance(model, bytes):
+        path = Path(model)
+        model = str(path / contract.MODEL_NAME if path.is_dir() else path)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+@dataclass
+class Trace:
+    """Greedy tokens and the logits each step chose from."""
+
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, logits) -> int:
+        logits = np.asarray(logits, np.float32).reshape(-1)
+        self.logits.append(logits)
+        self.tokens.append(int(np.argmax(logits)))
+        return self.tokens[-1]
+
+
+class OrtRunner:
+    """A contract graph in onnxruntime: `forward` runs one step with explicit inputs; `step` and `greedy`
+    keep the cache between calls (batch 1), each step's presents fed back as the next past."""
+
+    def __init__(self, model, **session_options):
+        self.session = ort_session(model, **session_options)
+        inputs = self.session.get_inputs()
+        self.inputs = [i.name for i in inputs]
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self._pasts = sorted((i for i in inputs if contract.is_past(i.name)), key=lambda i: contract.cache_order(i.name))
+        self.reset()
+
+    def empty_past(self, batch: int = 1) -> list[np.ndarray]:
+        """Zero-length caches [batch, kv_heads, 0, head_dim], in cache order [k0, v0, k1, v1, ...]."""
+        return [np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
+                for i in self._pasts]
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past=None):
+        """One step -> (logits [B, S, V], presents [k0, v0, ...]). The mask defaults to ones over past + S and
+        the positions to past..past+S-1; `past` is a list in cache order (default: empty)."""
+        ids = np.asarray(input_ids, np.int64)
+        batch, s = ids.shape
+        past = self.empty_past(batch) if past is None else list(past)
+        done = int(past[0].shape[2]) if past else 0
+        mask = np.ones((batch, done + s), np.int64) if attention_mask is None else attention_mask
+        positions = np.arange(done, done + s, dtype=np.int64)[None].repeat(batch, 0) if position_ids is None \
+            else position_ids
+        feeds = {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: np.asarray(mask, np.int64),
+                 contract.POSITION_IDS: np.asarray(positions, np.int64)}
+        feeds.update({i.name: p for i, p in zip(self._pasts, past, strict=True)})
+        out = dict(zip(self.outputs, self.session.run(None, {k: v for k, v in feeds.items() if k in self.inputs}),
+                       strict=True))
+        return out[contract.LOGITS], [out[contract.present_of(i.name)] for i in self._pasts]
+
+    def reset(self) -> None:
+        self.past = self.empty_past()
+
+    def step(self, ids) -> np.ndarray:
+        """Run `ids` (batch 1) after what ran since `reset`; returns the logits [1, S, V]."""
+        logits, self.past = self.forward(np.asarray(ids, np.int64).reshape(1, -1), past=self.past)
+        return logits
+
+    def greedy(self, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
+        """`n` greedy tokens after the prompt `ids`; with `force`, step i is fed force[i] instead (teacher
+        forcing, so two runs see the same context and their logits compare at every step)."""
+        self.reset()
+        trace, step = Trace(), list(ids)
+        for i in range(n):
+            token = trace.add(self.step(step)[0, -1])
+            step = [force[i] if force is not None and i < len(force) else token]
+        return trace
+
+
+def hf_model(hf_dir: str | os.PathLike, dtype: str = "f32"):
+    """HF transformers on a local checkpoint, eager attention (the math the export mirrors); offline and
+    safetensors only (transformers would otherwise unpickle a pytorch_model.bin)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, attn_implementation="eager",
+                                                     local_files_only=True, use_safetensors=True,
+                                                     trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad checkpoint
+        raise FuselmError(f"cannot load the reference checkpoint {hf_dir} ({type(e).__name__}: {e}); pass the HF "
+                          "checkpoint directory the model was converted from") from None
+    return model.eval()
+
+
+def hf_steps(model, ids, n: int, force: list[int] | None = None) -> Trace:
+    """HF's logits for a prefill of `ids` (a list or [1, S] array) and `n - 1` decode steps with its cache:
+    greedy, or fed force[i] at step i."""
+    import torch
+
+    ids = np.asarray(ids, np.int64).reshape(1, -1)
+    trace = Trace()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), use_cache=True)
+        token = trace.add(out.logits[0, -1].float().numpy())
+        for i in range(n - 1):
+            step = force[i] if force is not None else token
+            out = model(input_ids=torch.tensor([[step]]), cache=out.cache, use_cache=True)
+            token = trace.add(out.logits[0, -1].float().numpy())
+    return trace
+
+
+def hf_prefill_decode(model, ids, positions=None):
+    """HF's logits at every position of a prefill of `ids` [B, S] (mask of ones; `positions` default
+    0..S-1), the greedy next token [B, 1] and the logits of that one decode step with the cache."""
+    import torch
+
+    ids = np.asarray(ids, np.int64)
+    batch, seq = ids.shape
+    positions = np.arange(seq)[None].repeat(batch, 0) if positions is None else np.asarray(positions)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.ones(batch, seq, dtype=torch.long),
+                    position_ids=torch.tensor(positions), use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        step = model(input_ids=nxt, attention_mask=torch.ones(batch, seq + 1, dtype=torch.long),
+                     position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache, use_cache=True)
+    return out.logits.float().numpy(), nxt.numpy(), step.logits.float().numpy()
+
+
+def ort_prefill_decode(runner: OrtRunner, ids, nxt, positions=None):
+    """The same prefill and decode step in onnxruntime (`nxt`: the token HF picked) -> both logits."""
+    ids = np.asarray(ids, np.int64)
+    batch, seq = ids.shape
+    positions = np.arange(seq)[None].repeat(batch, 0) if positions is None else np.asarray(positions)
+    logits, present = runner.forward(ids, position_ids=positions)
+    step, _ = runner.forward(np.asarray(nxt, np.int64), position_ids=positions[:, -1:] + 1, past=present)
+    return logits, step
