@@ -10,7 +10,8 @@ Load-time rewrites (each keeps what the graph computes):
   position only, unless the run asks for all of them (ctx["all_logits"]);
 - nodes whose inputs are all constants are folded on the host;
 - Attention nodes whose mask is a causal band under the session's plain feeds get `causal_rows`
-  (mask_kind.py), so a backend can read only the filled rows of the cache.
+  (mask_kind.py), so a backend can read only the filled rows of the cache; for such a backend, a
+  layer's q/k norms and RoPE run over every head of the fused QKV output at once (qkv_heads.py).
 """
 
 from __future__ import annotations
@@ -175,8 +176,10 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     _kv_append(graph)
     _fold_constants(graph)
     _last_rows(graph)
-    from . import mask_kind
+    from . import mask_kind, qkv_heads
 
+    if backend.causal_reads and fused:
+        qkv_heads.rewrite(graph)
     mask_kind.classify(graph, (lm.meta or {}).get("sliding_window"))
     return graph
 

@@ -147,7 +147,7 @@ def _make_bias(b, attn_mask, past, s, t, is_causal, nonpad, left, right):
     return b.where(allowed, mask, _scalar(b, mask, -np.inf))
 
 
-def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
+def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, kv_rows=None, *,
                is_causal=0, kv_num_heads=0, q_num_heads=0, qk_matmul_output_mode=0, scale=None, softcap=0.0,
                softmax_precision=None, left_window_size=-1, right_window_size=-1, causal_rows=None, _n_outputs=1,
                _ctx=None, fused=True):

@@ -143,6 +143,14 @@ def fused_ops_as_one():
             setattr(mod, name, fn)
 
 
+@mx.compile
+def _greedy(x):
+    """argmax, or -1 when the logits hold NaN or +inf: their sum is NaN or +inf then (-inf logits alone
+    give -inf), so the check is one reduction and the flag and the choice one fused kernel."""
+    total = mx.sum(x)
+    return mx.where(mx.isnan(total) | (total == mx.inf), -1, mx.argmax(x).astype(mx.int32))
+
+
 class MLXBackend(Backend):
     """`dtype` is the compute type of the graph's float32 values: "f32", or "f16" / "bf16", in which case
     every float32 tensor (weights, activations, the KV cache, quantization scales) lives in half
@@ -174,7 +182,7 @@ class MLXBackend(Backend):
         self._float = HALF.get(dtype, mx.float32)
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
-        self._freqs: dict[int, mx.array] = {}
+        self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
@@ -227,7 +235,7 @@ class MLXBackend(Backend):
         MLX's random ops; -1 when the logits hold NaN or +inf."""
         x = logits.reshape(-1).astype(mx.float32)
         if sampler.temperature <= 0:
-            tok = mx.argmax(x)
+            return _greedy(x)
         else:
             z = x / sampler.temperature
             if sampler.top_k and sampler.top_k < z.size:
@@ -404,6 +412,32 @@ class MLXBackend(Backend):
             x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
             y = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
         return mx.concatenate([y, x[..., rd:]], axis=-1) if rd < x.shape[-1] else y
+
+    def rope_table(self, position_ids, inv_freq, scaling):
+        """cos and sin [B, S, 1, 1, R/2] in float32 of position_ids × inv_freq (times attention_scaling)."""
+        key = ("inv", id(inv_freq))
+        if key not in self._freqs:
+            self._freqs[key] = (inv_freq, mx.array(np.asarray(inv_freq, np.float32)))
+        ang = position_ids.astype(mx.float32)[:, :, None, None, None] * self._freqs[key][1]
+        cos, sin = mx.cos(ang), mx.sin(ang)
+        return (cos, sin) if scaling == 1.0 else (cos * scaling, sin * scaling)
+
+    def qkv_heads(self, qkv, cos, sin, weight, weight_rot, heads, kv_heads, eps):
+        """The fused QKV output [B, S, (Hq + 2Hkv)·D] as heads [B, S, Hq + 2Hkv, D]: q and k RMS-normalized
+        and rotated (full, non-interleaved), v as it came. `weight` [H, 2, D/2] is the norm weight and
+        `weight_rot` its rotate_half twin (halves swapped, the first negated), so the rotation reads the
+        normalized heads through a negative-stride view: one rms_norm over every head (v's result is
+        dropped) and one elementwise expression of kernel outputs and constants, which mx.compile fuses."""
+        bsz, s, width = qkv.shape
+        h = heads + 2 * kv_heads
+        d = width // h
+        x = qkv.reshape(bsz, s, h, 2, d // 2)
+        n = mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(bsz, s, h, 2, d // 2)
+        key = ("qk", h, heads + kv_heads)
+        if key not in self._freqs:  # which heads rotate (q and k)
+            self._freqs[key] = (None, mx.array((np.arange(h) < heads + kv_heads).reshape(h, 1, 1)))
+        rotated = (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype)
+        return mx.where(self._freqs[key][1], rotated, x).reshape(bsz, s, h, d)
 
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
