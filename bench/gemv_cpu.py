@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fuselm.runtime_metal.backends import make_backend, torch_quant  # noqa: E402
 from fuselm.runtime_metal.backends.torch_quant import cpu_kernels  # noqa: E402
 
+from fuselm import contract  # noqa: E402
+
 SHAPES = {  # layers, (K, N) per 4-bit weight of a layer, the 8-bit lm_head (K, N)
     "0.6b": (28, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)], (1024, 151936)),
     "4b": (36, [(2560, 6144), (4096, 2560), (2560, 19456), (9728, 2560)], (2560, 151936)),
@@ -81,7 +83,7 @@ def onnx_model(mats: list, threads: int):
         outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", q.shape[1]]))
     graph = helper.make_graph(nodes, "gemv", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["M", k]) for k in ks],
                               outs, inits)
-    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", contract.OPSET)])
 
 
 def timed(fn) -> float:
@@ -132,12 +134,10 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
         def token():
             return [torch_quant.matmul(x, w).numpy() for x, w in prepared]
     else:
-        import onnxruntime as ort
+        from fuselm.reference import ort_session
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", engine.removeprefix("ort-level"))
-        sess = ort.InferenceSession(onnx_model(mats, threads).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(onnx_model(mats, threads), optimize=True, threads=threads,
+                           accuracy_level=int(engine.removeprefix("ort-level")))
         feeds = {f"x{k}": x for k, x in xs.items()}
 
         def token():

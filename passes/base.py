@@ -45,6 +45,11 @@ class Stats:
     def skip(self, where: str, reason: str) -> None:
         self.skipped.append((where, reason))
 
+    def merge(self, other: Stats) -> None:
+        self.fired += other.fired
+        self.skipped += other.skipped
+        self.counts.update(other.counts)
+
     def as_dict(self) -> dict[str, Any]:
         return {"fired": len(self.fired), "fired_at": list(self.fired),
                 "skipped": [{"at": w, "reason": r} for w, r in self.skipped],
@@ -76,7 +81,8 @@ class Pass:
 class Fusion(Pass):
     """Pattern / check / rewrite over the anchors a subclass yields."""
 
-    needs_opset: int | None = 23
+    needs_opset: int | None = contract.OPSET
+    only: set[str] | None = None  # anchor names to try (the pipeline's one-at-a-time retry), None: all
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         raise NotImplementedError
@@ -94,6 +100,8 @@ class Fusion(Pass):
         modified = False
         for anchor in list(self.anchors(graph)):
             if anchor.graph is not graph:  # removed by an earlier rewrite in this pass
+                continue
+            if self.only is not None and anchor.name not in self.only:
                 continue
             try:
                 if self.needs_opset and opset < self.needs_opset:

@@ -19,6 +19,7 @@ from .base import (
     other_input,
     producer,
     scalar,
+    small_constant,
     static_shape,
     take_over,
 )
@@ -34,6 +35,7 @@ class KV:
     kv_heads: int | None
     rep: int | None  # GQA repeat factor, None when unknown
     heads: int | None  # query heads, when the repeat's Reshape says
+    expanded: ir.Value | None = None  # repeat_kv's output [B, H, T, D], when there is a repeat
 
 
 @dataclass
@@ -87,7 +89,7 @@ def _repeat_kv(t: ir.Value) -> KV:
     heads = int(shape[1]) if shape is not None and len(shape) == 4 and shape[1] > 0 else _dim(t, 1)
     if shape is not None and len(shape) != 4:
         fail(f"repeat_kv Reshape target {list(shape)} is not 4-D")
-    return KV(new, past, present, kv, rep, heads)
+    return KV(new, past, present, kv, rep, heads, t)
 
 
 def _is_scores(v: ir.Value) -> bool:
@@ -246,9 +248,41 @@ class FuseAttention(Fusion):
         if m.last.op_type == "Attention":
             graph.remove(m.last, safe=True)
         if n_out == 3:
+            for kv in (m.key, m.value):
+                _shapes_from_inputs(graph, kv, kv.rep or m.heads // m.kv_heads, prefix)
             take_over(m.key.present, node.outputs[1])
             take_over(m.value.present, node.outputs[2])
         return prefix
+
+
+def _shapes_from_inputs(graph: ir.Graph, kv: KV, rep: int, prefix: str) -> None:
+    """Shape(Concat(past, new)) or Shape(repeat_kv(...)) read outside the attention (HF's mask code takes the
+    key length from the updated cache: optimum's export) would read the fused node's present output and
+    close a cycle through the mask: compute it as Shape(past)·[1, rep, 1, 1] + Shape(new)·[0, 0, 1, 0]."""
+    for value, factor in ((kv.present, 1), (kv.expanded, rep)):
+        for use in list(value.uses()) if value is not None else ():
+            shape = use.node
+            if shape.op_type != "Shape" or shape.domain not in ("", "ai.onnx"):
+                continue
+            sp = new_node(graph, "Shape", [kv.past], f"{shape.name}/past")
+            sn = new_node(graph, "Shape", [kv.new], f"{shape.name}/new")
+            nodes = [sp, sn]
+            past = sp.outputs[0]
+            if factor != 1:
+                heads = small_constant(graph, f"{prefix}/kv_rep", np.array([1, factor, 1, 1], np.int64))
+                nodes.append(new_node(graph, "Mul", [past, heads], f"{shape.name}/heads"))
+                past = nodes[-1].outputs[0]
+            axis2 = small_constant(graph, f"{prefix}/kv_len_axis", np.array([0, 0, 1, 0], np.int64))
+            nodes.append(new_node(graph, "Mul", [sn.outputs[0], axis2], f"{shape.name}/new_len"))
+            nodes.append(new_node(graph, "Add", [past, nodes[-1].outputs[0]], f"{shape.name}/total"))
+            start, end = attr(shape, "start", 0), attr(shape, "end", None)
+            if start != 0 or end is not None:
+                starts = small_constant(graph, f"{prefix}/shape_start", np.array([start], np.int64))
+                ends = small_constant(graph, f"{prefix}/shape_end", np.array([4 if end is None else end], np.int64))
+                nodes.append(new_node(graph, "Slice", [nodes[-1].outputs[0], starts, ends], f"{shape.name}/slice"))
+            for n in nodes:
+                graph.insert_before(shape, n)
+            take_over(shape.outputs[0], nodes[-1].outputs[0])
 
 
 def _heads_from_output(y: ir.Value, head_dim: int | None) -> int | None:

@@ -20,7 +20,7 @@ from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
 from .attention_3d import AttentionTo3D
-from .base import Pass
+from .base import Fusion, Pass, Stats, ensure_sorted
 from .from_genai import FromGenAI
 from .fuse_attention import FuseAttention
 from .fuse_gate_up import FuseGateUp
@@ -88,7 +88,12 @@ def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) ->
 
 
 def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_pass) -> None:
-    """Run one pass in place on `model` and append its record."""
+    """Run one pass in place on `model` and append its record.
+
+    A pass never crashes the pipeline (graphs other tools wrote reach shapes no pattern foresaw): when it
+    raises or leaves a graph that is no DAG, the model is restored and a fusion is retried one anchor at
+    a time, each rewrite kept only if the graph stays a DAG; the others are recorded as skips with the
+    reason. A FuselmError (bad input, named fix) still stops the run."""
     doc = (type(p).__doc__ or "").strip().split("\n\n")[0]
     record = {"pass": p.name, "doc": " ".join(line.strip() for line in doc.splitlines())}
     if p.name in skip:
@@ -97,7 +102,14 @@ def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_p
         return
     before = Counter(n.op_type for n in model.graph)
     t0 = time.perf_counter()
-    model, changed, stats = p(model)
+    backup = model.clone()  # the weights' tensors are shared, not copied
+    try:
+        _, changed, stats = p(model)
+        _check_dag(model)
+    except FuselmError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of a pass on a foreign graph becomes a recorded skip
+        changed, stats = _careful(p, model, backup, f"{type(e).__name__}: {str(e)[:200]}")
     record.update(skipped_by_user=False, changed=changed, seconds=time.perf_counter() - t0,
                   nodes_before=sum(before.values()), nodes_after=model.graph.num_nodes(),
                   ops_before=dict(sorted(before.items())),
@@ -106,6 +118,46 @@ def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_p
     records.append(record)
     if on_pass is not None:
         on_pass(record, model)
+
+
+def _check_dag(model: ir.Model) -> None:
+    """Raise ValueError when the graph has a cycle (a node reading a value produced after it, for good)."""
+    ensure_sorted(model.graph)
+
+
+def _restore(model: ir.Model, saved: ir.Model) -> None:
+    model.graph = saved.graph
+    model.functions.clear()
+    model.functions.update(saved.functions)
+
+
+def _careful(p: Pass, model: ir.Model, backup: ir.Model, reason: str) -> tuple[bool, Stats]:
+    """After a failed run: restore `model`, then (fusions with named anchors) apply one anchor at a time."""
+    stats = Stats()
+    _restore(model, backup)
+    names = [a.name for a in p.anchors(model.graph)] if isinstance(p, Fusion) else []
+    if not names or len(set(names)) != len(names) or not all(names):
+        stats.skip(p.name, f"the pass failed on this graph and was undone ({reason})")
+        return False, stats
+    changed = False
+    for name in names:
+        trial = model.clone()
+        p.only = {name}
+        try:
+            _, fired, trial_stats = p(trial)
+            _check_dag(trial)
+        except FuselmError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            stats.skip(name, f"rewriting here fails on this graph and was undone ({type(e).__name__}: {str(e)[:160]})")
+            continue
+        finally:
+            p.only = None
+        stats.merge(trial_stats)
+        if fired:
+            _restore(model, trial)
+            changed = True
+    return changed, stats
 
 
 def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) -> Path:

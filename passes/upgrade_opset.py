@@ -46,7 +46,7 @@ class UpgradeOpset(Pass):
         if opset > TARGET_OPSET or opset < OLDEST_OPSET:
             raise FuselmError(f"the graph uses default-domain opset {opset}; fuselm reads opsets {OLDEST_OPSET}.."
                               f"{TARGET_OPSET} (it writes {TARGET_OPSET}); re-export it at one of those "
-                              "(torch.onnx.export(..., opset_version=23) or `fuselm convert`)")
+                              f"(torch.onnx.export(..., opset_version={TARGET_OPSET}) or `fuselm convert`)")
         converted = _convert(model, opset)
         _take_graph(model, converted)
         stats.fire(f"default-domain opset {opset} -> {TARGET_OPSET}")
@@ -68,8 +68,8 @@ def _convert(model: ir.Model, opset: int) -> onnx.ModelProto:
         where = f"node {shown(node.name, 80)} ({node.op_type})" if node is not None else "a node"
         raise FuselmError(f"onnx's version converter cannot upgrade {where} from opset {opset} to "
                           f"{TARGET_OPSET} ({shown(str(e).strip().splitlines()[-1] if str(e).strip() else '', 200)}); "
-                          "re-export the model at opset 23 (torch.onnx.export(..., opset_version=23)) or "
-                          "`fuselm convert` the checkpoint") from None
+                          f"re-export the model at opset {TARGET_OPSET} (torch.onnx.export(..., "
+                          f"opset_version={TARGET_OPSET})) or `fuselm convert` the checkpoint") from None
     for n in converted.graph.node:
         if n.domain == _HELD:
             n.domain = ""

@@ -386,6 +386,6 @@ def _check_declared(ins: dict) -> None:
         else:
             continue
         raise FuselmError(f"graph input {name} is declared with {problem}, which the runtime cannot feed: the "
-                          "contract is input_ids / attention_mask / position_ids int64 [batch, sequence] and "
-                          "past_key_values float [batch, kv_heads, past, head_dim], batch 1 or free, sequence and "
+                          f"contract is {' / '.join(contract.STEP_INPUTS)} int64 [batch, sequence] and "
+                          f"{contract.PAST} float [batch, kv_heads, past, head_dim], batch 1 or free, sequence and "
                           "past free (DESIGN.md); re-export with `fuselm convert`")

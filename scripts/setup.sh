@@ -12,6 +12,13 @@ python -m pip install -q -e ".[dev]"
 # The CPU kernels, compiled now into a persistent cache (keyed by their sources, torch and Python), so
 # that no `fuselm run` needs a compiler; without one fuselm dequantizes weights to f32 at load.
 python -m fuselm.runtime_metal.backends.kernel_build || echo "setup.sh: CPU kernels not built (see above)" >&2
+# optimum-onnx, whose export is one of the foreign graphs the passes are tested on, needs transformers < 4.58:
+# its own environment (tests/passes/test_foreign_graphs.py runs it in a child process).
+if [ ! -x .venv-optimum/bin/python ]; then
+    "$PY" -m venv .venv-optimum
+    .venv-optimum/bin/python -m pip install -q torch==2.13.0
+    .venv-optimum/bin/python -m pip install -q "optimum-onnx==0.1.0" "transformers>=4.57,<4.58" "onnx>=1.23" "onnxruntime>=1.31"
+fi
 # `fuselm diff --html` is checked in a real headless browser (tests/passes/test_passes_cli.py).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -29,7 +29,9 @@ from fuselm.runtime_metal.backends.torch_quant import (
     prepare,
 )
 
+from fuselm import contract
 from fuselm.errors import FuselmError
+from fuselm.reference import ort_session
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no CPU kernels (no compiler)")
 
@@ -111,7 +113,6 @@ def test_dequant_matches_reference(k, n, block, bits, isa):
 
 def _ort_level4(q, scale, zp, block, x):
     """onnxruntime's MatMulNBits at accuracy level 4 (int8 activations) on DequantizeLinear -> MatMul."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     flat = q.reshape(-1)
@@ -123,11 +124,8 @@ def _ort_level4(q, scale, zp, block, x):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [x.shape[0], q.shape[1]])],
         [uint4("q", q), numpy_helper.from_array(scale, "s"), uint4("z", zp)])
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]).SerializeToString(),
-                                so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {"x": x})[0]
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", contract.OPSET)])
+    return ort_session(model, optimize=True, accuracy_level=4).run(None, {"x": x})[0]
 
 
 @pytest.mark.parametrize("isa", [p for p in KERNEL_ISAS if p.values[0] != "scalar"])

@@ -23,6 +23,7 @@ import onnx
 import torch
 from torch import nn
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import attention_op, rope_op
@@ -179,8 +180,9 @@ def trace_outer(skel: Skeleton) -> Template:
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     try:
         ids = torch.zeros(2, 3, dtype=torch.long)
-        dynamic = {"input_ids": {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
-        program = _export(_Outer(skel.model).eval(), (ids,), dynamic, ["input_ids"], ["logits"], skel.model_type)
+        dynamic = {contract.INPUT_IDS: {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
+        program = _export(_Outer(skel.model).eval(), (ids,), dynamic, [contract.INPUT_IDS], [contract.LOGITS],
+                           skel.model_type)
     finally:
         attention_op.register()
         _restore(undo)
@@ -194,7 +196,7 @@ def _export(module, args, dynamic, input_names, output_names, model_type):
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            return torch.onnx.export(module, args, dynamo=True, opset_version=23, optimize=False, verbose=False,
+            return torch.onnx.export(module, args, dynamo=True, opset_version=contract.OPSET, optimize=False, verbose=False,
                                      dynamic_shapes=dynamic, input_names=input_names, output_names=output_names,
                                      custom_translation_table=table, report=False)
     except FuselmError:
