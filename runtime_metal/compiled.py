@@ -109,7 +109,7 @@ class PiecewiseDecode:
         """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
         sess, b = self.sess, self.sess.backend
         ex = sess.executor
-        views = {n: CacheView(buf, sess.pos, 1, static=True) for n, buf in zip(self.names, bufs, strict=True)}
+        views = {c.name: sess._view(c, sess.pos, 1, static=True) for c in sess.caches}
         env = {**static_feeds(b, ids, pos_dev, self.max_len), **views}
         ex.ctx["all_logits"] = False
         b.new_step()

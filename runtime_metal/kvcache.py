@@ -188,6 +188,7 @@ class CacheView:
     pos: object  # rows written before this step: a Python int, or a 0-d device integer (static mode)
     seq: int  # rows this step appends
     static: bool = False
+    heads: tuple[int, int] | None = None  # this input's heads of a buffer that holds K and V (packed)
 
     @property
     def max_len(self) -> int:
@@ -202,7 +203,16 @@ class CacheView:
         b, h, _, d = (int(s) for s in self._first.shape)
         if isinstance(self.buffer, tuple):
             d = _head_dim_of(self.buffer)
+        h = h if self.heads is None else self.heads[1] - self.heads[0]
         return (b, h, self.max_len - self.seq if self.static else int(self.pos), d)
+
+    def append_both(self, other: CacheView, backend, kv, stored_ok: bool, rows: tuple[int, int]):
+        """K and V of one packed buffer (this view's heads, then `other`'s) written by one update of
+        `kv` [B, Hk + Hv, S, D] at the host position `pos`; returns their rows t0..t1 (as `append`)."""
+        both = CacheView(self.buffer, self.pos, self.seq, self.static)
+        out = both.append(backend, kv, stored_ok, rows)
+        self.buffer = other.buffer = both.buffer
+        return tuple(_heads(backend, out, view.heads) for view in (self, other))
 
     def append(self, backend, new, stored_ok: bool = False, rows: tuple[int, int] | None = None):
         """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced, or with
@@ -212,23 +222,41 @@ class CacheView:
         A cache stored in another format than `new`'s comes back as a StoredKV when `stored_ok` (the
         Attention op reads it blockwise), else as floats in `new`'s dtype."""
         s = int(new.shape[2])
+        at = {} if self.heads is None else {"heads": self.heads}
         if isinstance(self.buffer, tuple):
             d = int(new.shape[3])
             parts = kv_quant.quantize(backend, new, d // int(self.buffer[1].shape[3]))
-            self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos)
+            self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos, **at)
         else:
-            self.buffer = backend.cache_write(self.buffer, new, self.pos)
+            self.buffer = backend.cache_write(self.buffer, new, self.pos, **at)
         t0, t1 = rows or (0, self.max_len if self.static else int(self.pos) + s)
+        hs = slice(None) if self.heads is None else slice(*self.heads)
         if not isinstance(self.buffer, tuple) and backend.dtype(self.buffer) == backend.dtype(new):
-            whole = t0 == 0 and t1 == self.max_len
-            return self.buffer if whole else backend.slice(self.buffer, (slice(None), slice(None), slice(t0, t1)))
+            whole = t0 == 0 and t1 == self.max_len and self.heads is None
+            return self.buffer if whole else backend.slice(self.buffer, (slice(None), hs, slice(t0, t1)))
         b, h, _, d = (int(x) for x in new.shape)
         data = self.buffer
-        if t0:  # a window: the stored rows from t0 on
-            data = kv_quant.rows(data, t0, t1) if isinstance(data, tuple) else data[:, :, t0:t1]
+        if t0 or self.heads is not None:  # a window: the stored rows from t0 on; a packed buffer: these heads
+            data = tuple(a[:, hs, t0:t1] for a in data) if isinstance(data, tuple) else data[:, hs, t0:t1]
         pos = _host_int(backend, self.pos)
         view = StoredKV(data, (b, h, t1 - t0, d), None if pos is None else pos + s - t0, backend.dtype(new))
         return view if stored_ok else view.floats(backend)
+
+
+def _heads(backend, x, heads: tuple[int, int]):
+    """Heads h0..h1 of the rows `append` returned (an array or a StoredKV)."""
+    hs = (slice(None), slice(*heads))
+    if not isinstance(x, StoredKV):
+        return backend.slice(x, hs)
+    data = tuple(a[hs] for a in x.data) if x.quantized else x.data[hs]
+    b, _, t, d = x.shape
+    return StoredKV(data, (b, heads[1] - heads[0], t, d), x.valid, x.dtype)
+
+
+def packed(backend, shape: tuple, graph_dtype: int, fmt: KVFormat) -> object:
+    """One cache holding a layer's K and V heads side by side ([B, 2H, L, D]: K heads, then V heads)."""
+    b, h, length, d = shape
+    return make_cache(backend, (b, 2 * h, length, d), graph_dtype, fmt)
 
 
 def _head_dim_of(stored: tuple) -> int:

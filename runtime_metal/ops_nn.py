@@ -167,7 +167,11 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     qk_out = None
     if rows is not None:  # the filled rows, and no array mask (mask_kind.py)
         (t0, t1), causal = rows
-        K, V = past_key.append(b, K, True, (t0, t1)), past_value.append(b, V, True, (t0, t1))
+        if kv_rows is not None and past_key.heads is not None and _same(past_key.buffer, past_value.buffer):
+            # one buffer holds K and V (kvcache.packed), and the layer made their rows as one array
+            K, V = past_key.append_both(past_value, b, b.transpose(kv_rows, (0, 2, 1, 3)), True, (t0, t1))
+        else:
+            K, V = past_key.append(b, K, True, (t0, t1)), past_value.append(b, V, True, (t0, t1))
         Y = attention_blocks.attention(b, Q, K, V, _causal(b, s, t1 - t0) if causal else None, scale) \
             if attention_blocks.wanted(b, Q, K, V) else b.sdpa(Q, K, V, "causal" if causal else None, scale)
     else:
@@ -205,6 +209,11 @@ def _filled_rows(past_key, past_value, s: int, window, ctx) -> tuple | None:
     if s > 1 and window and t1 > window:  # the band is not one causal triangle: the graph's mask
         return None
     return (t0, t1), s > 1
+
+
+def _same(a, b) -> bool:
+    """The same cache storage (an array, or the arrays of an 8-bit cache)."""
+    return (a[0] if isinstance(a, tuple) else a) is (b[0] if isinstance(b, tuple) else b)
 
 
 def _causal(b, s: int, t: int):

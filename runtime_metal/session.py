@@ -92,6 +92,7 @@ class Session:
                                  and all("causal_rows" in n.attrs for n in attention)
                                  and not any(n.op_type == "KVAppend" for n in self.graph.nodes))
         self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (mask_kind.py)
+        self.packed = self._packed_pairs(attention)  # value cache name -> its key's, sharing one buffer
         self.mode = Decode.CHECKING if static_decode and self.in_place else Decode.DYNAMIC
         self.profiler = Profiler()
         self.executor.profiler = self.profiler
@@ -164,6 +165,28 @@ class Session:
                     return False
         return True
 
+    def _packed_pairs(self, attention) -> dict[str, str]:
+        """Layers whose K and V live in one buffer (kvcache.packed): causal reads, every Attention given its
+        k and v rows as one array (qkv_heads.py), K and V of the same shape and storage format."""
+        specs = {c.name: c for c in self.caches}
+        pairs = {}
+        for n in attention:
+            k, v = (n.inputs[i] if len(n.inputs) > i else "" for i in (4, 5))
+            if len(n.inputs) < 8 or not n.inputs[7] or k not in specs or v not in specs or k in pairs or \
+                    (specs[k].heads, specs[k].head_dim, specs[k].dtype) != (specs[v].heads, specs[v].head_dim,
+                                                                              specs[v].dtype):
+                return {}
+            pairs[v] = k
+        if not self.causal_reads or len(pairs) * 2 != len(specs) or self.kv_formats[0] != self.kv_formats[1]:
+            return {}
+        return pairs
+
+    def _view(self, c: CacheSpec, pos, seq: int, static: bool = False) -> CacheView:
+        heads = None
+        if self.packed:
+            heads = (c.heads, 2 * c.heads) if c.name in self.packed else (0, c.heads)
+        return CacheView(self.buffers[c.name], pos, seq, static, heads)
+
     # --- state -----------------------------------------------------------------------------
     def reset(self, max_len: int) -> None:
         """Empty the cache and preallocate room for `max_len` tokens."""
@@ -178,7 +201,11 @@ class Session:
         self._pos_dev = None  # (position, the same as a device array) the compiled step handed back
         length = self.max_len if self.in_place else 0
         self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, length, c.head_dim), c.dtype, self._kv_format(c))
-                        for c in self.caches}
+                        for c in self.caches if c.name not in self.packed}
+        for v, k in self.packed.items():  # the keys' heads, then the values'
+            c = next(c for c in self.caches if c.name == k)
+            self.buffers[k] = self.buffers[v] = kvcache.packed(b, (1, c.heads, length, c.head_dim), c.dtype,
+                                                               self._kv_format(c))
 
     def _kv_format(self, c: CacheSpec) -> kvcache.KVFormat:
         return self.kv_formats[c.name.endswith(".value")]
@@ -227,7 +254,7 @@ class Session:
         mask = b.asarray(np.ones((1, pos + s), np.int64))
         positions = b.asarray(np.arange(pos, pos + s, dtype=np.int64).reshape(1, -1))
         if self.in_place:
-            views = {c.name: CacheView(self.buffers[c.name], pos, s) for c in self.caches}
+            views = {c.name: self._view(c, pos, s) for c in self.caches}
         else:
             views = dict(self.buffers)
         logits = self._run(part, pos, mask, positions, views)
@@ -264,7 +291,7 @@ class Session:
         else:
             feeds = static_feeds(b, ids, pos_dev, self.max_len)
             at = pos if self.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
-            views = {c.name: CacheView(self.buffers[c.name], at, 1, static=True) for c in self.caches}
+            views = {c.name: self._view(c, at, 1, static=True) for c in self.caches}
             logits = self._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
             if step is None and self.compile and self.compile_failed is None:
                 self._build_compiled(ids, pos_dev, logits)
@@ -276,7 +303,7 @@ class Session:
 
         Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
         feeds = static_feeds(self.backend, ids, pos_dev, self.max_len)
-        plan = self.executor.plan_for({**feeds, **{c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True)
+        plan = self.executor.plan_for({**feeds, **{c.name: self._view(c, pos_dev, 1, static=True)
                                                    for c in self.caches}})
         if plan is None:
             return

@@ -152,6 +152,6 @@ def values(b, p, block: tuple):
     return parts[0] if g == 1 else torch.cat(parts, -1)
 
 
-def write(b, stored: tuple, parts: tuple, pos) -> tuple:
+def write(b, stored: tuple, parts: tuple, pos, **heads) -> tuple:
     """Write quantized rows at `pos` (int or 0-d array) into each array of the stored cache."""
-    return tuple(b.cache_write(a, p, pos) for a, p in zip(stored, parts, strict=True))
+    return tuple(b.cache_write(a, p, pos, **heads) for a, p in zip(stored, parts, strict=True))
