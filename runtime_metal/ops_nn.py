@@ -172,8 +172,11 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
             K, V = past_key.append_both(past_value, b, b.transpose(kv_rows, (0, 2, 1, 3)), True, (t0, t1))
         else:
             K, V = past_key.append(b, K, True, (t0, t1)), past_value.append(b, V, True, (t0, t1))
-        Y = attention_blocks.attention(b, Q, K, V, _causal(b, s, t1 - t0) if causal else None, scale) \
-            if attention_blocks.wanted(b, Q, K, V) else b.sdpa(Q, K, V, "causal" if causal else None, scale)
+        stored = isinstance(K, StoredKV) or isinstance(V, StoredKV)
+        if stored or (attention_blocks.wanted(b, Q, K, V) and not b.long_sdpa):
+            Y = attention_blocks.attention(b, Q, K, V, _causal(b, s, t1 - t0) if causal else None, scale)
+        else:
+            Y = b.sdpa(Q, K, V, "causal" if causal else None, scale)
     else:
         K, V = _append(b, past_key, K, blockwise), _append(b, past_value, V, blockwise)
         t = K.shape[2] if isinstance(K, StoredKV) else b.shape(K)[2]

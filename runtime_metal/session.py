@@ -389,6 +389,8 @@ class Session:
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
         if self.causal_reads and self.mode is not Decode.COMPILED:
             mode += ", attention over the filled rows (no mask at decode, causal at prefill)"
+        if self.packed:
+            mode += ", K and V in one buffer per layer"
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
                f"KV cache {kv})"

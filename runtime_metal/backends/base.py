@@ -44,7 +44,9 @@ class Backend:
     do without being asked; `compute` — the compute type of the graph's float32 values;
     `causal_reads` — Attention reads only the filled rows of the cache, with no array mask at decode
     and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (mask_kind.py): what the
-    backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache."""
+    backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache;
+    `long_sdpa` — `sdpa` runs long prompts without holding their [S × T] scores (a flash kernel), so
+    Attention need not split the keys into blocks (attention_blocks.py)."""
 
     name = "base"
     device = "cpu"
@@ -52,6 +54,7 @@ class Backend:
     lazy = False
     compile_default = False
     causal_reads = False
+    long_sdpa = False
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
 

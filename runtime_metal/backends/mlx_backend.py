@@ -173,6 +173,7 @@ class MLXBackend(Backend):
             mx.set_default_device(mx.gpu)
             self.device = f"gpu ({kind})"
             self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
+            self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
