@@ -6,10 +6,11 @@ Pattern (passes/ FuseQKV + FuseRMSNorm + FuseRoPE + AttentionTo3D):
     q -> Reshape [0, 0, Hq, D] -> RMSNormalization(wq) -> FusedRoPE(position_ids) -> Reshape -> Attention.Q
     k -> Reshape [0, 0, Hkv, D] -> RMSNormalization(wk) -> FusedRoPE(position_ids) -> Reshape -> Attention.K
     v -> Attention.V
+(the norms of Qwen3 / Gemma; llama, qwen2 and mistral have none: then neither q nor k has one)
 becomes
     RoPETable(position_ids) -> cos, sin                  (once per rotary table, shared by every layer)
     QKVHeads(qkv, cos, sin, [wq; wk; 1]) -> Q, K, V, KV  (KV: the k and v heads side by side, [B, S, 2Hkv, D])
-QKVHeads normalizes every head with one rms_norm, then multiplies by the per-head weight, rotates and
+QKVHeads normalizes every head with one rms_norm (none without q/k norms), then multiplies by the per-head weight, rotates and
 puts the raw v heads back in one elementwise expression, which mx.compile fuses into one kernel (the
 pieces between attentions, compiled.py): 2 kernels instead of 2 norms and 2 ropes, and the k and v
 rows come out as one array, which Attention writes into the cache with one update (kvcache.py).
@@ -34,7 +35,7 @@ def RoPETable(b, position_ids, *, inv_freq, attention_scaling=1.0):
 
 
 @op("QKVHeads", domain=RUNTIME)
-def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon):
+def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=None):
     out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon)
     bsz, s, _, d = b.shape(out)
 
@@ -63,12 +64,12 @@ def rewrite(graph: Graph) -> None:
             continue
         split, chains, rope_attrs, weight, eps, heads, kv_heads = m
         key = (np.asarray(rope_attrs["inv_freq"]).tobytes(), float(rope_attrs.get("attention_scaling", 1.0)),
-               chains[0][2].inputs[1])
+               chains[0][-2].inputs[1])
         if key not in tables:
             t = f"{att.name}/rope_table"
             tables[key] = (t + "/cos", t + "/sin")
             new.setdefault(id(split), []).append(
-                Node("RoPETable", RUNTIME, t, [chains[0][2].inputs[1]], list(tables[key]),
+                Node("RoPETable", RUNTIME, t, [chains[0][-2].inputs[1]], list(tables[key]),
                      {"inv_freq": np.asarray(rope_attrs["inv_freq"], np.float32), "attention_scaling": key[1]}))
         cos, sin = tables[key]
         w = att.name + "/qk_norm_weight"
@@ -96,10 +97,12 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
     chains = []
     split = None
     for i in (0, 1):
-        chain = [producers.get(att.inputs[i])]  # merge Reshape <- FusedRoPE <- RMSNorm <- Reshape
-        while len(chain) < 4 and chain[-1] is not None:
+        chain = [producers.get(att.inputs[i])]  # merge Reshape <- FusedRoPE [<- RMSNorm] <- Reshape
+        while chain[-1] is not None and chain[-1].op_type != "Split" and len(chain) < 5:
             chain.append(producers.get(chain[-1].inputs[0]))
-        if None in chain or [n.op_type for n in chain] != ["Reshape", "FusedRoPE", "RMSNormalization", "Reshape"]:
+        chain.pop()
+        if None in chain or [n.op_type for n in chain] not in (_CHAIN, _CHAIN[:2] + _CHAIN[3:]) or \
+                (chains and len(chain) != len(chains[0])):
             return None
         sp = producers.get(chain[-1].inputs[0])
         if sp is None or sp.key != ("", "Split") or (split is not None and sp is not split) or \
@@ -108,24 +111,24 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
         split = sp
         if any(readers.get(o, 0) != 1 or o in graph.outputs for n in chain for o in n.outputs):
             return None
-        chains.append(chain[::-1])  # Reshape, RMSNorm, FusedRoPE, merge Reshape
+        chains.append(chain[::-1])  # Reshape, [RMSNorm,] FusedRoPE, merge Reshape
     if len(split.outputs) != 3 or split.outputs[2] != att.inputs[2] or readers.get(att.inputs[2], 0) != 1 or \
             split.attrs.get("axis") not in (-1, 2):
         return None
     sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
-    norms = [c[1] for c in chains]
-    ropes = [c[2] for c in chains]
-    weights = [graph.constants.get(n.inputs[1]) for n in norms]
-    if sizes is None or any(w is None or w.ndim != 1 for w in weights) or weights[0].shape != weights[1].shape:
-        return None
-    d = int(weights[0].shape[0])
+    norms = [c[1] for c in chains if len(c) == 4]
+    ropes = [c[-2] for c in chains]
     a, b = (dict(r.attrs) for r in ropes)
+    d = 2 * np.asarray(a.get("inv_freq", [])).size
+    weights = [graph.constants.get(n.inputs[1]) for n in norms] or [np.ones(d, np.float32)] * 2
+    if sizes is None or any(w is None or w.shape != (d,) for w in weights):
+        return None
     inv = np.asarray(a.get("inv_freq", []), np.float32)
     if set(a) != set(b) or not np.array_equal(inv, np.asarray(b.get("inv_freq", []), np.float32)) or \
             a.get("attention_scaling", 1.0) != b.get("attention_scaling", 1.0) or a.get("interleaved", 0) or \
             2 * inv.size != d or ropes[0].inputs[1] != ropes[1].inputs[1]:
         return None
-    eps = [float(n.attrs.get("epsilon", 1e-5)) for n in norms]
+    eps = [float(n.attrs.get("epsilon", 1e-5)) for n in norms] or [0.0, 0.0]
     if eps[0] != eps[1] or any(n.attrs.get("axis", -1) != -1 or n.attrs.get("stash_type", 1) != 1 for n in norms):
         return None
     sizes = [int(x) for x in np.asarray(sizes).reshape(-1)]
@@ -135,4 +138,7 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
     weight = np.concatenate([np.tile(weights[0].astype(np.float32), (heads, 1)),
                              np.tile(weights[1].astype(np.float32), (kv_heads, 1)),
                              np.ones((kv_heads, d), np.float32)])
-    return split, chains, a, weight, eps[0], heads, kv_heads
+    return split, chains, a, weight, eps[0] if norms else None, heads, kv_heads
+
+
+_CHAIN = ["Reshape", "FusedRoPE", "RMSNormalization", "Reshape"]  # from the Attention input back to the Split

@@ -130,3 +130,30 @@ def test_greedy_tokens_equal_torch_on_a_q4_graph(make_ckpt, tmp_path):
                        ignore_eos=True, quiet=True, backend=backend, stream=io.StringIO()) for backend in ("mlx", "torch")]
     assert "pieces" in runs[0]["what"]
     assert runs[0]["tokens"] == runs[1]["tokens"] and len(set(runs[0]["tokens"])) > 3
+
+
+def test_decode_kernels_per_layer(optimized):
+    """One decode token on the tiny qwen3 q4 graph, MLX's fused ops counted as one kernel each (the graph
+    a GPU runs): 13 kernels per layer (rms_norm, QKV matmul, one rms_norm over the heads, one fused
+    norm-weight + RoPE kernel, one K/V update, sdpa, o_proj, add, rms_norm, gate_up, SiLU gate, down, add)
+    against mlx-lm's 19, and a few for the embedding, the rope table, the head and the pick."""
+    import mlx.core as mx
+    from fuselm.runtime_metal.backends.mlx_backend import fused_ops_as_one, graph_kernels
+    from fuselm.runtime_metal.sampling import Sampler
+
+    with fused_ops_as_one():
+        sess = Session(optimized("qwen3", "q4"), backend="mlx")
+        sess.reset(24)
+        for _ in sess.generate([3, 4, 5, 6], 4, Sampler()):
+            pass
+        b = sess.backend
+        y = b.pick_token(sess.decode(5), Sampler())
+        mx.eval(y, list(sess.buffers.values()))
+        y = b.pick_token(sess.decode(y), Sampler())
+        counts = graph_kernels([y, *sess.buffers.values()], standins=True)
+    layers = sess.meta["dims"]["layers"]
+    top = dict(counts["top"])
+    assert sess.mode is Decode.COMPILED and sess.packed
+    assert top["ScaledDotProductAttention"] == layers and top["SliceUpdate"] == layers and "RoPE" not in top
+    assert top["RMSNorm"] == 3 * layers + 1 and top["QuantizedMatmul"] == 4 * layers + 1
+    assert counts["kernels"] <= 13 * layers + 16, counts["top"]

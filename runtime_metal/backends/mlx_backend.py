@@ -425,7 +425,7 @@ class MLXBackend(Backend):
 
     def qkv_heads(self, qkv, cos, sin, weight, weight_rot, heads, kv_heads, eps):
         """The fused QKV output [B, S, (Hq + 2Hkv)·D] as heads [B, S, Hq + 2Hkv, D]: q and k RMS-normalized
-        and rotated (full, non-interleaved), v as it came. `weight` [H, 2, D/2] is the norm weight and
+        (eps None: not normalized) and rotated (full, non-interleaved), v as it came. `weight` [H, 2, D/2] is the norm weight and
         `weight_rot` its rotate_half twin (halves swapped, the first negated), so the rotation reads the
         normalized heads through a negative-stride view: one rms_norm over every head (v's result is
         dropped) and one elementwise expression of kernel outputs and constants, which mx.compile fuses."""
@@ -433,7 +433,7 @@ class MLXBackend(Backend):
         h = heads + 2 * kv_heads
         d = width // h
         x = qkv.reshape(bsz, s, h, 2, d // 2)
-        n = mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(bsz, s, h, 2, d // 2)
+        n = x if eps is None else mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(x.shape)
         key = ("qk", h, heads + kv_heads)
         if key not in self._freqs:  # which heads rotate (q and k)
             self._freqs[key] = (None, mx.array((np.arange(h) < heads + kv_heads).reshape(h, 1, 1)))
