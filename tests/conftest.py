@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Prepared-weight files would land inside the shared fixture directories: tests/test_prepared.py
+# turns them on for its own copies.
+os.environ.setdefault("FUSELM_PREPARED", "0")
 
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 

@@ -227,6 +227,20 @@ class Backend:
         """x [..., K] @ dequantize(w) [K, N]."""
         raise NotImplementedError
 
+    # --- prepared weights kept beside the model (runtime_metal/prepared.py) -------------------
+    def prepared_format(self) -> str | None:
+        """A tag naming the format of this backend's prepared weights (versions, compute dtype), or None
+        when the backend keeps no prepared copy."""
+        return None
+
+    def save_prepared(self, path, arrays: dict, metadata: dict[str, str]) -> None:
+        """Write prepared arrays (this backend's) and string metadata to a safetensors file."""
+        raise NotImplementedError
+
+    def load_prepared(self, path) -> tuple[dict, dict[str, str]]:
+        """(arrays, metadata) of a file `save_prepared` wrote, the arrays memory-mapped where possible."""
+        raise NotImplementedError
+
     def cache_write(self, buffer, new, pos):
         """buffer[:, :, pos:pos+S] = new for a KV buffer [B, H, L, D]; returns the buffer (mlx: a new one).
 

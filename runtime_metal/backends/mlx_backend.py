@@ -465,6 +465,15 @@ class MLXBackend(Backend):
         data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
+    def prepared_format(self):
+        return f"mlx{mx.__version__}-{self.compute}"
+
+    def save_prepared(self, path, arrays, metadata):
+        mx.save_safetensors(str(path), arrays, metadata)
+
+    def load_prepared(self, path):
+        return mx.load(str(path), return_metadata=True)
+
     def quantized_matmul(self, x, w):
         if w.kind != "mlx":
             return mx.matmul(x, w.data)
