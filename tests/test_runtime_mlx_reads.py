@@ -157,3 +157,24 @@ def test_decode_kernels_per_layer(optimized):
     assert top["ScaledDotProductAttention"] == layers and top["SliceUpdate"] == layers and "RoPE" not in top
     assert top["RMSNorm"] == 3 * layers + 1 and top["QuantizedMatmul"] == 4 * layers + 1
     assert counts["kernels"] <= 13 * layers + 16, counts["top"]
+
+
+def test_sliding_window_decode_reads_the_windows_rows(optimized, monkeypatch):
+    """Past the window (4), a decode step's sdpa gets the last 4 rows only, and no mask."""
+    sess = Session(optimized("mistral", "f32", sliding_window=4), backend="mlx", compile=False)
+    seen = []
+    real = sess.backend.sdpa
+
+    def spy(q, k, v, mask, scale):
+        seen.append((k.shape[2], mask))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(sess.backend, "sdpa", spy)
+    sess.reset(10)
+    sess.prefill([3])
+    sess.decode(5)  # the checked step
+    seen.clear()
+    for t in range(5):
+        sess.decode(6 + t)
+    layers = sess.meta["dims"]["layers"]
+    assert seen == [(min(4, 3 + t), None) for t in range(5) for _ in range(layers)]  # rows 0..pos, then 4
