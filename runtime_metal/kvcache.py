@@ -12,12 +12,17 @@ Two modes:
   decode step has the same shapes and can be compiled (mx.compile, torch.compile, CUDA graphs).
   Rows after the current position are masked by position: the attention mask fed to the graph has
   zeros there (and ops without a mask input mask by `pos` themselves).
+- causal reads (`Backend.causal_reads`, MLX; mask_kind.py): the plan is the static one, but `pos` is a
+  host int and Attention reads only rows 0..pos (a sliding window: its last rows) with no array mask,
+  so the backend's fused attention runs on every device. A layer whose QKV output gives the k and v
+  rows as one array (qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`; the views'
+  `heads` select their half) and writes both with one update (`CacheView.append_both`).
 
 Storage format (`--kv-bits`, `--kv-bits-k`, `--kv-bits-v`, `--kv-group-size`; a runtime choice, the
 graph still sees float past/present):
 - the graph's dtype (default), or float32 / float16 (`16`): one float buffer [B, H, L, D];
-- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases
-  (backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
+- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases (bfloat16
+  where MLX computes in bfloat16; backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
 A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
 attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
 is not one Attention op) gets the rows as floats.
