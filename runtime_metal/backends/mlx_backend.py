@@ -102,7 +102,7 @@ def graph_kernels(outputs: list, standins: bool = False) -> dict:
 
 
 # the stand-in's primitive -> (the fused op it counts as, whether a Concatenate of its inputs comes with it)
-_STANDINS = {"CumSum": ("RMSNorm", 0), "CumProd": ("LayerNorm", 0), "CumMax": ("RoPE", 0),
+_STANDINS = {"Softmax": ("RMSNorm", 0), "Partition": ("LayerNorm", 0), "CumMax": ("RoPE", 0),
              "CumLogAddExp": ("ScaledDotProductAttention", 1), "CumMin": ("Dequantize", 1)}
 
 
@@ -110,28 +110,37 @@ _STANDINS = {"CumSum": ("RMSNorm", 0), "CumProd": ("LayerNorm", 0), "CumMax": ("
 def fused_ops_as_one():
     """Count MLX's fused ops as the one kernel each is on a GPU. MLX's CPU backend runs mx.fast.* and
     mx.dequantize as unfused fallbacks (a dozen primitives each), so a count made there overstates what a
-    Mac or CUDA launches; inside this block each call is one scan primitive instead (of a Concatenate of its
-    array inputs where it reads several, so their kernels count), cut to the output's shape: wrong values,
-    for counting only, on a model built inside the block; `graph_kernels(..., standins=True)` relabels them."""
-    def one(scan, *arrays, shape):
+    Mac or CUDA launches; inside this block each call is one primitive instead: a sort or scan of its
+    input, or of a Concatenate of everything it reads (so the kernels making its inputs still count),
+    cut to the output's shape; the norms' stand-in is a softmax (it normalizes), so the values, wrong,
+    stay bounded over any number of layers and the session decides its modes as usual. For counting
+    only, on a model built inside the block; `graph_kernels(..., standins=True)` relabels the stand-ins
+    (a softmax the graph has of its own, as the 8-bit cache's attention, is counted as RMSNorm there)."""
+    def one(fn, first, *rest, shape):
         size = int(np.prod(shape))
-        if len(arrays) == 1 and arrays[0].size == size:
-            return scan(arrays[0], axis=-1)
-        flat = [a.reshape(-1) if a.dtype in (mx.float32, mx.uint32, mx.int32) else a.reshape(-1).astype(mx.float32)
-                for a in arrays if isinstance(a, mx.array)]  # 32-bit integers are viewed, not converted
-        flat = [a.view(mx.float32) if a.dtype != mx.float32 else a for a in flat]
+        if not rest and first.size == size:
+            return fn(first)
+        # the output's values come from the float inputs; integer ones (packed weights) are only read
+        floats = [a for a in (first, *rest) if isinstance(a, mx.array) and a.dtype not in _INTEGER]
+        ints = [a.reshape(-1).view(mx.float32) for a in (first, *rest)
+                if isinstance(a, mx.array) and a.dtype in (mx.uint32, mx.int32)]
+        flat = [a.reshape(-1).astype(mx.float32) if a.dtype != mx.float32 else a.reshape(-1) for a in floats]
         n = sum(a.size for a in flat)
-        x = mx.concatenate(flat + ([mx.broadcast_to(mx.array(0.0), (size - n,))] if n < size else []))
-        return scan(x[:size].reshape(shape), axis=-1)
+        pad = [mx.broadcast_to(mx.array(0.0), (size - n,))] if n < size else []
+        return fn(mx.concatenate(flat + pad + ints)[:size].reshape(shape))
+
+    def scan(f):
+        return lambda x: f(x, axis=-1)
 
     standins = {
-        (mx.fast, "rms_norm"): lambda x, *a, **k: one(mx.cumsum, x, shape=x.shape),
-        (mx.fast, "layer_norm"): lambda x, *a, **k: one(mx.cumprod, x, shape=x.shape),
-        (mx.fast, "rope"): lambda x, *a, **k: one(mx.cummax, x, shape=x.shape),
+        (mx.fast, "rms_norm"): lambda x, *a, **k: one(lambda y: mx.softmax(y, axis=-1), x, shape=x.shape),
+        (mx.fast, "layer_norm"): lambda x, *a, **k: one(lambda y: mx.partition(y, 0), x, shape=x.shape),
+        (mx.fast, "rope"): lambda x, *a, **k: one(scan(mx.cummax), x, shape=x.shape),
         (mx.fast, "scaled_dot_product_attention"): lambda q, k, v, *a, mask=None, **kw: one(
-            mx.logcumsumexp, q, k, v, mask, shape=(*q.shape[:-1], v.shape[-1])),
+            scan(mx.logcumsumexp), q, k, v, *([mask] if isinstance(mask, mx.array) else []),
+            shape=(*q.shape[:-1], v.shape[-1])),
         (mx, "dequantize"): lambda w, scales, biases=None, *a, **k: one(
-            mx.cummin, w, scales, biases, shape=(*w.shape[:-1], w.shape[-1] * 32 // k.get("bits", 4))),
+            scan(mx.cummin), scales, biases, w, shape=(*w.shape[:-1], w.shape[-1] * 32 // k.get("bits", 4))),
     }
     saved = {key: getattr(*key) for key in standins}
     for (mod, name), fn in standins.items():
