@@ -111,7 +111,7 @@ class PiecewiseDecode:
         sess, b = self.sess, self.sess.backend
         ex = sess.executor
         views = {c.name: sess._view(c, sess.pos, 1, static=True) for c in sess.caches}
-        env = {**static_feeds(b, ids, pos_dev, self.max_len), **views}
+        env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
         ex.ctx["all_logits"] = False
         b.new_step()
         b.step_memo = {}

@@ -298,7 +298,7 @@ class Session:
             self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
             self._pos_dev = (pos + 1, nxt) if nxt is not None else None
         else:
-            feeds = static_feeds(b, ids, pos_dev, self.max_len)
+            feeds = static_feeds(b, ids, pos_dev, self.max_len, self.first_input)
             at = pos if self.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
             views = {c.name: self._view(c, at, 1, static=True) for c in self.caches}
             logits = self._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
