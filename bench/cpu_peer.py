@@ -3,6 +3,8 @@
     python bench/cpu_peer.py                          # Qwen3-0.6B shape, 3 runs
     python bench/cpu_peer.py --shapes 0.6b 4b --runs 3
     python bench/cpu_peer.py --tiny                   # a tiny config in seconds (tests/test_bench_cpu_peer.py)
+    python bench/cpu_peer.py --engines fuselm genai mnn   # + MNN 3.6.1: bench/mnn_peer.py (its own .venv-mnn,
+                                                          #   MNN's telemetry blocked: read its docstring first)
 
 One random-weight Qwen3-shaped checkpoint per shape (bench/convert.py --make-checkpoint), then each
 tool's own q4 path with its defaults: `fuselm convert --quant q4` + `fuselm optimize`, and
