@@ -8,7 +8,10 @@ Load-time rewrites (each keeps what the graph computes):
 - Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
 - the lm_head's input passes through LastRows, so a prefill chunk computes the logits of its last
   position only, unless the run asks for all of them (ctx["all_logits"]);
-- nodes whose inputs are all constants are folded on the host.
+- nodes whose inputs are all constants are folded on the host;
+- Attention nodes whose mask is a causal band under the session's plain feeds get `causal_rows`
+  (mask_kind.py), so a backend can read only the filled rows of the cache; for such a backend, a
+  layer's q/k norms and RoPE run over every head of the fused QKV output at once (qkv_heads.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .backends.numpy_backend import NumpyBackend
 from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
 from .ops_nn import RUNTIME
+from .prepared import PreparedStore
 
 SUBGRAPH_OPS = ("If",)
 
@@ -62,6 +66,7 @@ class Graph:
     outputs: list[str]
     opsets: dict[str, int]
     elem_types: dict[str, int] = field(default_factory=dict)  # declared ONNX types of the initializers
+    prepared: str = "off"  # where the backend's prepared weights came from (runtime_metal/prepared.py)
 
 
 def attr_value(a: AttributeProto):
@@ -167,12 +172,23 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
                   {t.name: t.data_type for t in lm.graph.initializer})
     check_ops(graph.nodes, graph.opsets)
     _bypass_identity(graph)
-    _fold_dequantize(graph, backend, lm.release_pages)
+    store = PreparedStore(backend, lm.path)
+    try:
+        _fold_dequantize(graph, backend, lm.release_pages, store)
+        store.commit()
+    finally:
+        store.close()
+    graph.prepared = store.describe()
     _unpack_or_drop_packed(graph)
     lm.release_pages()
     _kv_append(graph)
     _fold_constants(graph)
     _last_rows(graph)
+    from . import mask_kind, qkv_heads
+
+    if backend.causal_reads and fused:
+        qkv_heads.rewrite(graph)
+    mask_kind.classify(graph, (lm.meta or {}).get("sliding_window"))
     return graph
 
 
@@ -188,12 +204,13 @@ def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
                               "runtime_metal/ops.py")
 
 
-def _fold_dequantize(graph: Graph, backend, release=lambda: None) -> None:
+def _fold_dequantize(graph: Graph, backend, release=lambda: None, store: PreparedStore | None = None) -> None:
     """DQ(const) -> MatMul(x, DQ) becomes QMatMul; so does MatMul(x, Transpose(DQ)) of a table stored
     [out, in] with blocks along `in` (a tied lm_head sharing the embedding's quantized table);
     DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather (a 4-bit table gathered from its packed rows).
     No dequantized copy of a weight is made: a 4-bit weight is unpacked only while it is prepared,
-    and `release()` drops the mapped pages read for it once the backend holds its own copy."""
+    and `release()` drops the mapped pages read for it once the backend holds its own copy. Weights the
+    `store` holds from an earlier load (runtime_metal/prepared.py) are taken as they are, unread."""
     producers = {o: n for n in graph.nodes for o in n.outputs}
     consts = graph.constants
     prepared: dict[str, object] = {}
@@ -216,12 +233,16 @@ def _fold_dequantize(graph: Graph, backend, release=lambda: None) -> None:
         if q.ndim != 2 or not block or q.dtype.kind not in "u" or dq.attrs.get("output_dtype", 0) not in (0, 1):
             continue
         if n.op_type == "MatMul" and axis in ((1, -1) if transposed else (0, -2)):
+            if w not in prepared and store is not None and store.get(w) is not None:
+                prepared[w] = store.get(w)
             if w not in prepared:
                 bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
                 q, scale, zp = (_values(t) for t in (q, scale, zp))
                 if transposed:  # [out, in] blocks along in = the [in, out] weight with blocks along axis 0
                     q, scale, zp = q.T, scale.T, (zp.T if zp is not None else None)
                 prepared[w] = backend.prepare_quantized(q, scale, zp, block, bits)
+                if store is not None:
+                    store.put(w, prepared[w])
                 del q, scale, zp
                 release()
             replace[id(n)] = Node("QMatMul", RUNTIME, n.name, [n.inputs[0]], n.outputs,

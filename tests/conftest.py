@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Prepared-weight files would land inside the shared fixture directories: tests/test_prepared.py
+# turns them on for its own copies.
+os.environ.setdefault("FUSELM_PREPARED", "0")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one xdist worker per core: one torch / OpenMP thread each (set before torch
     # is imported), so that two workers do not fight over the cores with two threads each.

@@ -1,0 +1,75 @@
+"""MLX-ready weights prepared once and kept beside the model (runtime_metal/prepared.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx.core")
+from fuselm.runtime_metal.backends.mlx_backend import MLXBackend  # noqa: E402
+from fuselm.runtime_metal.prepared import DIR_NAME  # noqa: E402
+from fuselm.runtime_metal.session import Session  # noqa: E402
+
+IDS = [3, 17, 5, 9]
+
+
+@pytest.fixture
+def model(optimized, tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    out = tmp_path / "m"
+    shutil.copytree(optimized("qwen3", "q4"), out)
+    return out
+
+
+def _logits(path):
+    sess = Session(path, backend="mlx", device="cpu")
+    sess.reset(8)
+    return sess, sess.logits_to_numpy(sess.prefill(IDS))
+
+
+def test_second_load_reads_the_prepared_weights(model, monkeypatch):
+    first, want = _logits(model)
+    assert first.graph.prepared.startswith("written to") and len(list((model / DIR_NAME).glob("*.safetensors"))) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("prepared again")
+
+    monkeypatch.setattr(MLXBackend, "prepare_quantized", refuse)
+    second, got = _logits(model)
+    assert second.graph.prepared.startswith("read from")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_stale_or_damaged_files_are_rebuilt_never_used(model):
+    _, want = _logits(model)
+    (stored,) = (model / DIR_NAME).glob("*.safetensors")
+    stored.write_bytes(stored.read_bytes()[: stored.stat().st_size // 2])  # truncated
+    sess, got = _logits(model)
+    assert sess.graph.prepared.startswith("written to")
+    np.testing.assert_array_equal(got, want)
+    data = model / "model.onnx.data"
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the weights changed
+    sess, _ = _logits(model)
+    assert sess.graph.prepared.startswith("written to")
+    files = list((model / DIR_NAME).glob("*.safetensors"))
+    assert len(files) == 1 and str(files[0]) in sess.graph.prepared  # the stale key's file is gone
+
+
+def test_four_processes_loading_at_once_prepare_it_once(model):
+    code = ("import json, sys; from fuselm.runtime_metal.session import Session; "
+            "s = Session(sys.argv[1], backend='mlx', device='cpu'); s.reset(8); "
+            f"print(json.dumps([s.graph.prepared.split(' ')[0], s.logits_to_numpy(s.prefill({IDS!r})).tolist()]))")
+    env = {**os.environ, "FUSELM_PREPARED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(model)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(4)]
+    results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(r[0] for r in results) == ["read", "read", "read", "written"]
+    assert all(r[1] == results[0][1] for r in results)
+    assert len(list((model / DIR_NAME).glob("*.safetensors"))) == 1 and not list((model / DIR_NAME).glob("*.tmp*"))
