@@ -36,6 +36,13 @@ from fuselm.reference import ort_session
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no CPU kernels (no compiler)")
 
 
+@pytest.fixture(autouse=True)
+def two_thread_team(monkeypatch):
+    """matmul and attention run with a team of 2 (as gemv's calls below ask), whatever torch's thread
+    count: the split of rows and heads between threads is tested even in a one-thread xdist worker."""
+    monkeypatch.setitem(torch_quant.KERNEL_THREADS, "n", 2)
+
+
 def _on(isa, *more):  # a parameter set skipped where the CPU lacks `isa`
     lacks = cpu_kernels() is None or not cpu_kernels().isa_supported(ISAS[isa])
     return pytest.param(isa, *more, marks=pytest.mark.skipif(lacks, reason=f"this CPU lacks {isa}"))
