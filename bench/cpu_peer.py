@@ -19,6 +19,9 @@ Then two fresh processes per engine, timed whole from the parent (imports + load
 - first token of a 16-token prompt (`fuselm run --prompt-ids ... --max-tokens 1`, and the
   equivalent onnxruntime-genai script), with its peak RSS,
 - a 512-token prompt and 16 generated tokens: the peak RSS of a `fuselm run`-like process.
+`--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
+--target onnxruntime` (MatMulNBits, GroupQueryAttention with one shared past/present buffer); every
+row records the compute nodes per decoder layer of the graph it ran (Constant nodes not counted).
 The box may be shared: every row records the 1-minute load average before it started. Prints a
 table with ratios, writes bench/results/cpu-peer.json (--tiny: cpu-peer-tiny.json).
 """
@@ -41,6 +44,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 ENGINES = ("fuselm", "genai")
+# onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize --target onnxruntime` (opt-in)
+GENAI_ON_FUSELM = "genai-fuselm"
 
 
 def _bench_module(name: str):
@@ -151,7 +156,7 @@ def child(args) -> None:
     model = Path(args.model)
     vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
-    if args.child == "genai":
+    if args.child in ("genai", GENAI_ON_FUSELM):
         engine = GenaiEngine(model, args.threads)
     elif args.child == "mnn":  # run by .venv-mnn's Python through bench/mnn_safe.py (see bench/mnn_peer.py)
         engine = _bench_module("mnn_peer").MnnEngine(model, args.threads)
@@ -190,7 +195,7 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
     (the child prints it), total wall time and the process's peak RSS (os.wait4)."""
     ids_arg = ",".join(map(str, ids))
     env = None
-    if engine == "genai":
+    if engine in ("genai", GENAI_ON_FUSELM):
         cmd = [sys.executable, "-c", GENAI_RUN, str(model), ids_arg, str(new), str(threads)]
     elif engine == "mnn":
         mnn = _bench_module("mnn_peer")
@@ -256,15 +261,34 @@ def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
 
 # --- preparation -------------------------------------------------------------------------------
 def prepare(shape: str, work: Path) -> tuple[Path, dict[str, Path]]:
-    """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation) and genai's int4 build."""
+    """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation), the same lowered for
+    onnxruntime (`--target onnxruntime`, MatMulNBits accuracy level 4 as genai's builder) and genai's int4 build."""
     ckpt, models = _bench_module("runtime").prepare(shape, work, ["q4"])
+    lowered = work / f"qwen3-{shape}-q4-onnxruntime"
+    if not (lowered / "genai_config.json").is_file():
+        subprocess.run([sys.executable, "-m", "fuselm.cli", "optimize", str(models["q4"][0]), "-o", str(lowered),
+                        "--target", "onnxruntime", "--force", "--quiet"], check=True)
     genai = work / f"qwen3-{shape}-genai-int4"
     if not (genai / "genai_config.json").is_file():
         shutil.rmtree(genai, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
                         "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai}
+    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai,
+                  GENAI_ON_FUSELM: lowered}
+
+
+def compute_nodes_per_layer(model_dir: Path) -> list[int]:
+    """Nodes inside each decoder layer (passes/draw.py's assignment), Constant nodes not counted (the
+    builder writes its constants as nodes, fuselm as initializers)."""
+    from collections import Counter
+
+    import onnx_ir as ir
+    from fuselm.passes.draw import layer_assignment
+
+    graph = ir.load(model_dir / "model.onnx").graph
+    counts = Counter(i for n, i in layer_assignment(graph).items() if n.op_type != "Constant")
+    return [counts[i] for i in sorted(counts)]
 
 
 def _dir_mb(path: Path) -> float:
@@ -307,7 +331,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="*", default=list(ENGINES),
-                    choices=["fuselm", "fuselm-compile", "genai", "mnn"])
+                    choices=["fuselm", "fuselm-compile", "genai", GENAI_ON_FUSELM, "mnn"])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
     ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
@@ -341,6 +365,8 @@ def main(argv=None) -> int:
             r.update(shape=shape, model_mb=_dir_mb(models[engine]))
             if engine == "mnn":
                 r.update(_bench_module("mnn_peer").export_stats(models[engine]))
+            else:
+                r.update(nodes_per_layer=compute_nodes_per_layer(models[engine]))
             if not args.no_fresh and "error" not in r:
                 r["first_token"] = fresh_runs(engine, models[engine], _ids(first_prompt, vocab, 7), 1, args)
                 if not args.tiny:  # the tiny test stays short: one fresh process per engine
