@@ -210,8 +210,19 @@ class Skeleton:
         return out
 
     def embed_name(self) -> str:
-        weight = self.model.get_input_embeddings().weight
-        return next(n for n, p in self.model.named_parameters() if p is weight)
+        """The input embedding's weight (`get_input_embeddings()`), by its stored name."""
+        return self._param_name(self.model.get_input_embeddings())
+
+    def head_name(self) -> str:
+        """The head's weight (`get_output_embeddings()`), by its stored name (the embedding's when tied)."""
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise FuselmError(f"model_type {self.model_type!r}: transformers' model has no output embedding "
+                              "(get_output_embeddings() is None); fuselm converts causal LMs with a head")
+        return self._param_name(head)
+
+    def _param_name(self, module: nn.Module) -> str:
+        return next(n for n, p in self.model.named_parameters() if p is module.weight)
 
     def metadata(self, plans: list[LayerPlan], kinds: int, kv_shape: tuple[int, int, int]) -> dict:
         """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer."""
