@@ -55,11 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", default=None, metavar="FILE")
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+    for sp in (o, d):
+        sp.add_argument("--target", choices=["onnxruntime"], default=None,
+                        help="after the portable passes, lower to a runtime's own ops (onnxruntime: its com.microsoft "
+                             "contrib ops and a genai_config.json with a shared past/present buffer); default: "
+                             "standard ONNX only")
+        sp.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="{0..4}",
+                        help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
+                             "int8 activations; 1: float32)")
+
+    sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
+    sp.add_argument("in_path")
+    sp.add_argument("-o", "--out", required=True)
+    how = sp.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="N stages balanced by weight bytes")
+    how.add_argument("--layers", help="explicit layer ranges, e.g. 0-13,14-27")
+    sp.add_argument("--force", action="store_true")
+    sp.add_argument("--quiet", action="store_true")
 
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=["auto", "mlx", "torch"], default="auto")
+        r.add_argument("--backend", choices=["auto", "mlx", "torch", "onnxruntime"] if name == "run" else
+                       ["auto", "mlx", "torch"], default="auto",
+                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
@@ -87,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--top-p", type=float, default=1.0)
             r.add_argument("--seed", type=int, default=None)
             r.add_argument("--profile", action="store_true", help="per-op time table")
+            r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
+                           help="a `fuselm split` output under mlx.launch: seconds a rank waits for its neighbour")
         else:
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
@@ -105,7 +126,7 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         args = vars(build_parser().parse_args(argv))
         command = f"fuselm {args.pop('command')}"
         positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
-                      "fuselm diff": ("in_path",), "fuselm run": ("model_dir",),
+                      "fuselm diff": ("in_path",), "fuselm split": ("in_path", "out"), "fuselm run": ("model_dir",),
                       "fuselm validate": ("model_dir", "reference")}[command]
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
