@@ -82,14 +82,20 @@ print(json.dumps({**out, "status": "ok" if worst <= 1e-4 else "wrong",
 
 def markdown() -> str:
     """The README table from the last sweep's JSON."""
-    rows = ["| model_type | traced result | max abs logit diff vs HF | layer kinds | rope |", "|---|---|---|---|---|"]
-    for mt, r in json.loads(RESULT.read_text())["results"].items():
+    rows = ["| model_type | traced result | max abs logit diff vs HF: exported / optimized | layer kinds | rope |",
+            "|---|---|---|---|---|"]
+    results = json.loads(RESULT.read_text())["results"]
+    for mt, r in results.items():
         if r["status"] == "ok":
             rope = ("interleaved" if r["interleaved"] else "rotate_half") + (
                 f", partial {r['rotary_dim']}/{r['head_dim']}" if r["rotary_dim"] < r["head_dim"] else "")
-            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} | {r['layer_kinds']} | {rope} |")
+            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} / {r['optimized_max_abs_logit_diff']:.1e} "
+                        f"| {r['layer_kinds']} | {rope} |")
         else:
             rows.append(f"| {mt} | {r['status']}: {r['detail'].splitlines()[0][:150]} | | | |")
+    counts = {s: sum(r["status"] == s for r in results.values()) for s in dict.fromkeys(r["status"] for r in results.values())}
+    rows.append("")
+    rows.append(f"{len(results)} model types: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
     return "\n".join(rows)
 
 
