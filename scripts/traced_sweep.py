@@ -33,6 +33,7 @@ CANDIDATES = [
 # Config fields the generic tiny sizes do not set and the model_type's defaults get wrong at that size
 # ("_drop": generic sizes the config class does not take).
 OVERRIDES = {"gptj": {"rotary_dim": 8}, "cwm": {"bos_token_id": 1}, "codegen": {"rotary_dim": 8}, "falcon": {"_drop": ["head_dim"]},
+             "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
              # MLA: head_dim is the rotary part; the latent ranks and head widths at the tiny size
              "minicpm3": {"head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
                           "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4}}
