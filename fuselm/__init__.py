@@ -6,7 +6,7 @@ stays cheap.
 
 from .errors import CheckFailed, FuselmError
 
-__all__ = ["convert", "optimize", "diff", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
+__all__ = ["convert", "optimize", "diff", "split", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
 __version__ = "0.1.0"
 
 
@@ -41,10 +41,23 @@ def diff(in_path, **kwargs):
     return _diff(in_path, **kwargs)
 
 
-def run(model_dir, **kwargs):
-    """Generate text from a model directory (see `fuselm run -h`)."""
-    from .ort_run import lowered_for_onnxruntime
+def split(in_path, out, **kwargs):
+    """Cut a model into pipeline stages at decoder-layer boundaries (see `fuselm split -h`)."""
+    from .passes.split import split as _split
 
+    _input_not_inside(in_path, out)
+    return _split(in_path, out, **kwargs)
+
+
+def run(model_dir, **kwargs):
+    """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
+    per process under `mlx.launch` (runtime_metal/pipeline_run.py)."""
+    from .ort_run import lowered_for_onnxruntime
+    from .runtime_metal import pipeline_run
+
+    if pipeline_run.is_split(model_dir):
+        return pipeline_run.run(model_dir, **kwargs)
+    kwargs.pop("pipe_timeout", None)
     if kwargs.get("backend", "auto") == "auto" and lowered_for_onnxruntime(model_dir):
         kwargs["backend"] = "onnxruntime"  # only onnxruntime runs its contrib ops
     elif kwargs.get("backend") not in (None, "onnxruntime") and lowered_for_onnxruntime(model_dir):

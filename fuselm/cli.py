@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
                              "int8 activations; 1: float32)")
 
+    sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
+    sp.add_argument("in_path")
+    sp.add_argument("-o", "--out", required=True)
+    how = sp.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="N stages balanced by weight bytes")
+    how.add_argument("--layers", help="explicit layer ranges, e.g. 0-13,14-27")
+    sp.add_argument("--force", action="store_true")
+    sp.add_argument("--quiet", action="store_true")
+
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
@@ -97,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--top-p", type=float, default=1.0)
             r.add_argument("--seed", type=int, default=None)
             r.add_argument("--profile", action="store_true", help="per-op time table")
+            r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
+                           help="a `fuselm split` output under mlx.launch: seconds a rank waits for its neighbour")
         else:
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
@@ -115,7 +126,7 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         args = vars(build_parser().parse_args(argv))
         command = f"fuselm {args.pop('command')}"
         positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
-                      "fuselm diff": ("in_path",), "fuselm run": ("model_dir",),
+                      "fuselm diff": ("in_path",), "fuselm split": ("in_path", "out"), "fuselm run": ("model_dir",),
                       "fuselm validate": ("model_dir", "reference")}[command]
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.

@@ -38,6 +38,10 @@ LOGITS = "logits"
 PAST = "past_key_values"  # past_key_values.{i}.key / .value  float [batch, kv_heads, past, head_dim]
 PRESENT = "present"  # present.{i}.key / .value        float [batch, kv_heads, past + seq, head_dim]
 KINDS = ("key", "value")
+# pipeline stages (`fuselm split`): stage k > 0 takes the residual stream instead of input_ids, and
+# every stage but the last returns it instead of logits; float [batch, seq, hidden]
+HIDDEN = "hidden_states"
+NEXT_HIDDEN = "hidden_states_out"
 NAMES_TEXT = (f"inputs {', '.join(STEP_INPUTS)}, {PAST}.{{i}}.key/.value and outputs {LOGITS}, "
               f"{PRESENT}.{{i}}.key/.value")
 

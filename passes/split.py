@@ -1,0 +1,366 @@
+"""`fuselm split`: a decoder graph cut into pipeline stages at decoder-layer boundaries (issue 20).
+
+Pattern: every node belongs to a decoder layer (its name `/model/layers.{i}/...` or a weight it
+reads: passes/base.py `node_layer`; a node reading `past_key_values.{i}.*` other than through Shape,
+or writing `present.{i}.*`, is layer i), or to the tail (depends on a layer: the final norm and the
+head), or is free (depends on the graph inputs and weights only: the embedding, the mask and
+position values). Stage k keeps the nodes of its layers (the last stage also the tail) and
+recomputes every free node they read from its own inputs: the mask is built again in each stage
+from `attention_mask`, which every stage takes (the choice "recompute", not "receive"). A free
+node reading `input_ids` other than through Shape (the embedding) belongs to the first stage only;
+in a later stage `Shape(input_ids)` reads the first two dims of the hidden state instead, and a
+`Shape` of another layer's cache reads the stage's own first cache (all layers' caches have one shape).
+
+Stage k > 0 takes `hidden_states` (contract.HIDDEN) where exactly one activation crosses from stage
+k-1, which returns it as `hidden_states_out` (contract.NEXT_HIDDEN); the last stage returns `logits`.
+Each stage takes `attention_mask`, `position_ids` and the caches of its own layers (their global
+names, `past_key_values.14.key` in stage 1), and returns their presents.
+
+Must not cut (FuselmError, exit 2): a cut where more than one value crosses or a stage reads from a
+stage other than the one before it (a graph whose layers do not chain through one residual value);
+a node whose name and cache disagree on its layer; layers that are not 0..L-1; more stages than layers.
+Weights are balanced by bytes (contiguous layer ranges minimizing the largest stage) unless given.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+
+from fuselm import contract
+from fuselm.errors import CheckFailed, FuselmError
+from fuselm.genai_config import NAME as GENAI_NAME
+from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
+
+from . import graphio
+from .base import node_layer
+
+SPLIT_NAME = "split.json"
+
+
+@dataclass
+class Stage:
+    index: int
+    layers: range
+    first: bool
+    last: bool
+    nodes: set[int] = field(default_factory=set)  # node indices (graph order) of the source graph
+    initializers: set[str] = field(default_factory=set)
+    crossing: str | None = None  # the source value that becomes this stage's HIDDEN input
+    shape_rewrites: dict[int, str] = field(default_factory=dict)  # Shape node index -> what it reads now
+    bytes: int = 0
+
+
+class Graph:
+    """The source graph classified once: each node's layer, tail or free, and the embedding taint."""
+
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.nodes = list(model.graph)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        inputs = {v.name for v in model.graph.inputs}
+        pasts = sorted((n for n in inputs if contract.is_past(n)), key=contract.cache_order)
+        self.n_layers = len({contract.parse_cache(n).layer for n in pasts})
+        missing = [n for n in (*contract.STEP_INPUTS,) if n not in inputs]
+        if missing or not pasts or contract.LOGITS not in {v.name for v in model.graph.outputs}:
+            raise FuselmError(f"the graph does not follow the fuselm contract (missing {missing or contract.LOGITS}); "
+                              f"split needs {contract.NAMES_TEXT}")
+        if sorted({contract.parse_cache(n).layer for n in pasts}) != list(range(self.n_layers)):
+            raise FuselmError(f"the cache inputs name layers {sorted({contract.parse_cache(n).layer for n in pasts})}; "
+                              "split needs layers 0..L-1")
+        self.layer: list[int | None] = [self._layer_of(n) for n in self.nodes]
+        self.tail = [False] * len(self.nodes)
+        self.embeds = [False] * len(self.nodes)  # free node depending on input_ids other than through Shape
+        for i, n in enumerate(self.nodes):
+            if self.layer[i] is not None:
+                continue
+            prods = [self._producer(v) for v in n.inputs if v is not None]
+            self.tail[i] = any(p is not None and (self.layer[p] is not None or self.tail[p]) for p in prods)
+            if n.op_type != "Shape":
+                self.embeds[i] = any(v is not None and v.name == contract.INPUT_IDS for v in n.inputs) or \
+                    any(p is not None and self.embeds[p] for p in prods)
+        self.init_bytes = {name: _nbytes(v) for name, v in model.graph.initializers.items()}
+
+    def _producer(self, v: ir.Value) -> int | None:
+        p = v.producer()
+        return self.index.get(p) if p is not None else None
+
+    def _layer_of(self, n: ir.Node) -> int | None:
+        by_cache = {c.layer for v in n.inputs if v is not None and n.op_type != "Shape"
+                    for c in [contract.parse_cache(v.name)] if c is not None} | \
+                   {c.layer for v in n.outputs for c in [contract.parse_cache(v.name)] if c is not None}
+        by_name = node_layer(n)
+        if len(by_cache) > 1 or (by_cache and by_name is not None and by_name not in by_cache):
+            raise FuselmError(f"node {n.name!r} ({n.op_type}) is named for layer {by_name} but reads or writes the "
+                              f"caches of layers {sorted(by_cache)}; split cannot tell which stage it belongs to")
+        layer = by_cache.pop() if by_cache else by_name
+        if layer is not None and not 0 <= layer < self.n_layers:
+            return None  # a name like `layers.99` that is no decoder layer of this graph
+        return layer
+
+    @functools.cache  # noqa: B019 - one Graph per split run
+    def stage(self, lo: int, hi: int, first: bool, last: bool) -> Stage:
+        """The nodes, weights and crossing value of the stage holding layers lo..hi-1."""
+        st = Stage(-1, range(lo, hi), first, last)
+        own = set(st.layers)
+        todo = [i for i, layer in enumerate(self.layer) if layer in own or (last and self.tail[i])]
+        st.nodes = set(todo)
+        crossing: set[str] = set()
+        while todo:
+            i = todo.pop()
+            n = self.nodes[i]
+            for v in n.inputs:
+                if v is None:
+                    continue
+                if v.is_initializer() or (v.const_value is not None and v.producer() is None and
+                                          not v.is_graph_input()):
+                    st.initializers.add(v.name)
+                    continue
+                if v.is_graph_input():
+                    c = contract.parse_cache(v.name)
+                    if v.name == contract.INPUT_IDS and not first:
+                        if n.op_type != "Shape":
+                            raise FuselmError(f"node {n.name!r} ({n.op_type}) of layer {self.layer[i]} reads "
+                                              f"{contract.INPUT_IDS}; only the first stage has the token ids")
+                        st.shape_rewrites[i] = contract.HIDDEN
+                    elif c is not None and c.layer not in own:
+                        if n.op_type != "Shape":
+                            raise FuselmError(f"node {n.name!r} ({n.op_type}) reads {v.name}, a cache of another "
+                                              "stage; split cannot place it")
+                        st.shape_rewrites[i] = contract.past_name(lo, c.kind)
+                    continue
+                p = self._producer(v)
+                if p is None or p in st.nodes:
+                    continue
+                if self.layer[p] is None and not self.tail[p] and (first or not self.embeds[p]):
+                    st.nodes.add(p)
+                    todo.append(p)
+                else:
+                    crossing.add(v.name)
+        if first and crossing:
+            raise FuselmError(f"the first stage reads {sorted(crossing)} from later layers; the graph's layers are "
+                              "not in order")
+        if not first and len(crossing) != 1:
+            raise FuselmError(f"{len(crossing)} values cross into layer {lo} ({', '.join(sorted(crossing)[:6])}); "
+                              "a stage boundary needs exactly one (the residual stream): choose other --layers")
+        st.crossing = crossing.pop() if crossing else None
+        st.bytes = sum(self.init_bytes.get(name, 0) for name in st.initializers)
+        return st
+
+    def plan(self, ranges: list[range]) -> list[Stage]:
+        stages = []
+        for k, r in enumerate(ranges):
+            st = self.stage(r.start, r.stop, k == 0, k == len(ranges) - 1)
+            stages.append(Stage(k, r, st.first, st.last, st.nodes, st.initializers, st.crossing,
+                                st.shape_rewrites, st.bytes))
+        for prev, st in zip(stages, stages[1:], strict=False):
+            if self._producer(self._value(st.crossing)) not in prev.nodes:
+                raise FuselmError(f"stage {st.index} reads {st.crossing} from a stage before stage {prev.index}; "
+                                  "a pipeline hands one value from each stage to the next: choose other --layers")
+        return stages
+
+    def _value(self, name: str) -> ir.Value:
+        for n in self.nodes:
+            for v in n.outputs:
+                if v.name == name:
+                    return v
+        raise KeyError(name)
+
+    def balanced(self, n_stages: int) -> list[range]:
+        """Contiguous layer ranges minimizing the largest stage's weight bytes."""
+        L = self.n_layers
+        if not 1 <= n_stages <= L:
+            raise FuselmError(f"--stages {n_stages}: the graph has {L} layers; choose 1..{L} stages")
+
+        @functools.cache
+        def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
+            # the largest stage's bytes and the cut points of layers start..L-1 in k stages
+            if k == 1:
+                return self.stage(start, L, start == 0, True).bytes, ()
+            out = None
+            for cut in range(start + 1, L - k + 2):
+                here = self.stage(start, cut, start == 0, False).bytes
+                rest, cuts = best(cut, k - 1)
+                cand = (max(here, rest), (cut, *cuts))
+                if out is None or cand[0] < out[0]:
+                    out = cand
+            return out
+
+        cuts = (0, *best(0, n_stages)[1], L)
+        return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def parse_layers(text: str, n_layers: int) -> list[range]:
+    """'0-13,14-27' -> [range(0, 14), range(14, 28)]; the ranges must cover 0..L-1 in order."""
+    ranges = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", part)
+        if not m:
+            raise FuselmError(f"--layers {text!r}: write ranges like 0-13,14-27")
+        a = int(m.group(1))
+        b = int(m.group(2)) if m.group(2) is not None else a
+        ranges.append(range(a, b + 1))
+    expect = 0
+    for r in ranges:
+        if r.start != expect or len(r) == 0:
+            raise FuselmError(f"--layers {text!r}: the ranges must be non-empty, in order and cover layers "
+                              f"0..{n_layers - 1} with no gap or overlap (got {r.start}-{r.stop - 1} after {expect - 1})")
+        expect = r.stop
+    if expect != n_layers:
+        raise FuselmError(f"--layers {text!r} covers layers 0..{expect - 1}; the graph has {n_layers} (0..{n_layers - 1})")
+    return ranges
+
+
+def _nbytes(v: ir.Value) -> int:
+    t = v.const_value
+    if t is None:
+        return 0
+    try:
+        return int(t.nbytes)
+    except Exception:  # noqa: BLE001 - a tensor type without nbytes
+        return 0
+
+
+def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: int) -> ir.Model:
+    """A fresh copy of the source graph reduced to the stage's nodes, with its stage inputs and outputs."""
+    model = graphio.load(onnx_path)
+    g = model.graph
+    nodes = list(g)
+    values = {v.name: v for n in nodes for v in n.outputs}
+    inputs = {v.name: v for v in g.inputs}
+    own = set(st.layers)
+    new_inputs = []
+    if st.first:
+        new_inputs.append(inputs[contract.INPUT_IDS])
+    else:
+        old = values[st.crossing]
+        hidden = ir.Value(name=contract.HIDDEN, type=ir.TensorType(_hidden_dtype(g)),
+                          shape=ir.Shape([*inputs[contract.INPUT_IDS].shape, width]))
+        index = {n: i for i, n in enumerate(nodes)}
+        for use in list(old.uses()):
+            if index[use.node] in st.nodes:
+                use.node.replace_input_with(use.idx, hidden)
+        new_inputs.append(hidden)
+        for i, target in st.shape_rewrites.items():
+            node = nodes[i]
+            if target == contract.HIDDEN:  # Shape(input_ids) -> the [batch, sequence] dims of the hidden state
+                start = node.attributes.get("start")
+                end = node.attributes.get("end")
+                s = start.as_int() if start is not None else 0
+                e = end.as_int() if end is not None else 2
+                s, e = (s + 2 if s < 0 else s), (e + 2 if e < 0 else min(e, 2))
+                node.replace_input_with(0, hidden)
+                node.attributes["start"] = ir.AttrInt64("start", s)
+                node.attributes["end"] = ir.AttrInt64("end", e)
+            else:
+                node.replace_input_with(0, inputs[target])
+    new_inputs += [inputs[contract.ATTENTION_MASK], inputs[contract.POSITION_IDS]]
+    new_inputs += sorted((v for v in g.inputs if contract.is_past(v.name) and contract.parse_cache(v.name).layer in own),
+                         key=lambda v: contract.cache_order(v.name))
+    outputs = {v.name: v for v in g.outputs}
+    if st.last:
+        head = outputs[contract.LOGITS]
+    else:
+        head = values[next_crossing]
+        head.name = contract.NEXT_HIDDEN
+        if head.type is None:
+            head.type = ir.TensorType(_hidden_dtype(g))
+            head.shape = ir.Shape([*inputs[contract.INPUT_IDS].shape, width])
+    presents = sorted((v for v in g.outputs if contract.is_present(v.name) and contract.parse_cache(v.name).layer in own),
+                      key=lambda v: contract.cache_order(v.name))
+    g.outputs.clear()
+    g.outputs.extend([head, *presents])
+    g.inputs.clear()
+    g.inputs.extend(new_inputs)
+    for i in reversed(range(len(nodes))):
+        if i not in st.nodes:
+            g.remove(nodes[i], safe=True)
+    for name in list(g.initializers):
+        if name not in st.initializers:
+            del g.initializers[name]
+    for name, fn in list(model.functions.items()):
+        if not any(n.domain == fn.domain and n.op_type == fn.name for n in g):
+            del model.functions[name]
+    return model
+
+
+def _hidden_dtype(g: ir.Graph) -> ir.DataType:
+    """The activations' type: the contract writes the caches in the compute type."""
+    past = next(v for v in g.inputs if contract.is_past(v.name))
+    return past.dtype
+
+
+def hidden_size(src: Graph, meta: dict | None) -> int:
+    """The residual width: fuselm.json's dims.hidden, else the final norm's weight (a rank-1 weight of the tail)."""
+    hidden = ((meta or {}).get("dims") or {}).get("hidden")
+    if hidden:
+        return int(hidden)
+    for i, n in enumerate(src.nodes):
+        if src.tail[i]:
+            for w in n.inputs:
+                if w is not None and w.is_initializer() and w.const_value is not None and len(w.const_value.shape) == 1:
+                    return int(w.const_value.shape[0])
+    raise FuselmError("cannot tell the hidden size (no dims.hidden in fuselm.json, no final norm weight); split a "
+                      "model directory written by `fuselm convert` or `fuselm optimize`")
+
+
+def split(in_path, out, stages: int | None = None, layers: str | None = None, force: bool = False,
+          quiet: bool = False) -> dict:
+    """Write OUT/stage0..stageN-1 (model directories) and OUT/split.json; returns the report."""
+    if (stages is None) == (layers is None):
+        raise FuselmError("pass --stages N or --layers 0-13,14-27 (one of them)")
+    onnx_path, meta = graphio.resolve(in_path)
+    src = Graph(graphio.load(onnx_path))
+    ranges = parse_layers(layers, src.n_layers) if layers is not None else src.balanced(int(stages))
+    plan = src.plan(ranges)
+    width = hidden_size(src, meta)
+    total = sum(src.init_bytes.values())
+    report = {"source": str(in_path), "layers": src.n_layers, "source_bytes": total,
+              "hidden": contract.HIDDEN, "next_hidden": contract.NEXT_HIDDEN, "stages": []}
+    out = Path(out)
+    with atomic_output_dir(out, force=force) as tmp:
+        for k, st in enumerate(plan):
+            nxt = plan[k + 1].crossing if k + 1 < len(plan) else None
+            model = build_stage(onnx_path, st, nxt, width)
+            d = tmp / f"stage{k}"
+            d.mkdir()
+            path = graphio.save(model, d)
+            try:
+                graphio.check(path)
+            except Exception as e:
+                raise CheckFailed(f"stage {k} fails onnx.checker ({e}); the cut at layer {st.layers.start} is not "
+                                  "clean: choose other --layers") from None
+            info = {"stage": k, "of": len(plan), "layers": [st.layers.start, st.layers.stop - 1],
+                    "bytes": st.bytes, "first": st.first, "last": st.last, "hidden": width,
+                    "input": contract.INPUT_IDS if st.first else contract.HIDDEN,
+                    "output": contract.LOGITS if st.last else contract.NEXT_HIDDEN,
+                    "cut_value": st.crossing, "nodes": len(st.nodes)}
+            stage_meta = {k2: v for k2, v in (meta or {}).items() if k2 != "schema_version"}
+            stage_meta["pipeline"] = info
+            write_meta(d, stage_meta)
+            (d / GENAI_NAME).unlink(missing_ok=True)  # onnxruntime-genai cannot run one stage
+            if Path(in_path).is_dir():
+                copy_tokenizer_files(in_path, d)
+            report["stages"].append(info)
+        (tmp / SPLIT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        # a fuselm.json at the top (no model.onnx: no genai_config) marks OUT as fuselm's, for --force and run
+        write_meta(tmp, {"stage": "split", "pipeline": {"of": len(plan)}, "dims": (meta or {}).get("dims", {})})
+    if not quiet:
+        print(format_report(report, out))
+    return report
+
+
+def format_report(report: dict, out) -> str:
+    lines = [f"fuselm split: {report['source']} -> {out} ({report['layers']} layers, "
+             f"{report['source_bytes'] / 2**20:.2f} MiB of weights)"]
+    for s in report["stages"]:
+        role = " + ".join(r for r, on in (("embedding", s["first"]), ("norm + head", s["last"])) if on)
+        lines.append(f"  stage{s['stage']}: layers {s['layers'][0]}-{s['layers'][1]}"
+                     f"{' + ' + role if role else ''}: {s['bytes'] / 2**20:.2f} MiB, {s['nodes']} nodes, "
+                     f"{s['input']} -> {s['output']}")
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""`fuselm run SPLIT` under `mlx.launch`: one pipeline stage per rank over mx.distributed (issue 20).
+
+    fuselm split MODEL -o SPLIT --stages 2
+    mlx.launch --backend ring -n 2 -- fuselm run SPLIT --prompt "..."                 # one machine
+    mlx.launch --backend ring --hostfile hosts.json -- fuselm run SPLIT --prompt "..."   # two Macs
+
+Rank r runs SPLIT/stage{r} in runtime_metal's Session on the MLX backend (a stage graph takes the
+hidden state in place of input_ids, returns it in place of logits: Session reads either). Every rank
+gets the same command line, so all know the prompt, its chunks and --max-tokens.
+
+- handshake: rank 0 sends its stage's description [stage, of, first layer, last layer, hidden,
+  dtype, split id] to rank 1, which checks it against its own and passes its own on, around the
+  ring back to rank 0: stages that are not the same split, not in rank order, or not one per rank
+  stop every rank with a message before any work.
+- prefill: rank 0 runs the prompt in chunks and sends each chunk's hidden state on while it runs the
+  next, so the stages work on different chunks at once; the last rank keeps the last chunk's logits.
+- decode: one token per step through the pipe: the last rank picks the token (on the device), prints
+  it and sends it to rank 0, which embeds it. A message is the hidden state [1, s, hidden] plus one
+  column: 1 there means "stop" (rank 0 got an eos token), passed on down the pipe.
+- every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
+  hostfile, a rank that died): the waiting rank prints what it waited for and exits with status 2,
+  never hangs. mx.distributed.init gets the same deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto
+
+from fuselm import contract
+from fuselm.errors import FuselmError
+from fuselm.modeldir import read_meta
+
+from .generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
+from .sampling import Sampler
+from .session import Session, kv_options
+
+SPLIT_NAME = "split.json"
+DTYPES = {TensorProto.FLOAT: (0, np.float32), TensorProto.FLOAT16: (1, np.float16), TensorProto.BFLOAT16: (2, None)}
+HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "split id")
+
+
+def is_split(path) -> bool:
+    return (Path(path) / SPLIT_NAME).is_file()
+
+
+class Deadline:
+    """A watchdog thread: while armed, a wait longer than `seconds` prints what was awaited and ends the
+    process (status 2): a blocked mx.distributed call cannot be interrupted from Python."""
+
+    def __init__(self, seconds: float, rank: int):
+        self.seconds, self.rank = seconds, rank
+        self.what: str | None = None
+        self.until = 0.0
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def __call__(self, what: str) -> Deadline:
+        self.what = what
+        return self
+
+    def __enter__(self):
+        self.until = time.monotonic() + self.seconds
+        return self
+
+    def __exit__(self, *exc):
+        self.what = None
+
+    def _watch(self):
+        while True:
+            time.sleep(0.2)
+            what = self.what
+            if what is not None and time.monotonic() > self.until:
+                print(f"fuselm run: error: rank {self.rank}: {what} did not come within {self.seconds:g} s; a rank "
+                      "failed or was not started, or the hostfile does not list these processes (run them with "
+                      "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)",
+                      file=sys.stderr, flush=True)
+                os._exit(2)
+
+
+def init_group(timeout: float):
+    """mx.distributed's ring group under a deadline; (group, rank, size)."""
+    import mlx.core as mx
+
+    if not os.environ.get("MLX_RANK") and not os.environ.get("OMPI_COMM_WORLD_RANK"):
+        return None, 0, 1
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    with Deadline(timeout, rank)("the connection to the other ranks (mx.distributed.init)"):
+        try:
+            group = mx.distributed.init(strict=True, backend=os.environ.get("FUSELM_MLX_BACKEND", "ring"))
+        except (RuntimeError, ValueError) as e:
+            raise FuselmError(f"rank {rank}: mx.distributed.init failed ({e}); check the hostfile "
+                              f"(MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')})") from None
+    return group, group.rank(), group.size()
+
+
+class Pipe:
+    """One rank's end of the pipe: its stage's Session and its neighbours."""
+
+    def __init__(self, split_dir: Path, group, rank: int, size: int, timeout: float, session_kw: dict):
+        import mlx.core as mx
+
+        self.mx, self.group, self.rank, self.size = mx, group, rank, size
+        split = json.loads((split_dir / SPLIT_NAME).read_text())
+        of = len(split["stages"])
+        if size != of:
+            raise FuselmError(f"{split_dir} has {of} stages but {size} processes were started; start one per stage "
+                              f"(mlx.launch -n {of} or a hostfile of {of} hosts)")
+        self.dir = split_dir / f"stage{rank}"
+        if not self.dir.is_dir():
+            raise FuselmError(f"rank {rank}: {self.dir} is missing; copy the split directory (at least stage{rank}/) "
+                              "to this machine at the same path")
+        self.info = read_meta(self.dir).get("pipeline") or {}
+        if self.info.get("stage") != rank or self.info.get("of") != of:
+            raise FuselmError(f"{self.dir}/fuselm.json says stage {self.info.get('stage')} of {self.info.get('of')}; "
+                              f"rank {rank} needs stage {rank} of {of}: re-run `fuselm split`")
+        self.sess = Session(self.dir, backend="mlx", **session_kw)
+        self.first, self.last = rank == 0, rank == size - 1
+        self.deadline = Deadline(timeout, rank)
+        ins = self.sess.lm.input_types
+        elem = ins[contract.HIDDEN][0] if contract.HIDDEN in ins else \
+            next(v for k, v in ins.items() if contract.is_past(k))[0]
+        if elem not in DTYPES:
+            raise FuselmError(f"{self.dir}: hidden state of type {elem}; the pipe carries float32 / float16 / bfloat16")
+        self.dtype_code, np_dtype = DTYPES[elem]
+        self.width = int(self.info["hidden"])
+        zero = np.zeros((1, 1, 1), np_dtype or np.float32)
+        self.msg_dtype = self.sess.backend.asarray(zero).dtype if elem != TensorProto.BFLOAT16 else mx.bfloat16
+
+    # --- messages -------------------------------------------------------------------------------
+    def _send(self, x, dst):
+        self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
+
+    def _recv(self, shape, dtype, src, what: str):
+        with self.deadline(what):
+            x = self.mx.distributed.recv(shape, dtype, src, group=self.group)
+            self.mx.eval(x)
+        return x
+
+    def send_hidden(self, h, stop: bool = False):
+        mx = self.mx
+        h = h.reshape(1, -1, self.width).astype(self.msg_dtype)
+        flag = mx.full((1, h.shape[1], 1), 1.0 if stop else 0.0, dtype=self.msg_dtype)
+        self._send(mx.concatenate([h, flag], axis=-1), self.rank + 1)
+
+    def recv_hidden(self, rows: int, what: str):
+        """(hidden [1, rows, width], stop) from the rank before."""
+        m = self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)
+        return m[..., :self.width], bool(m[0, 0, self.width].item())
+
+    def handshake(self, split_id: int) -> None:
+        mine = [self.rank, self.size, *self.info["layers"], self.width, self.dtype_code, split_id]
+        prev = (self.rank - 1) % self.size
+        own = self.mx.array(np.asarray(mine, np.int64))
+        if self.first:
+            self._send(own, 1)
+        got = [int(v) for v in np.array(self._recv((len(mine),), self.mx.int64, prev,
+                                                   f"the handshake from rank {prev}"))]
+        if not self.first:
+            self._send(own, (self.rank + 1) % self.size)
+        want = {"stage": prev, "of": self.size, "hidden": self.width, "dtype": self.dtype_code, "split id": split_id}
+        if not self.first:
+            want["last layer"] = self.info["layers"][0] - 1
+        theirs = dict(zip(HANDSHAKE, got, strict=True))
+        bad = [f"{k} {theirs[k]} (expected {v})" for k, v in want.items() if theirs[k] != v]
+        if bad:
+            # tell the ranks after us too: they would otherwise wait for work until their deadline
+            raise FuselmError(f"rank {self.rank}: rank {prev} runs a stage that does not fit: {', '.join(bad)}; every "
+                              "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
+
+
+def split_id(split_dir: Path) -> int:
+    import zlib
+
+    return zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF
+
+
+def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
+        top_k=0, top_p=1.0, seed=None, backend="auto", device=None, no_fused_kernels=False, compile=None,
+        threads=None, stream=None, quiet=False, dtype="auto", profile=False, pipe_timeout: float = 60.0,
+        **kv) -> dict:
+    """Generate with one stage per rank (this process is one rank); the last rank prints the tokens."""
+    if backend not in ("auto", "mlx"):
+        raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
+    if max_tokens < 1:
+        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampler = Sampler(temperature, top_k, top_p, seed)
+    split_dir = Path(split_dir)
+    n_stages = len(json.loads((split_dir / SPLIT_NAME).read_text())["stages"])
+    group, rank, size = init_group(pipe_timeout)
+    if group is None:
+        raise FuselmError(f"{split_dir} is split into {n_stages} stages: start one process per stage with "
+                          f"`mlx.launch --backend ring -n {n_stages} -- fuselm run {split_dir} ...` (or --hostfile)")
+    pipe = Pipe(split_dir, group, rank, size, pipe_timeout,
+                {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
+                 "dtype": dtype, **kv_options(**kv)})
+    sess, b = pipe.sess, pipe.sess.backend
+    tok = load_tokenizer(pipe.dir, required=prompt is not None)
+    ids = encode_prompt(tok, prompt, prompt_ids, chat)
+    stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
+    pipe.handshake(split_id(split_dir))
+    sess.reset(len(ids) + max_tokens)
+    chunk = b.prefill_chunk
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    log = (lambda m: None) if quiet else (lambda m: print(f"[rank {rank}] {m}", file=sys.stderr, flush=True))
+    log(f"stage {rank} of {size} (layers {pipe.info['layers'][0]}-{pipe.info['layers'][1]}): {sess.describe()}")
+    out = stream or sys.stdout
+    t0 = time.perf_counter()
+    generated: list[int] = []
+    t_first = None
+    if pipe.first:
+        for part in chunks:
+            pipe.send_hidden(sess._step_dynamic(part))
+            b.sync(list(sess.buffers.values()))
+        last = pipe.size - 1
+        for _ in range(max_tokens - 1):
+            token = pipe._recv((1,), pipe.mx.int32, last, f"the next token from rank {last}")
+            if int(token.item()) in stops:
+                pipe.send_hidden(pipe.mx.zeros((1, 1, pipe.width)), stop=True)
+                break
+            pipe.send_hidden(sess.decode(token.astype(pipe.mx.int64)))
+    else:
+        logits = None
+        for k, part in enumerate(chunks):
+            h, _ = pipe.recv_hidden(len(part), f"prefill chunk {k} from rank {rank - 1}")
+            y = sess._step_dynamic(h)
+            if pipe.last:
+                logits = y
+            else:
+                pipe.send_hidden(y)
+            b.sync(list(sess.buffers.values()))
+        detok = _Detokenizer(tok)
+        for n in range(max_tokens):
+            if n:
+                h, stop = pipe.recv_hidden(1, f"decode step {n} from rank {rank - 1}")
+                if stop:
+                    if not pipe.last:
+                        pipe.send_hidden(h, stop=True)
+                    break
+                y = sess.decode(h)
+                if not pipe.last:
+                    pipe.send_hidden(y)
+                    continue
+                logits = y
+            elif not pipe.last:
+                continue
+            picked = b.pick_token(logits, sampler)
+            if n + 1 < max_tokens:  # rank 0 embeds it while this rank prints it
+                pipe._send(picked.reshape(1).astype(pipe.mx.int32), 0)
+            token = b.item(picked)
+            if token < 0:
+                raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
+            if t_first is None:
+                t_first = time.perf_counter()
+            generated.append(token)
+            out.write(detok.add(token))
+            out.flush()
+            if token in stops:
+                continue  # rank 0 sends the stop down the pipe; wait for it so every rank ends together
+    now = time.perf_counter()
+    result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids)}
+    if pipe.last:
+        out.write("\n")
+        out.flush()
+        decode_n = len(generated) - 1
+        result.update(text=tok.decode(generated, skip_special_tokens=True) if tok is not None else None,
+                      prefill_tok_s=len(ids) / max(t_first - t0, 1e-9),
+                      decode_tok_s=decode_n / (now - t_first) if decode_n else None)
+        log(f"prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
+            + (f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a"))
+    return result
