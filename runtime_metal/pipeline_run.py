@@ -18,16 +18,17 @@ gets the same command line, so all know the prompt, its chunks and --max-tokens.
   it and sends it to rank 0, which embeds it. A message is the hidden state [1, s, hidden] plus one
   column: 1 there means "stop" (rank 0 got an eos token), passed on down the pipe.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
-  hostfile, a rank that died): the waiting rank prints what it waited for and exits with status 2,
-  never hangs. mx.distributed.init gets the same deadline.
+  hostfile, a rank that hangs): the waiting rank prints what it waited for and is ended by its
+  watchdog process (SIGKILL, status 137), never hangs; mx.distributed.init gets the same deadline. A
+  peer that exits breaks the connection: the ring backend's error becomes a message naming the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,52 +52,88 @@ def is_split(path) -> bool:
     return (Path(path) / SPLIT_NAME).is_file()
 
 
+# The watchdog runs in its own small process: a blocked mx.distributed call holds the GIL, so no thread
+# (and no signal handler) of this process would run while it waits.
+_WATCHDOG = """
+import os, select, signal, sys
+parent, until, what = int(sys.argv[1]), None, ""
+while True:
+    wait = None if until is None else max(0.0, until - __import__("time").monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
+    if ready:
+        line = os.read(0, 4096).decode()
+        if not line:
+            sys.exit(0)  # the rank ended
+        cmd = line.strip().splitlines()[-1]
+        if cmd == "off":
+            until = None
+        else:
+            seconds, what = cmd.split(" ", 1)
+            until = __import__("time").monotonic() + float(seconds)
+    elif until is not None:
+        sys.stderr.write(what + "\\n")
+        sys.stderr.flush()
+        os.kill(parent, signal.SIGKILL)
+        sys.exit(0)
+"""
+
+
 class Deadline:
-    """A watchdog thread: while armed, a wait longer than `seconds` prints what was awaited and ends the
-    process (status 2): a blocked mx.distributed call cannot be interrupted from Python."""
+    """While armed (`with deadline("what we wait for"):`), a wait longer than `seconds` prints what was
+    awaited and ends this rank (SIGKILL from the watchdog process: a blocked call cannot be interrupted)."""
 
     def __init__(self, seconds: float, rank: int):
+        import subprocess
+
         self.seconds, self.rank = seconds, rank
-        self.what: str | None = None
-        self.until = 0.0
-        threading.Thread(target=self._watch, daemon=True).start()
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid())], stdin=subprocess.PIPE)
+        self.what = ""
 
     def __call__(self, what: str) -> Deadline:
         self.what = what
         return self
 
     def __enter__(self):
-        self.until = time.monotonic() + self.seconds
+        message = (f"fuselm run: error: rank {self.rank}: {self.what} did not come within {self.seconds:g} s; a rank "
+                   "failed or was not started, or the hostfile does not list these processes (start them with "
+                   "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)")
+        self._tell(f"{self.seconds} {message}")
         return self
 
     def __exit__(self, *exc):
-        self.what = None
+        self._tell("off")
 
-    def _watch(self):
-        while True:
-            time.sleep(0.2)
-            what = self.what
-            if what is not None and time.monotonic() > self.until:
-                print(f"fuselm run: error: rank {self.rank}: {what} did not come within {self.seconds:g} s; a rank "
-                      "failed or was not started, or the hostfile does not list these processes (run them with "
-                      "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)",
-                      file=sys.stderr, flush=True)
-                os._exit(2)
+    def _tell(self, line: str) -> None:
+        self.proc.stdin.write((line.replace("\n", " ") + "\n").encode())
+        self.proc.stdin.flush()
+
+
+_GROUP: list = []  # the process's one group: a second mx.distributed.init would open new connections
+_DEADLINE: list = []  # and its one watchdog
+
+
+def deadline(seconds: float, rank: int) -> Deadline:
+    if not _DEADLINE:
+        _DEADLINE.append(Deadline(seconds, rank))
+    _DEADLINE[0].seconds, _DEADLINE[0].rank = seconds, rank
+    return _DEADLINE[0]
 
 
 def init_group(timeout: float):
-    """mx.distributed's ring group under a deadline; (group, rank, size)."""
+    """mx.distributed's ring group under a deadline, once per process; (group, rank, size)."""
     import mlx.core as mx
 
     if not os.environ.get("MLX_RANK") and not os.environ.get("OMPI_COMM_WORLD_RANK"):
         return None, 0, 1
     rank = int(os.environ.get("MLX_RANK", "0"))
-    with Deadline(timeout, rank)("the connection to the other ranks (mx.distributed.init)"):
-        try:
-            group = mx.distributed.init(strict=True, backend=os.environ.get("FUSELM_MLX_BACKEND", "ring"))
-        except (RuntimeError, ValueError) as e:
-            raise FuselmError(f"rank {rank}: mx.distributed.init failed ({e}); check the hostfile "
-                              f"(MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')})") from None
+    if not _GROUP:
+        with deadline(timeout, rank)("the connection to the other ranks (mx.distributed.init)"):
+            try:
+                _GROUP.append(mx.distributed.init(strict=True, backend=os.environ.get("FUSELM_MLX_BACKEND", "ring")))
+            except (RuntimeError, ValueError) as e:
+                raise FuselmError(f"rank {rank}: mx.distributed.init failed ({e}); check the hostfile "
+                                  f"(MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')})") from None
+    group = _GROUP[0]
     return group, group.rank(), group.size()
 
 
@@ -122,7 +159,7 @@ class Pipe:
                               f"rank {rank} needs stage {rank} of {of}: re-run `fuselm split`")
         self.sess = Session(self.dir, backend="mlx", **session_kw)
         self.first, self.last = rank == 0, rank == size - 1
-        self.deadline = Deadline(timeout, rank)
+        self.deadline = deadline(timeout, rank)
         ins = self.sess.lm.input_types
         elem = ins[contract.HIDDEN][0] if contract.HIDDEN in ins else \
             next(v for k, v in ins.items() if contract.is_past(k))[0]
@@ -135,13 +172,22 @@ class Pipe:
 
     # --- messages -------------------------------------------------------------------------------
     def _send(self, x, dst):
-        self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
+        with self.deadline(f"sending to rank {dst}"), self._lost(dst):
+            self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
 
     def _recv(self, shape, dtype, src, what: str):
-        with self.deadline(what):
+        with self.deadline(what), self._lost(src):
             x = self.mx.distributed.recv(shape, dtype, src, group=self.group)
             self.mx.eval(x)
         return x
+
+    @contextlib.contextmanager
+    def _lost(self, peer: int):
+        try:
+            yield
+        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+            raise FuselmError(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
+                              "died (its own output says why)") from None
 
     def send_hidden(self, h, stop: bool = False):
         mx = self.mx
@@ -184,8 +230,9 @@ def split_id(split_dir: Path) -> int:
 def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, backend="auto", device=None, no_fused_kernels=False, compile=None,
         threads=None, stream=None, quiet=False, dtype="auto", profile=False, pipe_timeout: float = 60.0,
-        **kv) -> dict:
-    """Generate with one stage per rank (this process is one rank); the last rank prints the tokens."""
+        prefill_chunk: int | None = None, **kv) -> dict:
+    """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
+    `prefill_chunk`: prompt tokens per prefill step (default: the backend's)."""
     if backend not in ("auto", "mlx"):
         raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
     if max_tokens < 1:
@@ -206,7 +253,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
     pipe.handshake(split_id(split_dir))
     sess.reset(len(ids) + max_tokens)
-    chunk = b.prefill_chunk
+    chunk = prefill_chunk or b.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
     log = (lambda m: None) if quiet else (lambda m: print(f"[rank {rank}] {m}", file=sys.stderr, flush=True))
     log(f"stage {rank} of {size} (layers {pipe.info['layers'][0]}-{pipe.info['layers'][1]}): {sess.describe()}")
