@@ -3,6 +3,8 @@
     python bench/cpu_peer.py                          # Qwen3-0.6B shape, 3 runs
     python bench/cpu_peer.py --shapes 0.6b 4b --runs 3
     python bench/cpu_peer.py --tiny                   # a tiny config in seconds (tests/test_bench_cpu_peer.py)
+    python bench/cpu_peer.py --engines fuselm genai mnn   # + MNN 3.6.1: bench/mnn_peer.py (its own .venv-mnn,
+                                                          #   MNN's telemetry blocked: read its docstring first)
 
 One random-weight Qwen3-shaped checkpoint per shape (bench/convert.py --make-checkpoint), then each
 tool's own q4 path with its defaults: `fuselm convert --quant q4` + `fuselm optimize`, and
@@ -17,6 +19,9 @@ Then two fresh processes per engine, timed whole from the parent (imports + load
 - first token of a 16-token prompt (`fuselm run --prompt-ids ... --max-tokens 1`, and the
   equivalent onnxruntime-genai script), with its peak RSS,
 - a 512-token prompt and 16 generated tokens: the peak RSS of a `fuselm run`-like process.
+`--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
+--target onnxruntime` (MatMulNBits, GroupQueryAttention with one shared past/present buffer); every
+row records the compute nodes per decoder layer of the graph it ran (Constant nodes not counted).
 The box may be shared: every row records the 1-minute load average before it started. Prints a
 table with ratios, writes bench/results/cpu-peer.json (--tiny: cpu-peer-tiny.json).
 """
@@ -39,6 +44,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 ENGINES = ("fuselm", "genai")
+# onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize --target onnxruntime` (opt-in)
+GENAI_ON_FUSELM = "genai-fuselm"
 
 
 def _bench_module(name: str):
@@ -149,8 +156,10 @@ def child(args) -> None:
     model = Path(args.model)
     vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
-    if args.child == "genai":
+    if args.child in ("genai", GENAI_ON_FUSELM):
         engine = GenaiEngine(model, args.threads)
+    elif args.child == "mnn":  # run by .venv-mnn's Python through bench/mnn_safe.py (see bench/mnn_peer.py)
+        engine = _bench_module("mnn_peer").MnnEngine(model, args.threads)
     else:
         engine = FuselmEngine(model, args.threads, True if args.child == "fuselm-compile" else None)
     load = time.perf_counter() - t0
@@ -185,8 +194,12 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
     """A whole user process (imports + load + prefill + `new` tokens): wall time to its first token
     (the child prints it), total wall time and the process's peak RSS (os.wait4)."""
     ids_arg = ",".join(map(str, ids))
-    if engine == "genai":
+    env = None
+    if engine in ("genai", GENAI_ON_FUSELM):
         cmd = [sys.executable, "-c", GENAI_RUN, str(model), ids_arg, str(new), str(threads)]
+    elif engine == "mnn":
+        mnn = _bench_module("mnn_peer")
+        cmd, env = mnn.fresh_cmd(model, ids_arg, new, threads), mnn.safe_env()
     else:
         cmd = [sys.executable, "-m", "fuselm.cli", "run", str(model), "--prompt-ids", ids_arg, "--max-tokens",
                str(new), "--ignore-eos", "--threads", str(threads), "--backend", "torch", "--device", "cpu"]
@@ -194,7 +207,7 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
             cmd.append("--compile")
     load = os.getloadavg()[0]
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     first = None
     out_lines = []
     for line in proc.stdout:  # fuselm run prints the token and its newline as it comes: stamp its arrival
@@ -229,9 +242,13 @@ def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
            "--runs", str(args.runs), "--threads", str(args.threads),
            "--contexts", *map(str, args.contexts), "--steps", *map(str, args.steps),
            "--prefills", *map(str, args.prefills)]
+    env = None
+    if engine == "mnn":  # MNN lives in .venv-mnn, its telemetry blocked (bench/mnn_peer.py)
+        mnn = _bench_module("mnn_peer")
+        cmd, env = mnn.safe_cmd(*cmd[1:]), mnn.safe_env()
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -244,15 +261,34 @@ def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
 
 # --- preparation -------------------------------------------------------------------------------
 def prepare(shape: str, work: Path) -> tuple[Path, dict[str, Path]]:
-    """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation) and genai's int4 build."""
+    """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation), the same lowered for
+    onnxruntime (`--target onnxruntime`, MatMulNBits accuracy level 4 as genai's builder) and genai's int4 build."""
     ckpt, models = _bench_module("runtime").prepare(shape, work, ["q4"])
+    lowered = work / f"qwen3-{shape}-q4-onnxruntime"
+    if not (lowered / "genai_config.json").is_file():
+        subprocess.run([sys.executable, "-m", "fuselm.cli", "optimize", str(models["q4"][0]), "-o", str(lowered),
+                        "--target", "onnxruntime", "--force", "--quiet"], check=True)
     genai = work / f"qwen3-{shape}-genai-int4"
     if not (genai / "genai_config.json").is_file():
         shutil.rmtree(genai, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
                         "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai}
+    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai,
+                  GENAI_ON_FUSELM: lowered}
+
+
+def compute_nodes_per_layer(model_dir: Path) -> list[int]:
+    """Nodes inside each decoder layer (passes/draw.py's assignment), Constant nodes not counted (the
+    builder writes its constants as nodes, fuselm as initializers)."""
+    from collections import Counter
+
+    import onnx_ir as ir
+    from fuselm.passes.draw import layer_assignment
+
+    graph = ir.load(model_dir / "model.onnx").graph
+    counts = Counter(i for n, i in layer_assignment(graph).items() if n.op_type != "Constant")
+    return [counts[i] for i in sorted(counts)]
 
 
 def _dir_mb(path: Path) -> float:
@@ -294,7 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config, short prompts, 1 run: a test in seconds")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=["fuselm", "fuselm-compile", "genai"])
+    ap.add_argument("--engines", nargs="*", default=list(ENGINES),
+                    choices=["fuselm", "fuselm-compile", "genai", GENAI_ON_FUSELM, "mnn"])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
     ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
@@ -319,11 +356,17 @@ def main(argv=None) -> int:
     for shape in shapes:
         t0 = time.perf_counter()
         ckpt, models = prepare(shape, args.work / shape)
+        if "mnn" in args.engines:  # MNN's own llmexport 4-bit block 32 (bench/mnn_peer.py)
+            models["mnn"] = _bench_module("mnn_peer").export(ckpt, args.work / shape)
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
         print(f"[{shape}] models ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for engine in args.engines:
             r = spawn(engine, models[engine], ckpt, args)
             r.update(shape=shape, model_mb=_dir_mb(models[engine]))
+            if engine == "mnn":
+                r.update(_bench_module("mnn_peer").export_stats(models[engine]))
+            else:
+                r.update(nodes_per_layer=compute_nodes_per_layer(models[engine]))
             if not args.no_fresh and "error" not in r:
                 r["first_token"] = fresh_runs(engine, models[engine], _ids(first_prompt, vocab, 7), 1, args)
                 if not args.tiny:  # the tiny test stays short: one fresh process per engine
@@ -364,17 +407,18 @@ def report(rows: list[dict], args) -> dict:
     summary = {}
     for shape in dict.fromkeys(r["shape"] for r in rows):
         by = {r["engine"]: r for r in rows if r["shape"] == shape and "error" not in r}
-        peer = by.get("genai")
-        for name, ours in by.items():
-            if name == "genai" or peer is None:
-                continue
-            for k in keys + ["peak_rss_mb"]:
-                summary[f"{shape} {k} {name}/genai"] = round(ours[k] / peer[k], 2)
-            run = f"run_{args.run_prompt}"
-            for sub in ("first_token", run):
-                if "peak_rss_mb" in ours.get(sub, {}) and "peak_rss_mb" in peer.get(sub, {}):
-                    summary[f"{shape} {sub} peak_rss_mb {name}/genai"] = round(
-                        ours[sub]["peak_rss_mb"] / peer[sub]["peak_rss_mb"], 2)
+        for peer_name in ("genai", "mnn"):
+            peer = by.get(peer_name)
+            for name, ours in by.items():
+                if name in ("genai", "mnn") or peer is None:
+                    continue
+                for k in keys + ["peak_rss_mb"]:
+                    summary[f"{shape} {k} {name}/{peer_name}"] = round(ours[k] / peer[k], 2)
+                run = f"run_{args.run_prompt}"
+                for sub in ("first_token", run):
+                    if "peak_rss_mb" in ours.get(sub, {}) and "peak_rss_mb" in peer.get(sub, {}):
+                        summary[f"{shape} {sub} peak_rss_mb {name}/{peer_name}"] = round(
+                            ours[sub]["peak_rss_mb"] / peer[sub]["peak_rss_mb"], 2)
     for k, v in summary.items():
         console.print(f"  {k}: {v}")
     return summary

@@ -1,7 +1,7 @@
 """fuselm's MLX backend vs mlx-lm on the same checkpoint, side by side: decode, prefill, load, ops per token.
 
     python bench/mlx_peer.py                                   # 0.6b and 4b, 4-bit at group 32 and 64
-    python bench/mlx_peer.py --shapes 0.6b --groups 32 --runs 3
+    python bench/mlx_peer.py --shapes 0.6b --groups 32 --runs 7
     python bench/mlx_peer.py --shapes tiny --contexts 128 --prefill 128    # MLX's CPU backend (a test)
 
 The same code runs on a Mac (Metal), on Linux with MLX's CUDA backend, and on MLX's CPU backend.
@@ -9,14 +9,19 @@ One random-weight Qwen3-shaped HF checkpoint per shape (bench/convert.py writes 
 mlx-lm reads the directory `mlx_lm convert -q --q-bits 4 --q-group-size G` makes of it, fuselm the
 graph `fuselm convert --quant q4 --block-size G --lm-head q4 --embed q4` + `fuselm optimize` makes
 (same bits and group size for every weight, embedding and lm_head included). Each engine runs in its
-own child process, after one warm-up run, and reports medians over `--runs` runs of:
+own child process, loaded once and warmed up (one run); the parent then interleaves the engines run by
+run (run r of every engine, then run r + 1), so a drift of the machine touches them alike, and reports
+the median, min and max over `--runs` runs (default 5) of:
 - decode tokens/s at each context length C: C prompt tokens, then 64 greedy tokens; the median
   interval between tokens;
 - prefill tokens/s at each prompt length P: P tokens to the first generated token;
 - load seconds (reading the model until it can run), peak device memory;
 - per decode token: MLX primitives in the step's graph (mx.export_to_dot; "kernels" counts the
   primitives that launch work, i.e. not reshapes, broadcasts, slices and other views), host
-  milliseconds to build the step (the call that returns the lazy token), host syncs.
+  milliseconds to build the step (the call that returns the lazy token), host syncs; by primitive in
+  a table per shape. MLX's CPU backend runs mx.fast.* and mx.dequantize as unfused fallbacks, so there
+  the step is also counted with those ops as one kernel each ("fused ops as one", the graph a GPU runs;
+  runtime_metal/backends/mlx_backend.py fused_ops_as_one).
 Writes bench/results/mlx-peer-<device>.json and prints a table with the fuselm/mlx-lm ratios.
 """
 
@@ -30,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,8 +56,7 @@ def count_primitives(outputs, inputs) -> dict:
     from fuselm.runtime_metal.backends.mlx_backend import graph_kernels
 
     mx.eval(inputs)
-    counts = graph_kernels(outputs)
-    return {**counts, "top": counts["top"][:12]}
+    return graph_kernels(outputs)
 
 
 # --- engines (each runs in a child process) ------------------------------------------------
@@ -87,15 +92,15 @@ class FuselmEngine:
         """One decode step built lazily after `prompt`: (outputs, inputs, host seconds to build it)."""
         sess, b = self.sess, self.sess.backend
         sess.reset(len(prompt) + 8)
-        for _tok in sess.generate(prompt, 4, self.sampler):  # past the checked step and the compile
-            pass
-        y = b.pick_token(sess.decode(5), self.sampler)
-        b.sync(y)
-        bufs = list(sess.buffers.values())
+        y = b.pick_token(sess.prefill(prompt), self.sampler)
+        for _ in range(4):  # past the checked step and the compile (no NaN check: fused_as_one's values)
+            y = b.pick_token(sess.decode(y), self.sampler)
+        y = b.pick_token(sess.decode(y), self.sampler)
+        b.sync([y, *sess.buffers.values()])  # (the buffers are written in place: evaluate them before the step)
         t = time.perf_counter()
         y = b.pick_token(sess.decode(y), self.sampler)
         host = time.perf_counter() - t
-        return [y, *sess.buffers.values()], bufs, host
+        return [y, *sess.buffers.values()], [], host
 
     def what(self) -> str:
         return self.sess.describe()
@@ -140,42 +145,56 @@ class MlxLmEngine:
         return f"mlx-lm {mlx_lm.__version__} generate_step"
 
 
-def measure(engine, contexts: list[int], prefills: list[int], runs: int, decode_tokens: int = DECODE) -> dict:
-    import mlx.core as mx
+def one_run(engine, contexts: list[int], prefills: list[int], r: int, decode_tokens: int = DECODE) -> dict:
+    """One run of every point: decode tokens/s at each context (the median interval between tokens) and
+    prefill tokens/s at each length; `r` seeds the prompts (run 0 is the warm-up)."""
+    decode, prefill, syncs = {}, {}, None
+    for c in contexts:
+        times, t = [], time.perf_counter()
+        for _ in engine.tokens(_ids(c, engine.vocab, r), decode_tokens):
+            now = time.perf_counter()
+            times.append(now - t)
+            t = now
+            if len(times) == 1 and engine.syncs is not None:
+                engine.syncs = 0  # count the waits of the decode steps only
+        decode[str(c)] = 1 / statistics.median(times[1:])
+        if engine.syncs is not None:
+            syncs = engine.syncs / (decode_tokens - 1)
+    for p in prefills:
+        t = time.perf_counter()
+        next(iter(engine.tokens(_ids(p, engine.vocab, 100 + r), 1)))
+        prefill[str(p)] = p / (time.perf_counter() - t)
+    return {"decode": decode, "prefill": prefill, "syncs": syncs}
 
-    decode = {c: [] for c in contexts}
-    prefill = {p: [] for p in prefills}
-    syncs = None
-    for r in range(runs + 1):  # run 0 warms up (compiles, first-touches the weights)
-        for c in contexts:
-            times, t = [], time.perf_counter()
-            for _ in engine.tokens(_ids(c, engine.vocab, r), decode_tokens):
-                now = time.perf_counter()
-                times.append(now - t)
-                t = now
-                if len(times) == 1 and engine.syncs is not None:
-                    engine.syncs = 0  # count the waits of the decode steps only
-            if r:
-                decode[c].append(1 / statistics.median(times[1:]))
-            if engine.syncs is not None:
-                syncs = engine.syncs / (decode_tokens - 1)
-        for p in prefills:
-            t = time.perf_counter()
-            next(iter(engine.tokens(_ids(p, engine.vocab, 100 + r), 1)))
-            if r:
-                prefill[p].append(p / (time.perf_counter() - t))
-    outs, ins, host = engine.step_graph(_ids(contexts[0], engine.vocab, 7))
+
+def per_token(engine, context: int) -> dict:
+    """Kernels of one decode step (mx.export_to_dot) and the host milliseconds to build it."""
+    outs, ins, _ = engine.step_graph(_ids(context, engine.vocab, 7))
     counts = count_primitives(outs, ins)
     host_ms = []
     for _ in range(5):
-        outs, ins, h = engine.step_graph(_ids(contexts[0], engine.vocab, 7))
+        outs, ins, h = engine.step_graph(_ids(context, engine.vocab, 7))
         host_ms.append(h * 1e3)
-    return {"decode_tok_s": {str(c): statistics.median(v) for c, v in decode.items()},
-            "prefill_tok_s": {str(p): statistics.median(v) for p, v in prefill.items()},
-            "decode_runs": {str(c): v for c, v in decode.items()}, "prefill_runs": {str(p): v for p, v in prefill.items()},
-            "load_s": engine.load_s, "peak_memory_gb": mx.get_peak_memory() / 1e9, "per_token": {
-                **counts, "host_ms": statistics.median(host_ms), "syncs": syncs if syncs is not None else 1.0},
-            "what": engine.what(), "device": str(mx.default_device())}
+    return {**counts, "host_ms": statistics.median(host_ms)}
+
+
+def fused_as_one(make, context: int) -> dict:
+    """On MLX's CPU backend: the kernels of one decode step with MLX's fused ops counted as one each
+    (mlx_backend.fused_ops_as_one, a fresh engine built inside it: its values are wrong, its graph is the
+    GPU's), so the count compares with a Metal or CUDA one."""
+    from fuselm.runtime_metal.backends.mlx_backend import fused_ops_as_one, graph_kernels
+
+    with fused_ops_as_one():
+        engine = make()
+        outs, ins, _ = engine.step_graph(_ids(context, engine.vocab, 7))
+        import mlx.core as mx
+
+        mx.eval(ins)
+        return graph_kernels(outs, standins=True)
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> list[int]:
@@ -218,17 +237,35 @@ def token_check(work: Path, n: int = 32) -> dict:
 
 
 def child(args) -> None:
+    """One engine in its own process: loads, warms up (run 0), then answers the parent line by line:
+    `run R` -> one run of every point, `counts` -> the per-token figures and peak memory, `quit`."""
     engine = args.child
     if engine.startswith("tokens-"):
         tokens, what = greedy_tokens(Path(args.model), engine.split("-", 1)[1], args.dtype, args.runs)
         print("RESULT " + json.dumps({"tokens": tokens, "what": what}), flush=True)
         return
-    if engine == "mlx-lm":
-        e = MlxLmEngine(Path(args.model))
-    else:
-        e = FuselmEngine(Path(args.model), args.dtype, compile_=engine != "fuselm-eager")
-    r = measure(e, args.contexts, args.prefill, args.runs, args.decode)
-    print("RESULT " + json.dumps(r), flush=True)
+    import mlx.core as mx
+
+    def make():
+        if engine == "mlx-lm":
+            return MlxLmEngine(Path(args.model))
+        return FuselmEngine(Path(args.model), args.dtype, compile_=engine != "fuselm-eager")
+
+    e = make()
+    one_run(e, args.contexts, args.prefill, 0, args.decode)
+    print("RESULT " + json.dumps({"load_s": e.load_s, "what": e.what()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "run":
+            out = one_run(e, args.contexts, args.prefill, int(cmd[1]), args.decode)
+        elif cmd[0] == "counts":
+            out = {**per_token(e, args.contexts[0]), "peak_memory_gb": mx.get_peak_memory() / 1e9,
+                   "device": str(mx.default_device())}
+            if "gpu" not in out["device"]:
+                out["fused_as_one"] = fused_as_one(make, args.contexts[0])
+        else:
+            return
+        print("RESULT " + json.dumps(out), flush=True)
 
 
 # --- orchestration ----------------------------------------------------------------------------
@@ -256,18 +293,71 @@ def prepare(shape: str, group: int, work: Path, dtype: str) -> dict[str, Path]:
     return out
 
 
-def spawn(engine: str, model: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--runs", str(args.runs),
-           "--dtype", args.dtype, "--decode", str(args.decode), "--contexts", *map(str, args.contexts), "--prefill", *map(str, args.prefill)]
+class Child:
+    """An engine's process, driven one command at a time (so the parent can interleave the engines)."""
+
+    def __init__(self, engine: str, model: Path, args):
+        cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--dtype", args.dtype,
+               "--decode", str(args.decode), "--contexts", *map(str, args.contexts), "--prefill", *map(str, args.prefill)]
+        self.engine = engine
+        self.log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty child must never block on it
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.error = None
+        self.first = self._read()
+
+    def _read(self) -> dict | None:
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        self.log.seek(0)
+        tail = self.log.read().strip().splitlines()[-4:]
+        self.error = " | ".join(tail)[:600] or f"exited with {self.proc.wait()}"
+        return None
+
+    def ask(self, command: str) -> dict | None:
+        if self.error:
+            return None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def bench_point(engines: dict[str, Path], args) -> list[dict]:
+    """Every engine loaded in its own process, then run r of each engine in turn, r = 1..runs (interleaved:
+    a drift of the machine over the minutes touches every engine alike); min / median / max per point."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
-        return {"engine": engine, "error": " | ".join(tail)[:600]}
-    r = json.loads(line[len("RESULT "):])
-    r.update(engine=engine, wall_s=round(time.perf_counter() - t0, 1))
-    return r
+    children = {e: Child("fuselm" if e == "fuselm-exported" else e, m, args) for e, m in engines.items()}
+    runs: dict[str, list] = {e: [] for e in engines}
+    for r in range(1, args.runs + 1):
+        for e, ch in children.items():
+            out = ch.ask(f"run {r}")
+            if out is not None:
+                runs[e].append(out)
+    rows = []
+    for e, ch in children.items():
+        counts = ch.ask("counts")
+        ch.close()
+        if ch.error or not runs[e] or counts is None:
+            rows.append({"engine": e, "error": ch.error or "no result"})
+            continue
+        decode = {k: [r["decode"][k] for r in runs[e]] for k in runs[e][0]["decode"]}
+        prefill = {k: [r["prefill"][k] for r in runs[e]] for k in runs[e][0]["prefill"]}
+        syncs = runs[e][-1]["syncs"]
+        rows.append({"engine": e, "decode_tok_s": {k: statistics.median(v) for k, v in decode.items()},
+                     "prefill_tok_s": {k: statistics.median(v) for k, v in prefill.items()},
+                     "decode_spread": {k: spread(v) for k, v in decode.items()},
+                     "prefill_spread": {k: spread(v) for k, v in prefill.items()},
+                     "decode_runs": decode, "prefill_runs": prefill, "load_s": ch.first["load_s"],
+                     "what": ch.first["what"], "peak_memory_gb": counts.pop("peak_memory_gb"),
+                     "device": counts.pop("device"),
+                     "per_token": {**counts, "syncs": syncs if syncs is not None else 1.0},
+                     "wall_s": round(time.perf_counter() - t0, 1)})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -276,7 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", nargs="*", type=int, default=[32, 64], choices=[32, 64, 128])
     ap.add_argument("--contexts", nargs="*", type=int, default=[128, 2048], help="decode at these context lengths")
     ap.add_argument("--prefill", nargs="*", type=int, default=[512, 2048], help="prefill these prompt lengths")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5, help="measured runs per point, the engines interleaved")
     ap.add_argument("--decode", type=int, default=DECODE, help="greedy tokens timed per context")
     ap.add_argument("--engines", nargs="*", default=["mlx-lm", "fuselm"],
                     help="mlx-lm, fuselm (optimized, compiled), fuselm-exported (no passes), fuselm-eager (not compiled)")
@@ -302,13 +392,13 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             paths = prepare(shape, group, args.work, dtype)
             print(f"[{shape} g{group}] models ready in {time.perf_counter() - t0:.0f} s", flush=True)
-            for engine in args.engines:
-                model = paths["exported" if engine == "fuselm-exported" else "mlx-lm" if engine == "mlx-lm" else "fuselm"]
-                r = spawn("fuselm" if engine == "fuselm-exported" else engine, model, args)
-                r.update(shape=shape, group=group, engine=engine)
+            engines = {e: paths["exported" if e == "fuselm-exported" else "mlx-lm" if e == "mlx-lm" else "fuselm"]
+                       for e in args.engines}
+            for r in bench_point(engines, args):
+                r.update(shape=shape, group=group)
                 rows.append(r)
-                print(f"[{shape} g{group}] {engine}: " + json.dumps({k: v for k, v in r.items() if not k.endswith("_runs")}),
-                      flush=True)
+                print(f"[{shape} g{group}] {r['engine']}: " + json.dumps(
+                    {k: v for k, v in r.items() if not k.endswith("_runs") and k != "per_token"}), flush=True)
     checks = token_check(args.work) if args.token_check else None
     if checks:
         print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in checks.items()}))
@@ -332,22 +422,43 @@ def report(rows: list[dict]) -> dict:
     from rich.table import Table
 
     console = Console()
-    table = Table(title="fuselm MLX vs mlx-lm (medians)")
+    table = Table(title="fuselm MLX vs mlx-lm (median, min-max over the interleaved runs)")
     cols = ("shape", "group", "engine", "decode tok/s by context", "prefill tok/s by length", "load s",
             "kernels/token", "host ms/token")
     for c in cols:
         table.add_column(c)
     summary: dict = {}
+
+    def cell(sp: dict, fmt: str) -> str:
+        return " / ".join(f"{k}: {v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})" for k, v in sp.items())
+
     for r in rows:
         if "error" in r:
             table.add_row(r["shape"], str(r["group"]), r["engine"], "", "", "", "", r["error"][:80])
             continue
         pt = r["per_token"]
-        table.add_row(r["shape"], str(r["group"]), r["engine"],
-                      " / ".join(f"{k}: {v:.1f}" for k, v in r["decode_tok_s"].items()),
-                      " / ".join(f"{k}: {v:.0f}" for k, v in r["prefill_tok_s"].items()), f"{r['load_s']:.2f}",
-                      f"{pt['kernels']} ({pt['primitives']})", f"{pt['host_ms']:.2f}")
+        one = f", as one: {pt['fused_as_one']['kernels']}" if "fused_as_one" in pt else ""
+        table.add_row(r["shape"], str(r["group"]), r["engine"], cell(r["decode_spread"], ".1f"),
+                      cell(r["prefill_spread"], ".0f"), f"{r['load_s']:.2f}", f"{pt['kernels']} ({pt['primitives']}){one}",
+                      f"{pt['host_ms']:.2f}")
     console.print(table)
+    for key in dict.fromkeys((r["shape"], r["group"]) for r in rows):
+        point = [r for r in rows if (r["shape"], r["group"]) == key and "error" not in r]
+        for what in ("kernels", "fused_as_one"):
+            tops = {r["engine"]: dict(r["per_token"]["top"] if what == "kernels" else r["per_token"][what]["top"])
+                    for r in point if what == "kernels" or what in r["per_token"]}
+            if not tops:
+                continue
+            ops = Table(title=f"{key[0]} g{key[1]}: kernels per decode token by MLX primitive"
+                              + (" (MLX's fused ops counted as one: the GPU's graph)" if what != "kernels" else ""))
+            ops.add_column("primitive")
+            for e in tops:
+                ops.add_column(e)
+            names = sorted({n for t in tops.values() for n in t}, key=lambda n: -max(t.get(n, 0) for t in tops.values()))
+            for n in names:
+                ops.add_row(n, *[str(t.get(n, "")) for t in tops.values()])
+            ops.add_row("total", *[str(sum(t.values())) for t in tops.values()])
+            console.print(ops)
     for r in rows:
         peer = next((p for p in rows if p["engine"] == "mlx-lm" and p["shape"] == r["shape"]
                      and p["group"] == r["group"] and "error" not in p), None)
@@ -360,6 +471,12 @@ def report(rows: list[dict]) -> dict:
             summary[f"{key} prefill@{k}"] = round(v / peer["prefill_tok_s"][k], 2)
         summary[f"{key} load s"] = [round(r["load_s"], 2), round(peer["load_s"], 2)]
         summary[f"{key} kernels/token"] = [r["per_token"]["kernels"], peer["per_token"]["kernels"]]
+        if "fused_as_one" in r["per_token"] and "fused_as_one" in peer["per_token"]:
+            summary[f"{key} kernels/token, fused ops as one"] = [r["per_token"]["fused_as_one"]["kernels"],
+                                                                 peer["per_token"]["fused_as_one"]["kernels"]]
+        for k, v in r["decode_spread"].items():
+            p = peer["decode_spread"][k]
+            summary[f"{key} decode@{k} spread max/min"] = [round(v["max"] / v["min"], 2), round(p["max"] / p["min"], 2)]
     for k, v in summary.items():
         console.print(f"  {k}: {v}")
     return summary

@@ -1,7 +1,11 @@
 """`fuselm convert`: a local HF checkpoint directory -> a fuselm model directory.
 
+Two exporters implement one entry point, `build(hf_dir, config, precisions) -> graph.Export`:
+the builder (exporter/families/build.py) and the traced exporter (exporter/traced/). This module
+only chooses one (`--exporter auto|builder|torch`) and writes what it returns.
+
 Order of work: read and check config.json and every tensor header (nothing written yet), build
-the whole graph without weights (milliseconds), then stream the weights into model.onnx.data,
+the whole graph without weights, then stream the weights into model.onnx.data,
 save model.onnx, run the ONNX checker, copy tokenizer files, write fuselm.json — all inside a
 temporary directory that is renamed to OUT only at the end.
 """
@@ -20,10 +24,8 @@ from fuselm.errors import FuselmError, Unsupported
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import families
-from .graph import Builder, Dims, Layer, attention_mask, graph_inputs, rms_norm
-from .quant import Plan, Precision, precisions
-from .rope import Rope, rope_inputs
-from .weights import Checkpoint, write_data
+from .quant import Precision, precisions
+from .weights import write_data
 
 EXPORTERS = ("auto", "builder", "torch")
 
@@ -47,19 +49,14 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     tied = bool(config.get("tie_word_embeddings", False))
     precision = precisions(quant, block_size, lm_head, embed, tied=tied)
     chosen = choose_exporter(exporter, config)
-    if chosen == "builder":
-        builder, ckpt, meta, label = _build(hf_dir, config, precision)
-    else:
-        from .traced import build as traced_build
-
-        try:
-            builder, ckpt, meta, label = traced_build(hf_dir, config, precision)
-        except Unsupported as e:
-            if exporter != "auto":
-                raise
-            arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
-            raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
-                              f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
+    try:
+        builder, ckpt, meta, label = _exporter(chosen)(hf_dir, config, precision)
+    except Unsupported as e:
+        if exporter != "auto":
+            raise
+        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
+                          f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
     plan_meta = {"quantization": quantization_meta(quant, *precision, tied=tied), "special_tokens": special_tokens(hf_dir, config),
                  "graph": {"opset": contract.OPSET, "domains": {contract.DOMAIN: contract.DOMAIN_VERSION}, "kv_dtype": "float32", "logits_dtype": "float32",
                            "linear_layout": "[in, out]"},
@@ -90,6 +87,15 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     return out
 
 
+def _exporter(kind: str):
+    """The `build(hf_dir, config, precisions) -> graph.Export` of an exporter kind."""
+    if kind == "builder":
+        from .families.build import build
+    else:
+        from .traced import build
+    return build
+
+
 def choose_exporter(exporter: str, config: dict) -> str:
     """builder or torch: `auto` takes the builder for the families it has (and their aliases)."""
     if exporter not in EXPORTERS:
@@ -100,20 +106,6 @@ def choose_exporter(exporter: str, config: dict) -> str:
     if not isinstance(model_type, str):
         families.family_for(config)  # its error names the problem
     return "builder" if families.ALIASES.get(model_type, model_type) in families.FAMILIES else "torch"
-
-
-def _build(hf_dir: Path, config: dict, precision) -> tuple:
-    """The builder path: (Builder with every weight declared, Checkpoint, fuselm.json fields, label)."""
-    family_name, family = families.family_for(config)
-    cfg = family.Config.from_dict(config)
-    ckpt = Checkpoint(hf_dir)
-    ckpt.check_bounds(cfg)  # nothing is sized by config.json before this
-    rope = rope_inputs(config, cfg.head_dim)
-    expected = families.expected_tensors(family, cfg)
-    ckpt.validate(expected, lambda n: n.endswith(families.IGNORED_SUFFIXES)
-                  or (cfg.tie_word_embeddings and n == families.hf_name("lm_head")))
-    builder = build_graph(family, cfg, rope, Plan(*precision, expected))
-    return builder, ckpt, metadata(config, family_name, cfg, rope), family_name
 
 
 def read_config(hf_dir: Path) -> dict:
@@ -130,43 +122,6 @@ def read_config(hf_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise FuselmError(f"{path} is not a JSON object; restore the checkpoint's config.json")
     return config
-
-
-def build_graph(family, cfg, rope: Rope, plan: Plan) -> Builder:
-    """The full graph (weights declared, not read): embedding, mask, N decoder layers, norm, head."""
-    b = Builder()
-    ids, mask_in, position_ids = graph_inputs(b)
-    x = plan.embedding(b, families.hf_name("embed"), ids)
-    mask = attention_mask(b, ids, mask_in, getattr(cfg, "sliding_window", None))
-    dims = Dims(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
-    for i in range(cfg.num_hidden_layers):
-        layer = Layer(b, i, dims, plan, lambda c, i=i: families.hf_name(c, i), position_ids, mask, rope)
-        x = family.decoder_layer(layer, x, cfg)
-    x = rms_norm(b, x, plan.vector(b, families.hf_name("final_norm"), None), cfg.rms_norm_eps, "/model/norm")
-    head = None if cfg.tie_word_embeddings else families.hf_name("lm_head")
-    plan.logits(b, x, families.hf_name("embed"), head)
-    b.outputs.insert(0, onnx.helper.make_tensor_value_info(
-        contract.LOGITS, onnx.TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]))
-    return b
-
-
-def metadata(config: dict, family_name: str, cfg, rope: Rope) -> dict:
-    """The builder's model fields of fuselm.json (schema in exporter/README.md)."""
-    return {
-        "family": family_name,
-        "model_type": cfg.model_type,
-        "architecture": (config.get("architectures") or [None])[0],
-        "dims": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
-                 "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                 "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size},
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "sliding_window": getattr(cfg, "sliding_window", None),
-        "rope": {"theta": rope.theta, "type": rope.rope_type, "scaling": rope.parameters,
-                 "rotary_dim": rope.rotary_dim, "inv_freq_len": len(rope.inv_freq),
-                 "attention_scaling": rope.attention_scaling, "interleaved": 0},
-    }
 
 
 def quantization_meta(quant: str, linear: Precision, embed: Precision, lm_head: Precision, tied: bool = False) -> dict:

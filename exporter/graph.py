@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -24,6 +25,17 @@ from fuselm import contract
 from . import rope as rope_mod
 
 FLOAT_MIN = float(np.finfo(np.float32).min)  # HF's mask value: torch.finfo(float32).min
+
+
+class Export(NamedTuple):
+    """What an exporter's `build(hf_dir, config, precisions)` returns (exporter/families/build.py,
+    exporter/traced/): the graph with every weight declared, the checkpoint the weights stream from,
+    the model fields of fuselm.json, and a label for messages."""
+
+    builder: Builder
+    checkpoint: object  # exporter.weights.Checkpoint
+    meta: dict
+    label: str
 
 
 @dataclass
@@ -51,6 +63,7 @@ class Builder:
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []  # shapes of inner values, where an exporter knows them
         self.constants: dict[tuple, TensorProto] = {}
         self.jobs: list[WeightJob] = []
         self._node_names: set[str] = set()
@@ -86,7 +99,8 @@ class Builder:
 
     def model(self, functions: list[onnx.FunctionProto], doc: str) -> onnx.ModelProto:
         initializers = list(self.constants.values()) + [o.proto for j in self.jobs for o in j.outputs]
-        graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers)
+        graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers,
+                              value_info=self.value_info)
         model = oh.make_model(graph, ir_version=11, producer_name="fuselm", doc_string=doc,
                               opset_imports=[oh.make_opsetid("", contract.OPSET),
                                              oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)],

@@ -1,8 +1,8 @@
 """Rotary position embeddings: `inv_freq` from the config, and the `fuselm::FusedRoPE` op.
 
-`rope_inputs(config)` folds the rope scaling of a checkpoint (default, linear, llama3, yarn;
-partial rotary too) into `inv_freq` and `attention_scaling` with the same float32 arithmetic
-as transformers' ROPE_INIT_FUNCTIONS, so the FusedRoPE attribute equals HF's buffer bit for bit.
+`rope_inputs(config)` checks the rope scaling of a checkpoint (default, linear, llama3, yarn;
+partial rotary too) and has transformers compute `inv_freq` and `attention_scaling` (its
+ROPE_INIT_FUNCTIONS, or the model's default), so the FusedRoPE attribute is HF's buffer bit for bit.
 
 The FusedRoPE node and its function body are the graph contract's (fuselm/contract.py).
 """
@@ -60,40 +60,53 @@ def rope_parameters(config: dict) -> dict:
 
 
 def rope_inputs(config: dict, head_dim: int) -> Rope:
-    """inv_freq and attention_scaling for a config.json dict; head_dim comes from the config."""
-    import torch
-
+    """inv_freq and attention_scaling for a config.json dict, computed by transformers itself (the
+    model_type's rotary class for `default`, ROPE_INIT_FUNCTIONS for the scaled types): the same
+    functions that fill the rotary module's buffers, which the traced exporter reads."""
     p = rope_parameters(config)
     rope_type = p["rope_type"]
     if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise FuselmError(f"rope type {shown(rope_type)} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
                           "(use a checkpoint with one of these, or add the type to exporter/rope.py)")
     _check_numbers(p, rope_type)
+    dim = int(head_dim * float(p.get("partial_rotary_factor") or 1.0))
+    if dim < 2 or dim > head_dim:  # before anything is sized by it
+        raise FuselmError(f"config.json: rotary dim {dim} does not fit head_dim {head_dim}; fix partial_rotary_factor")
     try:
-        base = float(p["rope_theta"])
-        dim = int(head_dim * float(p.get("partial_rotary_factor") or 1.0))
-        if dim < 2 or dim > head_dim:  # before anything is sized by it
-            raise FuselmError(f"config.json: rotary dim {dim} does not fit head_dim {head_dim}; fix partial_rotary_factor")
-        # Same expression and dtype order as HF, so the floats are identical.
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
-        scaling = 1.0
-        if rope_type == "linear":
-            inv_freq /= p["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3(inv_freq, p)
-        elif rope_type == "yarn":
-            inv_freq, scaling = _yarn(dim, base, p, config)
+        inv_freq, scaling = _transformers_init(config, rope_type, head_dim)
     except KeyError as e:
         raise FuselmError(f"config.json: rope type {rope_type!r} needs {e.args[0]!r} in rope_parameters "
                           "(or rope_scaling); add it or fix the config") from None
-    except (ArithmeticError, ValueError) as e:  # e.g. yarn's logarithms of a degenerate range
+    except (ArithmeticError, ValueError, TypeError) as e:  # e.g. yarn's logarithms of a degenerate range
         raise FuselmError(f"config.json: the rope parameters {shown(p, 200)} cannot be evaluated ({e}); "
                           "fix the config") from None
     inv_freq = inv_freq.numpy().astype(np.float32)
     if not (np.isfinite(inv_freq).all() and (inv_freq > 0).all() and math.isfinite(scaling)):
         raise FuselmError(f"config.json: the rope parameters {shown(p, 200)} give non-finite or non-positive "
                           "frequencies; fix the config")
-    return Rope(inv_freq, float(scaling), rope_type, base, p)
+    return Rope(inv_freq, float(scaling), rope_type, float(p["rope_theta"]), p)
+
+
+def _transformers_init(config: dict, rope_type: str, head_dim: int):
+    """(inv_freq tensor, attention_scaling) as the model_type's rotary module computes them."""
+    import importlib
+
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model_type = config.get("model_type")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **{**{k: v for k, v in config.items() if k != "model_type"},
+                                                        "head_dim": head_dim})
+    except Exception as e:  # transformers' own validation of the config (types, ranges)
+        raise FuselmError(f"config.json is not a valid {model_type!r} config for transformers ({type(e).__name__}: "
+                          f"{str(e).strip()[:160]}); use the config.json that came with the checkpoint") from None
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = next(c for n, c in vars(modeling).items() if n.endswith("RotaryEmbedding")
+                  and hasattr(c, "compute_default_rope_parameters"))
+    return rotary.compute_default_rope_parameters(hf_config)
 
 
 # Numbers each rope type reads (beyond rope_theta and partial_rotary_factor): key -> must be positive.
@@ -122,49 +135,3 @@ def _check_numbers(p: dict, rope_type: str) -> None:
     if (p.get("partial_rotary_factor") or 1.0) > 1:
         raise FuselmError(f"config.json: partial_rotary_factor = {p['partial_rotary_factor']!r} is above 1; fix the config")
 
-
-def _llama3(inv_freq, p):
-    import torch
-
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn(dim, base, p, config):
-    import torch
-
-    factor = p["factor"]
-    orig = p["original_max_position_embeddings"]
-    if factor is None:
-        factor = config["max_position_embeddings"] / orig
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    scaling = p.get("attention_factor")
-    if scaling is None:
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        scaling = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
-    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # HF: prevent a singular ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, scaling

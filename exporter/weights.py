@@ -60,6 +60,7 @@ class Checkpoint:
                 raise FuselmError(f"{hf_dir} has no weights: expected model.safetensors or "
                                   "model.safetensors.index.json; point HF_DIR at a full checkpoint")
         self.tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        self.stored: dict[str, str] = {}  # name -> the name in the file, where they differ (rename)
         found_in: dict[str, list[str]] = {}
         for name in files:
             path = hf_dir / name
@@ -79,6 +80,18 @@ class Checkpoint:
                 raise FuselmError(f"{path} is not a readable safetensors file ({e}); it may be truncated — "
                                   "download it again") from None
         _check_shards(hf_dir, weight_map, found_in)
+
+    def rename(self, model_name: Callable[[str], str]) -> None:
+        """Key the tensors by the names the model gives them (transformers renames some at load:
+        GPT-NeoX's `embed_out` is its `lm_head`); reading still uses the stored names."""
+        renamed: dict[str, str] = {}
+        for stored in self.tensors:
+            renamed.setdefault(model_name(stored), stored)
+        if len(renamed) != len(self.tensors):
+            raise FuselmError(f"checkpoint {self.dir} holds tensors that transformers loads under one name; "
+                              "re-download the checkpoint")
+        self.tensors = {name: self.tensors[stored] for name, stored in renamed.items()}
+        self.stored = {name: stored for name, stored in renamed.items() if name != stored}
 
     def check_bounds(self, cfg) -> None:
         """Refuse config sizes that no tensor of the checkpoint could hold (a hidden size needing
@@ -122,8 +135,9 @@ class Checkpoint:
         from safetensors import safe_open
 
         path, _, shape = self.tensors[name]
+        key = self.stored.get(name, name)
         with safe_open(path, framework="pt") as f:
-            t = f.get_tensor(name) if len(shape) == 1 else f.get_slice(name)[start:stop]
+            t = f.get_tensor(key) if len(shape) == 1 else f.get_slice(key)[start:stop]
         return t.to(torch.float32).numpy()
 
 

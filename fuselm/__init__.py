@@ -52,11 +52,21 @@ def split(in_path, out, **kwargs):
 def run(model_dir, **kwargs):
     """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
     per process under `mlx.launch` (runtime_metal/pipeline_run.py)."""
+    from .ort_run import lowered_for_onnxruntime
     from .runtime_metal import pipeline_run
 
     if pipeline_run.is_split(model_dir):
         return pipeline_run.run(model_dir, **kwargs)
     kwargs.pop("pipe_timeout", None)
+    if kwargs.get("backend", "auto") == "auto" and lowered_for_onnxruntime(model_dir):
+        kwargs["backend"] = "onnxruntime"  # only onnxruntime runs its contrib ops
+    elif kwargs.get("backend") not in (None, "onnxruntime") and lowered_for_onnxruntime(model_dir):
+        raise FuselmError(f"{model_dir} was lowered for onnxruntime (`fuselm optimize --target onnxruntime`: "
+                          "com.microsoft ops); run it with --backend onnxruntime, or optimize without --target")
+    if kwargs.get("backend") == "onnxruntime":
+        from .ort_run import run as _ort_run
+
+        return _ort_run(model_dir, **{k: v for k, v in kwargs.items() if k != "backend"})
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, **kwargs)

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", default=None, metavar="FILE")
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+    for sp in (o, d):
+        sp.add_argument("--target", choices=["onnxruntime"], default=None,
+                        help="after the portable passes, lower to a runtime's own ops (onnxruntime: its com.microsoft "
+                             "contrib ops and a genai_config.json with a shared past/present buffer); default: "
+                             "standard ONNX only")
+        sp.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="{0..4}",
+                        help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
+                             "int8 activations; 1: float32)")
 
     sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
     sp.add_argument("in_path")
@@ -68,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=["auto", "mlx", "torch"], default="auto")
+        r.add_argument("--backend", choices=["auto", "mlx", "torch", "onnxruntime"] if name == "run" else
+                       ["auto", "mlx", "torch"], default="auto",
+                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")

@@ -5,7 +5,10 @@
 tests/test_genai_config.py): `"type": "decoder"` (a family type such as "qwen3" makes genai expect
 its own builder's graph), `position_ids` listed among the inputs (genai feeds it only when named),
 and `past_present_share_buffer: false` (with true, genai passes a max-length past and Attention-23
-rejects the mask length).
+rejects the mask length). A graph lowered by `fuselm optimize --target onnxruntime`, whose past
+inputs only GroupQueryAttention reads, gets `past_present_share_buffer: true`: GQA takes the
+valid length from attention_mask, so past and present can be one max_length buffer (GQA's cos/sin
+caches cover the same max_length, the context length).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ _OUTPUTS = {contract.LOGITS: contract.LOGITS, "present_key_names": contract.pres
 _NEEDED = ("layers", "heads", "kv_heads", "head_dim")
 
 
-def genai_config(meta: dict, graph_inputs: list[str]) -> dict | None:
+def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False) -> dict | None:
     """The config for a model directory's fuselm.json contents and graph input names; None when
-    the graph is not a decoder of the contract or the dims genai needs are unknown."""
+    the graph is not a decoder of the contract or the dims genai needs are unknown. `share_buffer`:
+    the graph's cache is GroupQueryAttention's (see `shares_buffer`)."""
     dims = meta.get("dims") or {}
     if any(not dims.get(k) for k in _NEEDED) or contract.INPUT_IDS not in graph_inputs \
             or contract.past_name(0, "key") not in graph_inputs:
@@ -63,7 +67,7 @@ def genai_config(meta: dict, graph_inputs: list[str]) -> dict | None:
     }
     model = {k: v for k, v in model.items() if v is not None}
     search = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context,
-              "min_length": 0, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+              "min_length": 0, "past_present_share_buffer": share_buffer, "repetition_penalty": 1.0,
               "temperature": 1.0, "top_k": 1, "top_p": 1.0, "length_penalty": 1.0, "early_stopping": True,
               "no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
     return {"model": model, "search": search}
@@ -75,12 +79,21 @@ def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
     if not path.is_file():
         return None
     graph = onnx.load(str(path), load_external_data=False).graph
-    config = genai_config(meta, [i.name for i in graph.input])
+    config = genai_config(meta, [i.name for i in graph.input], shares_buffer(graph))
     if config is None:
         return None
     out = Path(model_dir) / NAME
     out.write_text(json.dumps(config, indent=4) + "\n")
     return out
+
+
+def shares_buffer(graph: onnx.GraphProto) -> bool:
+    """Whether past and present can share one max_length buffer: every past input is read only by
+    com.microsoft GroupQueryAttention (which reads the valid length from seqlens_k, not the past's)."""
+    past = {i.name for i in graph.input if contract.is_past(i.name)}
+    readers = [n for n in graph.node if past.intersection(n.input)]
+    return bool(past) and bool(readers) and all(n.domain == "com.microsoft" and n.op_type == "GroupQueryAttention"
+                                                for n in readers)
 
 
 def meta_from_genai_config(src_dir: str | os.PathLike) -> dict:

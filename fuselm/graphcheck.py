@@ -9,7 +9,9 @@ naming the problem:
 - a graph that is not a DAG: a node reading a value nothing produces, a value produced twice, a
   cycle; two nodes with one name;
 - names and other strings that are not valid UTF-8;
-- anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets), a
+- anything else `onnx.checker.check_model(full_check=True)` rejects (types, shapes, opsets); for a
+  graph with onnxruntime contrib ops (onnxruntime-genai's builder, `fuselm optimize --target
+  onnxruntime`), what onnxruntime itself rejects when it loads the graph (schemas, a CPU kernel); a
   `fuselm::FusedRoPE` whose attributes do not fit its input or whose function body is not fuselm's,
   Attention head counts that contradict its inputs, and blocked DequantizeLinear scales that do
   not match their weight.
@@ -34,6 +36,10 @@ _FIX = "re-export the model (`fuselm convert`, torch.onnx) or restore the file"
 # them there; passes/from_genai.py maps them to RMSNormalization. onnx.checker knows no schema for them.
 ORT_ONNX_DOMAIN_CONTRIB = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 ORT_DOMAIN = "com.microsoft"
+# The contrib ops fuselm reads (passes/from_genai.py) and writes (`--target onnxruntime`); a graph with
+# only these is loaded by onnxruntime as a check. Another op is left for FromGenAI to name.
+ORT_CONTRIB_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits",
+                   "GatherBlockQuantized", "GroupQueryAttention", "RotaryEmbedding")
 
 
 def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
@@ -57,6 +63,8 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     except Exception as e:  # ValidationError, InferenceError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FuselmError(f"{path} is not a valid ONNX model: onnx.checker says {shown(first, 300)}; {_FIX}") from None
+    if view is not None and all(n.op_type in ORT_CONTRIB_OPS for n in model.graph.node if n.domain == ORT_DOMAIN):
+        _check_in_onnxruntime(model, path)
     _check_functions(model, path)
     _check_ops(inferred, path)
     return model
@@ -79,22 +87,44 @@ def _contrib_view(model: onnx.ModelProto, path: Path) -> onnx.ModelProto | None:
         held.append(n.name)
     if not held and not any(n.domain == ORT_DOMAIN for n in model.graph.node):
         return None
-    view = onnx.ModelProto()
-    view.CopyFrom(model)
+    view = _weights_as_inputs(model)
     for n in view.graph.node:
         if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_CONTRIB:
             n.domain = ORT_DOMAIN
     if ORT_DOMAIN not in {o.domain for o in view.opset_import}:
         view.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
-    # The builder's value_info contradicts its own Constant nodes (rank 0 for [1]): infer afresh.
-    del view.graph.value_info[:]
-    # Weights as typed inputs: the data file was checked above, and a proto's external paths would
-    # resolve against the working directory.
-    names = {i.name for i in view.graph.input}
-    view.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                            for t in view.graph.initializer if t.name not in names)
-    del view.graph.initializer[:]
     return view
+
+
+def _weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose weights are typed inputs (the data file was checked above, and a proto's external
+    paths would resolve against the working directory; small inline constants such as Reshape targets
+    stay, so shapes infer), without the stored value_info (the builder's contradicts its own
+    Constant nodes, rank 0 for [1]: inferred afresh)."""
+    view = onnx.ModelProto()
+    view.CopyFrom(model)
+    del view.graph.value_info[:]
+    names = {i.name for i in view.graph.input}
+    small = [t for t in view.graph.initializer if t.data_location != TensorProto.EXTERNAL and math.prod(t.dims) <= 4096]
+    kept = {t.name for t in small}
+    view.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                            for t in view.graph.initializer if t.name not in names and t.name not in kept)
+    del view.graph.initializer[:]
+    view.graph.initializer.extend(small)
+    return view
+
+
+def _check_in_onnxruntime(model: onnx.ModelProto, path: Path) -> None:
+    """onnx.checker knows no schema of onnxruntime's contrib ops: onnxruntime itself loads the graph
+    (its schemas: attributes, input types, shape inference) and finds a CPU kernel for every node.
+    The weights are typed inputs there, so nothing is read."""
+    from .reference import ort_session
+
+    try:
+        ort_session(_weights_as_inputs(model))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FuselmError(f"{path}: onnxruntime rejects the graph's contrib ops: {shown(first, 300)}; {_FIX}") from None
 
 
 def _check_functions(model: onnx.ModelProto, path: Path) -> None:

@@ -27,6 +27,10 @@ from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rope import FuseRoPE
+from .ort_gather_quantized import OrtGatherBlockQuantized
+from .ort_gqa import DEFAULT_MAX_LENGTH, OrtGroupQueryAttention
+from .ort_matmul_nbits import DEFAULT_ACCURACY_LEVEL, OrtMatMulNBits
+from .ort_skip_norm import OrtSkipRMSNorm
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
 from .upgrade_opset import UpgradeOpset
@@ -43,16 +47,32 @@ PIPELINE: list[Pass] = [
     FuseRoPE(),
     AttentionTo3D(),
 ]
+TARGETS = ("onnxruntime",)
+
+
+def target_passes(target: str | None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                  max_length: int = DEFAULT_MAX_LENGTH) -> list[Pass]:
+    """The passes that lower the portable graph to one runtime's own ops, run after PIPELINE.
+
+    `onnxruntime`: its contrib ops (com.microsoft), as onnxruntime-genai's builder writes them;
+    `max_length` sizes GroupQueryAttention's cos/sin caches (genai_config's max_length)."""
+    if target is None:
+        return []
+    if target != "onnxruntime":
+        raise FuselmError(f"--target {target!r}: no such target; valid targets: {', '.join(TARGETS)}")
+    return [OrtGroupQueryAttention(max_length), OrtSkipRMSNorm(), OrtMatMulNBits(accuracy_level),
+            OrtGatherBlockQuantized()]
 
 
 def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def resolve_skip(skip) -> set[str]:
+def resolve_skip(skip, target: str | None = None) -> set[str]:
     """Class names of the passes to skip; `skip` takes class names or kebab/snake aliases."""
     table = {}
-    for p in PIPELINE:
+    passes = [*PIPELINE, *target_passes(target)]
+    for p in passes:
         for alias in (p.name, *p.aliases):
             table[_key(alias)] = p.name
     chosen = set()
@@ -62,14 +82,15 @@ def resolve_skip(skip) -> set[str]:
                 continue
             name = table.get(_key(part))
             if name is None:
-                valid = ", ".join(f"{p.name} ({'/'.join(p.aliases[:1])})" for p in PIPELINE)
+                valid = ", ".join(f"{p.name} ({'/'.join(p.aliases[:1])})" for p in passes)
                 raise FuselmError(f"--skip {part!r}: no such pass; valid passes: {valid}")
             chosen.add(name)
     return chosen
 
 
-def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) -> list[dict]:
-    """Run every pass not in `skip` in order; returns one record per pass (skipped ones too).
+def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None, target: list[Pass] = ()) -> list[dict]:
+    """Run every pass not in `skip` in order, then the `target` passes; returns one record per pass
+    (skipped ones too).
 
     `on_pass(record, model)` is called after each pass that ran (diff uses it to check numbers).
     """
@@ -79,7 +100,7 @@ def run_pipeline(model: ir.Model, skip: set[str] = frozenset(), on_pass=None) ->
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for p in PIPELINE:
+        for p in [*PIPELINE, *target]:
             _run_one(p, model, skip, records, on_pass)
     finally:
         if gc_was_enabled:
@@ -160,13 +181,18 @@ def _careful(p: Pass, model: ir.Model, backup: ir.Model, reason: str) -> tuple[b
     return changed, stats
 
 
-def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) -> Path:
-    """Run the pipeline on a model directory or .onnx file; write a model directory at `out`."""
+def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False, target: str | None = None,
+             accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> Path:
+    """Run the pipeline on a model directory or .onnx file; write a model directory at `out`.
+
+    `target="onnxruntime"` then lowers the graph to onnxruntime's contrib ops (`target_passes`);
+    `accuracy_level` is MatMulNBits' (4: int8 activations, onnxruntime-genai's CPU default)."""
     onnx_path, meta = graphio.resolve(in_path)
-    skipped = resolve_skip(skip)
+    skipped = resolve_skip(skip, target)
+    lowering = target_passes(target, accuracy_level, context_length(meta, in_path))
     t0 = time.perf_counter()
     model = graphio.load(onnx_path)
-    records = run_pipeline(model, skipped)
+    records = run_pipeline(model, skipped, target=lowering)
     passes_seconds = time.perf_counter() - t0
     out = Path(out)
     with atomic_output_dir(out, force=force) as tmp:
@@ -193,6 +219,14 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False) ->
     return out
 
 
+def context_length(meta: dict | None, in_path) -> int:
+    """The positions a lowered graph must cover: fuselm.json's (or genai_config.json's) context length,
+    else genai_config's default, 4096 (written as max_length beside the model too)."""
+    if meta is None and Path(in_path).is_dir():
+        meta = meta_from_genai_config(in_path)
+    return (meta or {}).get("max_position_embeddings") or DEFAULT_MAX_LENGTH
+
+
 def upgrade_note(records: list[dict]) -> str:
     """`; default-domain opset 20 -> 23` when UpgradeOpset converted the graph, else ''."""
     up = next((r for r in records if r["pass"] == UpgradeOpset().name and r.get("fired")), None)
@@ -214,8 +248,8 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
     if past and past[0].shape is not None and past[0].shape.rank() == 4:
         kv, hd = past[0].shape[1], past[0].shape[3]
         dims.update(kv_heads=kv if isinstance(kv, int) else None, head_dim=hd if isinstance(hd, int) else None)
-    heads = {n.attributes["q_num_heads"].value for n in model.graph if n.op_type == "Attention"
-             and "q_num_heads" in n.attributes}
+    heads = {n.attributes[a].value for n in model.graph for op, a in (("Attention", "q_num_heads"),
+             ("GroupQueryAttention", "num_heads")) if n.op_type == op and a in n.attributes}
     if len(heads) == 1:
         dims["heads"] = heads.pop()
     logits = next((v for v in model.graph.outputs if v.name == contract.LOGITS), None)
@@ -227,21 +261,24 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
             "graph": {"opset": contract.OPSET, "domains": dict(model.opset_imports)}, **extra}
 
 
-def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> dict:
+def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, target: str | None = None,
+         accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> dict:
     """Walk the pipeline on a model directory or .onnx file and report, pass by pass, what changed.
 
     Per pass: changed or not, node counts before -> after by op type, matches fired and skipped
     with reasons, the numeric drift (onnxruntime with its optimizations off, this stage against
     the previous one: max abs logit difference for a prefill and a decode step with past) and the
     time taken. `html` writes one self-contained page with the same tables and a drawing of one
-    decoder layer before and after each pass; `json_path` the same data as JSON.
+    decoder layer before and after each pass; `json_path` the same data as JSON. `target` adds
+    the lowering passes (`optimize`'s), each with its drift.
     """
     from . import check, draw
     from .diff_page import write_html
     from .report import print_report, write_json
 
     onnx_path, meta = graphio.resolve(in_path)
-    skipped = resolve_skip(skip)
+    skipped = resolve_skip(skip, target)
+    lowering = target_passes(target, accuracy_level, context_length(meta, in_path))
     model = graphio.load(onnx_path)
     pictures = draw.Stages(model.graph)
     nodes_in = model.graph.num_nodes()
@@ -280,7 +317,7 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False) -> di
             else:
                 record["drift"] = None
 
-        records = run_pipeline(model, skipped, on_pass)
+        records = run_pipeline(model, skipped, on_pass, target=lowering)
     data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": pictures.first_layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
             "nodes_per_layer_in": pictures.counts[0], "nodes_per_layer_out": pictures.counts[-1],

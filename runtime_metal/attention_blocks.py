@@ -51,6 +51,10 @@ def attention(b, q, k, v, mask, scale: float):
         block = min(block, MAX_BLOCK_DEQUANT)
     qg = b.reshape(b.cast(q, 1), (bsz, hkv, r * s, d))
     qg = b.binary("mul", qg, _f32(b, scale))
+    if mask is None and 0 < length <= block:  # one block, no masked row: a plain softmax (mlx-lm's quantized
+        # sdpa: two quantized matmuls around it on MLX)
+        p = b.softmax(_scores(b, qg, k, 0, length), 3)
+        return b.cast(b.reshape(_values(b, p, v, 0, length), (bsz, hq, s, -1)), b.dtype(q))
     mask5 = _mask5(b, mask, hkv, r)
     m = l_sum = acc = None
     for t0 in range(0, length, block):

@@ -1,4 +1,4 @@
-"""Compiled static-shape decode: the per-token plan as one compiled function.
+"""Compiled static-shape decode: the per-token plan as one compiled function, or in compiled pieces.
 
 Static-shape decode runs the same plan every token (kvcache.py), so it can be captured once. The
 step takes the token and its position; the attention mask and position_ids are computed from the
@@ -6,17 +6,24 @@ position on the device, so no host array crosses over per token. The backend com
 (`Backend.compile_step`): MLX mx.compile (KV buffers in and out), torch make_fx + inductor and a
 CUDA graph on CUDA (runtime_metal/backends/torch_compile.py; KV buffers written in place).
 
+Where attention reads only the filled rows of the cache (`Backend.causal_reads`, MLX), its shapes
+grow every token, so `PiecewiseDecode` runs each Attention eagerly and compiles the runs of steps
+between two of them (fixed shapes): mx.compile fuses their elementwise tails (the SiLU gate, residual
+adds, casts) and the host calls one function per layer instead of its ops.
+
 The first compiled step is checked against the eager step (same inputs) before it is used.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from fuselm import contract
 
+from .executor import Step
 from .kvcache import CacheView
 
 N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
@@ -62,6 +69,88 @@ class CompiledDecode:
         return out[0], out[1], list(out[2:])
 
 
+@dataclass
+class Piece:
+    steps: list
+    inputs: list[str]  # values read from outside the piece
+    outputs: list[str]  # values read after it
+    fn: object = None  # the compiled run of `steps`; None: one step run eagerly (an Attention)
+
+
+class PiecewiseDecode:
+    """The static decode plan of `sess` with eager attentions over the filled rows and compiled pieces between."""
+
+    def __init__(self, sess, plan, max_len: int):
+        self.sess, self.max_len = sess, max_len
+        self.names = [c.name for c in sess.caches]
+        self.pieces = _pieces(plan)
+        self.seconds = 0.0
+        n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
+        self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows"
+
+    def build(self, args: tuple) -> None:
+        t0 = time.perf_counter()
+        for p in self.pieces:
+            if p.steps[0].node.op_type != "Attention":
+                p.fn, _ = self.sess.backend.compile_step(self._piece(p), args, 1)
+        self.seconds = time.perf_counter() - t0
+
+    def _piece(self, piece: Piece):
+        ex = self.sess.executor
+
+        def run(pos, *values):
+            env = dict(zip(piece.inputs, values, strict=True))
+            ex.ctx["rope_offset"] = pos
+            ex.run_steps(piece.steps, env)
+            return tuple(env[n] for n in piece.outputs)
+
+        return run
+
+    def __call__(self, ids, pos_dev, bufs: list):
+        """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
+        sess, b = self.sess, self.sess.backend
+        ex = sess.executor
+        views = {c.name: sess._view(c, sess.pos, 1, static=True) for c in sess.caches}
+        env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+        ex.ctx["all_logits"] = False
+        b.new_step()
+        b.step_memo = {}
+        for p in self.pieces:
+            if p.fn is None:
+                ex.ctx["rope_offset"] = pos_dev
+                ex.run_steps(p.steps, env)
+            else:
+                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
+        return env[contract.LOGITS], None, [views[n].buffer for n in self.names]
+
+
+def _pieces(plan) -> list[Piece]:
+    """The plan's steps cut at each Attention: the runs between them, and each Attention alone. A causal
+    read (`causal_rows`) never reads the mask, so a piece does not hand it on."""
+    groups: list[list] = []
+    for st in plan.steps:
+        alone = st.node.op_type == "Attention"
+        if alone and "causal_rows" in st.node.attrs and len(st.args) > 3:
+            args = [None if i == 3 else a for i, a in enumerate(st.args)]
+            st = Step(st.node, st.spec, args, [sl for sl in st.slots if sl[0] != 3], st.free)
+        if alone or not groups or groups[-1][0].node.op_type == "Attention":
+            groups.append([st])
+        else:
+            groups[-1].append(st)
+    wanted = [{n for n, c in plan.outputs if c is None}]  # read after group i (built backwards)
+    for g in reversed(groups[1:]):
+        after = set(wanted[0])
+        for st in g:
+            after.update(x for _, x, _ in st.slots)
+        wanted.insert(0, after)
+    pieces = []
+    for g, after in zip(groups, wanted, strict=True):
+        made = {o for st in g for o in st.node.outputs if o}
+        inputs = list(dict.fromkeys(x for st in g for _, x, _ in st.slots if x not in made))
+        pieces.append(Piece(g, inputs, [o for st in g for o in st.node.outputs if o and o in after]))
+    return pieces
+
+
 def agrees(backend, a, b, tol: float = 1e-3) -> bool:
     """Same logits up to `tol` of their largest magnitude (at least 1), and the same argmax."""
     x = np.asarray(backend.to_numpy(a), np.float64).reshape(-1)
@@ -70,4 +159,4 @@ def agrees(backend, a, b, tol: float = 1e-3) -> bool:
     return bool(close and np.argmax(x) == np.argmax(y))
 
 
-__all__ = ["CompiledDecode", "agrees", "static_feeds", "N_INPUTS"]
+__all__ = ["CompiledDecode", "PiecewiseDecode", "agrees", "static_feeds", "N_INPUTS"]

@@ -203,10 +203,15 @@ class Executor:
     # --- replay -------------------------------------------------------------------------------
     def _execute(self, plan: Plan, feeds: dict) -> dict:
         env = dict(feeds)
+        self.b.new_step()
+        self.b.step_memo = {}
+        self.run_steps(plan.steps, env)
+        return {name: (env[name] if const is None else const) for name, const in plan.outputs}
+
+    def run_steps(self, steps: list[Step], env: dict) -> None:
+        """Run plan steps on the values in `env`, which they update (compiled.py runs a plan in pieces)."""
         b, ctx, prof = self.b, self.ctx, self.profiler
-        b.new_step()
-        b.step_memo = {}
-        for step in plan.steps:
+        for step in steps:
             args = list(step.args)
             for pos, x, host in step.slots:
                 args[pos] = b.to_numpy(env[x]) if host else env[x]
@@ -220,7 +225,6 @@ class Executor:
                     env[name] = v
             for name in step.free:
                 env.pop(name, None)
-        return {name: (env[name] if const is None else const) for name, const in plan.outputs}
 
     def _debug(self, node: Node, ins, outs, where: str) -> None:
         if not self.debug:

@@ -8,7 +8,10 @@ Load-time rewrites (each keeps what the graph computes):
 - Concat(past_key_values.i.*, new, axis=2) becomes KVAppend (writes into the preallocated cache);
 - the lm_head's input passes through LastRows, so a prefill chunk computes the logits of its last
   position only, unless the run asks for all of them (ctx["all_logits"]);
-- nodes whose inputs are all constants are folded on the host.
+- nodes whose inputs are all constants are folded on the host;
+- Attention nodes whose mask is a causal band under the session's plain feeds get `causal_rows`
+  (mask_kind.py), so a backend can read only the filled rows of the cache; for such a backend, a
+  layer's q/k norms and RoPE run over every head of the fused QKV output at once (qkv_heads.py).
 """
 
 from __future__ import annotations
@@ -181,6 +184,11 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     _kv_append(graph)
     _fold_constants(graph)
     _last_rows(graph)
+    from . import mask_kind, qkv_heads
+
+    if backend.causal_reads and fused:
+        qkv_heads.rewrite(graph)
+    mask_kind.classify(graph, (lm.meta or {}).get("sliding_window"))
     return graph
 
 

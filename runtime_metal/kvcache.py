@@ -12,12 +12,17 @@ Two modes:
   decode step has the same shapes and can be compiled (mx.compile, torch.compile, CUDA graphs).
   Rows after the current position are masked by position: the attention mask fed to the graph has
   zeros there (and ops without a mask input mask by `pos` themselves).
+- causal reads (`Backend.causal_reads`, MLX; mask_kind.py): the plan is the static one, but `pos` is a
+  host int and Attention reads only rows 0..pos (a sliding window: its last rows) with no array mask,
+  so the backend's fused attention runs on every device. A layer whose QKV output gives the k and v
+  rows as one array (qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`; the views'
+  `heads` select their half) and writes both with one update (`CacheView.append_both`).
 
 Storage format (`--kv-bits`, `--kv-bits-k`, `--kv-bits-v`, `--kv-group-size`; a runtime choice, the
 graph still sees float past/present):
 - the graph's dtype (default), or float32 / float16 (`16`): one float buffer [B, H, L, D];
-- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases
-  (backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
+- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases (bfloat16
+  where MLX computes in bfloat16; backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
 A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
 attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
 is not one Attention op) gets the rows as floats.
@@ -188,6 +193,7 @@ class CacheView:
     pos: object  # rows written before this step: a Python int, or a 0-d device integer (static mode)
     seq: int  # rows this step appends
     static: bool = False
+    heads: tuple[int, int] | None = None  # this input's heads of a buffer that holds K and V (packed)
 
     @property
     def max_len(self) -> int:
@@ -202,29 +208,60 @@ class CacheView:
         b, h, _, d = (int(s) for s in self._first.shape)
         if isinstance(self.buffer, tuple):
             d = _head_dim_of(self.buffer)
+        h = h if self.heads is None else self.heads[1] - self.heads[0]
         return (b, h, self.max_len - self.seq if self.static else int(self.pos), d)
 
-    def append(self, backend, new, stored_ok: bool = False):
-        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced.
+    def append_both(self, other: CacheView, backend, kv, stored_ok: bool, rows: tuple[int, int]):
+        """K and V of one packed buffer (this view's heads, then `other`'s) written by one update of
+        `kv` [B, Hk + Hv, S, D] at the host position `pos`; returns their rows t0..t1 (as `append`)."""
+        both = CacheView(self.buffer, self.pos, self.seq, self.static)
+        out = both.append(backend, kv, stored_ok, rows)
+        self.buffer = other.buffer = both.buffer
+        return tuple(_heads(backend, out, view.heads) for view in (self, other))
+
+    def append(self, backend, new, stored_ok: bool = False, rows: tuple[int, int] | None = None):
+        """Write `new` [B, H, S, D] at `pos`; return what the graph's Concat would have produced, or with
+        `rows` (t0, t1) only those rows of the cache after the write (a causal read of the filled rows,
+        which needs `pos` as a host int).
 
         A cache stored in another format than `new`'s comes back as a StoredKV when `stored_ok` (the
         Attention op reads it blockwise), else as floats in `new`'s dtype."""
         s = int(new.shape[2])
+        at = {} if self.heads is None else {"heads": self.heads}
         if isinstance(self.buffer, tuple):
             d = int(new.shape[3])
             parts = kv_quant.quantize(backend, new, d // int(self.buffer[1].shape[3]))
-            self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos)
+            self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos, **at)
         else:
-            self.buffer = backend.cache_write(self.buffer, new, self.pos)
-            if backend.dtype(self.buffer) == backend.dtype(new):
-                if self.static:
-                    return self.buffer
-                return backend.slice(self.buffer, (slice(None), slice(None), slice(0, int(self.pos) + s)))
+            self.buffer = backend.cache_write(self.buffer, new, self.pos, **at)
+        t0, t1 = rows or (0, self.max_len if self.static else int(self.pos) + s)
+        hs = slice(None) if self.heads is None else slice(*self.heads)
+        if not isinstance(self.buffer, tuple) and backend.dtype(self.buffer) == backend.dtype(new):
+            whole = t0 == 0 and t1 == self.max_len and self.heads is None
+            return self.buffer if whole else backend.slice(self.buffer, (slice(None), hs, slice(t0, t1)))
         b, h, _, d = (int(x) for x in new.shape)
-        t = self.max_len if self.static else int(self.pos) + s
+        data = self.buffer
+        if t0 or self.heads is not None:  # a window: the stored rows from t0 on; a packed buffer: these heads
+            data = tuple(a[:, hs, t0:t1] for a in data) if isinstance(data, tuple) else data[:, hs, t0:t1]
         pos = _host_int(backend, self.pos)
-        view = StoredKV(self.buffer, (b, h, t, d), None if pos is None else pos + s, backend.dtype(new))
+        view = StoredKV(data, (b, h, t1 - t0, d), None if pos is None else pos + s - t0, backend.dtype(new))
         return view if stored_ok else view.floats(backend)
+
+
+def _heads(backend, x, heads: tuple[int, int]):
+    """Heads h0..h1 of the rows `append` returned (an array or a StoredKV)."""
+    hs = (slice(None), slice(*heads))
+    if not isinstance(x, StoredKV):
+        return backend.slice(x, hs)
+    data = tuple(a[hs] for a in x.data) if x.quantized else x.data[hs]
+    b, _, t, d = x.shape
+    return StoredKV(data, (b, heads[1] - heads[0], t, d), x.valid, x.dtype)
+
+
+def packed(backend, shape: tuple, graph_dtype: int, fmt: KVFormat) -> object:
+    """One cache holding a layer's K and V heads side by side ([B, 2H, L, D]: K heads, then V heads)."""
+    b, h, length, d = shape
+    return make_cache(backend, (b, 2 * h, length, d), graph_dtype, fmt)
 
 
 def _head_dim_of(stored: tuple) -> int:

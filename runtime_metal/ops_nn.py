@@ -147,9 +147,10 @@ def _make_bias(b, attn_mask, past, s, t, is_causal, nonpad, left, right):
     return b.where(allowed, mask, _scalar(b, mask, -np.inf))
 
 
-def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, *,
+def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, kv_rows=None, *,
                is_causal=0, kv_num_heads=0, q_num_heads=0, qk_matmul_output_mode=0, scale=None, softcap=0.0,
-               softmax_precision=None, left_window_size=-1, right_window_size=-1, _n_outputs=1, fused=True):
+               softmax_precision=None, left_window_size=-1, right_window_size=-1, causal_rows=None, _n_outputs=1,
+               _ctx=None, fused=True):
     three_d = len(b.shape(Q)) == 3
     if three_d:
         _check_3d_heads(b, Q, K, V, q_num_heads, kv_num_heads)
@@ -160,27 +161,69 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
                           f"{b.shape(Q)[1]} / {b.shape(K)[1]} heads; the graph is invalid")
     s = b.shape(Q)[2]
     blockwise = fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q))
-    K, V = _append(b, past_key, K, blockwise), _append(b, past_value, V, blockwise)
-    t = K.shape[2] if isinstance(K, StoredKV) else b.shape(K)[2]
     scale = float(1.0 / np.sqrt(b.shape(Q)[3])) if scale is None else float(scale)
-    mask = _attention_bias(b, attn_mask, past_key, s, t, is_causal, nonpad_kv_seqlen, left_window_size,
-                           right_window_size)
+    rows = _filled_rows(past_key, past_value, s, causal_rows, _ctx) if blockwise and nonpad_kv_seqlen is None \
+        else None
     qk_out = None
-    if blockwise:
-        # a cache stored as float16/int8, or a long prompt: keys in blocks, online softmax
-        Y = attention_blocks.attention(b, Q, K, V, mask, scale) if attention_blocks.wanted(b, Q, K, V) else \
-            b.sdpa(Q, K, V, mask, scale)
-        if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
-            # a query row with every key masked attends nothing (Y = 0), as the spec says; the graph's
-            # own float masks (finite minimum) never mask a whole row, so decode skips this
-            attends = _step_memo(b, ("attends", id(mask)), (mask,), lambda: _row_attends(b, mask))
-            Y = b.where(attends, Y, _scalar(b, Y, 0))
+    if rows is not None:  # the filled rows, and no array mask (mask_kind.py)
+        (t0, t1), causal = rows
+        if kv_rows is not None and past_key.heads is not None and _same(past_key.buffer, past_value.buffer):
+            # one buffer holds K and V (kvcache.packed), and the layer made their rows as one array
+            K, V = past_key.append_both(past_value, b, b.transpose(kv_rows, (0, 2, 1, 3)), True, (t0, t1))
+        else:
+            K, V = past_key.append(b, K, True, (t0, t1)), past_value.append(b, V, True, (t0, t1))
+        stored = isinstance(K, StoredKV) or isinstance(V, StoredKV)
+        if stored or (attention_blocks.wanted(b, Q, K, V) and not b.long_sdpa):
+            Y = attention_blocks.attention(b, Q, K, V, _causal(b, s, t1 - t0) if causal else None, scale)
+        else:
+            Y = b.sdpa(Q, K, V, "causal" if causal else None, scale)
     else:
-        Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
+        K, V = _append(b, past_key, K, blockwise), _append(b, past_value, V, blockwise)
+        t = K.shape[2] if isinstance(K, StoredKV) else b.shape(K)[2]
+        mask = _attention_bias(b, attn_mask, past_key, s, t, is_causal, nonpad_kv_seqlen, left_window_size,
+                               right_window_size)
+        if blockwise:
+            # a cache stored as float16/int8, or a long prompt: keys in blocks, online softmax
+            Y = attention_blocks.attention(b, Q, K, V, mask, scale) if attention_blocks.wanted(b, Q, K, V) else \
+                b.sdpa(Q, K, V, mask, scale)
+            if mask is not None and (mask is not attn_mask or b.dtype(mask) == 9):
+                # a query row with every key masked attends nothing (Y = 0), as the spec says; the graph's
+                # own float masks (finite minimum) never mask a whole row, so decode skips this
+                attends = _step_memo(b, ("attends", id(mask)), (mask,), lambda: _row_attends(b, mask))
+                Y = b.where(attends, Y, _scalar(b, Y, 0))
+        else:
+            Y, qk_out = _sdpa_unfused(b, Q, K, V, mask, scale, softcap, softmax_precision, qk_matmul_output_mode)
     if three_d:
         bsz, h, _, dv = b.shape(Y)
         Y = b.reshape(b.transpose(Y, (0, 2, 1, 3)), (bsz, s, h * dv))
     return (Y, K, V, qk_out)[:max(_n_outputs, 1)]
+
+
+def _filled_rows(past_key, past_value, s: int, window, ctx) -> tuple | None:
+    """((t0, t1), causal) when this Attention may read cache rows t0..t1 without an array mask: the backend
+    reads the filled rows (ctx["causal_reads"], set by the session for its plain feeds), the mask is a causal
+    band (`causal_rows`, mask_kind.py) and the cache position is known on the host. Causal is needed only
+    for a prompt chunk (S > 1); a window cuts the rows at decode and must not cut into a chunk's rows."""
+    if window is None or not (ctx or {}).get("causal_reads") or not isinstance(past_key, CacheView) or \
+            not isinstance(past_value, CacheView) or not isinstance(past_key.pos, int):
+        return None
+    t1 = past_key.pos + s
+    t0 = max(0, t1 - window) if window else 0
+    if s > 1 and window and t1 > window:  # the band is not one causal triangle: the graph's mask
+        return None
+    return (t0, t1), s > 1
+
+
+def _same(a, b) -> bool:
+    """The same cache storage (an array, or the arrays of an 8-bit cache)."""
+    return (a[0] if isinstance(a, tuple) else a) is (b[0] if isinstance(b, tuple) else b)
+
+
+def _causal(b, s: int, t: int):
+    """The bottom-right causal mask [S, T] (bool) for the blockwise path, which takes arrays only."""
+    j = b.reshape(b.arange(0, t, 1, 7), (1, t))
+    i = b.reshape(b.arange(t - s, t, 1, 7), (s, 1))
+    return b.binary("less_equal", j, i)
 
 
 def _row_attends(b, mask):
@@ -223,7 +266,7 @@ def _attention_unfused(b, *inputs, **attrs):
     return _attention(b, *inputs, **attrs, fused=False)
 
 
-@op("Attention", fused=True, unfused=_attention_unfused, wants_outputs=True)
+@op("Attention", fused=True, unfused=_attention_unfused, wants_outputs=True, wants_context=True)
 def Attention(b, *inputs, **attrs):
     return _attention(b, *inputs, **attrs)
 

@@ -17,6 +17,10 @@ Decode runs in one of four modes (`Decode`), which only move forward:
   STATIC   — one plan over the whole preallocated cache, the same shapes every token;
   COMPILED — that plan as one compiled function (mx.compile; inductor + CUDA graph), built on the
              first static step and kept only if it reproduces the eager step.
+Where the backend reads only the filled rows of the cache (`causal_reads`: MLX) and every Attention's
+mask is a causal band (mask_kind.py), the static plan's attentions read rows 0..pos (the window's last
+rows) with no array mask, prefill chunks use mask="causal", and COMPILED compiles the pieces between the
+attentions (compiled.py PiecewiseDecode): the attention shapes grow with the cache.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from fuselm.errors import FuselmError
 from . import graph as graph_mod
 from . import kvcache, loader
 from .backends import make_backend
-from .compiled import CompiledDecode, agrees, static_feeds
+from .compiled import CompiledDecode, PiecewiseDecode, agrees, static_feeds
 from .executor import Executor, Profiler
 from .kvcache import CacheView
 
@@ -83,6 +87,12 @@ class Session:
                               self.lm.path)
         window = self.meta.get("sliding_window")
         self.window = int(window) if window else None
+        attention = [n for n in self.graph.nodes if n.key == ("", "Attention")]
+        self.causal_reads = bool(self.backend.causal_reads and self.in_place and attention and fused
+                                 and all("causal_rows" in n.attrs for n in attention)
+                                 and not any(n.op_type == "KVAppend" for n in self.graph.nodes))
+        self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (mask_kind.py)
+        self.packed = self._packed_pairs(attention)  # value cache name -> its key's, sharing one buffer
         self.mode = Decode.CHECKING if static_decode and self.in_place else Decode.DYNAMIC
         self.profiler = Profiler()
         self.executor.profiler = self.profiler
@@ -159,6 +169,28 @@ class Session:
                     return False
         return True
 
+    def _packed_pairs(self, attention) -> dict[str, str]:
+        """Layers whose K and V live in one buffer (kvcache.packed): causal reads, every Attention given its
+        k and v rows as one array (qkv_heads.py), K and V of the same shape and storage format."""
+        specs = {c.name: c for c in self.caches}
+        pairs = {}
+        for n in attention:
+            k, v = (n.inputs[i] if len(n.inputs) > i else "" for i in (4, 5))
+            if len(n.inputs) < 8 or not n.inputs[7] or k not in specs or v not in specs or k in pairs or \
+                    (specs[k].heads, specs[k].head_dim, specs[k].dtype) != (specs[v].heads, specs[v].head_dim,
+                                                                              specs[v].dtype):
+                return {}
+            pairs[v] = k
+        if not self.causal_reads or len(pairs) * 2 != len(specs) or self.kv_formats[0] != self.kv_formats[1]:
+            return {}
+        return pairs
+
+    def _view(self, c: CacheSpec, pos, seq: int, static: bool = False) -> CacheView:
+        heads = None
+        if self.packed:
+            heads = (c.heads, 2 * c.heads) if c.name in self.packed else (0, c.heads)
+        return CacheView(self.buffers[c.name], pos, seq, static, heads)
+
     # --- state -----------------------------------------------------------------------------
     def reset(self, max_len: int) -> None:
         """Empty the cache and preallocate room for `max_len` tokens."""
@@ -173,7 +205,11 @@ class Session:
         self._pos_dev = None  # (position, the same as a device array) the compiled step handed back
         length = self.max_len if self.in_place else 0
         self.buffers = {c.name: kvcache.make_cache(b, (1, c.heads, length, c.head_dim), c.dtype, self._kv_format(c))
-                        for c in self.caches}
+                        for c in self.caches if c.name not in self.packed}
+        for v, k in self.packed.items():  # the keys' heads, then the values'
+            c = next(c for c in self.caches if c.name == k)
+            self.buffers[k] = self.buffers[v] = kvcache.packed(b, (1, c.heads, length, c.head_dim), c.dtype,
+                                                               self._kv_format(c))
 
     def _kv_format(self, c: CacheSpec) -> kvcache.KVFormat:
         return self.kv_formats[c.name.endswith(".value")]
@@ -225,7 +261,7 @@ class Session:
         mask = b.asarray(np.ones((1, pos + s), np.int64))
         positions = b.asarray(np.arange(pos, pos + s, dtype=np.int64).reshape(1, -1))
         if self.in_place:
-            views = {c.name: CacheView(self.buffers[c.name], pos, s) for c in self.caches}
+            views = {c.name: self._view(c, pos, s) for c in self.caches}
         else:
             views = dict(self.buffers)
         logits = self._run(part, pos, mask, positions, views)
@@ -242,8 +278,10 @@ class Session:
         self.backend.set_threads(decode=True)
         token = [int(token)] if isinstance(token, (int, np.integer)) else token
         # a sliding-window mask is computed from the cache index: static shapes would move the query
-        # to the end of the buffer, so the window only stays right while the buffer fits in it
-        if self.mode is Decode.DYNAMIC or (self.window is not None and self.max_len > self.window):
+        # to the end of the buffer, so the window only stays right while the buffer fits in it (causal
+        # reads cut the window's rows themselves)
+        if self.mode is Decode.DYNAMIC or (self.window is not None and self.max_len > self.window
+                                           and not self.causal_reads):
             return self._step_dynamic(token)
         if self.mode is Decode.CHECKING:
             return self._checked_static(token)
@@ -258,10 +296,11 @@ class Session:
         if step is not None and not self.profiler.enabled:
             logits, nxt, bufs = step(ids, pos_dev, [self.buffers[c.name] for c in self.caches])
             self.buffers = {c.name: buf for c, buf in zip(self.caches, bufs, strict=True)}
-            self._pos_dev = (pos + 1, nxt)
+            self._pos_dev = (pos + 1, nxt) if nxt is not None else None
         else:
-            feeds = static_feeds(b, ids, pos_dev, self.max_len)
-            views = {c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True) for c in self.caches}
+            feeds = static_feeds(b, ids, pos_dev, self.max_len, self.first_input)
+            at = pos if self.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
+            views = {c.name: self._view(c, at, 1, static=True) for c in self.caches}
             logits = self._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
             if step is None and self.compile and self.compile_failed is None:
                 self._build_compiled(ids, pos_dev, logits)
@@ -273,11 +312,11 @@ class Session:
 
         Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
         feeds = static_feeds(self.backend, ids, pos_dev, self.max_len, self.first_input)
-        plan = self.executor.plan_for({**feeds, **{c.name: CacheView(self.buffers[c.name], pos_dev, 1, static=True)
+        plan = self.executor.plan_for({**feeds, **{c.name: self._view(c, pos_dev, 1, static=True)
                                                    for c in self.caches}})
         if plan is None:
             return
-        compiled = CompiledDecode(self, plan, self.max_len)
+        compiled = (PiecewiseDecode if self.causal_reads else CompiledDecode)(self, plan, self.max_len)
         bufs = [self.buffers[c.name] for c in self.caches]
         try:
             compiled.build((ids, pos_dev, *bufs))
@@ -357,6 +396,10 @@ class Session:
         elif self.mode is Decode.COMPILED:
             mode += f": {self.compiled.what}" if self.compiled is not None else ""
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
+        if self.causal_reads and self.mode is not Decode.COMPILED:
+            mode += ", attention over the filled rows (no mask at decode, causal at prefill)"
+        if self.packed:
+            mode += ", K and V in one buffer per layer"
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
                f"KV cache {kv})"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,17 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Prepared-weight files would land inside the shared fixture directories: tests/test_prepared.py
 # turns them on for its own copies.
 os.environ.setdefault("FUSELM_PREPARED", "0")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs one xdist worker per core: one torch / OpenMP thread each (set before torch
+    # is imported), so that two workers do not fight over the cores with two threads each.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+# The reliability tally's report runs in every pytest process, an xdist controller included (it never
+# imports tests/reliability/conftest.py).
+sys.path.insert(0, str(Path(__file__).parent / "reliability"))
+pytest_plugins = ["reliability_report"]
 
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 

@@ -52,7 +52,7 @@ def test_transformers4_config_keys():
     legacy = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}, **BASE}
     config = AutoConfig.for_model("llama", **legacy)
     want, _ = ROPE_INIT_FUNCTIONS["linear"](config, "cpu")
-    np.testing.assert_array_equal(rope_inputs(legacy, 32).inv_freq, want.numpy())
+    np.testing.assert_array_equal(rope_inputs({"model_type": "llama", **legacy}, 32).inv_freq, want.numpy())
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
@@ -95,7 +95,7 @@ def test_fused_rope_body_equals_hf_apply_rotary(shape, case):
 
 
 def test_partial_rotary_passes_the_rest_through():
-    rope = rope_inputs({"rope_parameters": ROPES["linear-partial"]}, 32)
+    rope = rope_inputs({"model_type": "llama", "rope_parameters": ROPES["linear-partial"], **BASE}, 32)
     x = np.random.default_rng(1).standard_normal((1, 3, 2, 32)).astype(np.float32)
     got = _rope_session(rope).run(None, {"x": x, "pos": np.array([[0, 5, 9]])})[0]
     np.testing.assert_array_equal(got[..., 16:], x[..., 16:])

@@ -20,6 +20,7 @@ from pathlib import Path
 from fuselm.errors import FuselmError, Unsupported
 
 from ..families import IGNORED_SUFFIXES
+from ..graph import Export
 from ..quant import Plan
 from ..weights import Checkpoint
 
@@ -30,8 +31,8 @@ _TRACED: dict[str, tuple] = {}
 _CACHED = 8
 
 
-def build(hf_dir: Path, config: dict, precisions) -> tuple:
-    """(Builder with every weight declared, Checkpoint, fuselm.json fields, label) for `hf_dir`."""
+def build(hf_dir: Path, config: dict, precisions) -> Export:
+    """The traced graph for `hf_dir` (transformers' modeling code for its model_type), weights declared."""
     from .skeleton import Skeleton
     from .stamp import Stamper
 
@@ -41,13 +42,15 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     else:
         with _unsupported():
             skel = Skeleton(hf_dir, config)
+            plans = skel.probe()  # the architecture's refusals come before the checkpoint's
     ckpt = Checkpoint(hf_dir)
+    ckpt.rename(skel.model_name)
     expected = skel.expected_tensors()
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
     if key not in _TRACED:
         with _unsupported():
-            plans, kinds, templates, outer = _trace(skel)
+            kinds, templates, outer = _trace(skel, plans)
         while len(_TRACED) >= _CACHED:
             _TRACED.pop(next(iter(_TRACED)))
         _TRACED[key] = (skel, plans, kinds, templates, outer)
@@ -58,13 +61,12 @@ def build(hf_dir: Path, config: dict, precisions) -> tuple:
     with _unsupported():
         builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
                                 getattr(skel.config, "sliding_window", None))
-    return builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type
+    return Export(builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type)
 
 
-def _trace(skel) -> tuple:
+def _trace(skel, plans) -> tuple:
     from .trace import layer_kinds, trace_layer, trace_outer
 
-    plans = skel.probe()
     kinds = layer_kinds(skel, plans)
     first = {}
     for p in plans:
@@ -72,7 +74,7 @@ def _trace(skel) -> tuple:
     templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
     for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
         p.rope = first[p.kind].rope
-    return plans, kinds, templates, trace_outer(skel)
+    return kinds, templates, trace_outer(skel)
 
 
 @contextlib.contextmanager

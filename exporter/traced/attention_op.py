@@ -57,7 +57,7 @@ class Context:
     """What the attention function needs during one layer trace, and what it leaves behind."""
 
     def __init__(self):
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.past: tuple[torch.Tensor, torch.Tensor] | str | None = None  # "empty": a dry run
         self.mask: torch.Tensor | None = None  # the layer's mask input: attention must receive it as is
         self.present: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sliding_window: int | None = None
@@ -65,6 +65,11 @@ class Context:
 
 
 CONTEXT = Context()
+
+
+class NotOneAttention(FuselmError):
+    """The layer's attention is not one ONNX Attention (two calls, sinks, its own mask): exporter/traced/trace.py
+    then traces the model's eager attention instead, with the cache update through TraceCache."""
 _IGNORED_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
                    "output_attentions", "use_cache", "is_causal", "past_key_values", "past_key_value"}
 
@@ -74,17 +79,19 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     ctx = CONTEXT
     if ctx.past is None:
         raise FuselmError("fuselm_trace attention called outside a layer trace")
+    if ctx.past == "empty":  # a dry run: no past, of the shapes the layer's own keys and values have
+        ctx.past = (key[:, :, :0], value[:, :, :0])
     if ctx.calls:
-        raise FuselmError(f"{type(module).__name__}: a decoder layer with more than one attention call "
+        raise NotOneAttention(f"{type(module).__name__}: a decoder layer with more than one attention call "
                           "(cross-attention, parallel heads) is not supported by the traced exporter")
     extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and isinstance(v, torch.Tensor))
     if extra:
-        raise FuselmError(f"{type(module).__name__}: attention takes {', '.join(extra)} (e.g. attention sinks), "
+        raise NotOneAttention(f"{type(module).__name__}: attention takes {', '.join(extra)} (e.g. attention sinks), "
                           "which ONNX Attention cannot express; this model_type is not supported")
     if attention_mask is None:
-        raise FuselmError(f"{type(module).__name__}: attention was called without a mask; not supported")
+        raise NotOneAttention(f"{type(module).__name__}: attention was called without a mask; not supported")
     if attention_mask is not ctx.mask:
-        raise FuselmError(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
+        raise NotOneAttention(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
                           "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
     ctx.calls += 1
     ctx.sliding_window = kwargs.get("sliding_window")
@@ -94,6 +101,23 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
                                                                 scale, softcap)
     ctx.present = (present_k, present_v)
     return y.transpose(1, 2).contiguous(), None
+
+
+class TraceCache:
+    """The cache a layer that computes attention itself (Falcon) gets while traced: `update` appends
+    the new keys/values to the layer's past input and keeps the result as the layer's present."""
+
+    def update(self, key, value, *args, **kwargs):
+        ctx = CONTEXT
+        if ctx.present is not None:
+            raise FuselmError("a decoder layer updated its cache twice; not supported by the traced exporter")
+        if ctx.past == "empty":
+            ctx.past = (key[:, :, :0], value[:, :, :0])
+        ctx.present = (torch.cat((ctx.past[0], key), dim=2), torch.cat((ctx.past[1], value), dim=2))
+        return ctx.present
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
 
 
 def register(masks: bool = True) -> None:

@@ -13,6 +13,8 @@ is refused instead of exported wrong.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from fuselm import contract
@@ -65,15 +67,26 @@ def translation():
 
 
 class RopeSpec:
-    """One layer kind's rotary: the frequencies (scaling folded in, as the model's module holds them)."""
+    """One layer kind's rotary: the frequencies (scaling folded in, as the model's module holds them),
+    the pair layout, and whether apply_rotary_pos_emb gets q/k as [B,H,S,D] (else [B,S,H,D], GPT-J)."""
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, interleaved: int = 0):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, interleaved: int = 0, heads_first: bool = True):
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.attention_scaling = float(attention_scaling)
-        self.interleaved = interleaved
+        self.interleaved, self.heads_first = interleaved, heads_first
 
     def key(self) -> tuple:
-        return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.interleaved)
+        return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.interleaved, self.heads_first)
+
+
+def rotated_arguments(apply, model_type: str) -> list[str]:
+    """The parameters of an apply_rotary_pos_emb that it rotates: those before `cos` / `sin`
+    (q, k for most families; one `tensor` for GPT-J's `apply_rotary_pos_emb(tensor, sin, cos)`)."""
+    params = list(inspect.signature(apply).parameters)
+    if "cos" not in params or "sin" not in params or min(params.index("cos"), params.index("sin")) == 0:
+        raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb{inspect.signature(apply)} takes no "
+                          "(tensors, cos, sin); fuselm's traced exporter cannot map it to FusedRoPE")
+    return params[:min(params.index("cos"), params.index("sin"))]
 
 
 class Installed:
@@ -87,6 +100,8 @@ class Installed:
 
     def __enter__(self):
         if self.original is not None:
+            self.signature = inspect.signature(self.original)
+            self.rotated = rotated_arguments(self.original, self.module.__name__)
             self.module.apply_rotary_pos_emb = self._apply
         return self
 
@@ -95,45 +110,54 @@ class Installed:
             self.module.apply_rotary_pos_emb = self.original
         return False
 
-    def _apply(self, q, k, cos, sin, *args, **kwargs):
-        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[-1] if args and isinstance(args[-1], int) else 1)
-        if cos is not self.marker() or sin is not self.marker() or self.spec is None:
+    def _apply(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["cos"] is not self.marker() or a["sin"] is not self.marker() or self.spec is None:
             raise FuselmError(f"{self.module.__name__}: the layer changes cos/sin before apply_rotary_pos_emb; "
                               "fuselm's traced exporter cannot map this rotary to FusedRoPE")
         self.calls += 1
         s = self.spec
+        heads_first = a["unsqueeze_dim"] == 1 if "unsqueeze_dim" in a else s.heads_first
         out = []
-        for t in (q, k):
-            t = t.transpose(1, 2) if unsqueeze_dim == 1 else t  # HF's [B,H,S,D] -> FusedRoPE's [B,S,H,D]
-            y = torch.ops.fuselm_trace.rope(t, cos, s.inv_freq.tolist(), s.attention_scaling, s.interleaved)
-            out.append(y.transpose(1, 2) if unsqueeze_dim == 1 else y)
-        return tuple(out)
+        for name in self.rotated:
+            t = a[name].transpose(1, 2) if heads_first else a[name]  # HF's [B,H,S,D] -> FusedRoPE's [B,S,H,D]
+            y = torch.ops.fuselm_trace.rope(t, self.marker(), s.inv_freq.tolist(), s.attention_scaling, s.interleaved)
+            out.append(y.transpose(1, 2) if heads_first else y)
+        return tuple(out) if len(out) > 1 else out[0]
 
 
 def rope_layout(module, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_scaling: float, head_dim: int, model_type: str) -> int:
-    """Which `interleaved` value makes FusedRoPE equal the family's apply_rotary_pos_emb (checked on
-    random q/k, with the real cos/sin of the model's rotary module); refuses anything else."""
+                attention_scaling: float, head_dim: int, model_type: str) -> tuple[int, bool, int]:
+    """(interleaved, heads_first, sign of inv_freq): the FusedRoPE layout and q/k layout that make FusedRoPE equal the
+    family's apply_rotary_pos_emb (checked on random tensors, with the rotary module's real cos/sin);
+    refuses anything else."""
     apply = getattr(module, "apply_rotary_pos_emb", None)
     if apply is None:
         raise FuselmError(f"model_type {model_type!r}: its modeling code has no apply_rotary_pos_emb; fuselm's "
                           "traced exporter maps only that function to FusedRoPE")
+    names = rotated_arguments(apply, model_type)
     gen = torch.Generator().manual_seed(0)
     batch, seq = positions.shape
     # head_dim wide (the function handles partial rotary itself), or only the rotary part (the
-    # attention slices q/k before calling it: Phi, StableLM, Persimmon)
-    for width in dict.fromkeys((head_dim, cos.shape[-1])):
-        q = torch.randn(batch, 3, seq, width, generator=gen)
-        k = torch.randn(batch, 1, seq, width, generator=gen)
-        with torch.no_grad():
-            try:
-                want_q, want_k = apply(q, k, cos, sin)
-            except RuntimeError:  # shapes it does not take
-                continue
-            for interleaved in (0, 1):
-                got = [reference(t.transpose(1, 2), positions, inv_freq, attention_scaling, interleaved).transpose(1, 2)
-                       for t in (q, k)]
-                if all(torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, (want_q, want_k), strict=True)):
-                    return interleaved
+    # attention slices q/k before calling it: Phi, StableLM, Persimmon, GPT-J)
+    for width in dict.fromkeys((head_dim, 2 * len(inv_freq))):
+        for heads_first in (True, False):
+            # FusedRoPE's [B,S,H,D]; 3 heads for the first tensor, 1 for the others (q and a GQA k)
+            xs = [torch.randn(batch, seq, 3 if i == 0 else 1, width, generator=gen) for i in range(len(names))]
+            with torch.no_grad():
+                try:
+                    want = apply(**{n: x.transpose(1, 2) if heads_first else x for n, x in zip(names, xs, strict=True)},
+                                 cos=cos, sin=sin)
+                except RuntimeError:  # shapes it does not take
+                    continue
+            want = [w.transpose(1, 2) if heads_first else w for w in (want if isinstance(want, tuple) else (want,))]
+            # sign -1: the rotation runs the other way (NanoChat's rotate_half is cat(x2, -x1)): FusedRoPE of -inv_freq
+            for interleaved, sign in ((0, 1), (1, 1), (0, -1), (1, -1)):
+                got = [reference(x, positions, sign * inv_freq, attention_scaling, interleaved) for x in xs]
+                if len(want) == len(got) and all(
+                        w.shape == g.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, want, strict=True)):
+                    return interleaved, heads_first, sign
     raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb matches neither rotate_half nor "
                       "interleaved FusedRoPE with the rotary module's inv_freq; it cannot be exported as FusedRoPE")

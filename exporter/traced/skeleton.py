@@ -13,7 +13,7 @@ recorder: which rotary frequencies and which mask (causal or sliding window) eac
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
 
@@ -67,13 +68,15 @@ class LayerPlan:
     rope: RopeSpec | None
     sliding: bool
     kind: int = -1
+    kwargs: dict = field(default_factory=dict)  # the model's other (non-tensor) arguments to the layer
+    cache_arg: str = "past_key_values"  # the layer's name for its cache argument
 
 
 class Skeleton:
     """transformers' model for a checkpoint directory, parameters on meta."""
 
     def __init__(self, hf_dir: Path, config_dict: dict):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         from .attention_op import NAME, register
 
@@ -98,18 +101,17 @@ class Skeleton:
         self._refuse_layer_types(config)
         self._refuse_rope(config)
         register()
-        config._attn_implementation = NAME
         config.use_cache = False
+        # Attention goes through transformers' attention interface (fuselm_trace, one Attention op); a
+        # model that computes it in its own code (Falcon) is built eager and its cache update traced.
+        self.inline_attention = False
         try:
-            with params_on_meta(), torch.device("cpu"):
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=NAME)
-        except ValueError as e:  # no causal-LM class for this config
-            raise FuselmError(f"model_type {self.model_type!r}: transformers has no causal LM for it "
-                              f"({_first_line(e)}); fuselm converts decoder-only causal LMs") from None
-        except Exception as e:  # the model's constructor rejects the config (sizes that do not divide, ...)
-            raise FuselmError(f"model_type {self.model_type!r}: transformers cannot build the model from config.json "
-                              f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the "
-                              "checkpoint") from None
+            model = self._build(config, NAME)
+        except KeyError as e:
+            if e.args != (NAME,):
+                raise self._cannot_build(e) from None
+            self.inline_attention = True
+            model = self._build(config, "eager")
         self.config, self.model = config, model.eval()
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
@@ -117,10 +119,33 @@ class Skeleton:
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__}{f' at {name}' if name else ''})")
         self.layers_name, self.layers = self._find_layers()
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        self._renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         import importlib
 
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
+
+    def _build(self, config, implementation: str):
+        from transformers import AutoModelForCausalLM
+
+        config._attn_implementation = implementation
+        try:
+            with params_on_meta(), torch.device("cpu"):
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=implementation)
+        except ValueError as e:  # no causal-LM class for this config
+            raise FuselmError(f"model_type {self.model_type!r}: transformers has no causal LM for it "
+                              f"({_first_line(e)}); fuselm converts decoder-only causal LMs") from None
+        except KeyError:
+            raise
+        except Exception as e:  # the model's constructor rejects the config (sizes that do not divide, ...)
+            raise self._cannot_build(e) from None
+
+    def _cannot_build(self, e: Exception) -> FuselmError:
+        return FuselmError(f"model_type {self.model_type!r}: transformers cannot build the model from config.json "
+                           f"({type(e).__name__}: {_first_line(e)}); use the config.json that came with the checkpoint")
 
     def _refuse_layer_types(self, config) -> None:
         types = getattr(config, "layer_types", None) or []
@@ -142,18 +167,28 @@ class Skeleton:
                                   "checkpoint with a static rope type (default, linear, llama3, yarn, ...)")
 
     def _find_layers(self) -> tuple[str, nn.ModuleList]:
+        """The decoder layers, found by structure: the one ModuleList of num_hidden_layers modules of
+        one class (`model.layers`, GPT-J's `transformer.h`, GPT-NeoX's `gpt_neox.layers`)."""
         n = self.config.num_hidden_layers
         found = [(name, m) for name, m in self.model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) == n and name.endswith("layers")]
+                 if isinstance(m, nn.ModuleList) and len(m) == n and len({type(x) for x in m}) == 1]
         if len(found) != 1:
-            raise FuselmError(f"model_type {self.model_type!r}: cannot find its {n} decoder layers (one ModuleList "
-                              "named *layers); not supported by the traced exporter")
+            lists = ", ".join(name for name, _ in found) or "none"
+            raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers (the ModuleLists "
+                              f"of {n} modules of one class: {lists}); not supported by the traced exporter")
         return found[0]
 
     @property
     def base(self) -> nn.Module:
         """The module that owns the layer list (HF's `XModel`)."""
         return self.model.get_submodule(self.layers_name.rsplit(".", 1)[0]) if "." in self.layers_name else self.model
+
+    def model_name(self, stored: str) -> str:
+        """A checkpoint tensor's name in the model: transformers' own load-time renames for this
+        architecture (its conversion mapping: GPT-NeoX's `embed_out` -> `lm_head`)."""
+        from transformers.core_model_loading import apply_renamings
+
+        return apply_renamings(stored, self._renamings) if self._renamings else stored
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
@@ -208,14 +243,17 @@ class Skeleton:
     def probe(self) -> list[LayerPlan]:
         """Run the base model's forward once with recorder layers; one LayerPlan per decoder layer."""
         base, config = self.base, self.config
-        rotaries = [m for m in base.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        # the rotary module is whichever module outside the layers returns the pair the layers receive
+        inside = {id(m) for layer in self.layers for m in layer.modules()}
+        rotaries = [m for m in base.modules() if id(m) not in inside and m is not base and m is not self.layers]
         tags: dict[int, tuple] = {}
 
         def tagged(module, forward):
             def run(*args, **kwargs):
-                cos, sin = forward(*args, **kwargs)
-                tags[id(cos)] = (module, args, kwargs, cos, sin)
-                return cos, sin
+                out = forward(*args, **kwargs)
+                if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
+                    tags[id(out[0])] = (module, args, kwargs, *out)
+                return out
             return run
 
         seen: list[dict] = []
@@ -238,7 +276,6 @@ class Skeleton:
 
         originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
-        saved_forwards = {id(m): m.forward for m in rotaries}
         try:
             for m in rotaries:
                 m.forward = tagged(m, m.forward)
@@ -272,7 +309,7 @@ class Skeleton:
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
             for m in rotaries:
-                m.forward = saved_forwards[id(m)]
+                del m.forward  # back to the class's
         if len(seen) != len(originals):
             raise FuselmError(f"model_type {self.model_type!r}: its forward did not call every decoder layer once; "
                               "not supported by the traced exporter")
@@ -298,27 +335,59 @@ class Skeleton:
             else:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
                                   "causal nor a sliding window (chunked or bidirectional attention); not supported")
-            plans.append(LayerPlan(i, specs[id(pe[0])], is_sliding))
+            cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
+            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _CACHE_ARGS
+                      and k not in ("attention_mask", "position_ids", "position_embeddings")
+                      and (v is None or isinstance(v, (bool, int, float, str)))}
+            plans.append(LayerPlan(i, specs[id(pe[0])], is_sliding, kwargs=static, cache_arg=cache_arg))
         return plans
 
-    def _rope_spec(self, module, args, kwargs, cos, sin, positions) -> RopeSpec:
-        """The frequencies the rotary module used for this call, checked against its own cos/sin."""
+    def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
+        """The frequencies the rotary module used for this call, checked against its own cos/sin. Most
+        modules hold them (`inv_freq` or `{layer_type}_inv_freq`, `attention_scaling`); from a module
+        with a sin/cos table (GPT-J's `embed_positions`) they are read back from the table's angles."""
+        # (cos, sin), or (sin, cos) as GPT-J returns them: at position 0 sin is 0
+        sin_first = not first[:, 0].any() and bool(second[:, 0].all())
+        cos, sin = (second, first) if sin_first else (first, second)
         layer_type = next((a for a in (*args[2:], *kwargs.values()) if isinstance(a, str)), None)
         prefix = f"{layer_type}_" if layer_type else ""
         inv = getattr(module, f"{prefix}inv_freq", None)
         scaling = getattr(module, f"{prefix}attention_scaling", 1.0)
-        if not isinstance(inv, torch.Tensor) or inv.device.type == "meta":
-            raise FuselmError(f"model_type {self.model_type!r}: its rotary module {type(module).__name__} has no "
-                              f"{prefix}inv_freq buffer; not supported by the traced exporter")
-        freqs = positions[..., None].float() * inv.float()
-        # rotate_half tables repeat the angles as [f, f]; interleaved ones (Cohere) as [f0, f0, f1, f1, ...]
-        if not any(torch.allclose(emb.cos() * scaling, cos, atol=1e-6) and torch.allclose(emb.sin() * scaling, sin, atol=1e-6)
-                   for emb in (torch.cat((freqs, freqs), dim=-1), freqs.repeat_interleave(2, dim=-1))):
+        if isinstance(inv, torch.Tensor) and inv.device.type != "meta":
+            candidates = [inv.float()]
+        else:  # one angle per table column; which columns are the frequencies depends on the layout
+            angles, scaling = self._angles(module, args, kwargs, positions, sin_first), float(cos[0, 0, 0])
+            candidates = [angles[: len(angles) // 2], angles[::2], angles]
+        # rotate_half tables repeat the angles as [f, f]; interleaved ones (Cohere) as [f0, f0, f1, f1, ...];
+        # GPT-J's hold each once
+        for inv in candidates:
+            freqs = positions[..., None].float() * inv.float()
+            tables = (torch.cat((freqs, freqs), dim=-1), freqs.repeat_interleave(2, dim=-1), freqs)
+            if any(emb.shape == cos.shape and torch.allclose(emb.cos() * scaling, cos, atol=1e-6)
+                   and torch.allclose(emb.sin() * scaling, sin, atol=1e-6) for emb in tables):
+                break
+        else:
             raise FuselmError(f"model_type {self.model_type!r}: {type(module).__name__}'s cos/sin are not "
                               "cos/sin(position x inv_freq) x attention_scaling; not supported by the traced exporter")
-        interleaved = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling), self.head_dim,
-                                  self.model_type)
-        return RopeSpec(inv, scaling, interleaved)
+        interleaved, heads_first, sign = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling),
+                                                     self.head_dim, self.model_type)
+        return RopeSpec(sign * inv, scaling, interleaved, heads_first)
+
+    def _angles(self, module, args, kwargs, positions, sin_first: bool) -> torch.Tensor:
+        """The angle of each cos/sin column per position step (float64), read back at position 1 and
+        refined at a far one: atan2 of float32 tables is 1e-7 accurate, this 1e-10."""
+        far = max(2, min(4096, (getattr(self.config, "max_position_embeddings", None) or 256) - 1))
+
+        def angle(p: int) -> torch.Tensor:
+            at = torch.tensor([[p]])
+            with torch.no_grad():  # the class's forward: the instance's is the probe's recorder
+                a, b = type(module).forward(module, *[at if x is positions else x for x in args],
+                                            **{k: at if v is positions else v for k, v in kwargs.items()})
+            c, s = (b, a) if sin_first else (a, b)
+            return torch.atan2(s.double(), c.double())[0, 0]
+
+        turns = torch.round((angle(1) * far - angle(far)) / (2 * torch.pi))
+        return (angle(far) + 2 * torch.pi * turns) / far
 
 
 def _first_line(e: BaseException) -> str:

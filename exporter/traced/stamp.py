@@ -38,6 +38,7 @@ class Stamper:
         self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
         self.kv_heads, self.k_dim, self.v_dim = kv_shape
         self.used: set[str] = set()  # checkpoint tensors the graph reads
+        self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
     def build(self, outer: Template, layers: list[Template], sliding: list[bool], window: int | None) -> Builder:
         b = self.b
@@ -146,12 +147,26 @@ class Stamper:
                 if inp not in names:
                     raise FuselmError(f"traced node {node.name} reads {inp}, which nothing produces; not supported")
                 new.input[k] = names[inp]
+        shapes = self._shapes(t)
         for k, out in enumerate(node.output):
             if out:
                 names[out] = fixed.get(out, f"{prefix_values}{out}")
                 new.output[k] = names[out]
+                if out in shapes and out not in fixed:  # the trace's static dims (heads, head_dim) for passes
+                    info = onnx.ValueInfoProto()
+                    info.CopyFrom(shapes[out])
+                    info.name = names[out]
+                    for d in info.type.tensor_type.shape.dim:
+                        if not d.HasField("dim_value"):
+                            d.Clear()
+                    self.b.value_info.append(info)
         new.name = self._node_name(node, scope)
         self.b.node(new)
+
+    def _shapes(self, t: Template) -> dict[str, onnx.ValueInfoProto]:
+        if id(t) not in self.value_info:
+            self.value_info[id(t)] = {v.name: v for v in t.graph.value_info if v.type.HasField("tensor_type")}
+        return self.value_info[id(t)]
 
     def _node_name(self, node: onnx.NodeProto, scope: str) -> str:
         """`{scope}/{module path}/{op}` from the name scopes torch.onnx records, made unique."""

@@ -70,7 +70,7 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     kinds: dict[tuple, int] = {}
     for plan in plans:
         layer = skel.layers[plan.index]
-        key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.sliding)
+        key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.sliding, tuple(sorted(plan.kwargs.items())))
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -86,21 +86,31 @@ def _structure(layer: nn.Module) -> tuple:
 
 
 class _LayerWrapper(nn.Module):
-    def __init__(self, layer: nn.Module, rope: rope_op.Installed):
+    """layer(hidden, mask, position_ids, past_key, past_value) -> (hidden, present_key, present_value),
+    called with the arguments the model gave it in the probe (LayerPlan.kwargs), the cache as None
+    (attention through the interface takes the past from the context) or a TraceCache."""
+
+    def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool):
         super().__init__()
-        self.layer, self.rope = layer, rope
+        self.layer, self.rope, self.plan, self.inline = layer, rope, plan, inline_attention
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value):
         ctx = attention_op.CONTEXT
-        ctx.past, ctx.present, ctx.calls, ctx.mask = (past_key, past_value), None, 0, attention_mask
+        ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
+        ctx.present, ctx.calls, ctx.mask = None, 0, attention_mask
         self.rope.positions = position_ids
-        out = self.layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                         position_embeddings=(position_ids, position_ids), past_key_values=None, use_cache=False)
+        kwargs = {**self.plan.kwargs, self.plan.cache_arg: attention_op.TraceCache() if self.inline else None}
+        out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
+                         position_embeddings=(position_ids, position_ids))
         out = out[0] if isinstance(out, tuple) else out
         if ctx.present is None:
-            raise FuselmError(f"{type(self.layer).__name__}: the layer never called its attention function; "
-                              "not supported by the traced exporter")
+            raise _NoAttention(f"{type(self.layer).__name__}: the layer neither called its attention function nor "
+                               "updated its cache; not supported by the traced exporter")
         return out, *ctx.present
+
+
+class _NoAttention(FuselmError):
+    pass
 
 
 class _MarkedLayer(nn.Module):
@@ -145,15 +155,30 @@ def _restore(undo) -> None:
         m._parameters[name] = p
 
 
+def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the layer once without past: the cache's shapes as the layer makes them (kv heads, key and value
+    widths), whatever the config claims (GPT-NeoX ignores num_key_value_heads). A layer whose attention is
+    not one Attention op (it computes attention itself, calls it twice, has sinks or its own mask) switches
+    to eager attention with its cache update traced (`wrapper.inline`)."""
+    batch = hidden.shape[0]
+    with torch.no_grad():
+        try:
+            return wrapper(hidden, torch.zeros(batch, 1, 1, 1), positions, "empty", None)[1:]
+        except (_NoAttention, attention_op.NotOneAttention):
+            if wrapper.inline:
+                raise
+        wrapper.inline = skel.inline_attention = True
+        skel.config._attn_implementation = "eager"  # the modules share the config: all of them go eager
+        return wrapper(hidden, torch.zeros(batch, 1, 1, 1), positions, "empty", None)[1:]
+
+
 def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
     """The ONNX template of decoder layer `plan.index` (its kind's representative)."""
     layer = skel.layers[plan.index]
     cfg = skel.config
-    kv, d = cfg.num_key_value_heads if getattr(cfg, "num_key_value_heads", None) else cfg.num_attention_heads, skel.head_dim
     batch, seq, past = 2, 3, 4
-    args = (torch.randn(batch, seq, cfg.hidden_size), torch.zeros(batch, 1, seq, past + seq),
-            torch.arange(past, past + seq)[None].repeat(batch, 1), torch.randn(batch, kv, past, d),
-            torch.randn(batch, kv, past, d))
+    hidden = torch.randn(batch, seq, cfg.hidden_size)
+    positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {0: b, 1: s}, "attention_mask": {0: b, 2: s, 3: t}, "position_ids": {0: b, 1: s},
                "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p}}
@@ -162,7 +187,15 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
     undo = _placeholders(layer)
     try:
         with installed:
-            wrapper = _LayerWrapper(layer, installed).eval()
+            wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention).eval()
+            try:
+                key, value = _dry_run(skel, wrapper, hidden[:, :1], positions[:, :1])
+            except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
+                raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
+                                  f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
+            args = (hidden, torch.zeros(batch, 1, seq, past + seq), positions,
+                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]))
+            installed.calls = 0
             program = _export(wrapper, args, dynamic, LAYER_INPUTS, LAYER_OUTPUTS, skel.model_type)
     finally:
         _restore(undo)

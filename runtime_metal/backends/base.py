@@ -41,13 +41,20 @@ class Backend:
     Capabilities (class attributes the session reads instead of checking backend names):
     `lazy` — arrays are computed on demand (MLX), so the next decode step is queued while the
     device runs this one; `compile_default` — compiling the static decode step is cheap enough to
-    do without being asked; `compute` — the compute type of the graph's float32 values."""
+    do without being asked; `compute` — the compute type of the graph's float32 values;
+    `causal_reads` — Attention reads only the filled rows of the cache, with no array mask at decode
+    and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (mask_kind.py): what the
+    backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache;
+    `long_sdpa` — `sdpa` runs long prompts without holding their [S × T] scores (a flash kernel), so
+    Attention need not split the keys into blocks (attention_blocks.py)."""
 
     name = "base"
     device = "cpu"
     host = False  # True only for the numpy backend that evaluates shape subgraphs
     lazy = False
     compile_default = False
+    causal_reads = False
+    long_sdpa = False
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
 
@@ -204,7 +211,8 @@ class Backend:
         """softmax(q kᵀ·scale + mask) v for q [B, Hq, S, D], k/v [B, Hkv, T, D]; GQA without repeating.
 
         `mask` is None, a boolean (True = attend) or an additive float array broadcastable to
-        [B, Hq, S, T]."""
+        [B, Hq, S, T], or "causal" (bottom-right: query i sees keys up to T - S + i; only where
+        `causal_reads`)."""
         raise NotImplementedError
 
     def prepare_quantized(self, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,

@@ -1,7 +1,8 @@
 """The 8-bit KV cache on each backend: quantize new rows, and read key/value blocks for attention.
 
 Format (both backends): affine per token, kv head and group of `group` channels along head_dim,
-    x ≈ q · scale + bias,   q ∈ [0, 255],   scale, bias in float16
+    x ≈ q · scale + bias,   q ∈ [0, 255],   scale, bias in float16 (MLX computing in bfloat16: bfloat16,
+    as mlx-lm's QuantizedKVCache keeps them, so its quantized matmuls convert nothing)
 i.e. MLX's own affine quantization (mx.quantize), so the MLX path reads it with mx.quantized_matmul
 exactly as mlx-lm's QuantizedKVCache does. A stored cache is a tuple (q, scales, biases) of backend
 arrays [B, H, L, ·]: torch keeps q as uint8 [B, H, L, D], MLX packs it into uint32 [B, H, L, D/4].
@@ -40,8 +41,9 @@ def empty(b, shape: tuple, group: int) -> tuple:
     if b.name == "mlx":
         import mlx.core as mx
 
-        return (mx.zeros((bsz, h, length, d // 4), mx.uint32), mx.zeros((bsz, h, length, d // group), mx.float16),
-                mx.zeros((bsz, h, length, d // group), mx.float16))
+        dt = _mlx_scale_dtype(b)
+        return (mx.zeros((bsz, h, length, d // 4), mx.uint32), mx.zeros((bsz, h, length, d // group), dt),
+                mx.zeros((bsz, h, length, d // group), dt))
     import torch
 
     dev = b._dev
@@ -64,8 +66,9 @@ def quantize(b, x, group: int) -> tuple:
     if b.name == "mlx":
         import mlx.core as mx
 
-        q, s, z = mx.quantize(x.astype(mx.float32), group_size=group, bits=BITS)
-        return q, s.astype(mx.float16), z.astype(mx.float16)
+        dt = _mlx_scale_dtype(b)
+        q, s, z = mx.quantize(x if x.dtype == dt else x.astype(mx.float32), group_size=group, bits=BITS)
+        return q, s.astype(dt), z.astype(dt)
     import torch
 
     bsz, h, s, d = x.shape
@@ -106,7 +109,7 @@ def scores(b, q, block: tuple):
         import mlx.core as mx
 
         kq, ks, kz = block
-        return mx.quantized_matmul(q.astype(mx.float32), kq, ks, kz, transpose=True, group_size=group, bits=BITS)
+        return mx.quantized_matmul(_mlx_operand(q, ks), kq, ks, kz, transpose=True, group_size=group, bits=BITS)
     # Σ_d q_d (k_d·s_g + z_g) = Σ_g s_g (q_g · k_g) + z_g Σ_{d∈g} q_d: one int8→f32 conversion of the keys,
     # the scales applied to the small [R, T] products
     kq, ks, kz = block
@@ -133,7 +136,7 @@ def values(b, p, block: tuple):
         import mlx.core as mx
 
         vq, vs, vz = block
-        return mx.quantized_matmul(p, vq, vs, vz, transpose=False, group_size=group, bits=BITS)
+        return mx.quantized_matmul(_mlx_operand(p, vs), vq, vs, vz, transpose=False, group_size=group, bits=BITS)
     # Σ_t p_t (v_td·s_tg + z_tg) = (p ⊙ s_g) · v_g + p · z_g, per group g of channels
     import torch
 
@@ -152,6 +155,20 @@ def values(b, p, block: tuple):
     return parts[0] if g == 1 else torch.cat(parts, -1)
 
 
-def write(b, stored: tuple, parts: tuple, pos) -> tuple:
+def _mlx_scale_dtype(b):
+    """float16, or the compute dtype where MLX computes in half precision (bfloat16 on a GPU)."""
+    import mlx.core as mx
+
+    return b._float if b._float in (mx.float16, mx.bfloat16) else mx.float16
+
+
+def _mlx_operand(x, scales):
+    """x for a quantized matmul with `scales`: in their dtype when x is half precision too, else float32."""
+    import mlx.core as mx
+
+    return x if x.dtype == scales.dtype and x.dtype in (mx.float16, mx.bfloat16) else x.astype(mx.float32)
+
+
+def write(b, stored: tuple, parts: tuple, pos, **heads) -> tuple:
     """Write quantized rows at `pos` (int or 0-d array) into each array of the stored cache."""
-    return tuple(b.cache_write(a, p, pos) for a, p in zip(stored, parts, strict=True))
+    return tuple(b.cache_write(a, p, pos, **heads) for a, p in zip(stored, parts, strict=True))

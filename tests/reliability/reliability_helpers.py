@@ -31,6 +31,15 @@ class Tally:
         self.bad[kind][category] += not ok
         return ok
 
+    def dump(self) -> dict:
+        return {"tried": {k: dict(c) for k, c in self.tried.items()}, "bad": {k: dict(c) for k, c in self.bad.items()}}
+
+    def merge(self, dumped: dict | None) -> None:
+        """Add another process's counts (an xdist worker's `dump()`)."""
+        for field in ("tried", "bad"):
+            for kind, counts in (dumped or {}).get(field, {}).items():
+                getattr(self, field)[kind].update(counts)
+
     def summary(self) -> dict:
         return {kind: {"tried": sum(self.tried[kind].values()), "broken": sum(self.bad[kind].values()),
                        "by_category": {c: {"tried": n, "broken": self.bad[kind][c]}

@@ -1,0 +1,194 @@
+"""`fuselm run --backend onnxruntime`: generate on onnxruntime's CPU engine.
+
+Through onnxruntime-genai when it is installed (its own loop, its KV cache: one shared past/present
+buffer for a `--target onnxruntime` graph, genai_config.json says so), else plain onnxruntime with IO
+binding: the cache stays in onnxruntime's OrtValues from step to step, and a graph whose past only
+GroupQueryAttention reads gets one preallocated max-length buffer bound as both past and present.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from . import contract
+from .errors import FuselmError
+from .genai_config import NAME as GENAI_CONFIG
+from .genai_config import shares_buffer
+
+
+def lowered_for_onnxruntime(model_dir) -> bool:
+    """Whether the directory's graph holds onnxruntime contrib ops (read without weights)."""
+    from .graphcheck import ORT_DOMAIN
+
+    path = Path(model_dir)
+    path = path / contract.MODEL_NAME if path.is_dir() else path
+    if not path.is_file():
+        return False
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem
+        return False
+    return any(n.domain == ORT_DOMAIN for n in graph.node)
+
+
+class GenaiLoop:
+    """onnxruntime-genai's generator on the directory (its genai_config.json)."""
+
+    def __init__(self, model_dir: Path, threads: int | None):
+        import json
+
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.what = f"onnxruntime-genai {og.__version__}, CPU"
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed):
+        params = self.og.GeneratorParams(self.model)
+        options = {"max_length": len(ids) + max_tokens, "min_length": 0, "do_sample": temperature > 0}
+        if temperature > 0:
+            options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+            if seed is not None:
+                options["random_seed"] = int(seed)
+        params.set_search_options(**options)
+        gen = self.og.Generator(self.model, params)
+        gen.append_tokens(np.array([ids], dtype=np.int32))
+        for _ in range(max_tokens):
+            gen.generate_next_token()
+            yield int(gen.get_next_tokens()[0])
+
+
+class BoundLoop:
+    """Plain onnxruntime with IO binding (batch 1): presents stay OrtValues and become the next pasts;
+    with a GroupQueryAttention cache, one [1, KV, max_length, D] buffer per cache is past and present."""
+
+    def __init__(self, model_dir: Path, threads: int | None):
+        import onnxruntime as ort
+
+        path = model_dir / contract.MODEL_NAME
+        graph = onnx.load(str(path), load_external_data=False).graph
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.ort = ort
+        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.sess.get_inputs()}
+        self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
+        self.shared = shares_buffer(graph)
+        self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
+
+    def _value(self, a: np.ndarray):
+        """An OrtValue owning a copy of `a` (one made from numpy would point at memory Python may free)."""
+        a = np.ascontiguousarray(a)
+        v = self.ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, "cpu")
+        v.update_inplace(a)
+        return v
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed):
+        from .runtime_metal.sampling import sample
+
+        rng = np.random.default_rng(seed)
+        total = len(ids) + max_tokens
+        shape = [(self.inputs[n].shape[1], self.inputs[n].shape[3]) for n in self.pasts]
+        cache = {n: self._value(np.zeros((1, kv, total if self.shared else 0, d), np.float32))
+                 for n, (kv, d) in zip(self.pasts, shape, strict=True)}
+        done, step = 0, list(ids)
+        for _ in range(max_tokens):
+            io = self.sess.io_binding()
+            s = len(step)
+            feeds = {contract.INPUT_IDS: np.array([step], np.int64),
+                     contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
+                     contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None]}
+            for name, a in feeds.items():
+                if name in self.inputs:
+                    io.bind_ortvalue_input(name, self._value(a))
+            bound = [contract.LOGITS]
+            io.bind_output(contract.LOGITS, "cpu")
+            for name in self.pasts:
+                io.bind_ortvalue_input(name, cache[name])
+                if self.shared:  # GQA writes the new rows into the same buffer
+                    io.bind_ortvalue_output(contract.present_of(name), cache[name])
+                else:
+                    io.bind_output(contract.present_of(name), "cpu")
+                    bound.append(contract.present_of(name))
+            self.sess.run_with_iobinding(io)
+            outs = dict(zip(bound, io.get_outputs(), strict=False))
+            if not self.shared:
+                cache = {n: outs[contract.present_of(n)] for n in self.pasts}
+            logits = outs[contract.LOGITS].numpy()[0, -1]
+            token = sample(logits, temperature, top_k, top_p, rng)
+            done += s
+            step = [token]
+            yield token
+
+
+def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
+        top_k=0, top_p=1.0, seed=None, threads=None, stream=None, quiet=False, engine: str = "auto", **ignored) -> dict:
+    """Generate on onnxruntime: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
+    installed and the directory has its genai_config.json). Options of the other backends are refused."""
+    from rich.console import Console
+
+    from .runtime_metal.generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
+
+    unsupported = {k: v for k, v in ignored.items() if v not in (None, False, "auto")}
+    if unsupported:
+        raise FuselmError(f"--backend onnxruntime does not take {', '.join('--' + k.replace('_', '-') for k in unsupported)}; "
+                          "drop them or use --backend torch")
+    if max_tokens < 1:
+        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
+    path = Path(model_dir)
+    if not (path / contract.MODEL_NAME).is_file():
+        raise FuselmError(f"{path} has no {contract.MODEL_NAME}; pass a model directory from `fuselm optimize`")
+    from .graphcheck import check_graph_file
+
+    check_graph_file(path / contract.MODEL_NAME)
+    if engine == "auto":
+        try:
+            import onnxruntime_genai  # noqa: F401
+
+            engine = "genai" if (path / GENAI_CONFIG).is_file() else "ort"
+        except ImportError:
+            engine = "ort"
+    loop = GenaiLoop(path, threads) if engine == "genai" else BoundLoop(path, threads)
+    tok = load_tokenizer(path, required=prompt is not None)
+    ids = encode_prompt(tok, prompt, prompt_ids, chat)
+    meta = {}
+    if (path / contract.META_NAME).is_file():
+        from .modeldir import read_meta
+
+        meta = read_meta(path)
+    stops = set() if ignore_eos else eos_ids(path, meta, tok)
+    out, console = stream or sys.stdout, Console(stderr=True, quiet=quiet)
+    console.print(f"[dim]fuselm run: {loop.what}[/dim]")
+    detok, tokens = _Detokenizer(tok), []
+    t0 = time.perf_counter()
+    t_first = None
+    for token in loop.generate(ids, max_tokens, temperature, top_k, top_p, seed):
+        t_first = t_first or time.perf_counter()
+        tokens.append(token)
+        out.write(detok.add(token))
+        out.flush()
+        if token in stops:
+            break
+    out.write("\n")
+    t_end = time.perf_counter()
+    decode_n = len(tokens) - 1
+    result = {"tokens": tokens, "text": tok.decode(tokens, skip_special_tokens=True) if tok is not None else None,
+              "prompt_tokens": len(ids), "backend": "onnxruntime-genai" if engine == "genai" else "onnxruntime",
+              "device": "cpu", "prefill_tok_s": len(ids) / max(t_first - t0, 1e-9),
+              "decode_tok_s": decode_n / max(t_end - t_first, 1e-9) if decode_n else None,
+              "stopped_at_eos": bool(tokens) and tokens[-1] in stops, "what": loop.what}
+    decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
+    console.print(f"[dim]prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
+                  f"{decode} · {loop.what}[/dim]")
+    return result

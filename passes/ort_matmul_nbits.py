@@ -1,0 +1,196 @@
+"""OrtMatMulNBits (target onnxruntime): blocked 4/8-bit DequantizeLinear + MatMul -> com.microsoft.MatMulNBits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from fuselm.graphcheck import ORT_DOMAIN
+
+from .base import Fusion, attr, fail, initializer, new_node, producer, take_over
+
+# onnxruntime-genai's builder writes CPU int4 MatMulNBits with accuracy_level 4 (int8 activations).
+DEFAULT_ACCURACY_LEVEL = 4
+_UNSIGNED = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
+_SIGNED = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}
+
+
+@dataclass
+class Blocked:
+    """A blocked DequantizeLinear weight seen as MatMulNBits sees it: N rows of K values."""
+
+    q: ir.Value
+    scale: ir.Value
+    zero: ir.Value | None
+    bits: int
+    signed: bool
+    block: int
+    n: int
+    k: int
+    rows_first: bool  # q is [N, K] blocked along axis 1 (a tied lm_head); else [K, N] along axis 0
+
+
+def blocked_weight(dq: ir.Node, rows_first: bool) -> Blocked:
+    """The weight of a blocked DequantizeLinear over constants, or fail() saying why MatMulNBits cannot take it."""
+    q, scale = dq.inputs[0], dq.inputs[1]
+    zero = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    for v, what in ((q, "quantized data"), (scale, "scale"), (zero, "zero point")):
+        if v is not None and (v.const_value is None or v.shape is None):
+            fail(f"the {what} is not a constant initializer")
+    block = attr(dq, "block_size", 0)
+    if not block:
+        fail("not blocked (block_size 0: per-tensor or per-channel scales; MatMulNBits takes blocks along K)")
+    if block < 16 or block & (block - 1):
+        fail(f"block_size {block} is not a power of two >= 16 (MatMulNBits' blocks)")
+    if q.shape.rank() != 2:
+        fail(f"quantized data of rank {q.shape.rank()}, not 2")
+    axis = attr(dq, "axis", 1) % 2
+    if axis != (1 if rows_first else 0):
+        fail(f"blocked along axis {axis}, not along the MatMul's inner (K) dimension")
+    dtype = q.const_value.dtype
+    bits = _UNSIGNED.get(dtype) or _SIGNED.get(dtype)
+    if bits is None:
+        fail(f"quantized data is {dtype}, not uint4/int4/uint8/int8")
+    if attr(dq, "output_dtype", 0) not in (0, int(ir.DataType.FLOAT)) or scale.const_value.dtype != ir.DataType.FLOAT:
+        fail(f"scales are {scale.const_value.dtype}; the lowering takes float32 scales (the float32 graph)")
+    if zero is not None and zero.const_value.dtype != dtype:
+        fail(f"zero points are {zero.const_value.dtype}, not {dtype}")
+    n, k = (q.shape[0], q.shape[1]) if rows_first else (q.shape[1], q.shape[0])
+    blocks = -(-k // block)
+    want = [n, blocks] if rows_first else [blocks, n]
+    if list(scale.shape) != want:
+        fail(f"scales of shape {list(scale.shape)}, not {want}")
+    return Blocked(q, scale, zero, bits, dtype in _SIGNED, block, n, k, rows_first)
+
+
+def _pack(a: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, L] values in 0..2^bits-1 -> [rows, ceil(L·bits/8)] uint8, low nibble first."""
+    a = a.astype(np.uint8)
+    if bits == 8:
+        return a
+    if a.shape[1] % 2:
+        a = np.pad(a, ((0, 0), (0, 1)))
+    return (a[:, 0::2] | (a[:, 1::2] << 4)).astype(np.uint8)
+
+
+def _rows(w: Blocked, v: ir.Value) -> np.ndarray:
+    """Data or zero points as unsigned [N, L] values (signed ones shifted by 2^(bits-1))."""
+    a = v.const_value.numpy()
+    a = a.astype(np.int16) if w.signed else a.astype(np.uint8).astype(np.int16)
+    if w.signed:
+        a = a + (1 << (w.bits - 1))
+    return a if w.rows_first else np.ascontiguousarray(a.T)
+
+
+def _lazy(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list[int], build) -> ir.Value:
+    """An initializer computed when the model is written; one per name (a tied weight is packed once)."""
+    found = graph.initializers.get(name)
+    if found is not None and list(found.shape) == shape:
+        return found
+    return initializer(graph, name, ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype,
+                                                  shape=ir.Shape(shape), name=name))
+
+
+def nbits_tensors(graph: ir.Graph, w: Blocked) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(B [N, blocks, block·bits/8] uint8, scales [N, blocks], zero points [N·ceil(blocks·bits/8)] uint8)
+    in MatMulNBits' layout, built lazily from the DequantizeLinear's initializers."""
+    blocks = -(-w.k // w.block)
+    blob = w.block * w.bits // 8
+    base = w.q.name.removesuffix(".qweight")
+
+    def data() -> np.ndarray:
+        a = _rows(w, w.q)
+        a = np.pad(a, ((0, 0), (0, blocks * w.block - w.k)))
+        return _pack(a, w.bits).reshape(w.n, blocks, blob)
+
+    def scales() -> np.ndarray:
+        s = w.scale.const_value.numpy()
+        return np.ascontiguousarray(s if w.rows_first else s.T)
+
+    def zeros() -> np.ndarray:
+        if w.zero is None:  # DequantizeLinear's default zero point is 0 (the middle, for signed data)
+            z = np.full((w.n, blocks), (1 << (w.bits - 1)) if w.signed else 0, dtype=np.int16)
+        else:
+            z = _rows(w, w.zero)
+        return _pack(z, w.bits).reshape(-1)
+
+    zlen = w.n * -(-blocks * w.bits // 8)
+    return (_lazy(graph, f"{base}.nbits", ir.DataType.UINT8, [w.n, blocks, blob], data),
+            _lazy(graph, f"{base}.nbits_scales", ir.DataType.FLOAT, [w.n, blocks], scales),
+            _lazy(graph, f"{base}.nbits_zero_points", ir.DataType.UINT8, [zlen], zeros))
+
+
+@dataclass
+class NBitsMatch:
+    matmul: ir.Node
+    weight: Blocked
+
+
+class OrtMatMulNBits(Fusion):
+    """MatMul(x, DequantizeLinear(q, scale, zp)) -> com.microsoft.MatMulNBits(x, B, scales, zero_points).
+
+    The pattern: a MatMul whose right-hand side is a blocked DequantizeLinear of constants, either
+    q [K, N] blocked along axis 0 (every projection, also the fused QKV and gate/up ones) or
+    Transpose(DequantizeLinear(q [N, K] blocked along axis 1), [1, 0]) (a tied lm_head reading the
+    embedding table). uint4/int4/uint8/int8 data (signed data shifted to unsigned with its zero
+    point), float32 scales, block_size a power of two >= 16: MatMulNBits(bits, block_size, K, N,
+    accuracy_level) with B packed [N, blocks, block·bits/8] (low nibble first), scales [N, blocks]
+    and packed zero points, all computed when the model is written (a tied weight once).
+    `accuracy_level` 4 (the default, as onnxruntime-genai's builder writes CPU int4) computes with
+    int8 activations; 1 keeps float32 activations (exact against the dequantized MatMul).
+    Must not fire (and says why): a DequantizeLinear that is not blocked (per-tensor or per-channel
+    scales), blocks along the wrong axis, a block size MatMulNBits does not take, non-constant or
+    non-float32 scales, zero points of another type, a weight not 2-D, a DequantizeLinear that
+    anything else also reads.
+    """
+
+    aliases = ("ort-matmul-nbits", "matmul-nbits", "nbits")
+    needs_opset = None
+
+    def __init__(self, accuracy_level: int = DEFAULT_ACCURACY_LEVEL):
+        if accuracy_level not in range(5):
+            from fuselm.errors import FuselmError
+
+            raise FuselmError(f"accuracy level {accuracy_level}: MatMulNBits takes 0..4 (4: int8 activations, "
+                              "onnxruntime-genai's CPU default; 1: float32)")
+        self.accuracy_level = accuracy_level
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        return [n for n in graph if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
+                and producer(n.inputs[1], "DequantizeLinear", "Transpose") is not None]
+
+    def match(self, mm: ir.Node) -> NBitsMatch:
+        w = mm.inputs[1]
+        tr = producer(w, "Transpose")
+        if tr is not None:
+            if list(attr(tr, "perm", [1, 0])) != [1, 0]:
+                fail(f"the weight is transposed with perm {attr(tr, 'perm')}, not [1, 0]")
+            dq = producer(tr.inputs[0], "DequantizeLinear")
+            if dq is None:
+                fail("the transposed weight is not a DequantizeLinear")
+            chain = [dq, tr]
+        else:
+            dq, chain = producer(w, "DequantizeLinear"), []
+            chain = [dq]
+        for n in chain:
+            if len(n.outputs[0].uses()) != 1 or n.outputs[0].is_graph_output():
+                fail(f"{n.name} ({n.op_type}) has other readers")
+        x = mm.inputs[0]
+        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+            fail(f"the activations are {x.dtype}; the lowering takes float32")
+        return NBitsMatch(mm, blocked_weight(dq, rows_first=tr is not None))
+
+    def rewrite(self, graph: ir.Graph, m: NBitsMatch) -> str:
+        w = m.weight
+        b, s, z = nbits_tensors(graph, w)
+        name = m.matmul.name or "MatMul"
+        node = new_node(graph, "MatMulNBits", [m.matmul.inputs[0], b, s, z], f"{name}NBits", domain=ORT_DOMAIN,
+                        K=w.k, N=w.n, bits=w.bits, block_size=w.block, accuracy_level=self.accuracy_level)
+        graph.insert_before(m.matmul, node)
+        take_over(m.matmul.outputs[0], node.outputs[0])
+        graph.remove(m.matmul, safe=True)
+        graph.opset_imports.setdefault(ORT_DOMAIN, 1)
+        return name

@@ -1,0 +1,144 @@
+"""Load-time rewrite for backends that read the cache causally (MLX): a layer's q/k norms and RoPE as one
+rms_norm and one elementwise expression over every head of the fused QKV output.
+
+Pattern (passes/ FuseQKV + FuseRMSNorm + FuseRoPE + AttentionTo3D):
+    Split(qkv, [Hq·D, Hkv·D, Hkv·D], axis -1) -> q, k, v
+    q -> Reshape [0, 0, Hq, D] -> RMSNormalization(wq) -> FusedRoPE(position_ids) -> Reshape -> Attention.Q
+    k -> Reshape [0, 0, Hkv, D] -> RMSNormalization(wk) -> FusedRoPE(position_ids) -> Reshape -> Attention.K
+    v -> Attention.V
+(the norms of Qwen3 / Gemma; llama, qwen2 and mistral have none: then neither q nor k has one)
+becomes
+    RoPETable(position_ids) -> cos, sin                  (once per rotary table, shared by every layer)
+    QKVHeads(qkv, cos, sin, [wq; wk; 1]) -> Q, K, V, KV  (KV: the k and v heads side by side, [B, S, 2Hkv, D])
+QKVHeads normalizes every head with one rms_norm (none without q/k norms), then multiplies by the per-head weight, rotates and
+puts the raw v heads back in one elementwise expression, which mx.compile fuses into one kernel (the
+pieces between attentions, compiled.py): 2 kernels instead of 2 norms and 2 ropes, and the k and v
+rows come out as one array, which Attention writes into the cache with one update (kvcache.py).
+
+Must not fire: any intermediate read elsewhere or a graph output, rotary attributes that differ
+between q and k, interleaved or partial rotary, RMSNormalization over another axis or with a weight
+that is not a constant [D], a Split whose sizes are not those of the heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import Graph, Node
+from .ops import op
+from .ops_nn import RUNTIME
+
+
+@op("RoPETable", domain=RUNTIME)
+def RoPETable(b, position_ids, *, inv_freq, attention_scaling=1.0):
+    return b.rope_table(position_ids, inv_freq, float(attention_scaling))
+
+
+@op("QKVHeads", domain=RUNTIME)
+def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=None):
+    out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon)
+    bsz, s, _, d = b.shape(out)
+
+    def merged(h0, h1):
+        return b.reshape(b.slice(out, (slice(None), slice(None), slice(h0, h1))), (bsz, s, (h1 - h0) * d))
+
+    kv = b.slice(out, (slice(None), slice(None), slice(heads, heads + 2 * kv_heads)))
+    return merged(0, heads), merged(heads, heads + kv_heads), merged(heads + kv_heads, heads + 2 * kv_heads), kv
+
+
+def rewrite(graph: Graph) -> None:
+    """Apply the pattern to every Attention it matches (see the module docstring)."""
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    readers: dict[str, int] = {}
+    for n in graph.nodes:
+        for x in n.inputs:
+            readers[x] = readers.get(x, 0) + 1
+    drop: set[int] = set()
+    tables: dict[tuple, tuple[str, str]] = {}
+    new: dict[int, list[Node]] = {}  # node id -> nodes to insert before it
+    for att in graph.nodes:
+        if att.key != ("", "Attention") or len(att.inputs) < 3:
+            continue
+        m = _match(graph, producers, readers, att)
+        if m is None:
+            continue
+        split, chains, rope_attrs, weight, eps, heads, kv_heads = m
+        key = (np.asarray(rope_attrs["inv_freq"]).tobytes(), float(rope_attrs.get("attention_scaling", 1.0)),
+               chains[0][-2].inputs[1])
+        if key not in tables:
+            t = f"{att.name}/rope_table"
+            tables[key] = (t + "/cos", t + "/sin")
+            new.setdefault(id(split), []).append(
+                Node("RoPETable", RUNTIME, t, [chains[0][-2].inputs[1]], list(tables[key]),
+                     {"inv_freq": np.asarray(rope_attrs["inv_freq"], np.float32), "attention_scaling": key[1]}))
+        cos, sin = tables[key]
+        w = att.name + "/qk_norm_weight"
+        h, d = weight.shape
+        graph.constants[w] = weight.reshape(h, 2, d // 2)
+        graph.constants[w + "/rotated"] = weight.reshape(h, 2, d // 2)[:, ::-1] * np.array([[-1.0], [1.0]], np.float32)
+        kv = att.name + "/kv_rows"
+        node = Node("QKVHeads", RUNTIME, att.name + "/QKVHeads", [split.inputs[0], cos, sin, w, w + "/rotated"],
+                    [att.inputs[0], att.inputs[1], att.inputs[2], kv],
+                    {"heads": heads, "kv_heads": kv_heads, "epsilon": eps})
+        new.setdefault(id(split), []).append(node)
+        drop.update(id(n) for c in chains for n in c)
+        drop.add(id(split))
+        att.inputs = list(att.inputs) + [""] * (7 - len(att.inputs)) + [kv]  # the k and v rows as one array
+    nodes = []
+    for n in graph.nodes:
+        nodes += new.get(id(n), [])
+        if id(n) not in drop:
+            nodes.append(n)
+    graph.nodes = nodes
+
+
+def _match(graph: Graph, producers: dict, readers: dict, att: Node):
+    """(split, [q chain, k chain], rope attrs, stacked weight [H, D], eps, Hq, Hkv) or None."""
+    chains = []
+    split = None
+    for i in (0, 1):
+        chain = [producers.get(att.inputs[i])]  # merge Reshape <- FusedRoPE [<- RMSNorm] <- Reshape
+        while chain[-1] is not None and chain[-1].op_type != "Split" and len(chain) < 5:
+            chain.append(producers.get(chain[-1].inputs[0]))
+        chain.pop()
+        if None in chain or [n.op_type for n in chain] not in (_CHAIN, _CHAIN[:2] + _CHAIN[3:]) or \
+                (chains and len(chain) != len(chains[0])):
+            return None
+        sp = producers.get(chain[-1].inputs[0])
+        if sp is None or sp.key != ("", "Split") or (split is not None and sp is not split) or \
+                sp.outputs.index(chain[-1].inputs[0]) != i or readers.get(chain[-1].inputs[0], 0) != 1:
+            return None
+        split = sp
+        if any(readers.get(o, 0) != 1 or o in graph.outputs for n in chain for o in n.outputs):
+            return None
+        chains.append(chain[::-1])  # Reshape, [RMSNorm,] FusedRoPE, merge Reshape
+    if len(split.outputs) != 3 or split.outputs[2] != att.inputs[2] or readers.get(att.inputs[2], 0) != 1 or \
+            split.attrs.get("axis") not in (-1, 2):
+        return None
+    sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
+    norms = [c[1] for c in chains if len(c) == 4]
+    ropes = [c[-2] for c in chains]
+    a, b = (dict(r.attrs) for r in ropes)
+    d = 2 * np.asarray(a.get("inv_freq", [])).size
+    weights = [graph.constants.get(n.inputs[1]) for n in norms] or [np.ones(d, np.float32)] * 2
+    if sizes is None or any(w is None or w.shape != (d,) for w in weights):
+        return None
+    inv = np.asarray(a.get("inv_freq", []), np.float32)
+    if set(a) != set(b) or not np.array_equal(inv, np.asarray(b.get("inv_freq", []), np.float32)) or \
+            a.get("attention_scaling", 1.0) != b.get("attention_scaling", 1.0) or a.get("interleaved", 0) or \
+            2 * inv.size != d or ropes[0].inputs[1] != ropes[1].inputs[1]:
+        return None
+    eps = [float(n.attrs.get("epsilon", 1e-5)) for n in norms] or [0.0, 0.0]
+    if eps[0] != eps[1] or any(n.attrs.get("axis", -1) != -1 or n.attrs.get("stash_type", 1) != 1 for n in norms):
+        return None
+    sizes = [int(x) for x in np.asarray(sizes).reshape(-1)]
+    if len(sizes) != 3 or sizes[1] != sizes[2] or sizes[0] % d or sizes[1] % d:
+        return None
+    heads, kv_heads = sizes[0] // d, sizes[1] // d
+    weight = np.concatenate([np.tile(weights[0].astype(np.float32), (heads, 1)),
+                             np.tile(weights[1].astype(np.float32), (kv_heads, 1)),
+                             np.ones((kv_heads, d), np.float32)])
+    return split, chains, a, weight, eps[0] if norms else None, heads, kv_heads
+
+
+_CHAIN = ["Reshape", "FusedRoPE", "RMSNormalization", "Reshape"]  # from the Attention input back to the Split

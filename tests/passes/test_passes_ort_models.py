@@ -1,0 +1,141 @@
+"""`fuselm optimize --target onnxruntime` on tiny checkpoints: onnxruntime on the lowered graph equals
+onnxruntime (optimizations off) on the standard graph, prefill and decode with past; onnxruntime-genai
+generates the same greedy tokens from both; `fuselm diff --target` shows every lowering with its drift."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import onnx
+import pytest
+from fuselm.passes.check import drift, run_steps
+
+import fuselm
+from fuselm.cli import main
+from fuselm.graphcheck import check_graph_file
+from fuselm.reference import OrtRunner
+
+LOWERED = ("MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization")
+
+
+def _ops(model_dir) -> Counter:
+    return Counter(n.op_type for n in onnx.load(str(model_dir / "model.onnx"), load_external_data=False).graph.node)
+
+
+@pytest.fixture(scope="module")
+def lowered(exported, optimized, tmp_path_factory):
+    """lowered(family, quant, level) -> `fuselm optimize --target onnxruntime` output (cached)."""
+    cache: dict = {}
+
+    def get(family: str, quant: str, level: int = 4):
+        if (family, quant, level) not in cache:
+            out = tmp_path_factory.mktemp(f"ort-{family}-{quant}-{level}") / "model"
+            cache[family, quant, level] = fuselm.optimize(exported(family, quant), out, target="onnxruntime",
+                                                          accuracy_level=level, quiet=True)
+        return cache[family, quant, level]
+
+    return get
+
+
+# Tolerances (relative to the largest logit): f32 and level 1 (float32 activations) only reorder float
+# sums; level 4 quantizes activations to int8 per block (measured 3e-3 on these checkpoints).
+@pytest.mark.parametrize("family,quant,level,tol", [
+    ("qwen3", "f32", 4, 1e-5), ("qwen3", "q4", 1, 1e-5), ("qwen3", "q4", 4, 2e-2), ("qwen2", "q4", 1, 1e-5)])
+def test_lowered_graph_matches_the_standard_one(lowered, optimized, family, quant, level, tol):
+    out = lowered(family, quant, level)
+    ops = _ops(out)
+    check_graph_file(out / "model.onnx")
+    assert not {"Attention", "RMSNormalization", "FusedRoPE", "DequantizeLinear"} & set(ops), ops
+    assert ops["GroupQueryAttention"] == 2 and ops["SkipSimplifiedLayerNormalization"] == 4
+    if quant == "q4":  # qkv, o, gate_up, down per layer and the lm_head; qwen3's tied q8 embedding too
+        assert ops["MatMulNBits"] == 9 and ops["GatherBlockQuantized"] == (family == "qwen3")
+    before = run_steps(optimized(family, quant) / "model.onnx")
+    after = run_steps(out / "model.onnx", steps=before)
+    for step, d in drift(before, after).items():
+        assert d["logits_rel"] <= tol and d["all_outputs_rel"] <= 10 * tol, (step, d)
+    config = json.loads((out / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is True and config["model"]["type"] == "decoder"
+    assert config["search"]["max_length"] == config["model"]["context_length"] == 256
+    cos = next(t for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer
+               if t.name.endswith("cos_cache"))
+    assert cos.dims[0] == 256  # GQA's caches cover genai's max_length
+
+
+@pytest.mark.parametrize("quant,level", [("f32", 4), ("q4", 1), ("q4", 4)])
+def test_onnxruntime_genai_generates_the_standard_graphs_tokens(lowered, optimized, quant, level):
+    """Untied qwen2 (random tied embeddings repeat the prompt). genai runs the lowered graph with one
+    shared past/present buffer. Level 1 equals plain onnxruntime on the standard graph; level 4 equals
+    genai on the standard graph (onnxruntime turns its DequantizeLinear + MatMul into MatMulNBits at
+    level 4 itself)."""
+    pytest.importorskip("onnxruntime_genai")
+    from test_genai import _genai_greedy  # tests/test_genai.py: genai's own greedy loop
+
+    prompt, n = [100, 200, 300, 50], 12
+    tokens = _genai_greedy(lowered("qwen2", quant, level), prompt, n)
+    standard = optimized("qwen2", quant)
+    want = _genai_greedy(standard, prompt, n) if level == 4 and quant == "q4" else \
+        OrtRunner(standard).greedy(prompt, n).tokens
+    assert tokens == want and len(set(tokens)) > 3
+
+
+def test_diff_shows_each_lowering_with_its_drift(exported, tmp_path):
+    data = fuselm.diff(exported("qwen3", "q4"), quiet=True, target="onnxruntime", accuracy_level=1)
+    records = {r["pass"]: r for r in data["passes"]}
+    for name in ("OrtGroupQueryAttention", "OrtSkipRMSNorm", "OrtMatMulNBits", "OrtGatherBlockQuantized"):
+        r = records[name]
+        assert r["changed"] and r["checker"] == "ok", (name, r.get("checker"))
+        assert r["drift"]["decode"]["logits_rel"] <= 1e-5, (name, r["drift"])
+    assert "OrtMatMulNBits" not in {r["pass"] for r in fuselm.diff(exported("qwen3", "q4"), quiet=True)["passes"]}
+
+
+def test_cli_target_flag_and_skip(exported, tmp_path, capsys):
+    src = exported("qwen3", "q4")
+    assert main(["optimize", str(src), "-o", str(tmp_path / "a"), "--target", "onnxruntime", "--skip", "gqa",
+                 "--quiet"]) == 0
+    ops = _ops(tmp_path / "a")
+    assert ops["GroupQueryAttention"] == 0 and ops["Attention"] == 2 and ops["MatMulNBits"] == 9
+    config = json.loads((tmp_path / "a" / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is False  # Attention-23 reads the past: no sharing
+    assert main(["optimize", str(src), "-o", str(tmp_path / "b"), "--skip", "gqa", "--quiet"]) == 2
+    assert "no such pass" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["genai", "ort"])
+def test_run_backend_onnxruntime(lowered, optimized, engine):
+    """`fuselm run --backend onnxruntime` (fuselm/ort_run.py): onnxruntime-genai, or onnxruntime with IO
+    binding and one preallocated past/present buffer (the GQA graph) / presents fed back (the standard
+    graph); greedy tokens equal plain onnxruntime's on the standard graph."""
+    import io
+
+    from fuselm.ort_run import run
+
+    if engine == "genai":
+        pytest.importorskip("onnxruntime_genai")
+    prompt = [100, 200, 300, 50]
+    want = OrtRunner(optimized("qwen2", "q4")).greedy(prompt, 10).tokens
+    for model_dir in (lowered("qwen2", "q4", 1), optimized("qwen2", "f32")):
+        got = run(model_dir, prompt_ids=prompt, max_tokens=10, ignore_eos=True, engine=engine, quiet=True,
+                  stream=io.StringIO())
+        ref = want if model_dir.parent.name.startswith("ort-") else OrtRunner(model_dir).greedy(prompt, 10).tokens
+        assert got["tokens"] == ref and got["decode_tok_s"] > 0, (model_dir, engine)
+
+
+def test_run_backend_onnxruntime_cli(lowered, capsys):
+    out = lowered("qwen2", "q4", 4)
+    assert main(["run", str(out), "--prompt-ids", "5,17,33", "--max-tokens", "3", "--ignore-eos",
+                 "--backend", "onnxruntime"]) == 0
+    captured = capsys.readouterr()
+    assert "decode 2 tokens" in captured.err and "onnxruntime" in captured.err and captured.out.strip()
+    assert main(["run", str(out), "--prompt-ids", "5", "--backend", "onnxruntime", "--compile"]) == 2
+    assert "--backend onnxruntime does not take --compile" in capsys.readouterr().err
+
+
+def test_lowered_graph_runs_on_onnxruntime_by_default_and_torch_refuses(lowered):
+    import io
+
+    out = lowered("qwen2", "q4", 4)
+    r = fuselm.run(out, prompt_ids=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
+    assert r["backend"].startswith("onnxruntime") and len(r["tokens"]) == 2
+    with pytest.raises(fuselm.FuselmError, match=r"lowered for onnxruntime .* --backend onnxruntime"):
+        fuselm.run(out, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())

@@ -1,0 +1,180 @@
+"""Issue 18: the MLX path reads only the filled rows of the cache, with no array mask at decode and
+mask="causal" at prefill (mask_kind.py decides at load which masks allow it), decodes through compiled
+pieces between the attentions, and launches fewer kernels per decode token than mlx-lm. Checked against
+the torch backend (static-shape decode over the whole buffer with the graph's array mask)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from fuselm.runtime_metal import mask_kind
+from fuselm.runtime_metal.graph import Graph, Node
+from fuselm.runtime_metal.session import Decode, Session
+
+import fuselm
+
+pytest.importorskip("mlx.core")
+
+
+def _logits(sess, ids, n):
+    """Prefill `ids`, then n - 1 greedy decode steps: every step's logits (host loop)."""
+    sess.reset(len(ids) + n)
+    out = [sess.logits_to_numpy(sess.prefill(ids, chunk=3))]
+    for _ in range(n - 1):
+        out.append(sess.logits_to_numpy(sess.decode(int(np.argmax(out[-1])))))
+    return np.stack(out)
+
+
+def test_mask_kind_classifies_the_exporters_masks(optimized):
+    for model, want in ((optimized("qwen3", "q4"), 0), (optimized("mistral", "f32", sliding_window=4), 4)):
+        sess = Session(model, backend="mlx")
+        rows = [n.attrs.get("causal_rows") for n in sess.graph.nodes if n.op_type == "Attention"]
+        assert rows and all(r == want for r in rows) and sess.causal_reads
+
+
+def _mask_graph(nodes: list[Node], mask: str) -> Graph:
+    att = Node("Attention", "", "att", ["q", "k", "v", mask], ["y"], {})
+    consts = {"zero": np.array(0.0, np.float32), "low": np.array(-1e9, np.float32), "axes": np.array([1, 2])}
+    return Graph([*nodes, att], consts, ["input_ids", "attention_mask", "position_ids", "q", "k", "v"], ["y"], {"": 23})
+
+
+def test_mask_kind_refuses_other_masks():
+    """A padding-only (bidirectional) mask and a mask made from the query values are not causal bands."""
+    pad = [Node("Cast", "", "c", ["attention_mask"], ["b"], {"to": 9}),
+           Node("Unsqueeze", "", "u", ["b", "axes"], ["b4"]),
+           Node("Where", "", "w", ["b4", "zero", "low"], ["m"])]
+    g = _mask_graph(pad, "m")
+    mask_kind.classify(g)
+    assert "causal_rows" not in g.nodes[-1].attrs
+    g = _mask_graph([Node("Where", "", "w", ["q", "zero", "low"], ["m"])], "m")
+    mask_kind.classify(g)
+    assert "causal_rows" not in g.nodes[-1].attrs
+
+
+def test_decode_attention_gets_no_array_mask(optimized, monkeypatch):
+    """Every sdpa call of a decode step gets mask None and exactly the filled rows; prefill gets "causal"."""
+    sess = Session(optimized("qwen3", "q4"), backend="mlx", compile=False)
+    seen = []
+    real = sess.backend.sdpa
+
+    def spy(q, k, v, mask, scale):
+        seen.append((q.shape[2], k.shape[2], mask if mask is None or isinstance(mask, str) else "array"))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(sess.backend, "sdpa", spy)
+    sess.reset(12)
+    sess.prefill([5, 6, 7, 8, 9], chunk=3)
+    assert seen == [(3, 3, "causal")] * 2 + [(2, 5, "causal")] * 2  # two layers, two chunks
+    sess.decode(3)  # the checked step: dynamic and static
+    seen.clear()
+    for t in range(3):
+        sess.decode(4 + t)
+    assert sess.mode is Decode.STATIC
+    assert seen == [(1, 7 + t, None) for t in range(3) for _ in range(2)]
+
+
+def _masked_mlx(model, monkeypatch, **kv):
+    """The MLX session as it ran before causal reads: the whole buffer, the graph's array mask, one compiled step."""
+    from fuselm.runtime_metal.backends.mlx_backend import MLXBackend
+
+    with monkeypatch.context() as m:
+        m.setattr(MLXBackend, "causal_reads", False)
+        sess = Session(model, backend="mlx", **kv)
+    assert not sess.causal_reads
+    return sess
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 8}])
+def test_causal_reads_match_the_masked_path(optimized, monkeypatch, kv):
+    """MLX (filled rows, compiled pieces) vs torch (whole buffer, array mask) every step, and with an
+    8-bit cache vs MLX's own masked path over the same stored rows (f32 weights: the torch CPU backend's
+    quantized matmuls round activations to int8)."""
+    model = optimized("qwen3", "f32")
+    ids = [3, 9, 4, 7, 1]
+    sess = Session(model, backend="mlx", **kv)
+    got = _logits(sess, ids, 8)
+    assert sess.mode is Decode.COMPILED and "pieces" in sess.describe()
+    ref = _masked_mlx(model, monkeypatch, **kv) if kv else Session(model, backend="torch")
+    np.testing.assert_allclose(got, _logits(ref, ids, 8), atol=2e-4 * np.abs(got).max())
+
+
+def test_sliding_window_past_the_window_matches_torch(optimized):
+    """A window of 4, 11 tokens: MLX decodes static over the window's last rows; torch goes dynamic."""
+    model = optimized("mistral", "f32", sliding_window=4)
+    ids = [3, 4, 5, 6, 2]
+    sess = Session(model, backend="mlx")
+    got = _logits(sess, ids, 7)
+    assert sess.static_checked
+    torch_sess = Session(model, backend="torch")
+    want = _logits(torch_sess, ids, 7)
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(got).max())
+
+
+def test_sliding_window_int8_cache(optimized, monkeypatch):
+    """The window with an 8-bit cache (head_dim 32: MLX quantizes groups of 32 at least) vs the masked path."""
+    model = optimized("mistral", "f32", sliding_window=4, head_dim=32)
+    ids = [3, 4, 5, 6, 2]
+    got = _logits(Session(model, backend="mlx", kv_bits=8), ids, 7)
+    want = _logits(_masked_mlx(model, monkeypatch, kv_bits=8), ids, 7)
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(got).max())
+
+
+def test_greedy_tokens_equal_torch_on_a_q4_graph(make_ckpt, tmp_path):
+    """A trained checkpoint (random weights have near-ties), 32 greedy tokens: MLX == torch."""
+    hf = make_ckpt("qwen3", train_steps=40)
+    fuselm.convert(hf, tmp_path / "exp", quant="q4", quiet=True)
+    fuselm.optimize(tmp_path / "exp", tmp_path / "opt", quiet=True)
+    runs = [fuselm.run(tmp_path / "opt", prompt="hello world! what is the capital of", max_tokens=32,
+                       ignore_eos=True, quiet=True, backend=backend, stream=io.StringIO()) for backend in ("mlx", "torch")]
+    assert "pieces" in runs[0]["what"]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(set(runs[0]["tokens"])) > 3
+
+
+def test_decode_kernels_per_layer(optimized):
+    """One decode token on the tiny qwen3 q4 graph, MLX's fused ops counted as one kernel each (the graph
+    a GPU runs): 13 kernels per layer (rms_norm, QKV matmul, one rms_norm over the heads, one fused
+    norm-weight + RoPE kernel, one K/V update, sdpa, o_proj, add, rms_norm, gate_up, SiLU gate, down, add)
+    against mlx-lm's 19, and a few for the embedding, the rope table, the head and the pick."""
+    import mlx.core as mx
+    from fuselm.runtime_metal.backends.mlx_backend import fused_ops_as_one, graph_kernels
+    from fuselm.runtime_metal.sampling import Sampler
+
+    with fused_ops_as_one():
+        sess = Session(optimized("qwen3", "q4"), backend="mlx")
+        sess.reset(24)
+        b = sess.backend
+        y = b.pick_token(sess.prefill([3, 4, 5, 6]), Sampler())
+        for _ in range(4):  # past the checked step and the compile
+            y = b.pick_token(sess.decode(y), Sampler())
+        mx.eval(y, list(sess.buffers.values()))
+        y = b.pick_token(sess.decode(y), Sampler())
+        counts = graph_kernels([y, *sess.buffers.values()], standins=True)
+    layers = sess.meta["dims"]["layers"]
+    top = dict(counts["top"])
+    assert sess.mode is Decode.COMPILED and sess.packed
+    assert top["ScaledDotProductAttention"] == layers and top["SliceUpdate"] == layers and "RoPE" not in top
+    assert top["RMSNorm"] == 3 * layers + 1 and top["QuantizedMatmul"] == 4 * layers + 1
+    assert counts["kernels"] <= 13 * layers + 16, counts["top"]
+
+
+def test_sliding_window_decode_reads_the_windows_rows(optimized, monkeypatch):
+    """Past the window (4), a decode step's sdpa gets the last 4 rows only, and no mask."""
+    sess = Session(optimized("mistral", "f32", sliding_window=4), backend="mlx", compile=False)
+    seen = []
+    real = sess.backend.sdpa
+
+    def spy(q, k, v, mask, scale):
+        seen.append((k.shape[2], mask))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(sess.backend, "sdpa", spy)
+    sess.reset(10)
+    sess.prefill([3])
+    sess.decode(5)  # the checked step
+    seen.clear()
+    for t in range(5):
+        sess.decode(6 + t)
+    layers = sess.meta["dims"]["layers"]
+    assert seen == [(min(4, 3 + t), None) for t in range(5) for _ in range(layers)]  # rows 0..pos, then 4
