@@ -53,28 +53,22 @@ def is_split(path) -> bool:
 
 
 # The watchdog runs in its own small process: a blocked mx.distributed call holds the GIL, so no thread
-# (and no signal handler) of this process would run while it waits.
+# (and no signal handler) of this process would run while it waits. Arming it is a write into a
+# shared page (no system call per exchange): [deadline (monotonic seconds, 0: off), length, message].
 _WATCHDOG = """
-import os, select, signal, sys
-parent, until, what = int(sys.argv[1]), None, ""
-while True:
-    wait = None if until is None else max(0.0, until - __import__("time").monotonic())
-    ready, _, _ = select.select([0], [], [], wait)
-    if ready:
-        line = os.read(0, 4096).decode()
-        if not line:
-            sys.exit(0)  # the rank ended
-        cmd = line.strip().splitlines()[-1]
-        if cmd == "off":
-            until = None
-        else:
-            seconds, what = cmd.split(" ", 1)
-            until = __import__("time").monotonic() + float(seconds)
-    elif until is not None:
-        sys.stderr.write(what + "\\n")
+import mmap, os, signal, struct, sys, time
+parent, path = int(sys.argv[1]), sys.argv[2]
+with open(path, "r+b") as f:
+    page = mmap.mmap(f.fileno(), 4096)
+os.unlink(path)
+while os.getppid() == parent:
+    until, n = struct.unpack_from("dI", page, 0)
+    if until and time.monotonic() > until:
+        sys.stderr.write(page[16:16 + n].decode(errors="replace") + "\\n")
         sys.stderr.flush()
         os.kill(parent, signal.SIGKILL)
-        sys.exit(0)
+        break
+    time.sleep(0.1)
 """
 
 
@@ -83,10 +77,17 @@ class Deadline:
     awaited and ends this rank (SIGKILL from the watchdog process: a blocked call cannot be interrupted)."""
 
     def __init__(self, seconds: float, rank: int):
+        import mmap
+        import struct
         import subprocess
+        import tempfile
 
-        self.seconds, self.rank = seconds, rank
-        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid())], stdin=subprocess.PIPE)
+        self.seconds, self.rank, self.struct = seconds, rank, struct
+        fd, path = tempfile.mkstemp(prefix="fuselm-watchdog-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.write(fd, bytes(4096))
+        self.page = mmap.mmap(fd, 4096)
+        os.close(fd)
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), path])
         self.what = ""
 
     def __call__(self, what: str) -> Deadline:
@@ -97,15 +98,13 @@ class Deadline:
         message = (f"fuselm run: error: rank {self.rank}: {self.what} did not come within {self.seconds:g} s; a rank "
                    "failed or was not started, or the hostfile does not list these processes (start them with "
                    "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)")
-        self._tell(f"{self.seconds} {message}")
+        data = message.encode()[:4096 - 16]
+        self.page[16:16 + len(data)] = data
+        self.struct.pack_into("dI", self.page, 0, time.monotonic() + self.seconds, len(data))
         return self
 
     def __exit__(self, *exc):
-        self._tell("off")
-
-    def _tell(self, line: str) -> None:
-        self.proc.stdin.write((line.replace("\n", " ") + "\n").encode())
-        self.proc.stdin.flush()
+        self.struct.pack_into("d", self.page, 0, 0.0)
 
 
 _GROUP: list = []  # the process's one group: a second mx.distributed.init would open new connections
@@ -260,6 +259,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     out = stream or sys.stdout
     t0 = time.perf_counter()
     generated: list[int] = []
+    stamps: list[float] = []  # when each token was printed (the last rank)
     t_first = None
     if pipe.first:
         for part in chunks:
@@ -268,7 +268,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         last = pipe.size - 1
         for _ in range(max_tokens - 1):
             token = pipe._recv((1,), pipe.mx.int32, last, f"the next token from rank {last}")
-            if int(token.item()) in stops:
+            if stops and int(token.item()) in stops:  # (a host sync: only when there is an eos to look for)
                 pipe.send_hidden(pipe.mx.zeros((1, 1, pipe.width)), stop=True)
                 break
             pipe.send_hidden(sess.decode(token.astype(pipe.mx.int64)))
@@ -303,8 +303,9 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             token = b.item(picked)
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
+            stamps.append(time.perf_counter())
             if t_first is None:
-                t_first = time.perf_counter()
+                t_first = stamps[0]
             generated.append(token)
             out.write(detok.add(token))
             out.flush()
@@ -318,7 +319,8 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         decode_n = len(generated) - 1
         result.update(text=tok.decode(generated, skip_special_tokens=True) if tok is not None else None,
                       prefill_tok_s=len(ids) / max(t_first - t0, 1e-9),
-                      decode_tok_s=decode_n / (now - t_first) if decode_n else None)
+                      decode_tok_s=decode_n / (now - t_first) if decode_n else None,
+                      token_seconds=[b2 - a2 for a2, b2 in zip(stamps, stamps[1:], strict=False)])
         log(f"prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
             + (f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a"))
     return result
