@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fuselm import contract
+
 from .graph import Graph, Node
 from .ops import op
 from .ops_nn import RUNTIME
@@ -141,4 +143,4 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
     return split, chains, a, weight, eps[0] if norms else None, heads, kv_heads
 
 
-_CHAIN = ["Reshape", "FusedRoPE", "RMSNormalization", "Reshape"]  # from the Attention input back to the Split
+_CHAIN = ["Reshape", contract.ROPE_OP, "RMSNormalization", "Reshape"]  # from the Attention input back to the Split

@@ -401,8 +401,10 @@ class Session:
         if self.packed:
             mode += ", K and V in one buffer per layer"
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
+        state = self.graph.prepared.split(" ")[0]
+        prepared = f", prepared weights {state}" if state in ("read", "written") else ""
         return f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, " \
-               f"KV cache {kv})"
+               f"KV cache {kv}{prepared})"
 
 
 def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
