@@ -51,6 +51,32 @@ def pipeline(split_dir: Path, ranks: int, tokens: int, work: Path) -> list[float
     return json.loads(result.read_text())["token_seconds"]
 
 
+# one hop's round trip: a [1, 1, hidden + 1] message there and back between two ranks, 200 times
+HOP = """
+import json, os, sys, time
+import mlx.core as mx
+g = mx.distributed.init(strict=True, backend="ring")
+mx.set_default_device(mx.cpu)
+x, ts = mx.zeros((1, 1, int(sys.argv[2]) + 1)), []
+for i in range(200):
+    t = time.perf_counter()
+    if g.rank() == 0:
+        mx.eval(mx.distributed.send(x + i, 1)); mx.eval(mx.distributed.recv_like(x, 1))
+    else:
+        y = mx.distributed.recv_like(x, 0); mx.eval(y); mx.eval(mx.distributed.send(y, 0))
+    ts.append(time.perf_counter() - t)
+if g.rank() == 0:
+    json.dump(sorted(ts)[100], open(sys.argv[1], "w"))
+"""
+
+
+def hop(hidden: int, work: Path) -> float:
+    from test_pipeline_run import launch
+
+    launch(2, "-c", HOP, str(work / "hop.json"), str(hidden))
+    return 1000 * json.loads((work / "hop.json").read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quant", choices=["f32", "q4"], default="q4")
@@ -76,13 +102,16 @@ def main() -> None:
             work = tmp / f"run{n}"
             work.mkdir()
             rows[n] = med(pipeline(tmp / f"split{n}", n, args.tokens, work))
+        rtt = hop(SHAPE["hidden_size"], tmp)
     load = os.getloadavg()[0]
     print(f"decode per token, MLX CPU, {args.quant}, hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} "
           f"layers, median of {args.tokens - 1 - args.warmup} steps ({platform.machine()}, {os.cpu_count()} cores, "
           f"load average {load:.1f})")
     for n, ms in rows.items():
         print(f"  {n} rank{'s' if n > 1 else ' '}: {ms:7.3f} ms/token  ({ms / rows[1]:.2f}x of 1 rank)")
-    out = {"shape": SHAPE, "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup,
+    print(f"  one hop's round trip (ring over loopback, [1, 1, {SHAPE['hidden_size'] + 1}] f32 there and back): "
+          f"{rtt:.3f} ms median")
+    out = {"hop_round_trip_ms": rtt, "shape": SHAPE, "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup,
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": load, "ms_per_token": rows,
            "ratio": {n: ms / rows[1] for n, ms in rows.items()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

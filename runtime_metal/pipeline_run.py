@@ -49,7 +49,16 @@ HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "spl
 
 
 def is_split(path) -> bool:
-    return (Path(path) / SPLIT_NAME).is_file()
+    """A `fuselm split` output (run it here); one of its stages alone is refused with the way to run it."""
+    path = Path(path)
+    if (path / SPLIT_NAME).is_file():
+        return True
+    if (path / contract.META_NAME).is_file() and (path.parent / SPLIT_NAME).is_file():
+        stage = (read_meta(path).get("pipeline") or {}).get("stage")
+        if stage is not None:
+            raise FuselmError(f"{path} is stage {stage} of the split {path.parent}; one stage cannot generate alone: "
+                              f"run `mlx.launch --backend ring -n N -- fuselm run {path.parent} ...`")
+    return False
 
 
 # The watchdog runs in its own small process: a blocked mx.distributed call holds the GIL, so no thread

@@ -119,6 +119,8 @@ def test_wrong_process_count_and_no_launcher(models, tmp_path):
     assert "has 2 stages but 3 processes were started" in p.stderr
     with pytest.raises(FuselmError, match="mlx.launch --backend ring -n 2"):
         fuselm.run(root / "f32-2", prompt_ids=[5], quiet=True)
+    with pytest.raises(FuselmError, match="is stage 1 of the split"):
+        fuselm.run(root / "f32-2" / "stage1", prompt_ids=[5], quiet=True)
 
 
 def test_missing_peer_times_out_with_a_message(models, tmp_path):
