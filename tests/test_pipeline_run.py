@@ -84,12 +84,23 @@ def models(optimized, tmp_path_factory):
         out[quant] = plain
         for n in (2, 3):
             fuselm.split(plain, root / f"{quant}-{n}", stages=n, quiet=True)
+    # the same f32 model whose generation_config names a token of its greedy run (not the first) as eos:
+    # every rank must stop there
+    eos = root / "eos"
+    shutil.copytree(out["f32"], eos)
+    tokens = single(out["f32"])
+    stop = next(t for t in tokens if t != tokens[0])
+    (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    out["eos"] = eos
+    for n in (2, 3):
+        fuselm.split(eos, root / f"eos-{n}", stages=n, quiet=True)
     return root, out
 
 
 def single(path, **kw) -> list[int]:
-    return fuselm.run(path, prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, backend="mlx", device="cpu",
-                      quiet=True, stream=open(os.devnull, "w"), **kw)["tokens"]
+    kw = {"ignore_eos": True, **kw}
+    return fuselm.run(path, prompt_ids=PROMPT, max_tokens=TOKENS, backend="mlx", device="cpu", quiet=True,
+                      stream=open(os.devnull, "w"), **kw)["tokens"]
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -98,14 +109,17 @@ def test_pipeline_tokens_equal_single_process(models, tmp_path, n):
     base = {"prompt_ids": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "device": "cpu", "pipe_timeout": 60}
     cases = [(str(root / f"f32-{n}"), base),
              (str(root / f"q4-{n}"), {**base, "prefill_chunk": 4}),  # 3 chunks, overlapping across stages
-             (str(root / f"f32-{n}"), {**base, "temperature": 1.0, "seed": 3})]
+             (str(root / f"f32-{n}"), {**base, "temperature": 1.0, "seed": 3}),
+             (str(root / f"eos-{n}"), {**base, "ignore_eos": False})]
     cli = ["run", str(root / f"q4-{n}"), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", str(TOKENS),
            "--ignore-eos", "--device", "cpu"]
     p = launch(n, "-c", DRIVER, str(tmp_path), json.dumps([*cases, cli]))
     assert "error" not in p.stderr.lower(), p.stderr[-3000:]
     got = [json.loads((tmp_path / f"{i}-rank{n - 1}.json").read_text())["tokens"] for i in range(len(cases))]
-    want = [single(plain["f32"]), single(plain["q4"]), single(plain["f32"], temperature=1.0, seed=3)]
+    want = [single(plain["f32"]), single(plain["q4"]), single(plain["f32"], temperature=1.0, seed=3),
+            single(plain["eos"], ignore_eos=False)]
     assert got == want
+    assert 1 < len(want[3]) < TOKENS  # stopped at eos, on every rank (else the launch would not have ended)
     assert len(set(sum(want, []))) > 3  # the tokens vary: equality says something
     assert p.stdout.split() == [str(t) for t in want[1]]  # the last rank streamed the CLI run's ids
     for r in range(n - 1):  # the other ranks generate nothing themselves
