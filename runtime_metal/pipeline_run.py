@@ -224,7 +224,7 @@ class Pipe:
         theirs = dict(zip(HANDSHAKE, got, strict=True))
         bad = [f"{k} {theirs[k]} (expected {v})" for k, v in want.items() if theirs[k] != v]
         if bad:
-            # tell the ranks after us too: they would otherwise wait for work until their deadline
+            # this rank exits; the ranks after it see the connection break (or their deadline pass)
             raise FuselmError(f"rank {self.rank}: rank {prev} runs a stage that does not fit: {', '.join(bad)}; every "
                               "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
 
@@ -245,6 +245,9 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
     if max_tokens < 1:
         raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if profile:
+        raise FuselmError("--profile is not available for a split model; profile one stage's graph by running the "
+                          "unsplit model")
     sampler = Sampler(temperature, top_k, top_p, seed)
     split_dir = Path(split_dir)
     n_stages = len(json.loads((split_dir / SPLIT_NAME).read_text())["stages"])
