@@ -229,6 +229,21 @@ class Pipe:
                               "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
 
 
+def _check_hostfile(n_stages: int) -> None:
+    """The ring hostfile mlx.launch wrote (MLX_HOSTFILE: one list of addresses per rank) must have one entry
+    per stage; a wrong one would otherwise only show as a wait."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        hosts = json.loads(Path(path).read_text() or "[]")
+    except ValueError:
+        return  # mx.distributed.init names the parse error
+    if isinstance(hosts, list) and hosts and len(hosts) != n_stages:
+        raise FuselmError(f"the hostfile (MLX_HOSTFILE={path}) lists {len(hosts)} ranks but the model is split into "
+                          f"{n_stages} stages; give mlx.launch one host per stage")
+
+
 def split_id(split_dir: Path) -> int:
     import zlib
 
@@ -251,6 +266,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     sampler = Sampler(temperature, top_k, top_p, seed)
     split_dir = Path(split_dir)
     n_stages = len(json.loads((split_dir / SPLIT_NAME).read_text())["stages"])
+    _check_hostfile(n_stages)
     group, rank, size = init_group(pipe_timeout)
     if group is None:
         raise FuselmError(f"{split_dir} is split into {n_stages} stages: start one process per stage with "

@@ -138,7 +138,8 @@ def test_wrong_process_count_and_no_launcher(models, tmp_path):
 
 
 def test_missing_peer_times_out_with_a_message(models, tmp_path):
-    """Rank 0 of 2 started alone (a hostfile naming a peer that never comes): a clear error, not a hang."""
+    """Rank 0 of 2 started alone (a hostfile naming a peer that never comes): a clear error, not a hang; a
+    hostfile that is no JSON, or lists the wrong number of ranks: exit 2 at once."""
     root, _ = models
     base = free_ports(2)
     hostfile = tmp_path / "hosts.json"
@@ -148,6 +149,11 @@ def test_missing_peer_times_out_with_a_message(models, tmp_path):
                         "--device", "cpu", "--pipe-timeout", "3"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == -9  # the watchdog ends the blocked rank (SIGKILL)
     assert "rank 0:" in p.stderr and "did not come within 3 s" in p.stderr
+    for text, message in (("not json", "mx.distributed.init failed"), (json.dumps([["127.0.0.1:1"]]), "lists 1 ranks")):
+        hostfile.write_text(text)
+        p = subprocess.run([sys.executable, "-m", "fuselm.cli", "run", str(root / "f32-2"), "--prompt-ids", "5",
+                            "--device", "cpu", "--pipe-timeout", "3"], capture_output=True, text=True, env=env, timeout=60)
+        assert p.returncode == 2 and message in p.stderr, p.stderr[-500:]
 
 
 def test_stages_of_different_splits_are_refused(models, tmp_path):
