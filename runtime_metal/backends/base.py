@@ -50,7 +50,6 @@ class Backend:
 
     name = "base"
     device = "cpu"
-    host = False  # True only for the numpy backend that evaluates shape subgraphs
     lazy = False
     compile_default = False
     causal_reads = False
