@@ -34,11 +34,12 @@ def test_greedy_tokens_equal_torch(optimized):
 
 def test_int8_cache_drift_within_torch(optimized):
     """The same 8-bit format on both: numpy's drift from its float cache is within torch's (x1.5), and the
-    two 8-bit runs agree to a fraction of that drift."""
+    two 8-bit runs agree to 1% of that drift."""
     path = optimized("qwen3")
     ref = {b: _logits(path, b) for b in ("numpy", "torch")}
     q8 = {b: _logits(path, b, kv_bits=8, kv_group_size=32) for b in ("numpy", "torch")}
     drift = {b: float(np.abs(q8[b] - ref[b]).max()) for b in ref}
     assert 0 < drift["numpy"] <= 1.5 * drift["torch"], drift
     assert np.abs(ref["numpy"] - ref["torch"]).max() <= 1e-4 * float(np.abs(ref["torch"]).max())
-    assert np.abs(q8["numpy"] - q8["torch"]).max() <= 0.5 * drift["torch"], drift
+    # same rows, same rounding: the two 8-bit runs differ by float error only (measured: 2e-4 of the drift)
+    assert np.abs(q8["numpy"] - q8["torch"]).max() <= 0.01 * drift["torch"], drift
