@@ -121,7 +121,7 @@ class PiecewiseDecode:
                 ex.run_steps(p.steps, env)
             else:
                 env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
-        return env[contract.LOGITS], None, [views[n].buffer for n in self.names]
+        return env[sess.output], None, [views[n].buffer for n in self.names]
 
 
 def _pieces(plan) -> list[Piece]:
