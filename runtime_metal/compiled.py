@@ -75,18 +75,31 @@ class Piece:
     inputs: list[str]  # values read from outside the piece
     outputs: list[str]  # values read after it
     fn: object = None  # the compiled run of `steps`; None: one step run eagerly (an Attention)
+    fast: object = None  # that Attention as direct backend calls (`_decode_attention`), where it applies
 
 
 class PiecewiseDecode:
-    """The static decode plan of `sess` with eager attentions over the filled rows and compiled pieces between."""
+    """The static decode plan of `sess` with eager attentions over the filled rows and compiled pieces between.
+
+    The host builds one step as 29 compiled calls and, per Attention of a packed float cache, the few backend
+    calls `_decode_attention` makes (the ops the executor's Attention runs for one query at a host position,
+    without walking the op); any other Attention runs through the executor."""
 
     def __init__(self, sess, plan, max_len: int):
         self.sess, self.max_len = sess, max_len
         self.names = [c.name for c in sess.caches]
         self.pieces = _pieces(plan)
+        read = {x for p in self.pieces for x in p.inputs}
+        self.mask = contract.ATTENTION_MASK in read  # causal reads hand no piece the mask: not built per token
+        stored = any(f.bits is not None for f in sess.kv_formats)  # the cache in its own format: the executor's
+        for p in self.pieces:
+            if p.steps[0].node.op_type == "Attention" and not stored:
+                p.fast = _decode_attention(sess, p.steps[0], read)
         self.seconds = 0.0
         n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
-        self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows"
+        direct = sum(p.fast is not None for p in self.pieces)
+        self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows" + \
+            (f", {direct} of them as direct backend calls" if direct else "")
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()
@@ -109,19 +122,58 @@ class PiecewiseDecode:
     def __call__(self, ids, pos_dev, bufs: list):
         """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
         sess, b = self.sess, self.sess.backend
-        ex = sess.executor
-        views = {c.name: sess._view(c, sess.pos, 1, static=True) for c in sess.caches}
-        env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+        ex, pos = sess.executor, sess.pos
+        views = {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
+        if self.mask:
+            env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+        else:
+            env = {sess.first_input: ids, contract.POSITION_IDS: b.reshape(b.cast(pos_dev, 7), (1, 1)), **views}
         ex.ctx["all_logits"] = False
         b.new_step()
         b.step_memo = {}
         for p in self.pieces:
-            if p.fn is None:
+            if p.fn is not None:
+                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
+            elif p.fast is None or not p.fast(env, pos):
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
-            else:
-                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
         return env[contract.LOGITS], None, [views[n].buffer for n in self.names]
+
+
+def _decode_attention(sess, st: Step, read: set):
+    """One decode query's Attention (ops_nn._attention on its filled-rows path, packed K/V: kvcache.append_both)
+    as a closure over what is fixed per layer; None where that path may not be the one taken. The closure
+    returns False (nothing done) for a cache not stored in the new rows' float dtype (8-bit, float16 under f32)."""
+    node, b = st.node, sess.backend
+    ins, a = list(node.inputs) + [""] * (8 - len(node.inputs)), node.attrs
+    qn, kn, vn, kvn = ins[0], ins[4], ins[5], ins[7]
+    if node.domain or "causal_rows" not in a or not kvn or ins[6] or sess.packed.get(vn) != kn or \
+            a.get("softcap") or a.get("softmax_precision") is not None or len(node.outputs) > 3 or \
+            any(o in read for o in node.outputs[1:]) or not a.get("q_num_heads") or not a.get("kv_num_heads") or \
+            a["causal_rows"] is None:
+        return None
+    hq, hk, window, yn = int(a["q_num_heads"]), int(a["kv_num_heads"]), a["causal_rows"], node.outputs[0]
+    scale = None if a.get("scale") is None else float(a["scale"])
+
+    def run(env, pos: int) -> bool:
+        q, kv, view = env[qn], env[kvn], env[kn]
+        buf = view.buffer
+        if isinstance(buf, tuple) or b.dtype(buf) != b.dtype(kv):
+            return False
+        bsz, s, width = b.shape(q)
+        d = width // hq
+        t1 = pos + s
+        t0 = max(0, t1 - window) if window else 0
+        buf = b.cache_write(buf, b.transpose(kv, (0, 2, 1, 3)), pos)
+        view.buffer = env[vn].buffer = buf
+        k = b.slice(buf, (slice(None), slice(0, hk), slice(t0, t1)))
+        v = b.slice(buf, (slice(None), slice(hk, 2 * hk), slice(t0, t1)))
+        y = b.sdpa(b.transpose(b.reshape(q, (bsz, s, hq, d)), (0, 2, 1, 3)), k, v, None,
+                   float(1.0 / np.sqrt(d)) if scale is None else scale)
+        env[yn] = b.reshape(b.transpose(y, (0, 2, 1, 3)), (bsz, s, hq * d))
+        return True
+
+    return run
 
 
 def _pieces(plan) -> list[Piece]:
