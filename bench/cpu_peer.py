@@ -19,7 +19,9 @@ Then two fresh processes per engine, timed whole from the parent (imports + load
 - first token of a 16-token prompt (`fuselm run --prompt-ids ... --max-tokens 1`, and the
   equivalent onnxruntime-genai script), with its peak RSS,
 - a 512-token prompt and 16 generated tokens: the peak RSS of a `fuselm run`-like process.
-`--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
+`--interleaved [--standard]` loads the onnxruntime-genai engines (genai, genai-fuselm) in
+one process and measures them in turn, run after run (decode at 128, its prefill), so a shared box's
+load falls on each alike. `--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
 --target onnxruntime` (MatMulNBits, GroupQueryAttention with one shared past/present buffer); every
 row records the compute nodes per decoder layer of the graph it ran (Constant nodes not counted).
 The box may be shared: every row records the 1-minute load average before it started. Prints a
@@ -149,6 +151,31 @@ def measure(engine, vocab: int, runs: int, contexts: tuple, prefills: tuple, ste
     for n, v in prefill.items():
         out[f"prefill_{n}_tok_s"], out[f"prefill_{n}_runs"] = round(statistics.median(v), 1), [round(x, 1) for x in v]
     return out
+
+
+def interleaved(models: dict[str, Path], engines: list[str], vocab: int, ctx: int, steps: int, runs: int,
+                threads: int) -> dict:
+    """The onnxruntime-genai engines loaded in one process and measured in turn, run after run (a shared
+    box's load then falls on all alike): median decode step at `ctx` tokens of context and prefill of it."""
+    loaded = {e: GenaiEngine(models[e], threads) for e in engines}
+    decode: dict = {e: [] for e in engines}
+    prefill: dict = {e: [] for e in engines}
+    for r in range(runs + 1):  # run 0 warms up
+        for e, engine in loaded.items():
+            t = time.perf_counter()
+            token = engine.prefill(_ids(ctx, vocab, 300 + r), steps + 1)
+            took = time.perf_counter() - t
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                token = engine.step(token)
+                times.append(time.perf_counter() - t)
+            if r:
+                decode[e].append(round(1 / statistics.median(times), 2))
+                prefill[e].append(round(ctx / took, 1))
+    return {e: {f"decode_{ctx}_tok_s": statistics.median(decode[e]), f"decode_{ctx}_runs": decode[e],
+                f"prefill_{ctx}_tok_s": statistics.median(prefill[e]), f"prefill_{ctx}_runs": prefill[e]}
+            for e in engines}
 
 
 def child(args) -> None:
@@ -335,6 +362,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
     ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="onnxruntime-genai engines only, in one process, measured in turn run after run "
+                         "(decode at the first context, its prefill)")
+    ap.add_argument("--standard", action="store_true",
+                    help="with --interleaved: also genai on fuselm's portable (not lowered) q4 graph")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
@@ -353,6 +385,21 @@ def main(argv=None) -> int:
         run_prompt, run_tokens = 32, 4
     args.run_prompt = run_prompt
     rows = []
+    if args.interleaved:
+        result = {}
+        for shape in shapes:
+            ckpt, models = prepare(shape, args.work / shape)
+            vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+            models["fuselm-standard"] = models["fuselm"]  # genai on the portable graph (its genai_config.json)
+            engines = ["genai", GENAI_ON_FUSELM] + (["fuselm-standard"] if args.standard else [])
+            result[shape] = interleaved(models, engines, vocab, args.contexts[0], args.steps[0], args.runs,
+                                        args.threads)
+            print(json.dumps(result[shape]), flush=True)
+        out = args.out or RESULTS / "cpu-peer-interleaved.json"
+        out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "runs": args.runs,
+                                   "load_after": os.getloadavg()[0], "rows": result}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     for shape in shapes:
         t0 = time.perf_counter()
         ckpt, models = prepare(shape, args.work / shape)

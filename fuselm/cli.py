@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import fuselm
 from fuselm.errors import CheckFailed, FuselmError
+from fuselm.runtime_metal.backends import NAMES as BACKEND_NAMES
 
 
 def _ids(text: str) -> list[int]:
@@ -76,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=["auto", "mlx", "torch", "onnxruntime"] if name == "run" else
-                       ["auto", "mlx", "torch"], default="auto",
+        r.add_argument("--backend", choices=[*BACKEND_NAMES, "onnxruntime"] if name == "run" else BACKEND_NAMES,
+                       default="auto",
                        help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",

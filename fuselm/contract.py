@@ -288,6 +288,15 @@ def step_feeds(inputs, seq: int, past: int, vocab: int, seed: int = 0, past_valu
     return out
 
 
+def empty_dims(inputs) -> str | None:
+    """A step input (ids, mask, positions) declared with a dimension of 0: no step can ever feed it (a
+    batch or a sequence of nothing). Returns the problem, or None."""
+    for inp in inputs:
+        if inp.name in STEP_INPUTS and 0 in dims(inp):
+            return f"graph input {inp.name} is declared with shape {dims(inp)}: a dimension of 0 can never be fed"
+    return None
+
+
 def empty_past(inputs, batch: int = 1) -> dict[str, np.ndarray]:
     """Zero-length caches for every past input (its element type: float16 or float32)."""
     out = {}

@@ -55,6 +55,9 @@ def check_graph_file(onnx_path: str | os.PathLike) -> onnx.ModelProto:
     for tensor in _tensors(model):
         _check_tensor(tensor, path.parent, files)
     _check_dag(model.graph, path)
+    problem = contract.empty_dims(model.graph.input)
+    if problem:
+        raise FuselmError(f"{path}: {problem} (DESIGN.md's graph contract: batch and sequence are free); {_FIX}")
     view = _contrib_view(model, path)
     try:  # what check_model(full_check=True) does, keeping the inferred shapes for _check_ops
         onnx.checker.check_model(str(path) if view is None else view)

@@ -22,13 +22,14 @@ from .genai_config import shares_buffer
 
 
 def lowered_for_onnxruntime(model_dir) -> bool:
-    """Whether the directory's graph holds onnxruntime contrib ops (read without weights)."""
+    """Whether the directory is fuselm's and its graph holds onnxruntime contrib ops (`fuselm optimize
+    --target onnxruntime`; read without weights). onnxruntime-genai's own directories are not."""
     from .graphcheck import ORT_DOMAIN
 
     path = Path(model_dir)
-    path = path / contract.MODEL_NAME if path.is_dir() else path
-    if not path.is_file():
+    if not path.is_dir() or not (path / contract.META_NAME).is_file() or not (path / contract.MODEL_NAME).is_file():
         return False
+    path = path / contract.MODEL_NAME
     try:
         graph = onnx.load(str(path), load_external_data=False).graph
     except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem

@@ -137,17 +137,19 @@ def _probe_model(graph: ir.Graph, mask: ir.Value) -> tuple[onnx.ModelProto, list
     return model, inputs
 
 
-def check_causal_mask(graph: ir.Graph, mask: ir.Value) -> None:
+def check_causal_mask(graph: ir.Graph, mask: ir.Value, max_length: int = 8192) -> None:
     """fail() unless the mask, run in onnxruntime on probe inputs, is causal (bottom-right, a query at
     position P + s sees keys t <= P + s) and masks attention_mask's zeros: what GroupQueryAttention
     computes from attention_mask's row sums (valid tokens first). Probes: prefill, decode, a chunk
-    after a past, a right-padded prompt, and one query after 8191 past tokens (a sliding window)."""
+    after a past, a right-padded prompt, and one query at position min(max_length, 8192) - 1 (a sliding
+    window)."""
     model, inputs = _probe_model(graph, mask)
     try:
         sess = ort_session(model)
     except Exception as e:
         fail(f"the mask's subgraph does not run alone in onnxruntime ({type(e).__name__})")
-    for s, p, valid in ((4, 0, 4), (1, 6, 7), (3, 5, 8), (5, 0, 3), (1, 8191, 8192)):
+    last = min(max_length, 8192) - 1
+    for s, p, valid in ((4, 0, 4), (1, 6, 7), (3, 5, 8), (5, 0, 3), (1, last, last + 1)):
         t = p + s
         am = (np.arange(t) < valid).astype(np.int64)[None]
         feeds = {}
@@ -254,7 +256,7 @@ class OrtGroupQueryAttention(Fusion):
             fail("no mask input: the graph does not read attention_mask here")
         if mask not in self._masks:
             try:
-                check_causal_mask(node.graph, mask)
+                check_causal_mask(node.graph, mask, self.max_length)
                 self._masks[mask] = None
             except Exception as e:
                 self._masks[mask] = str(e)

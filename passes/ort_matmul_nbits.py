@@ -143,8 +143,8 @@ class OrtMatMulNBits(Fusion):
     int8 activations; 1 keeps float32 activations (exact against the dequantized MatMul).
     Must not fire (and says why): a DequantizeLinear that is not blocked (per-tensor or per-channel
     scales), blocks along the wrong axis, a block size MatMulNBits does not take, non-constant or
-    non-float32 scales, zero points of another type, a weight not 2-D, a DequantizeLinear that
-    anything else also reads.
+    non-float32 scales, zero points of another type, a weight not 2-D, a DequantizeLinear that is a
+    graph output. One that other nodes also read stays for them (a tied embedding's Gather).
     """
 
     aliases = ("ort-matmul-nbits", "matmul-nbits", "nbits")
@@ -171,13 +171,12 @@ class OrtMatMulNBits(Fusion):
             dq = producer(tr.inputs[0], "DequantizeLinear")
             if dq is None:
                 fail("the transposed weight is not a DequantizeLinear")
-            chain = [dq, tr]
         else:
-            dq, chain = producer(w, "DequantizeLinear"), []
-            chain = [dq]
-        for n in chain:
-            if len(n.outputs[0].uses()) != 1 or n.outputs[0].is_graph_output():
-                fail(f"{n.name} ({n.op_type}) has other readers")
+            dq = producer(w, "DequantizeLinear")
+        # A DequantizeLinear others read too stays for them (a tied embedding's Gather, which
+        # OrtGatherBlockQuantized lowers next: both then share the packed tensors).
+        if dq.outputs[0].is_graph_output():
+            fail(f"{dq.name} (DequantizeLinear) is a graph output")
         x = mm.inputs[0]
         if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
             fail(f"the activations are {x.dtype}; the lowering takes float32")

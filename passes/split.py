@@ -1,13 +1,14 @@
 """`fuselm split`: a decoder graph cut into pipeline stages at decoder-layer boundaries (issue 20).
 
-Pattern: every node belongs to a decoder layer (its name `/model/layers.{i}/...` or a weight it
-reads: passes/base.py `node_layer`; a node reading `past_key_values.{i}.*` other than through Shape,
-or writing `present.{i}.*`, is layer i), or to the tail (depends on a layer: the final norm and the
-head), or is free (depends on the graph inputs and weights only: the embedding, the mask and
-position values). Stage k keeps the nodes of its layers (the last stage also the tail) and
-recomputes every free node they read from its own inputs: the mask is built again in each stage
-from `attention_mask`, which every stage takes (the choice "recompute", not "receive"). A free
-node reading `input_ids` other than through Shape (the embedding) belongs to the first stage only;
+Pattern: a node is free when nothing of the token stream reaches it (weights, the mask, position
+values: it reads input_ids only through Shape, and no cache or stream value); every other node
+belongs to a decoder layer (its name `/model/layers.{i}/...` or a weight it reads: passes/base.py
+`node_layer`; reading `past_key_values.{i}.*` other than through Shape, or writing `present.{i}.*`,
+makes it layer i), to the tail (after a layer: the final norm and the head), or comes before the
+layers (the embedding: first stage only). Stage k keeps the nodes of its layers (the last stage also
+the tail) and recomputes every free node they read from its own inputs, whatever its name says: the
+mask is built again in each stage from `attention_mask`, which every stage takes (the choice
+"recompute", not "receive"), also when an exporter computed it inside layer 0's scope;
 in a later stage `Shape(input_ids)` reads the first two dims of the hidden state instead, and a
 `Shape` of another layer's cache reads the stage's own first cache (all layers' caches have one shape).
 
@@ -57,7 +58,8 @@ class Stage:
 
 
 class Graph:
-    """The source graph classified once: each node's layer, tail or free, and the embedding taint."""
+    """The source graph classified once: each node free, or carrying the stream in a layer, the tail or before
+    the layers (the embedding)."""
 
     def __init__(self, model: ir.Model):
         self.model = model
@@ -73,17 +75,24 @@ class Graph:
         if sorted({contract.parse_cache(n).layer for n in pasts}) != list(range(self.n_layers)):
             raise FuselmError(f"the cache inputs name layers {sorted({contract.parse_cache(n).layer for n in pasts})}; "
                               "split needs layers 0..L-1")
-        self.layer: list[int | None] = [self._layer_of(n) for n in self.nodes]
-        self.tail = [False] * len(self.nodes)
-        self.embeds = [False] * len(self.nodes)  # free node depending on input_ids other than through Shape
-        for i, n in enumerate(self.nodes):
-            if self.layer[i] is not None:
-                continue
-            prods = [self._producer(v) for v in n.inputs if v is not None]
-            self.tail[i] = any(p is not None and (self.layer[p] is not None or self.tail[p]) for p in prods)
-            if n.op_type != "Shape":
-                self.embeds[i] = any(v is not None and v.name == contract.INPUT_IDS for v in n.inputs) or \
-                    any(p is not None and self.embeds[p] for p in prods)
+        n = len(self.nodes)
+        # act: the node carries the token stream (reads input_ids other than through Shape, a cache, or an
+        # act value); every other node is free (weights, mask, positions), recomputed by each stage reading it
+        self.act = [False] * n
+        self.layer: list[int | None] = [None] * n
+        self.tail = [False] * n  # act, after a layer, in none: the final norm and the head (last stage)
+        for i, node in enumerate(self.nodes):
+            prods = [self._producer(v) for v in node.inputs if v is not None]
+            reads = [v.name for v in node.inputs if v is not None]
+            self.act[i] = any(p is not None and self.act[p] for p in prods) or \
+                any(contract.is_present(v.name) for v in node.outputs) or \
+                (node.op_type != "Shape" and any(r == contract.INPUT_IDS or contract.is_past(r) for r in reads))
+            if self.act[i]:
+                self.layer[i] = self._layer_of(node)
+                if self.layer[i] is None:
+                    self.tail[i] = any(p is not None and (self.layer[p] is not None or self.tail[p]) for p in prods)
+        # the embedding: act before any layer, first stage only
+        self.pre = [a and layer is None and not t for a, layer, t in zip(self.act, self.layer, self.tail, strict=True)]
         self.init_bytes = {name: _nbytes(v) for name, v in model.graph.initializers.items()}
 
     def _producer(self, v: ir.Value) -> int | None:
@@ -137,7 +146,7 @@ class Graph:
                 p = self._producer(v)
                 if p is None or p in st.nodes:
                     continue
-                if self.layer[p] is None and not self.tail[p] and (first or not self.embeds[p]):
+                if not self.act[p] or (first and self.pre[p]):
                     st.nodes.add(p)
                     todo.append(p)
                 else:
@@ -246,19 +255,19 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
             if index[use.node] in st.nodes:
                 use.node.replace_input_with(use.idx, hidden)
         new_inputs.append(hidden)
-        for i, target in st.shape_rewrites.items():
-            node = nodes[i]
-            if target == contract.HIDDEN:  # Shape(input_ids) -> the [batch, sequence] dims of the hidden state
-                start = node.attributes.get("start")
-                end = node.attributes.get("end")
-                s = start.as_int() if start is not None else 0
-                e = end.as_int() if end is not None else 2
-                s, e = (s + 2 if s < 0 else s), (e + 2 if e < 0 else min(e, 2))
-                node.replace_input_with(0, hidden)
-                node.attributes["start"] = ir.AttrInt64("start", s)
-                node.attributes["end"] = ir.AttrInt64("end", e)
-            else:
-                node.replace_input_with(0, inputs[target])
+    for i, target in st.shape_rewrites.items():
+        node = nodes[i]
+        if target == contract.HIDDEN:  # Shape(input_ids) -> the [batch, sequence] dims of the hidden state
+            start = node.attributes.get("start")
+            end = node.attributes.get("end")
+            s = start.as_int() if start is not None else 0
+            e = end.as_int() if end is not None else 2
+            s, e = (s + 2 if s < 0 else s), (e + 2 if e < 0 else min(e, 2))
+            node.replace_input_with(0, hidden)
+            node.attributes["start"] = ir.AttrInt64("start", s)
+            node.attributes["end"] = ir.AttrInt64("end", e)
+        else:  # Shape of another stage's cache -> of this stage's first (one shape for every layer)
+            node.replace_input_with(0, inputs[target])
     new_inputs += [inputs[contract.ATTENTION_MASK], inputs[contract.POSITION_IDS]]
     new_inputs += sorted((v for v in g.inputs if contract.is_past(v.name) and contract.parse_cache(v.name).layer in own),
                          key=lambda v: contract.cache_order(v.name))

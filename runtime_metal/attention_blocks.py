@@ -10,8 +10,8 @@ keys exp(−inf − 0) are exactly 0, and a row that never sees a key (l = 0) co
 
 Used for (runtime_metal/ops_nn.py Attention):
 - a cache stored in another format than the compute dtype (float16, 8-bit: kvcache.py): each block
-  is read in its stored form (backends/kv_quant.py: MLX quantized matmuls, torch dequantizes the
-  block on the fly), so the cache is never widened to f32 as a whole;
+  is read in its stored form (the backend's kv_scores / kv_values: MLX quantized matmuls, torch
+  dequantizes the block on the fly), so the cache is never widened to f32 as a whole;
 - long prompts on any cache: a prefill chunk of S queries against T keys whose scores would exceed
   LONG_SCORES elements; the scores held at once are bounded by SCORE_BUDGET.
 Query heads are grouped per kv head ([B, Hkv, Hq/Hkv·S, D]), so K/V are never repeated (GQA).
@@ -27,7 +27,6 @@ from .kvcache import StoredKV
 LONG_SCORES = 1 << 23  # Hq·S·T above this (32 MiB of f32 scores): blocked even for a plain float cache
 SCORE_BUDGET = 1 << 23  # scores of one block: Hq·S·Tb ≤ this
 MIN_BLOCK = 256
-MAX_BLOCK_DEQUANT = 4096  # torch: keys dequantized at once (4096·Hkv·D f32: 16 MiB at Hkv=8, D=128)
 
 
 def wanted(b, q, k, v) -> bool:
@@ -47,8 +46,8 @@ def attention(b, q, k, v, mask, scale: float):
     r = hq // hkv
     length = _read_length(k, v, t)
     block = max(MIN_BLOCK, SCORE_BUDGET // max(1, hq * s))
-    if b.name != "mlx" and any(isinstance(x, StoredKV) and x.quantized for x in (k, v)):
-        block = min(block, MAX_BLOCK_DEQUANT)
+    if b.kv_block_keys and any(isinstance(x, StoredKV) and x.quantized for x in (k, v)):
+        block = min(block, b.kv_block_keys)
     qg = b.reshape(b.cast(q, 1), (bsz, hkv, r * s, d))
     qg = b.binary("mul", qg, _f32(b, scale))
     if mask is None and 0 < length <= block:  # one block, no masked row: a plain softmax (mlx-lm's quantized
@@ -125,12 +124,12 @@ def _block(b, x, t0: int, t1: int):
 def _scores(b, qg, k, t0: int, t1: int):
     blk = _block(b, k, t0, t1)
     if isinstance(blk, tuple):
-        return kv_quant.scores(b, qg, blk)
+        return b.kv_scores(qg, blk)
     return b.matmul(qg, b.transpose(blk, (0, 1, 3, 2)))
 
 
 def _values(b, p, v, t0: int, t1: int):
     blk = _block(b, v, t0, t1)
     if isinstance(blk, tuple):
-        return kv_quant.values(b, p, blk)
+        return b.kv_values(p, blk)
     return b.matmul(p, blk)

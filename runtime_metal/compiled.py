@@ -151,23 +151,24 @@ class PiecewiseDecode:
             else:
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
-        return env[contract.LOGITS], None, [views[n].buffer for n in self.names]
+        return env[sess.output], None, [views[n].buffer for n in self.names]
 
 
 def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set):
     """One decode query's Attention (ops_nn._attention on its filled-rows path, packed K/V: kvcache.append_both)
     as a closure over what is fixed per layer, with `before` handing it Q and the K/V rows heads first and
     `after` taking its output so; None where that path may not be the one taken, or where another piece
-    reads those values (`others`: what the other pieces read, `beyond`: what those besides `after` read). A cache not stored in the new rows' dtype (a graph's
-    float16 cache under float32 activations) runs through the executor, its inputs and output put back."""
+    reads those values (`others`: what the other pieces read, `beyond`: what those besides `after` read). A
+    cache not stored in the new rows' dtype (a graph's float16 cache under float32 activations) runs through
+    the executor, its inputs and output put back."""
     node, b, ex = st.node, sess.backend, sess.executor
     ins, a = list(node.inputs) + [""] * (8 - len(node.inputs)), node.attrs
     qn, kn, vn, kvn, yn = ins[0], ins[4], ins[5], ins[7], node.outputs[0]
     if node.domain or a.get("causal_rows") is None or not kvn or ins[6] or sess.packed.get(vn) != kn or \
             a.get("softcap") or a.get("softmax_precision") is not None or len(node.outputs) > 3 or \
             any(o in others for o in (qn, kvn, *node.outputs[1:])) or yn in beyond or not a.get("q_num_heads") or \
-            not a.get("kv_num_heads") or "Attention" in (before.steps[0].node.op_type, after.steps[0].node.op_type) or qn not in before.outputs or kvn not in before.outputs \
-            or yn not in after.inputs:
+            not a.get("kv_num_heads") or "Attention" in (before.steps[0].node.op_type, after.steps[0].node.op_type) \
+            or qn not in before.outputs or kvn not in before.outputs or yn not in after.inputs:
         return None
     hq, hk, window = int(a["q_num_heads"]), int(a["kv_num_heads"]), a["causal_rows"]
     before.heads_out.update({qn: hq, kvn: 0})

@@ -76,7 +76,7 @@ def check_formats(backend, fmts: tuple[KVFormat, KVFormat], head_dims: list[int]
     for f in fmts:
         if f.quantized:
             for d in sorted(set(head_dims)):
-                kv_quant.check_group(backend.name, d, group_for(f, d), "model's")
+                kv_quant.check_group(backend, d, group_for(f, d), "model's")
 
 
 def formats(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> tuple[KVFormat, KVFormat]:
@@ -99,8 +99,8 @@ def formats(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) ->
 def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat, compute_dtype: int | None = None):
     """A zeroed preallocated cache [B, H, L, D] in `fmt`: a backend array, or (q, scales, biases)."""
     if fmt.quantized:
-        kv_quant.check_group(backend.name, int(shape[3]), group_for(fmt, int(shape[3])), "model's")
-        return kv_quant.empty(backend, tuple(int(s) for s in shape), group_for(fmt, int(shape[3])))
+        kv_quant.check_group(backend, int(shape[3]), group_for(fmt, int(shape[3])), "model's")
+        return backend.kv_empty(tuple(int(s) for s in shape), group_for(fmt, int(shape[3])))
     return backend.full(tuple(shape), 0, _FLOAT_OF_BITS.get(fmt.bits, graph_dtype))
 
 
@@ -158,31 +158,8 @@ class StoredKV:
         """The rows as a float array in the compute dtype (for consumers that are not Attention)."""
         t = int(self.shape[2])
         if self.quantized:
-            rows = kv_quant.rows(self.data, 0, t)
-            return kv_quant.dequantize(backend, rows, _native(backend, self.dtype))
+            return backend.kv_dequantize(kv_quant.rows(self.data, 0, t), self.dtype)
         return backend.cast(backend.slice(self.data, (slice(None), slice(None), slice(0, t))), self.dtype)
-
-
-def _native(backend, dtype: int):
-    if backend.name == "mlx":
-        from .backends.mlx_backend import MX_DTYPES
-
-        return MX_DTYPES[dtype]
-    from .backends.torch_backend import TORCH_DTYPES
-
-    return TORCH_DTYPES[dtype]
-
-
-def _host_int(backend, pos) -> int | None:
-    """`pos` as a Python int where reading it costs nothing: an int, or a CPU torch tensor outside tracing."""
-    if isinstance(pos, int):
-        return pos
-    if backend.name == "torch" and getattr(pos, "device", None) is not None and pos.device.type == "cpu":
-        import torch
-
-        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:  # not inside make_fx
-            return int(pos)
-    return None
 
 
 @dataclass
@@ -230,7 +207,7 @@ class CacheView:
         at = {} if self.heads is None else {"heads": self.heads}
         if isinstance(self.buffer, tuple):
             d = int(new.shape[3])
-            parts = kv_quant.quantize(backend, new, d // int(self.buffer[1].shape[3]))
+            parts = backend.kv_quantize(new, d // int(self.buffer[1].shape[3]))
             self.buffer = kv_quant.write(backend, self.buffer, parts, self.pos, **at)
         else:
             self.buffer = backend.cache_write(self.buffer, new, self.pos, **at)
@@ -243,7 +220,7 @@ class CacheView:
         data = self.buffer
         if t0 or self.heads is not None:  # a window: the stored rows from t0 on; a packed buffer: these heads
             data = tuple(a[:, hs, t0:t1] for a in data) if isinstance(data, tuple) else data[:, hs, t0:t1]
-        pos = _host_int(backend, self.pos)
+        pos = backend.host_int(self.pos)
         view = StoredKV(data, (b, h, t1 - t0, d), None if pos is None else pos + s - t0, backend.dtype(new))
         return view if stored_ok else view.floats(backend)
 

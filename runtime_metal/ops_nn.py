@@ -92,7 +92,7 @@ def _step_memo(b, key: tuple, keep: tuple, make):
     """One value per graph run for `key` (every layer's Attention builds the same mask from the same inputs):
     the executor gives the backend a fresh `step_memo` per run. The memo holds `keep`, the objects whose ids
     are in the key, so no id is reused by another array within the run."""
-    memo = getattr(b, "step_memo", None)
+    memo = b.step_memo
     if memo is None:
         return make()
     if key not in memo:

@@ -18,16 +18,17 @@ gets the same command line, so all know the prompt, its chunks and --max-tokens.
   it and sends it to rank 0, which embeds it. A message is the hidden state [1, s, hidden] plus one
   column: 1 there means "stop" (rank 0 got an eos token), passed on down the pipe.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
-  hostfile, a rank that died): the waiting rank prints what it waited for and exits with status 2,
-  never hangs. mx.distributed.init gets the same deadline.
+  hostfile, a rank that hangs): the waiting rank prints what it waited for and is ended by its
+  watchdog process (SIGKILL, status 137), never hangs; mx.distributed.init gets the same deadline. A
+  peer that exits breaks the connection: the ring backend's error becomes a message naming the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -48,55 +49,99 @@ HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "spl
 
 
 def is_split(path) -> bool:
-    return (Path(path) / SPLIT_NAME).is_file()
+    """A `fuselm split` output (run it here); one of its stages alone is refused with the way to run it."""
+    path = Path(path)
+    if (path / SPLIT_NAME).is_file():
+        return True
+    if (path / contract.META_NAME).is_file() and (path.parent / SPLIT_NAME).is_file():
+        stage = (read_meta(path).get("pipeline") or {}).get("stage")
+        if stage is not None:
+            raise FuselmError(f"{path} is stage {stage} of the split {path.parent}; one stage cannot generate alone: "
+                              f"run `mlx.launch --backend ring -n N -- fuselm run {path.parent} ...`")
+    return False
+
+
+# The watchdog runs in its own small process: a blocked mx.distributed call holds the GIL, so no thread
+# (and no signal handler) of this process would run while it waits. Arming it is a write into a
+# shared page (no system call per exchange): [deadline (monotonic seconds, 0: off), length, message].
+_WATCHDOG = """
+import mmap, os, signal, struct, sys, time
+parent, path = int(sys.argv[1]), sys.argv[2]
+with open(path, "r+b") as f:
+    page = mmap.mmap(f.fileno(), 4096)
+os.unlink(path)
+while os.getppid() == parent:
+    until, n = struct.unpack_from("dI", page, 0)
+    if until and time.monotonic() > until:
+        sys.stderr.write(page[16:16 + n].decode(errors="replace") + "\\n")
+        sys.stderr.flush()
+        os.kill(parent, signal.SIGKILL)
+        break
+    time.sleep(0.1)
+"""
 
 
 class Deadline:
-    """A watchdog thread: while armed, a wait longer than `seconds` prints what was awaited and ends the
-    process (status 2): a blocked mx.distributed call cannot be interrupted from Python."""
+    """While armed (`with deadline("what we wait for"):`), a wait longer than `seconds` prints what was
+    awaited and ends this rank (SIGKILL from the watchdog process: a blocked call cannot be interrupted)."""
 
     def __init__(self, seconds: float, rank: int):
-        self.seconds, self.rank = seconds, rank
-        self.what: str | None = None
-        self.until = 0.0
-        threading.Thread(target=self._watch, daemon=True).start()
+        import mmap
+        import struct
+        import subprocess
+        import tempfile
+
+        self.seconds, self.rank, self.struct = seconds, rank, struct
+        fd, path = tempfile.mkstemp(prefix="fuselm-watchdog-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.write(fd, bytes(4096))
+        self.page = mmap.mmap(fd, 4096)
+        os.close(fd)
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), path])
+        self.what = ""
 
     def __call__(self, what: str) -> Deadline:
         self.what = what
         return self
 
     def __enter__(self):
-        self.until = time.monotonic() + self.seconds
+        message = (f"fuselm run: error: rank {self.rank}: {self.what} did not come within {self.seconds:g} s; a rank "
+                   "failed or was not started, or the hostfile does not list these processes (start them with "
+                   "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)")
+        data = message.encode()[:4096 - 16]
+        self.page[16:16 + len(data)] = data
+        self.struct.pack_into("dI", self.page, 0, time.monotonic() + self.seconds, len(data))
         return self
 
     def __exit__(self, *exc):
-        self.what = None
+        self.struct.pack_into("d", self.page, 0, 0.0)
 
-    def _watch(self):
-        while True:
-            time.sleep(0.2)
-            what = self.what
-            if what is not None and time.monotonic() > self.until:
-                print(f"fuselm run: error: rank {self.rank}: {what} did not come within {self.seconds:g} s; a rank "
-                      "failed or was not started, or the hostfile does not list these processes (run them with "
-                      "`mlx.launch -n N --backend ring -- fuselm run SPLIT ...`; --pipe-timeout sets the wait)",
-                      file=sys.stderr, flush=True)
-                os._exit(2)
+
+_GROUP: list = []  # the process's one group: a second mx.distributed.init would open new connections
+_DEADLINE: list = []  # and its one watchdog
+
+
+def deadline(seconds: float, rank: int) -> Deadline:
+    if not _DEADLINE:
+        _DEADLINE.append(Deadline(seconds, rank))
+    _DEADLINE[0].seconds, _DEADLINE[0].rank = seconds, rank
+    return _DEADLINE[0]
 
 
 def init_group(timeout: float):
-    """mx.distributed's ring group under a deadline; (group, rank, size)."""
+    """mx.distributed's ring group under a deadline, once per process; (group, rank, size)."""
     import mlx.core as mx
 
     if not os.environ.get("MLX_RANK") and not os.environ.get("OMPI_COMM_WORLD_RANK"):
         return None, 0, 1
     rank = int(os.environ.get("MLX_RANK", "0"))
-    with Deadline(timeout, rank)("the connection to the other ranks (mx.distributed.init)"):
-        try:
-            group = mx.distributed.init(strict=True, backend=os.environ.get("FUSELM_MLX_BACKEND", "ring"))
-        except (RuntimeError, ValueError) as e:
-            raise FuselmError(f"rank {rank}: mx.distributed.init failed ({e}); check the hostfile "
-                              f"(MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')})") from None
+    if not _GROUP:
+        with deadline(timeout, rank)("the connection to the other ranks (mx.distributed.init)"):
+            try:
+                _GROUP.append(mx.distributed.init(strict=True, backend=os.environ.get("FUSELM_MLX_BACKEND", "ring")))
+            except (RuntimeError, ValueError) as e:
+                raise FuselmError(f"rank {rank}: mx.distributed.init failed ({e}); check the hostfile "
+                                  f"(MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')})") from None
+    group = _GROUP[0]
     return group, group.rank(), group.size()
 
 
@@ -122,7 +167,7 @@ class Pipe:
                               f"rank {rank} needs stage {rank} of {of}: re-run `fuselm split`")
         self.sess = Session(self.dir, backend="mlx", **session_kw)
         self.first, self.last = rank == 0, rank == size - 1
-        self.deadline = Deadline(timeout, rank)
+        self.deadline = deadline(timeout, rank)
         ins = self.sess.lm.input_types
         elem = ins[contract.HIDDEN][0] if contract.HIDDEN in ins else \
             next(v for k, v in ins.items() if contract.is_past(k))[0]
@@ -135,13 +180,22 @@ class Pipe:
 
     # --- messages -------------------------------------------------------------------------------
     def _send(self, x, dst):
-        self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
+        with self.deadline(f"sending to rank {dst}"), self._lost(dst):
+            self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
 
     def _recv(self, shape, dtype, src, what: str):
-        with self.deadline(what):
+        with self.deadline(what), self._lost(src):
             x = self.mx.distributed.recv(shape, dtype, src, group=self.group)
             self.mx.eval(x)
         return x
+
+    @contextlib.contextmanager
+    def _lost(self, peer: int):
+        try:
+            yield
+        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+            raise FuselmError(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
+                              "died (its own output says why)") from None
 
     def send_hidden(self, h, stop: bool = False):
         mx = self.mx
@@ -170,9 +224,24 @@ class Pipe:
         theirs = dict(zip(HANDSHAKE, got, strict=True))
         bad = [f"{k} {theirs[k]} (expected {v})" for k, v in want.items() if theirs[k] != v]
         if bad:
-            # tell the ranks after us too: they would otherwise wait for work until their deadline
+            # this rank exits; the ranks after it see the connection break (or their deadline pass)
             raise FuselmError(f"rank {self.rank}: rank {prev} runs a stage that does not fit: {', '.join(bad)}; every "
                               "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
+
+
+def _check_hostfile(n_stages: int) -> None:
+    """The ring hostfile mlx.launch wrote (MLX_HOSTFILE: one list of addresses per rank) must have one entry
+    per stage; a wrong one would otherwise only show as a wait."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        hosts = json.loads(Path(path).read_text() or "[]")
+    except ValueError:
+        return  # mx.distributed.init names the parse error
+    if isinstance(hosts, list) and hosts and len(hosts) != n_stages:
+        raise FuselmError(f"the hostfile (MLX_HOSTFILE={path}) lists {len(hosts)} ranks but the model is split into "
+                          f"{n_stages} stages; give mlx.launch one host per stage")
 
 
 def split_id(split_dir: Path) -> int:
@@ -184,15 +253,20 @@ def split_id(split_dir: Path) -> int:
 def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, backend="auto", device=None, no_fused_kernels=False, compile=None,
         threads=None, stream=None, quiet=False, dtype="auto", profile=False, pipe_timeout: float = 60.0,
-        **kv) -> dict:
-    """Generate with one stage per rank (this process is one rank); the last rank prints the tokens."""
+        prefill_chunk: int | None = None, **kv) -> dict:
+    """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
+    `prefill_chunk`: prompt tokens per prefill step (default: the backend's)."""
     if backend not in ("auto", "mlx"):
         raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
     if max_tokens < 1:
         raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if profile:
+        raise FuselmError("--profile is not available for a split model; profile one stage's graph by running the "
+                          "unsplit model")
     sampler = Sampler(temperature, top_k, top_p, seed)
     split_dir = Path(split_dir)
     n_stages = len(json.loads((split_dir / SPLIT_NAME).read_text())["stages"])
+    _check_hostfile(n_stages)
     group, rank, size = init_group(pipe_timeout)
     if group is None:
         raise FuselmError(f"{split_dir} is split into {n_stages} stages: start one process per stage with "
@@ -206,13 +280,14 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
     pipe.handshake(split_id(split_dir))
     sess.reset(len(ids) + max_tokens)
-    chunk = b.prefill_chunk
+    chunk = prefill_chunk or b.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
     log = (lambda m: None) if quiet else (lambda m: print(f"[rank {rank}] {m}", file=sys.stderr, flush=True))
     log(f"stage {rank} of {size} (layers {pipe.info['layers'][0]}-{pipe.info['layers'][1]}): {sess.describe()}")
     out = stream or sys.stdout
     t0 = time.perf_counter()
     generated: list[int] = []
+    stamps: list[float] = []  # when each token was printed (the last rank)
     t_first = None
     if pipe.first:
         for part in chunks:
@@ -221,7 +296,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         last = pipe.size - 1
         for _ in range(max_tokens - 1):
             token = pipe._recv((1,), pipe.mx.int32, last, f"the next token from rank {last}")
-            if int(token.item()) in stops:
+            if stops and int(token.item()) in stops:  # (a host sync: only when there is an eos to look for)
                 pipe.send_hidden(pipe.mx.zeros((1, 1, pipe.width)), stop=True)
                 break
             pipe.send_hidden(sess.decode(token.astype(pipe.mx.int64)))
@@ -256,8 +331,9 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             token = b.item(picked)
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
+            stamps.append(time.perf_counter())
             if t_first is None:
-                t_first = time.perf_counter()
+                t_first = stamps[0]
             generated.append(token)
             out.write(detok.add(token))
             out.flush()
@@ -271,7 +347,8 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         decode_n = len(generated) - 1
         result.update(text=tok.decode(generated, skip_special_tokens=True) if tok is not None else None,
                       prefill_tok_s=len(ids) / max(t_first - t0, 1e-9),
-                      decode_tok_s=decode_n / (now - t_first) if decode_n else None)
+                      decode_tok_s=decode_n / (now - t_first) if decode_n else None,
+                      token_seconds=[b2 - a2 for a2, b2 in zip(stamps, stamps[1:], strict=False)])
         log(f"prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
             + (f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a"))
     return result

@@ -25,7 +25,7 @@ def report(sess, tokens: int, console) -> dict:
     layers = (sess.meta.get("dims") or {}).get("layers")
     console.print(f"ops dispatched per decode token: {per_token:.0f}"
                   + (f" ({per_token / layers:.1f} per layer)" if layers else ""))
-    kernels = sess.backend.count_kernels(sess) if hasattr(sess.backend, "count_kernels") else None
+    kernels = sess.backend.count_kernels(sess)
     if kernels:
         console.print(f"kernels per decode token ({kernels['what']}): {kernels['kernels']}"
                       + (f" ({kernels['kernels'] / layers:.1f} per layer)" if layers else "")

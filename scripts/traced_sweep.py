@@ -33,6 +33,7 @@ CANDIDATES = [
 # Config fields the generic tiny sizes do not set and the model_type's defaults get wrong at that size
 # ("_drop": generic sizes the config class does not take).
 OVERRIDES = {"gptj": {"rotary_dim": 8}, "cwm": {"bos_token_id": 1}, "codegen": {"rotary_dim": 8}, "falcon": {"_drop": ["head_dim"]},
+             "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
              # MLA: head_dim is the rotary part; the latent ranks and head widths at the tiny size
              "minicpm3": {"head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
                           "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4}}
@@ -82,14 +83,20 @@ print(json.dumps({**out, "status": "ok" if worst <= 1e-4 else "wrong",
 
 def markdown() -> str:
     """The README table from the last sweep's JSON."""
-    rows = ["| model_type | traced result | max abs logit diff vs HF | layer kinds | rope |", "|---|---|---|---|---|"]
-    for mt, r in json.loads(RESULT.read_text())["results"].items():
+    rows = ["| model_type | traced result | max abs logit diff vs HF: exported / optimized | layer kinds | rope |",
+            "|---|---|---|---|---|"]
+    results = json.loads(RESULT.read_text())["results"]
+    for mt, r in results.items():
         if r["status"] == "ok":
             rope = ("interleaved" if r["interleaved"] else "rotate_half") + (
                 f", partial {r['rotary_dim']}/{r['head_dim']}" if r["rotary_dim"] < r["head_dim"] else "")
-            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} | {r['layer_kinds']} | {rope} |")
+            rows.append(f"| {mt} | converts | {r['max_abs_logit_diff']:.1e} / {r['optimized_max_abs_logit_diff']:.1e} "
+                        f"| {r['layer_kinds']} | {rope} |")
         else:
             rows.append(f"| {mt} | {r['status']}: {r['detail'].splitlines()[0][:150]} | | | |")
+    counts = {s: sum(r["status"] == s for r in results.values()) for s in dict.fromkeys(r["status"] for r in results.values())}
+    rows.append("")
+    rows.append(f"{len(results)} model types: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
     return "\n".join(rows)
 
 

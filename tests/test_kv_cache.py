@@ -17,7 +17,7 @@ from fuselm.runtime_metal.session import Session
 
 from fuselm.errors import FuselmError
 
-BACKENDS = ["torch", "mlx"]
+BACKENDS = ["torch", "mlx", "numpy"]
 DRIFT_BOUND = 1e-2  # of the largest |logit|; see the module docstring
 PROMPT = [5, 9, 17, 33, 65, 129, 200, 7, 11, 13, 40, 41, 42, 43, 44, 45, 100, 101, 102, 103]
 

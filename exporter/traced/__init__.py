@@ -57,7 +57,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     inp = templates[0].graph.input
     kv_shape = tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
     plan = Plan(*precisions, expected)
-    stamper = Stamper(plan, skel.aliases(), skel.layers_name, skel.embed_name(), kv_shape)
+    stamper = Stamper(plan, skel.aliases(), skel.layers_name, skel.embed_name(), skel.head_name(), kv_shape)
     with _unsupported():
         builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
                                 getattr(skel.config, "sliding_window", None))

@@ -60,6 +60,29 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
+def placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Give every meta parameter of `module` real-shaped uninitialized memory; returns what to undo."""
+    undo = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                undo.append((m, name, p))
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
+    # tied parameters must stay one object
+    by_id = {}
+    for m, name, p in undo:
+        if id(p) in by_id:
+            m._parameters[name] = by_id[id(p)]
+        else:
+            by_id[id(p)] = m._parameters[name]
+    return undo
+
+
+def restore(undo) -> None:
+    for m, name, p in undo:
+        m._parameters[name] = p
+
+
 @dataclass
 class LayerPlan:
     """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key."""
@@ -210,8 +233,19 @@ class Skeleton:
         return out
 
     def embed_name(self) -> str:
-        weight = self.model.get_input_embeddings().weight
-        return next(n for n, p in self.model.named_parameters() if p is weight)
+        """The input embedding's weight (`get_input_embeddings()`), by its stored name."""
+        return self._param_name(self.model.get_input_embeddings())
+
+    def head_name(self) -> str:
+        """The head's weight (`get_output_embeddings()`), by its stored name (the embedding's when tied)."""
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise FuselmError(f"model_type {self.model_type!r}: transformers' model has no output embedding "
+                              "(get_output_embeddings() is None); fuselm converts causal LMs with a head")
+        return self._param_name(head)
+
+    def _param_name(self, module: nn.Module) -> str:
+        return next(n for n, p in self.model.named_parameters() if p is module.weight)
 
     def metadata(self, plans: list[LayerPlan], kinds: int, kv_shape: tuple[int, int, int]) -> dict:
         """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer."""
@@ -287,17 +321,19 @@ class Skeleton:
                 chained.clear()
                 for i in range(len(originals)):
                     self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple)
+                undo = placeholders(self.model)  # what runs before the layers (norms, position tables) gets memory
                 try:
                     with torch.no_grad():
                         base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
                              attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
                 except Stop:
                     pass
-                except (RuntimeError, NotImplementedError) as e:  # e.g. a meta parameter used before the layers
-                    why = ("it adds learned absolute positions to the embeddings" if "meta" in str(e) else
-                           f"{type(e).__name__}: {_first_line(e)}")
+                except (RuntimeError, NotImplementedError) as e:
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
-                                      f"cannot be probed ({why}); fuselm converts rotary decoders only") from None
+                                      f"cannot be probed ({type(e).__name__}: {_first_line(e)}); not supported by "
+                                      "the traced exporter") from None
+                finally:
+                    restore(undo)
                 if all(chained):
                     self.returns_tuple = returns_tuple
                     break
@@ -320,7 +356,8 @@ class Skeleton:
             pe = kwargs.get("position_embeddings")
             if pe is None:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
-                                  "embeddings from the model; fuselm converts rotary decoders only")
+                                  f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
+                                  "decoders only")
             tag = tags.get(id(pe[0]))
             if tag is None:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
@@ -341,6 +378,16 @@ class Skeleton:
                       and (v is None or isinstance(v, (bool, int, float, str)))}
             plans.append(LayerPlan(i, specs[id(pe[0])], is_sliding, kwargs=static, cache_arg=cache_arg))
         return plans
+
+    def _positions(self, layer_kwargs: dict) -> str:
+        """What a non-rotary model uses for positions, for its refusal."""
+        if any(k in ("alibi", "position_bias") and v is not None for k, v in layer_kwargs.items()):
+            return "it adds ALiBi biases to the attention scores"
+        embed = self.model.get_input_embeddings()
+        inside = {id(m) for layer in self.layers for m in layer.modules()}
+        tables = [n for n, m in self.model.named_modules()
+                  if isinstance(m, nn.Embedding) and m is not embed and id(m) not in inside]
+        return f"it adds learned absolute positions: {', '.join(tables)}" if tables else "it passes the layers no positions"
 
     def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
         """The frequencies the rotary module used for this call, checked against its own cos/sin. Most

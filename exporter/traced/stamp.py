@@ -32,9 +32,10 @@ from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
 class Stamper:
     """Builds the final graph into a Builder from the outer template and one template per layer kind."""
 
-    def __init__(self, plan, aliases: dict[str, str], layers_prefix: str, embed_name: str,
+    def __init__(self, plan, aliases: dict[str, str], layers_prefix: str, embed_name: str, head_name: str,
                  kv_shape: tuple[int, int, int]):
         self.b, self.plan, self.aliases, self.prefix, self.embed = Builder(), plan, aliases, layers_prefix, embed_name
+        self.head = head_name
         self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
         self.kv_heads, self.k_dim, self.v_dim = kv_shape
         self.used: set[str] = set()  # checkpoint tensors the graph reads
@@ -127,8 +128,10 @@ class Stamper:
             names[value] = vector if vector is not None else name
 
     def _linear(self, name: str, node: onnx.NodeProto, scope: str, layer: int | None) -> str:
-        if layer is None:  # the outer graph's only Linear is the lm_head (tied or not)
+        if layer is None and name == self.head:  # the model's get_output_embeddings() (tied or not)
             return self.plan.head_weight(self.b, self.embed, None if name == self.embed else name)
+        if layer is None:  # another Linear around the layers (a projection in or out)
+            return self.plan.linear_weight(self.b, name, f"{scope}/{name.removesuffix('.weight').replace('.', '/')}", None)
         rel = name[len(f"{self.prefix}.{layer}."):].removesuffix(".weight").replace(".", "/")
         return self.plan.linear_weight(self.b, name, f"{scope}/{rel}", layer)
 

@@ -27,7 +27,7 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import attention_op, rope_op
-from .skeleton import LayerPlan, Skeleton
+from .skeleton import LayerPlan, Skeleton, placeholders, restore
 
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
 LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value"]
@@ -132,29 +132,6 @@ class _Outer(nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def _placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Give every meta parameter of `module` real-shaped uninitialized memory; returns what to undo."""
-    undo = []
-    for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                undo.append((m, name, p))
-                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
-    # tied parameters must stay one object
-    by_id = {}
-    for m, name, p in undo:
-        if id(p) in by_id:
-            m._parameters[name] = by_id[id(p)]
-        else:
-            by_id[id(p)] = m._parameters[name]
-    return undo
-
-
-def _restore(undo) -> None:
-    for m, name, p in undo:
-        m._parameters[name] = p
-
-
 def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the layer once without past: the cache's shapes as the layer makes them (kv heads, key and value
     widths), whatever the config claims (GPT-NeoX ignores num_key_value_heads). A layer whose attention is
@@ -184,7 +161,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
                "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p}}
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
-    undo = _placeholders(layer)
+    undo = placeholders(layer)
     try:
         with installed:
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention).eval()
@@ -198,7 +175,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
             installed.calls = 0
             program = _export(wrapper, args, dynamic, LAYER_INPUTS, LAYER_OUTPUTS, skel.model_type)
     finally:
-        _restore(undo)
+        restore(undo)
     if plan.rope is not None and installed.calls == 0:
         plan.rope = None  # the layer skips rope (SmolLM3's no-rope layers): nothing to carry
     return _template(program, "layer.")
@@ -209,7 +186,7 @@ def trace_outer(skel: Skeleton) -> Template:
     originals = list(skel.layers)
     for i in range(len(originals)):
         skel.layers[i] = _MarkedLayer(i, skel.returns_tuple)
-    undo = _placeholders(skel.model)
+    undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     try:
         ids = torch.zeros(2, 3, dtype=torch.long)
@@ -218,7 +195,7 @@ def trace_outer(skel: Skeleton) -> Template:
                            skel.model_type)
     finally:
         attention_op.register()
-        _restore(undo)
+        restore(undo)
         for i, layer in enumerate(originals):
             skel.layers[i] = layer
     return _template(program, "lm.")

@@ -1,4 +1,5 @@
-"""Backends: numpy (host shape work), torch (CPU, CUDA, MPS), mlx (Metal; MLX's CPU backend elsewhere)."""
+"""Backends: numpy (host shape work; the host reference), torch (CPU, CUDA, MPS), mlx (Metal; MLX's CPU
+backend elsewhere). A backend is one module implementing base.Backend plus its branch in `make_backend`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def mlx_metal_available() -> bool:
 
 
 DTYPES = ("auto", "f32", "f16", "bf16")
+NAMES = ("auto", "mlx", "torch", "numpy")  # --backend
 
 
 def make_backend(backend: str = "auto", device: str | None = None, dtype: str = "auto", threads: int | None = None):
@@ -61,4 +63,11 @@ def make_backend(backend: str = "auto", device: str | None = None, dtype: str = 
             raise FuselmError(f"--dtype {dtype} runs on the MLX backend; the torch backend computes in f32 (its CUDA "
                               "kernels take f32 activations): pass --dtype f32 or --backend mlx")
         return TorchBackend(str(dev), threads=threads)
-    raise FuselmError(f"unknown backend {backend!r}; choose auto, mlx or torch")
+    if backend == "numpy":
+        from .numpy_backend import NumpyBackend
+
+        if device not in (None, "cpu") or dtype not in ("auto", "f32"):
+            raise FuselmError(f"--backend numpy is the host reference: f32 on the CPU (got --device {device}, --dtype "
+                              f"{dtype}); leave both out, or use --backend torch or mlx")
+        return NumpyBackend()
+    raise FuselmError(f"unknown backend {backend!r}; choose {', '.join(NAMES)}")

@@ -50,13 +50,17 @@ class Backend:
 
     name = "base"
     device = "cpu"
-    host = False  # True only for the numpy backend that evaluates shape subgraphs
     lazy = False
     compile_default = False
     causal_reads = False
     long_sdpa = False
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
+    # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any
+    # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
+    kv_groups: tuple[int, ...] | None = None
+    kv_block_keys: int | None = None
+    step_memo: dict | None = None  # values shared by the ops of one graph run; the executor resets it per run
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value: np.ndarray):
@@ -97,6 +101,25 @@ class Backend:
 
     def set_threads(self, decode: bool) -> None:
         """Size the backend's CPU thread pools for a decode step (True) or a prefill chunk (False)."""
+
+    def host_int(self, pos) -> int | None:
+        """A cache position (a Python int or a 0-d integer array) as a Python int where reading it costs
+        nothing (no device sync, not inside a trace); else None."""
+        return pos if isinstance(pos, int) else None
+
+    def count_kernels(self, sess) -> dict | None:
+        """The kernels one decode step of `sess` launches ({"kernels", "top", "what"}), for `--profile`;
+        None where the backend cannot count them."""
+        return None
+
+    def random_key(self, seed: int):
+        """A device random key, for a `pick_token` that samples on the device (Sampler.next_key). The
+        default `pick_token` samples on the host with the sampler's numpy generator and asks for none."""
+        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
+
+    def split_key(self, key) -> tuple:
+        """(the next key, a key to use now) from `key`."""
+        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
 
     def compile_step(self, fn, args: tuple, n_inputs: int):
         """Compile `fn(*args) -> (logits, *buffers)`, whose first `n_inputs` args are small per-step
@@ -245,6 +268,33 @@ class Backend:
         """buffer[:, :, pos:pos+S] = new for a KV buffer [B, H, L, D]; returns the buffer (mlx: a new one).
 
         `pos` is a Python int or a 0-d integer array (static-shape decode, compiled graphs)."""
+        raise NotImplementedError
+
+
+    # --- the 8-bit KV cache (format: kv_quant.py) --------------------------------------------
+    # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout.
+    def kv_empty(self, shape: tuple, group: int) -> tuple:
+        """A zeroed 8-bit cache for [B, H, L, D] values in groups of `group` channels."""
+        raise NotImplementedError
+
+    def kv_quantize(self, x, group: int) -> tuple:
+        """New rows x [B, H, S, D] (floats) as (q, scales, biases) in the stored layout."""
+        raise NotImplementedError
+
+    def kv_head_dim(self, stored: tuple) -> int:
+        """head_dim D of a stored cache (the default layout keeps one q value per element)."""
+        return int(stored[0].shape[-1])
+
+    def kv_dequantize(self, stored: tuple, to: int):
+        """Stored rows as floats [B, H, T, D] of ONNX element type `to`."""
+        raise NotImplementedError
+
+    def kv_scores(self, q, block: tuple):
+        """q [B, Hkv, R, D] (query heads grouped per kv head, already scaled) · the block's keysᵀ: f32 [B, Hkv, R, T]."""
+        raise NotImplementedError
+
+    def kv_values(self, p, block: tuple):
+        """p f32 [B, Hkv, R, T] · the block's values: f32 [B, Hkv, R, D]."""
         raise NotImplementedError
 
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from onnx import TensorProto
 
+from . import kv_quant
 from .base import Backend, QuantizedWeight, dequantize_blocked
 
 MX_DTYPES = {
@@ -166,6 +167,7 @@ class MLXBackend(Backend):
     precision, as mlx-lm runs; the fused kernels accumulate in float32 either way."""
 
     name = "mlx"
+    kv_groups = (32, 64, 128)  # what mx.quantize takes
     lazy = True
     compile_default = True
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
@@ -498,3 +500,43 @@ class MLXBackend(Backend):
             buffer[:, :, pos:pos + new.shape[2]] = new
             return buffer
         return mx.slice_update(buffer, new.astype(buffer.dtype), mx.reshape(pos, (1,)).astype(mx.int32), axes=(2,))
+
+    # --- the 8-bit KV cache: MLX's affine quantization, q packed 4 per uint32 [B, H, L, D/4] ------------
+    def _kv_scale_dtype(self):
+        """float16, or the compute dtype where MLX computes in half precision (bfloat16 on a GPU)."""
+        return self._float if self._float in (mx.float16, mx.bfloat16) else mx.float16
+
+    def kv_empty(self, shape, group):
+        bsz, h, length, d = shape
+        dt = self._kv_scale_dtype()
+        return (mx.zeros((bsz, h, length, d // 4), mx.uint32), mx.zeros((bsz, h, length, d // group), dt),
+                mx.zeros((bsz, h, length, d // group), dt))
+
+    def kv_quantize(self, x, group):
+        dt = self._kv_scale_dtype()
+        q, s, z = mx.quantize(x if x.dtype == dt else x.astype(mx.float32), group_size=group, bits=kv_quant.BITS)
+        return q, s.astype(dt), z.astype(dt)
+
+    def kv_head_dim(self, stored):
+        return int(stored[0].shape[-1]) * 4
+
+    def kv_dequantize(self, stored, to):
+        q, s, z = stored
+        x = mx.dequantize(q, s.astype(mx.float32), z.astype(mx.float32), group_size=kv_quant.group_of(self, stored),
+                          bits=kv_quant.BITS)
+        return x.astype(MX_DTYPES[to])
+
+    def kv_scores(self, q, block):
+        kq, ks, kz = block
+        return mx.quantized_matmul(_kv_operand(q, ks), kq, ks, kz, transpose=True,
+                                   group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+
+    def kv_values(self, p, block):
+        vq, vs, vz = block
+        return mx.quantized_matmul(_kv_operand(p, vs), vq, vs, vz, transpose=False,
+                                   group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+
+
+def _kv_operand(x, scales):
+    """x for a quantized matmul with `scales`: in their dtype when x is half precision too, else float32."""
+    return x if x.dtype == scales.dtype and x.dtype in (mx.float16, mx.bfloat16) else x.astype(mx.float32)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto
 
-from . import torch_quant
+from . import kv_quant, torch_quant
 from .base import Backend, QuantizedWeight, dequantize_blocked
 
 TORCH_DTYPES = {
@@ -77,6 +77,9 @@ def _grouped_attention(q, k, v, mask, scale):
     return torch.matmul(probs.view(b, hkv, r * s, t), v).view(b, hq, s, v.shape[-1])
 
 
+# the 8-bit cache: decode folds the affine fix-up into the small [queries, keys] products; a prefill block
+# (many queries) dequantizes the block instead, which costs less than G products of [queries, keys]
+_FOLD_MAX_QUERIES = 32
 _MMAP_THRESHOLD = 256 * 1024
 _PREPARE_COLUMNS = 16384
 
@@ -99,6 +102,7 @@ class TorchBackend(Backend):
     decode steps run torch's own pool at one thread (tiny ops lose to fork/join), the kernels keep all."""
 
     name = "torch"
+    kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once (4096·Hkv·D f32: 16 MiB at Hkv=8, D=128)
 
     def __init__(self, device: str | None = None, threads: int | None = None):
         import os
@@ -392,3 +396,75 @@ class TorchBackend(Backend):
             idx = pos.reshape(1) + torch.arange(new.shape[2], device=buffer.device)
             buffer.index_copy_(2, idx, new.to(buffer.dtype))
         return buffer
+
+    def host_int(self, pos):
+        """An int, or a CPU tensor outside tracing (reading a CUDA one would wait for the device)."""
+        if isinstance(pos, int):
+            return pos
+        if getattr(pos, "device", None) is not None and pos.device.type == "cpu":
+            if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None:  # not inside make_fx
+                return int(pos)
+        return None
+
+    # --- the 8-bit KV cache: q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group] ----------
+    def kv_empty(self, shape, group):
+        bsz, h, length, d = shape
+        return (torch.zeros((bsz, h, length, d), dtype=torch.uint8, device=self._dev),
+                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev),
+                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev))
+
+    def kv_quantize(self, x, group):
+        bsz, h, s, d = x.shape
+        xg = x.float().reshape(bsz, h, s, d // group, group)
+        lo, hi = xg.amin(-1), xg.amax(-1)
+        scale = ((hi - lo) / kv_quant.LEVELS).to(torch.float16)
+        bias = lo.to(torch.float16)
+        # quantize against the float16 scale and bias actually stored, so dequantization undoes exactly this
+        sf, bf = scale.float(), bias.float()
+        safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+        q = ((xg - bf[..., None]) / safe[..., None]).round_().clamp_(0, kv_quant.LEVELS).to(torch.uint8)
+        return q.reshape(bsz, h, s, d), scale, bias
+
+    def kv_dequantize(self, stored, to):
+        return self._kv_floats(stored).to(TORCH_DTYPES[to])
+
+    def _kv_floats(self, stored):
+        q, s, z = stored
+        bsz, h, t, d = q.shape
+        group = d // s.shape[-1]
+        x = q.float().reshape(bsz, h, t, d // group, group).mul_(s.float()[..., None]).add_(z.float()[..., None])
+        return x.reshape(bsz, h, t, d)
+
+    def kv_scores(self, q, block):
+        # Σ_d q_d (k_d·s_g + z_g) = Σ_g s_g (q_g · k_g) + z_g Σ_{d∈g} q_d: one int8→f32 conversion of the keys,
+        # the scales applied to the small [R, T] products
+        kq, ks, kz = block
+        group = kv_quant.group_of(self, block)
+        qf = q.float()
+        if qf.shape[2] > _FOLD_MAX_QUERIES:
+            return qf @ self._kv_floats(block).transpose(-1, -2)
+        k = kq.float()
+        ks, kz = ks.float().transpose(-1, -2), kz.float().transpose(-1, -2)  # [B, H, G, T]
+        out = None
+        for j in range(kq.shape[-1] // group):  # column slices of k keep unit stride: the matmuls read them in place
+            c = slice(j * group, (j + 1) * group)
+            dots = (qf[..., c] @ k[..., c].transpose(-1, -2)).mul_(ks[:, :, j:j + 1])
+            dots.add_(qf[..., c].sum(-1, keepdim=True) * kz[:, :, j:j + 1])
+            out = dots if out is None else out.add_(dots)
+        return out
+
+    def kv_values(self, p, block):
+        # Σ_t p_t (v_td·s_tg + z_tg) = (p ⊙ s_g) · v_g + p · z_g, per group g of channels
+        vq, vs, vz = block
+        group = kv_quant.group_of(self, block)
+        if p.shape[2] > _FOLD_MAX_QUERIES:
+            return p @ self._kv_floats(block)
+        v = vq.float()
+        g = vq.shape[-1] // group
+        vs, vz = vs.float().transpose(-1, -2), vz.float().transpose(-1, -2)  # [B, H, G, T]
+        parts = []
+        for j in range(g):
+            c = slice(j * group, (j + 1) * group)
+            part = (p * vs[:, :, j:j + 1]) @ v[..., c]
+            parts.append(part.add_(p @ vz[:, :, j, :, None]))
+        return parts[0] if g == 1 else torch.cat(parts, -1)

@@ -139,3 +139,30 @@ def test_lowered_graph_runs_on_onnxruntime_by_default_and_torch_refuses(lowered)
     assert r["backend"].startswith("onnxruntime") and len(r["tokens"]) == 2
     with pytest.raises(fuselm.FuselmError, match=r"lowered for onnxruntime .* --backend onnxruntime"):
         fuselm.run(out, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
+
+
+def test_builder_graph_round_trips_to_the_same_numbers_in_no_more_nodes(make_ckpt, tmp_path):
+    """onnxruntime-genai's builder int4 graph -> FromGenAI (standard ops) -> the target (its contrib ops
+    again, level 4 as the builder): onnxruntime gives the builder's own logits and cache, from no more
+    compute nodes in a decoder layer (fewer MatMulNBits: gate/up fused; layer 0 also holds the shared
+    seqlens_k / total_sequence_length nodes, which differ by one)."""
+    pytest.importorskip("onnxruntime_genai")
+    import onnx_ir as ir
+    from fuselm.passes.draw import layer_assignment
+    from test_genai import _builder  # tests/test_genai.py: the builder run in this process
+
+    _builder("-i", str(make_ckpt("qwen3")), "-o", str(tmp_path / "genai"), "-p", "int4", "-e", "cpu",
+             "-c", str(tmp_path / "cache"))
+    out = fuselm.optimize(tmp_path / "genai", tmp_path / "ort", target="onnxruntime", quiet=True)
+    before = run_steps(tmp_path / "genai" / "model.onnx")
+    after = run_steps(out / "model.onnx", steps=before)
+    for step, d in drift(before, after).items():
+        assert d["logits_rel"] <= 1e-5 and d["all_outputs_rel"] <= 1e-5, (step, d)
+
+    def per_layer(path) -> list[int]:
+        counts = Counter(i for n, i in layer_assignment(ir.load(path).graph).items() if n.op_type != "Constant")
+        return [counts[i] for i in sorted(counts) if i < 2]
+
+    ours, theirs = per_layer(out / "model.onnx"), per_layer(tmp_path / "genai" / "model.onnx")
+    assert ours[1] <= theirs[1] and ours[0] <= theirs[0] + 1, (ours, theirs)
+    assert _ops(out)["MatMulNBits"] < _ops(tmp_path / "genai")["MatMulNBits"]

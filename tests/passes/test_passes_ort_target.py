@@ -268,3 +268,18 @@ def test_graph_checker_has_onnxruntime_refuse_a_broken_contrib_op(tmp_path):
     onnx.save(good, str(tmp_path / "broken.onnx"))
     with pytest.raises(FuselmError, match=r"onnxruntime rejects the graph's contrib ops: .*MatMulNBits"):
         check_graph_file(tmp_path / "broken.onnx")
+
+
+def test_tied_table_becomes_matmul_nbits_and_gather_block_quantized_sharing_it(tmp_path):
+    """One DequantizeLinear of a [V, H] uint4 table read by the embedding's Gather and the lm_head's
+    Transpose -> MatMul (`fuselm convert --lm-head q4` on a tied checkpoint): both lowered, one packed copy."""
+    g = embedding("dq-then-gather", 4)
+    dq = next(n for n in g.nodes if n.op_type == "DequantizeLinear").output[0]
+    g.inp("h", [1, 3, 32])
+    g.out(g.node("MatMul", ["h", g.node("Transpose", [dq], perm=[1, 0])], name="/model/lm_head/MatMul"), "logits")
+    before = g.model()
+    mid, _, _ = lower(OrtMatMulNBits(accuracy_level=1), before, tmp_path)
+    after, _, _ = lower(OrtGatherBlockQuantized(), mid, tmp_path)
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= set(ops(after)) and "DequantizeLinear" not in ops(after)
+    assert len([t for t in after.graph.initializer if t.name.endswith(".nbits")]) == 1
+    assert_same(before, after, g.feeds, rtol=1e-5)
