@@ -12,7 +12,9 @@ and, without the `aliyun` package, runs `pip install -U aliyun-log-python-sdk`. 
 live only in `.venv-mnn` (git-ignored, made by --setup; torch pinned), and every process that runs
 their code is `.venv-mnn/bin/python bench/mnn_safe.py ...` under `safe_env()`: MNN's log module is
 blocked before import, non-loopback sockets are refused, and the first `pip` on PATH is a stub that
-exits 0 doing nothing. Nothing here is imported or run by the test suite.
+exits 0 doing nothing; and where `unshare -n` works (here: root) it runs in a network namespace with
+no interface at all, which also covers MNN's native library (it links cpp-httplib, for image/audio
+URLs). Nothing here is imported or run by the test suite.
 """
 
 from __future__ import annotations
@@ -63,10 +65,21 @@ def safe_env() -> dict:
     return env
 
 
+def _no_network() -> list[str]:
+    """`unshare -n` where it works (root, or user namespaces): the process gets a network namespace
+    with no interface, which also stops MNN's native code (its C++ library links cpp-httplib for
+    image/audio URLs) from reaching anything; else [] and bench/mnn_safe.py's Python guard alone."""
+    unshare = shutil.which("unshare")
+    for cmd in ([unshare, "-n"], [unshare, "-rn"]) if unshare else ():
+        if subprocess.run([*cmd, "true"], capture_output=True).returncode == 0:
+            return cmd
+    return []
+
+
 def safe_cmd(*args: str) -> list[str]:
     if not PYTHON.is_file():
         raise SystemExit("no .venv-mnn: run `python bench/mnn_peer.py --setup` first")
-    return [str(PYTHON), str(SAFE), *args]
+    return [*_no_network(), str(PYTHON), str(SAFE), *args]
 
 
 def versions() -> dict:

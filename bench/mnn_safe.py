@@ -13,6 +13,7 @@ first on PATH. Before anything of MNN's is imported this wrapper
   llmexport's image/audio URL loaders, Hugging Face hub look-ups), with an error naming the address,
 - checks that the `pip` first on PATH is the do-nothing stub bench/mnn_peer.py puts in
   .venv-mnn/safe-bin (mnn_peer.safe_env sets PATH so), and sets HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE.
+bench/mnn_peer.safe_cmd also runs it under `unshare -n` (no network interface at all) where that works.
 Never imported by the test suite. Run only with .venv-mnn's Python (bench/mnn_peer.py --setup).
 """
 

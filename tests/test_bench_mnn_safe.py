@@ -15,11 +15,15 @@ try:
     print("log: imported")
 except ImportError:
     print("log: blocked")
+# a UDP socket: its connect() sends no packet even if the guard failed, so this probe never reaches out
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 try:
-    socket.create_connection(("192.0.2.1", 443), timeout=5)  # TEST-NET-1: must never be tried
+    s.connect(("192.0.2.1", 443))
     print("net: connected")
 except ConnectionRefusedError as e:
     print("net:", e)
+finally:
+    s.close()
 """
 
 
