@@ -17,7 +17,7 @@ The first compiled step is checked against the eager step (same inputs) before i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -75,18 +75,38 @@ class Piece:
     inputs: list[str]  # values read from outside the piece
     outputs: list[str]  # values read after it
     fn: object = None  # the compiled run of `steps`; None: one step run eagerly (an Attention)
+    fast: object = None  # that Attention as direct backend calls (`_decode_attention`), where it applies
+    heads_out: dict = field(default_factory=dict)  # output -> its heads: handed on as [B, H, S, D] (0: transposed)
+    heads_in: set = field(default_factory=set)  # inputs that arrive as [B, H, S, D], merged to [B, S, H·D]
 
 
 class PiecewiseDecode:
-    """The static decode plan of `sess` with eager attentions over the filled rows and compiled pieces between."""
+    """The static decode plan of `sess` with eager attentions over the filled rows and compiled pieces between.
+
+    The host builds one step as 29 compiled calls and, per Attention of a packed float cache, the four backend
+    calls `_decode_attention` makes (the ops the executor's Attention runs for one query at a host position,
+    without walking the op: the cache write, the K and V rows, sdpa); the pieces around it hand it Q and the
+    new K/V rows with their heads first and take its output that way, so those views are built inside the
+    compiled calls. Any other Attention runs through the executor."""
 
     def __init__(self, sess, plan, max_len: int):
         self.sess, self.max_len = sess, max_len
         self.names = [c.name for c in sess.caches]
         self.pieces = _pieces(plan)
+        read = {x for p in self.pieces for x in p.inputs}
+        self.mask = contract.ATTENTION_MASK in read  # causal reads hand no piece the mask: not built per token
+        stored = any(f.bits is not None for f in sess.kv_formats)  # the cache in its own format: the executor's
+        for i, p in enumerate(self.pieces):
+            if p.steps[0].node.op_type == "Attention" and not stored and 0 < i < len(self.pieces) - 1:
+                p.fast = _decode_attention(sess, p.steps[0], self.pieces[i - 1], self.pieces[i + 1],
+                                           {x for o in self.pieces if o is not p for x in o.inputs},
+                                           {x for o in self.pieces if o is not p and o is not self.pieces[i + 1]
+                                            for x in o.inputs})
         self.seconds = 0.0
         n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
-        self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows"
+        direct = sum(p.fast is not None for p in self.pieces)
+        self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows" + \
+            (f", {direct} of them as direct backend calls" if direct else "")
 
     def build(self, args: tuple) -> None:
         t0 = time.perf_counter()
@@ -98,30 +118,96 @@ class PiecewiseDecode:
     def _piece(self, piece: Piece):
         ex = self.sess.executor
 
+        b = self.sess.backend
+
         def run(pos, *values):
             env = dict(zip(piece.inputs, values, strict=True))
+            for n in piece.heads_in:
+                env[n] = _merged(b, env[n])
             ex.ctx["rope_offset"] = pos
             ex.run_steps(piece.steps, env)
-            return tuple(env[n] for n in piece.outputs)
+            return tuple(_split(b, env[n], piece.heads_out[n]) if n in piece.heads_out else env[n]
+                         for n in piece.outputs)
 
         return run
 
     def __call__(self, ids, pos_dev, bufs: list):
         """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
         sess, b = self.sess, self.sess.backend
-        ex = sess.executor
-        views = {c.name: sess._view(c, sess.pos, 1, static=True) for c in sess.caches}
-        env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+        ex, pos = sess.executor, sess.pos
+        views = {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
+        if self.mask:
+            env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+        else:
+            env = {sess.first_input: ids, contract.POSITION_IDS: b.reshape(b.cast(pos_dev, 7), (1, 1)), **views}
         ex.ctx["all_logits"] = False
         b.new_step()
         b.step_memo = {}
         for p in self.pieces:
-            if p.fn is None:
+            if p.fn is not None:
+                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
+            elif p.fast is not None:
+                p.fast(env, pos, pos_dev)
+            else:
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
-            else:
-                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
         return env[sess.output], None, [views[n].buffer for n in self.names]
+
+
+def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set):
+    """One decode query's Attention (ops_nn._attention on its filled-rows path, packed K/V: kvcache.append_both)
+    as a closure over what is fixed per layer, with `before` handing it Q and the K/V rows heads first and
+    `after` taking its output so; None where that path may not be the one taken, or where another piece
+    reads those values (`others`: what the other pieces read, `beyond`: what those besides `after` read). A
+    cache not stored in the new rows' dtype (a graph's float16 cache under float32 activations) runs through
+    the executor, its inputs and output put back."""
+    node, b, ex = st.node, sess.backend, sess.executor
+    ins, a = list(node.inputs) + [""] * (8 - len(node.inputs)), node.attrs
+    qn, kn, vn, kvn, yn = ins[0], ins[4], ins[5], ins[7], node.outputs[0]
+    if node.domain or a.get("causal_rows") is None or not kvn or ins[6] or sess.packed.get(vn) != kn or \
+            a.get("softcap") or a.get("softmax_precision") is not None or len(node.outputs) > 3 or \
+            any(o in others for o in (qn, kvn, *node.outputs[1:])) or yn in beyond or not a.get("q_num_heads") or \
+            not a.get("kv_num_heads") or "Attention" in (before.steps[0].node.op_type, after.steps[0].node.op_type) \
+            or qn not in before.outputs or kvn not in before.outputs or yn not in after.inputs:
+        return None
+    hq, hk, window = int(a["q_num_heads"]), int(a["kv_num_heads"]), a["causal_rows"]
+    before.heads_out.update({qn: hq, kvn: 0})
+    after.heads_in.add(yn)
+    scale = None if a.get("scale") is None else float(a["scale"])
+
+    def run(env, pos: int, pos_dev) -> None:
+        q, kv, view = env[qn], env[kvn], env[kn]  # [B, Hq, S, D], [B, 2Hk, S, D]
+        buf = view.buffer
+        if isinstance(buf, tuple) or b.dtype(buf) != b.dtype(kv):
+            env[qn], env[kvn] = _merged(b, q), b.transpose(kv, (0, 2, 1, 3))
+            ex.ctx["rope_offset"] = pos_dev
+            ex.run_steps([st], env)
+            env[yn] = _split(b, env[yn], hq)
+            return
+        s = b.shape(q)[2]
+        t1 = pos + s
+        t0 = max(0, t1 - window) if window else 0
+        buf = b.cache_write(buf, kv, pos)
+        view.buffer = env[vn].buffer = buf
+        k = b.slice(buf, (slice(None), slice(0, hk), slice(t0, t1)))
+        v = b.slice(buf, (slice(None), slice(hk, 2 * hk), slice(t0, t1)))
+        env[yn] = b.sdpa(q, k, v, None, float(1.0 / np.sqrt(b.shape(q)[3])) if scale is None else scale)
+
+    return run
+
+
+def _split(b, x, heads: int):
+    """[B, S, H·D] -> [B, H, S, D] (heads 0: [B, S, H, D] -> [B, H, S, D])."""
+    if heads:
+        bsz, s, width = b.shape(x)
+        x = b.reshape(x, (bsz, s, heads, width // heads))
+    return b.transpose(x, (0, 2, 1, 3))
+
+
+def _merged(b, y):
+    """[B, H, S, D] -> [B, S, H·D]."""
+    bsz, h, s, d = b.shape(y)
+    return b.reshape(b.transpose(y, (0, 2, 1, 3)), (bsz, s, h * d))
 
 
 def _pieces(plan) -> list[Piece]:

@@ -96,6 +96,8 @@ def test_causal_reads_match_the_masked_path(optimized, monkeypatch, kv):
     sess = Session(model, backend="mlx", **kv)
     got = _logits(sess, ids, 8)
     assert sess.mode is Decode.COMPILED and "pieces" in sess.describe()
+    # a float cache: each decode Attention as direct backend calls (compiled.py); 8-bit: through the executor
+    assert ("as direct backend calls" in sess.describe()) is not kv
     ref = _masked_mlx(model, monkeypatch, **kv) if kv else Session(model, backend="torch")
     np.testing.assert_allclose(got, _logits(ref, ids, 8), atol=2e-4 * np.abs(got).max())
 
