@@ -61,9 +61,10 @@ def run(model_dir, **kwargs):
     if kwargs.get("backend", "auto") == "auto" and lowered_for_onnxruntime(model_dir):
         kwargs["backend"] = "onnxruntime"  # only onnxruntime runs its contrib ops
     elif kwargs.get("backend") not in (None, "onnxruntime") and lowered_for_onnxruntime(model_dir):
-        raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft: onnxruntime-genai's builder, or "
-                          "`fuselm optimize --target onnxruntime`); run it with --backend onnxruntime, or run "
-                          "`fuselm optimize DIR -o OUT` first (without --target: it maps them to standard ops) and run OUT")
+        raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft): it was lowered for onnxruntime "
+                          "(`fuselm optimize --target onnxruntime`) or written by onnxruntime-genai's builder; run it "
+                          "with --backend onnxruntime, or run `fuselm optimize DIR -o OUT` first (without --target: "
+                          "it maps them to standard ops) and run OUT")
     if kwargs.get("backend") == "onnxruntime":
         from .ort_run import run as _ort_run
 
