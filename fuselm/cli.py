@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with _unwinding_signals() as signals:
-        return _main(argv, signals)
+    try:
+        with _unwinding_signals() as signals:
+            return _main(argv, signals)
+    except KeyboardInterrupt:  # a signal in _main's own handlers or while the handlers are put back
+        return _interrupted("fuselm")
 
 
 def _main(argv: list[str] | None, signals: list[int]) -> int:
