@@ -130,13 +130,9 @@ def measure(engine, vocab: int, runs: int, contexts: tuple, prefills: tuple, ste
             took = time.perf_counter() - t
             if r and c in prefill:
                 prefill[c].append(c / took)
-            times = []
-            for _ in range(n_steps):
-                t = time.perf_counter()
-                token = engine.step(token)
-                times.append(time.perf_counter() - t)
+            token, rate = _decode_rate(engine, token, n_steps)
             if r:
-                decode[c].append(1 / statistics.median(times))
+                decode[c].append(rate)
         for n in prefills:
             if n in contexts:
                 continue
@@ -153,6 +149,16 @@ def measure(engine, vocab: int, runs: int, contexts: tuple, prefills: tuple, ste
     return out
 
 
+def _decode_rate(engine, token, steps: int):
+    """`steps` greedy decode steps from `token`: (the last token, tokens/s from the median step)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        token = engine.step(token)
+        times.append(time.perf_counter() - t)
+    return token, 1 / statistics.median(times)
+
+
 def interleaved(models: dict[str, Path], engines: list[str], vocab: int, ctx: int, steps: int, runs: int,
                 threads: int) -> dict:
     """The onnxruntime-genai engines loaded in one process and measured in turn, run after run (a shared
@@ -165,13 +171,9 @@ def interleaved(models: dict[str, Path], engines: list[str], vocab: int, ctx: in
             t = time.perf_counter()
             token = engine.prefill(_ids(ctx, vocab, 300 + r), steps + 1)
             took = time.perf_counter() - t
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                token = engine.step(token)
-                times.append(time.perf_counter() - t)
+            token, rate = _decode_rate(engine, token, steps)
             if r:
-                decode[e].append(round(1 / statistics.median(times), 2))
+                decode[e].append(round(rate, 2))
                 prefill[e].append(round(ctx / took, 1))
     return {e: {f"decode_{ctx}_tok_s": statistics.median(decode[e]), f"decode_{ctx}_runs": decode[e],
                 f"prefill_{ctx}_tok_s": statistics.median(prefill[e]), f"prefill_{ctx}_runs": prefill[e]}

@@ -68,3 +68,15 @@ def check(path: str | os.PathLike) -> None:
         check_graph_file(path)
     else:
         onnx.checker.check_model(str(path), full_check=True)
+
+
+def save_checked(model: ir.Model, out_dir: str | os.PathLike, what: str, fix: str) -> Path:
+    """`save` then `check`; a graph that fails the check is a CheckFailed naming `what` and the `fix`."""
+    from fuselm.errors import CheckFailed
+
+    path = save(model, out_dir)
+    try:
+        check(path)
+    except Exception as e:
+        raise CheckFailed(f"{what} fails onnx.checker ({e}); {fix}") from None
+    return path

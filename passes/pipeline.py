@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fuselm import contract
-from fuselm.errors import CheckFailed, FuselmError
+from fuselm.errors import FuselmError
 from fuselm.genai_config import meta_from_genai_config
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
@@ -196,12 +196,8 @@ def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False, ta
     passes_seconds = time.perf_counter() - t0
     out = Path(out)
     with atomic_output_dir(out, force=force) as tmp:
-        path = graphio.save(model, tmp)
-        try:
-            graphio.check(path)
-        except Exception as e:
-            raise CheckFailed(f"the optimized graph fails onnx.checker ({e}); run `fuselm diff` on {in_path} "
-                              "and --skip the pass that breaks it") from None
+        graphio.save_checked(model, tmp, "the optimized graph",
+                             f"run `fuselm diff` on {in_path} and --skip the pass that breaks it")
         new_meta = dict(meta) if meta is not None else \
             graph_meta(model, onnx_path, Path(in_path) if Path(in_path).is_dir() else None)
         new_meta.pop("schema_version", None)

@@ -34,7 +34,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from fuselm import contract
-from fuselm.errors import CheckFailed, FuselmError
+from fuselm.errors import FuselmError
 from fuselm.genai_config import NAME as GENAI_NAME
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
@@ -338,12 +338,8 @@ def split(in_path, out, stages: int | None = None, layers: str | None = None, fo
             model = build_stage(onnx_path, st, nxt, width)
             d = tmp / f"stage{k}"
             d.mkdir()
-            path = graphio.save(model, d)
-            try:
-                graphio.check(path)
-            except Exception as e:
-                raise CheckFailed(f"stage {k} fails onnx.checker ({e}); the cut at layer {st.layers.start} is not "
-                                  "clean: choose other --layers") from None
+            graphio.save_checked(model, d, f"stage {k}",
+                                 f"the cut at layer {st.layers.start} is not clean: choose other --layers")
             info = {"stage": k, "of": len(plan), "layers": [st.layers.start, st.layers.stop - 1],
                     "bytes": st.bytes, "first": st.first, "last": st.last, "hidden": width,
                     "input": contract.INPUT_IDS if st.first else contract.HIDDEN,

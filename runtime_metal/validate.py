@@ -92,9 +92,10 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     first = _first_diff(ours.tokens, target.tokens)
     kinds = {n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"}
     # onnxruntime's own int8 activations: its MatMulNBits fusion at accuracy level 4 (optimizations on)
-    level4 = OrtRunner(sess.lm.path, optimize=True, accuracy_level=4).greedy if quantized else None
-    int8 = _int8_drift(ours, onnxrt, level4(ids, tokens)) \
-        if quantized and any(k.endswith("-int8") for k in kinds) else None
+    int8 = None
+    if quantized and any(k.endswith("-int8") for k in kinds):
+        level4 = OrtRunner(sess.lm.path, optimize=True, accuracy_level=4).greedy(ids, tokens)
+        int8 = _int8_drift(ours, onnxrt, level4)
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
     table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}")
