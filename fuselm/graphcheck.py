@@ -139,8 +139,14 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
     except FuselmError as e:
         raise FuselmError(f"{path}: {e}") from None
     layouts = (False, True) if layout is None else (layout,)
-    canonical = [contract.fused_rope_function(x) for x in layouts]
-    for proto in canonical:
+    try:
+        activation = contract.moe_activation(model.graph.node)
+    except FuselmError as e:
+        raise FuselmError(f"{path}: {e}") from None
+    canonical = {contract.ROPE_OP: [contract.fused_rope_function(x) for x in layouts],
+                 contract.MOE_OP: [contract.moe_function(a) for a in
+                                   (contract.MOE_ACTIVATIONS if activation is None else (activation,))]}
+    for proto in (p for protos in canonical.values() for p in protos):
         proto.doc_string = ""
     for f in model.functions:
         if f.domain != contract.DOMAIN:
@@ -148,7 +154,7 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
         given = onnx.FunctionProto()
         given.CopyFrom(f)
         given.doc_string = ""
-        if f.name != contract.ROPE_OP or all(given != proto for proto in canonical):
+        if all(given != proto for proto in canonical.get(f.name, [])):
             raise FuselmError(f"{path}: the model-local function {contract.DOMAIN}::{shown(f.name, 60)} is not "
                               f"fuselm's definition of that op (domain version {contract.DOMAIN_VERSION}) for this "
                               f"graph's rotary layout; a runtime would compute something else than its body; {_FIX}")

@@ -23,6 +23,7 @@ from ..families import IGNORED_SUFFIXES
 from ..graph import Export
 from ..quant import Plan
 from ..weights import Checkpoint
+from . import moe
 
 __all__ = ["build"]
 # The last few traced architectures (config.json -> skeleton and templates): converting one
@@ -45,6 +46,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
             plans = skel.probe()  # the architecture's refusals come before the checkpoint's
     ckpt = Checkpoint(hf_dir)
     ckpt.rename(skel.model_name)
+    ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
     expected = skel.expected_tensors()
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
@@ -61,7 +63,10 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     with _unsupported():
         builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
                                 getattr(skel.config, "sliding_window", None))
-    return Export(builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type)
+    meta = skel.metadata(plans, len(kinds), kv_shape)
+    if skel.moe_blocks:
+        meta["moe"] = moe.metadata(skel.moe_blocks)
+    return Export(builder, ckpt, meta, skel.model_type)
 
 
 def _trace(skel, plans) -> tuple:

@@ -26,7 +26,7 @@ from torch import nn
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from . import attention_op, rope_op
+from . import attention_op, moe, rope_op
 from .skeleton import LayerPlan, Skeleton, placeholders, restore
 
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
@@ -163,7 +163,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
     installed.spec = plan.rope
     undo = placeholders(layer)
     try:
-        with installed:
+        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention).eval()
             try:
                 key, value = _dry_run(skel, wrapper, hidden[:, :1], positions[:, :1])
@@ -202,7 +202,7 @@ def trace_outer(skel: Skeleton) -> Template:
 
 
 def _export(module, args, dynamic, input_names, output_names, model_type):
-    table = {**rope_op.translation(), **attention_op.translation(), **_marker_translation()}
+    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **_marker_translation()}
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")

@@ -1,0 +1,104 @@
+"""Mixtures of experts through the traced exporter: one `fuselm::MoE` per sparse block.
+
+Tiny random checkpoints made by transformers itself (per-expert tensors as save_pretrained writes
+them; Granite-MoE's stacked input_linear), converted, checked against HF transformers (f32, prefill
++ a decode step with past, exporter/check.py) before and after `fuselm optimize`. Routing: Mixtral
+and Granite-MoE renormalise the top-k (Granite takes the softmax over the top-k logits: the same);
+OLMoE and Qwen2-MoE do not (their configs); Qwen3-MoE here with norm_topk_prob true. Qwen2-MoE's
+shared expert and its sigmoid gate are plain nodes beside the op.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from fuselm.exporter.check import check
+from onnx import helper as oh
+
+import fuselm
+from fuselm import contract, synth
+
+MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48, intermediate_size=64)
+CASES = {
+    "mixtral": (1, {}),
+    "qwen3_moe": (1, dict(norm_topk_prob=True)),
+    "olmoe": (0, {}),
+    "qwen2_moe": (0, {}),
+    "granitemoe": (1, {}),
+}
+
+
+def make(tmp_path, model_type, **extra):
+    return synth.make_checkpoint(tmp_path / "hf", model_type, generic=True, **{**MOE, **CASES[model_type][1], **extra})
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_moe_family_matches_hf_before_and_after_optimize(model_type, tmp_path):
+    hf = make(tmp_path, model_type)
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    meta = json.loads((out / "fuselm.json").read_text())["moe"]
+    assert (meta["experts"], meta["top_k"], meta["normalize"]) == (4, 2, CASES[model_type][0])
+    assert meta["shared_expert"] == (model_type == "qwen2_moe")
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    moes = [n for n in graph.node if n.op_type == contract.MOE_OP and n.domain == contract.DOMAIN]
+    assert len(moes) == 2
+    opt = fuselm.optimize(out, tmp_path / "opt", quiet=True)
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    optimized = onnx.load(opt / "model.onnx", load_external_data=False)
+    ops = {n.op_type for n in optimized.graph.node}
+    assert {"MoE", "Attention", "FusedRoPE", "RMSNormalization"} <= ops  # the dense fusions still apply
+    assert [f.name for f in optimized.functions if f.name == "MoE"] == ["MoE"]
+
+
+def test_moe_q4_experts_are_blocked_dequantize(tmp_path):
+    hf = make(tmp_path, "qwen2_moe")
+    out = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    moe = next(n for n in model.graph.node if n.op_type == "MoE")
+    for w in moe.input[2:4]:
+        dq = producers[w]
+        assert dq.op_type == "DequantizeLinear" and oh.get_attribute_value(dq.attribute[0]) in (2, 32)
+        assert inits[dq.input[0]].data_type == onnx.TensorProto.UINT4 and len(inits[dq.input[0]].dims) == 3
+    # the shared expert's Linears (Gemm on [tokens, hidden] in the trace) are quantized MatMuls too
+    shared = [n for n in model.graph.node if "shared_expert/" in n.name and n.op_type in ("MatMul", "Gemm")]
+    assert shared and all(n.op_type == "MatMul" and producers[n.input[1]].op_type == "DequantizeLinear" for n in shared)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] < 1.0  # q4 noise, not a wrong graph
+
+
+@pytest.mark.parametrize("normalize", [0, 1])
+def test_moe_function_body_is_the_sparse_reference(normalize):
+    """The op's FunctionProto (dense, in onnxruntime) against a per-token loop over the top-k experts."""
+    n_exp, inter, hidden, k = 4, 6, 8, 2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, hidden)).astype(np.float32)
+    r = rng.standard_normal((n_exp, hidden)).astype(np.float32)
+    gu = rng.standard_normal((n_exp, 2 * inter, hidden)).astype(np.float32)
+    dn = rng.standard_normal((n_exp, hidden, inter)).astype(np.float32)
+    node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, normalize)
+    info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * rank)
+            for n, rank in zip(("x", "r", "gu", "dn"), (3, 2, 3, 3), strict=True)]
+    graph = oh.make_graph([node], "g", info, [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None] * 3)])
+    model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
+                          opset_imports=[oh.make_opsetid("", contract.OPSET), oh.make_opsetid(contract.DOMAIN, 1)])
+    onnx.checker.check_model(model, full_check=True)
+    y = ort.InferenceSession(model.SerializeToString()).run(None, dict(x=x, r=r, gu=gu, dn=dn))[0].reshape(-1, hidden)
+    x2 = x.reshape(-1, hidden)
+    logits = x2 @ r.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.zeros_like(x2)
+    for t in range(len(x2)):
+        top = np.argsort(-p[t])[:k]
+        w = p[t, top] / (p[t, top].sum() if normalize else 1.0)
+        for e, we in zip(top, w, strict=True):
+            gate, up = np.split(gu[e] @ x2[t], 2)
+            want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
+    np.testing.assert_allclose(y, want, atol=1e-4)
