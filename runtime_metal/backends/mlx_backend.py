@@ -13,7 +13,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import kv_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -490,6 +490,46 @@ class MLXBackend(Backend):
             return mx.matmul(x, w.data)
         wq, s, bias = w.data
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
+
+    def prepare_experts(self, q, scale, zero_point, block, bits):
+        """MLX's affine format per expert ([E, N, K] is already MLX's [out, in] row layout): packed
+        uint32 [E, N, K*bits/32], scales and biases [E, N, K/block], bias = -zp * scale."""
+        e, n, k = q.shape
+        if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
+            w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
+        qb = mx.array(q.astype(np.uint8, copy=False))
+        if bits == 4:
+            pairs = qb.reshape(e, n, k // 2, 2)
+            qb = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(qb).view(mx.uint32)
+        s = scale.astype(np.float32)
+        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        return QuantizedWeight((packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s))), k, n, bits, block,
+                               "mlx")
+
+    def expert_matmul(self, x, w, experts):
+        """mlx-lm's SwitchLinear: x as [T, 1, 1, K] (or [T, k, 1, K]) against the experts' weights gathered by
+        `experts` [T, k] -> [T, k, N]; tokens sorted by expert for long prompts (contiguous weight reads)."""
+        t, k = experts.shape
+        xs = mx.expand_dims(x, (-2, -3)) if x.ndim == 2 else mx.expand_dims(x, -2)
+        idx = experts.astype(mx.uint32)
+        order = None
+        if idx.size >= 64:  # as mlx-lm's _gather_sort
+            flat = idx.reshape(-1)
+            order = mx.argsort(flat)
+            idx = flat[order]
+            xs = xs.reshape(t * k if x.ndim == 3 else t, 1, x.shape[-1])[order if x.ndim == 3 else order // k]
+        if isinstance(w, QuantizedWeight) and w.kind == "mlx":
+            wq, s, bias = w.data
+            y = mx.gather_qmm(xs, wq, s, bias, rhs_indices=idx, transpose=True, group_size=w.block, bits=w.bits,
+                              sorted_indices=order is not None)
+        else:
+            data = w.data if isinstance(w, QuantizedWeight) else w
+            y = mx.gather_mm(xs, mx.swapaxes(data, -1, -2), rhs_indices=idx, sorted_indices=order is not None)
+        if order is not None:  # back to token order
+            y = y.reshape(t * k, -1)[mx.argsort(order)]
+        return y.reshape(t, k, -1)
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
         """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed; host `pos`)."""

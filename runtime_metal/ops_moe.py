@@ -1,0 +1,91 @@
+"""fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
+
+    x2 = x as [T, H]; probs = softmax(x2 @ router^T); (w, experts) = top_k(probs) (renormalised: normalize)
+    gate, up = expert_matmul(x2, gate_up, experts)       [T, k, 2I]: one matmul per selected expert
+    y = sum_k w * expert_matmul(act(gate) * up, down, experts)
+
+`expert_matmul` is the backend's (backends/base.py): MLX `mx.gather_mm` / `mx.gather_qmm` (mlx-lm's
+SwitchGLU), torch and numpy the selected experts' matmuls grouped by expert. At load
+(`fold_experts`), a MoE whose stacked weights are blocked DequantizeLinears of constants becomes
+`QMoE` with the weights prepared once by `backend.prepare_experts` (MLX: its affine 4/8-bit format,
+so a 4-bit expert stays 4-bit in memory).
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from fuselm import contract
+
+from .ops import Gelu, op
+from .ops_nn import RUNTIME
+
+
+@op(contract.MOE_OP, domain=contract.DOMAIN, fused=True)
+def MoE(b, x, router, gate_up, down, *, top_k, normalize=0, activation="silu"):
+    return _moe(b, x, router, gate_up, down, top_k, normalize, activation)
+
+
+@op("QMoE", domain=RUNTIME)
+def QMoE(b, x, router, *, gate_up, down, top_k, normalize=0, activation="silu", source=""):
+    """fuselm::MoE whose stacked expert weights were prepared at load (`fold_experts`)."""
+    return _moe(b, x, router, gate_up, down, top_k, normalize, activation)
+
+
+def _moe(b, x, router, gate_up, down, top_k: int, normalize: int, activation: str):
+    shape = b.shape(x)
+    x2 = b.reshape(x, (-1, shape[-1]))
+    probs = b.softmax(b.matmul(x2, b.transpose(router, (1, 0))), -1)
+    weights, experts = b.topk(probs, int(top_k), -1, True, True)
+    if normalize:
+        weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
+    gu = b.expert_matmul(x2, gate_up, experts)  # [T, k, 2I]
+    inter = b.shape(gu)[-1] // 2
+    gate, up = b.slice(gu, (slice(None), slice(None), slice(0, inter))), b.slice(gu, (slice(None), slice(None), slice(inter, None)))
+    if activation == "silu":
+        act = b.binary("mul", gate, b.unary("sigmoid", gate))
+    else:
+        act = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+    y = b.expert_matmul(b.binary("mul", act, up), down, experts)  # [T, k, H]
+    w = b.cast(b.reshape(weights, tuple(b.shape(weights)) + (1,)), b.dtype(y))
+    y = b.reduce("sum", b.binary("mul", y, w), (1,), False)
+    return b.reshape(y, tuple(shape))
+
+
+def fold_experts(graph, backend) -> None:
+    """MoE(x, router, DQ(q, s, z), DQ(q, s, z)) with constant 3-D blocked DQs along the input dim (axis 2)
+    -> QMoE(x, router) with the experts prepared once; the DQs and their constants are dropped after."""
+    from .graph import Node, _drop_unread, _values
+
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    consts = graph.constants
+    prepared: dict[str, object] = {}
+    replace = {}
+    for n in graph.nodes:
+        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) != 4:
+            continue
+        dqs = [producers.get(w) for w in n.inputs[2:]]
+        if not all(_foldable(dq, consts, graph) for dq in dqs):
+            continue
+        for w, dq in zip(n.inputs[2:], dqs, strict=True):
+            if w not in prepared:
+                q, scale = _values(consts[dq.inputs[0]]), consts[dq.inputs[1]]
+                zp = _values(consts[dq.inputs[2]]) if len(dq.inputs) > 2 and dq.inputs[2] else None
+                bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
+                prepared[w] = backend.prepare_experts(q, scale, zp, int(dq.attrs["block_size"]), bits)
+        replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2], n.outputs,
+                              {**n.attrs, "gate_up": prepared[n.inputs[2]], "down": prepared[n.inputs[3]],
+                               "source": dqs[0].name})
+    if replace:
+        nodes = [replace.get(id(n), n) for n in graph.nodes]
+        graph.nodes = _drop_unread(nodes, graph.outputs, lambda n: n.key == ("", "DequantizeLinear"))
+
+
+def _foldable(dq, consts, graph) -> bool:
+    return (dq is not None and dq.key == ("", "DequantizeLinear") and dq.outputs[0] not in graph.outputs
+            and all(x in consts for x in dq.inputs if x) and int(dq.attrs.get("block_size", 0)) > 0
+            and int(dq.attrs.get("axis", 1)) in (2, -1) and consts[dq.inputs[0]].ndim == 3
+            and dq.attrs.get("output_dtype", 0) in (0, 1))
+
+
+__all__ = ["MoE", "QMoE", "fold_experts"]
