@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fuselm.runtime_metal.backends.base import QuantizedWeight
+from fuselm.runtime_metal.sampling import Sampler
 from fuselm.runtime_metal.session import Session
 
 import fuselm
@@ -28,12 +29,7 @@ def olmoe(tmp_path_factory):
 
 def _greedy(sess, ids, n):
     sess.reset(len(ids) + n)
-    tok = int(np.argmax(sess.logits_to_numpy(sess.prefill(ids))))
-    out = [tok]
-    for _ in range(n - 1):
-        tok = int(np.argmax(sess.logits_to_numpy(sess.decode(tok))))
-        out.append(tok)
-    return out
+    return list(sess.generate(ids, n, Sampler()))
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch", "mlx"])
