@@ -210,7 +210,8 @@ class Decoding:
             return ""
         if self.failed is not None:
             return f", compile failed ({self.failed})"
-        return ", compiled step built" if self.sess.max_len in self.compiled else ", compiles on the next static step"
+        return ", run eagerly while its compiled step was built" if self.sess.max_len in self.compiled else \
+            ", compiles on the next static step"
 
     def build(self, ids, pos_dev, eager_logits) -> None:
         """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
