@@ -53,7 +53,7 @@ def test_tokens_are_the_same_whatever_strategy_ran(optimized, eager_compile):
     runs = {"dynamic": Session(model, backend="torch", static_decode=False),
             "static": Session(model, backend="torch", compile=False),
             "compiled": Session(model, backend="torch", compile=True)}
-    for name, sess in runs.items():
+    for sess in runs.values():
         _same(_greedy(sess, IDS, 6), want)
     assert "dynamic decode (static-shape decode is off)" in runs["dynamic"].describe()
     assert runs["static"].mode is Decode.STATIC and "compile" not in runs["static"].describe()
