@@ -16,8 +16,10 @@
   - static while the profiler times ops (a compiled step runs no ops to time), and on the step a
     compiled one is built from (kept only if it reproduces that step's logits);
   - compiled once a compiled step for this cache length exists.
-What is learnt moves forward only (unchecked -> static or dynamic; a compile that failed is not tried
-again). `describe()` tells what the last step ran.
+Choosing before every step (a few comparisons) means a profiler switched on between two steps, a reset
+to another cache length and a check's outcome all take effect at the next step, and nothing else picks
+a path. What is learnt moves forward only (unchecked -> static or dynamic; a compile that failed is not
+tried again). `describe()` tells what the last step ran.
 """
 
 from __future__ import annotations

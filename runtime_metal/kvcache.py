@@ -26,6 +26,10 @@ graph still sees float past/present):
 A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
 attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
 is not one Attention op) gets the rows as floats.
+
+The session's buffers (`in_place`, `packed_pairs`, `allocate`, `view`): one per past input, by name,
+a packed pair's two names on one buffer; a graph that reads its cache with other ops keeps the
+present tensors it returns instead.
 """
 
 from __future__ import annotations
