@@ -137,7 +137,7 @@ class Checked(Strategy):
         x, y = (np.asarray(b.to_numpy(v), np.float64) for v in (dyn, out))
         diff = float(np.abs(x - y).max())
         if not diff <= d.tolerance() * max(1.0, float(np.abs(x).max())):  # (NaN: not kept)
-            d.refuse(f"static-shape decode differed from it by {diff:.3g} on the first step")
+            d.static, d.why = False, f"static-shape decode differed from it by {diff:.3g} on the first step"
             _put(s, after)
             s.pos = pos + 1
             self.ran = d.choose()
@@ -192,9 +192,6 @@ class Decoding:
 
     def reset(self) -> None:
         self.pos_dev = None
-
-    def refuse(self, why: str) -> None:
-        self.static, self.why = False, why
 
     def position(self):
         """The session's position as a 0-d device integer (the one the compiled step handed back, if it is this one)."""
