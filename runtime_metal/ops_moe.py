@@ -1,11 +1,11 @@
 """fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
 
     x2 = x as [T, H]; probs = softmax(x2 @ router^T); (w, experts) = top_k(probs) (renormalised: normalize)
-    gate, up = expert_matmul(x2, gate_up, experts)       [T, k, 2I]: one matmul per selected expert
-    y = sum_k w * expert_matmul(act(gate) * up, down, experts)
+    y = sum_k w * expert_mlp(x2, gate_up, down, experts, act(gate) * up)   [T, k, H] -> [T, H]
 
-`expert_matmul` is the backend's (backends/base.py): MLX `mx.gather_mm` / `mx.gather_qmm` (mlx-lm's
-SwitchGLU), torch and numpy the selected experts' matmuls grouped by expert. At load
+`expert_mlp` / `expert_matmul` are the backend's (backends/base.py): MLX `mx.gather_mm` /
+`mx.gather_qmm` with mlx-lm's SwitchGLU sort for long prompts, torch and numpy the selected
+experts' matmuls grouped by expert. At load
 (`fold_experts`), a MoE whose stacked weights are blocked DequantizeLinears of constants becomes
 `QMoE` with the weights prepared once by `backend.prepare_experts` (MLX: its affine 4/8-bit format,
 so a 4-bit expert stays 4-bit in memory).
@@ -39,14 +39,15 @@ def _moe(b, x, router, gate_up, down, top_k: int, normalize: int, activation: st
     weights, experts = b.topk(probs, int(top_k), -1, True, True)
     if normalize:
         weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
-    gu = b.expert_matmul(x2, gate_up, experts)  # [T, k, 2I]
-    inter = b.shape(gu)[-1] // 2
-    gate, up = b.slice(gu, (slice(None), slice(None), slice(0, inter))), b.slice(gu, (slice(None), slice(None), slice(inter, None)))
-    if activation == "silu":
-        act = b.binary("mul", gate, b.unary("sigmoid", gate))
-    else:
-        act = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
-    y = b.expert_matmul(b.binary("mul", act, up), down, experts)  # [T, k, H]
+
+    def act(gate, up):
+        if activation == "silu":
+            g = b.binary("mul", gate, b.unary("sigmoid", gate))
+        else:
+            g = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return b.binary("mul", g, up)
+
+    y = b.expert_mlp(x2, gate_up, down, experts, act)  # [T, k, H]
     w = b.cast(b.reshape(weights, tuple(b.shape(weights)) + (1,)), b.dtype(y))
     y = b.reduce("sum", b.binary("mul", y, w), (1,), False)
     return b.reshape(y, tuple(shape))

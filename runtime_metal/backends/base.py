@@ -278,6 +278,15 @@ class Backend:
         -> [T, k, N] with out[t, j] = x[t(, j)] @ w[experts[t, j]]^T."""
         raise NotImplementedError
 
+    def expert_mlp(self, x, gate_up, down, experts, act):
+        """The selected experts' MLPs: x [T, K], gate_up [E, 2I, K], down [E, K, I], experts [T, k] ->
+        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays.
+        Two `expert_matmul`s here; a backend may keep its own order between them (MLX sorts once)."""
+        gu = self.expert_matmul(x, gate_up, experts)
+        inter = self.shape(gu)[-1] // 2
+        gate, up = (self.slice(gu, (slice(None), slice(None), part)) for part in (slice(0, inter), slice(inter, None)))
+        return self.expert_matmul(act(gate, up), down, experts)
+
     # --- prepared weights kept beside the model (runtime_metal/prepared.py) -------------------
     def prepared_format(self) -> str | None:
         """A tag naming the format of this backend's prepared weights (versions, compute dtype), or None

@@ -509,27 +509,35 @@ class MLXBackend(Backend):
                                "mlx")
 
     def expert_matmul(self, x, w, experts):
-        """mlx-lm's SwitchLinear: x as [T, 1, 1, K] (or [T, k, 1, K]) against the experts' weights gathered by
-        `experts` [T, k] -> [T, k, N]; tokens sorted by expert for long prompts (contiguous weight reads)."""
+        """mlx-lm's SwitchLinear: x as [T, 1, 1, K] (or [T, k, 1, K]) against the experts' weights gathered
+        by `experts` [T, k] -> [T, k, N]."""
         t, k = experts.shape
         xs = mx.expand_dims(x, (-2, -3)) if x.ndim == 2 else mx.expand_dims(x, -2)
-        idx = experts.astype(mx.uint32)
-        order = None
-        if idx.size >= 64:  # as mlx-lm's _gather_sort
-            flat = idx.reshape(-1)
-            order = mx.argsort(flat)
-            idx = flat[order]
-            xs = xs.reshape(t * k if x.ndim == 3 else t, 1, x.shape[-1])[order if x.ndim == 3 else order // k]
+        return self._gather_matmul(xs, w, experts.astype(mx.uint32), False).reshape(t, k, -1)
+
+    def expert_mlp(self, x, gate_up, down, experts, act):
+        """mlx-lm's SwitchGLU: for long prompts the (token, slot) rows are sorted by expert once
+        (`_gather_sort`), both projections read each expert's weights contiguously, then unsorted."""
+        t, k = experts.shape
+        if experts.size < 64:
+            return super().expert_mlp(x, gate_up, down, experts, act)
+        flat = experts.reshape(-1).astype(mx.uint32)
+        order = mx.argsort(flat)
+        idx = flat[order]
+        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True)  # [T*k, 1, 2I]
+        inter = gu.shape[-1] // 2
+        y = self._gather_matmul(act(gu[..., :inter], gu[..., inter:]), down, idx, True)
+        return y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
+
+    @staticmethod
+    def _gather_matmul(xs, w, idx, sorted_indices: bool):
         if isinstance(w, QuantizedWeight) and w.kind == "mlx":
             wq, s, bias = w.data
-            y = mx.gather_qmm(xs, wq, s, bias, rhs_indices=idx, transpose=True, group_size=w.block, bits=w.bits,
-                              sorted_indices=order is not None)
-        else:
-            data = w.data if isinstance(w, QuantizedWeight) else w
-            y = mx.gather_mm(xs, mx.swapaxes(data, -1, -2), rhs_indices=idx, sorted_indices=order is not None)
-        if order is not None:  # back to token order
-            y = y.reshape(t * k, -1)[mx.argsort(order)]
-        return y.reshape(t, k, -1)
+            return mx.gather_qmm(xs, wq, s, bias, rhs_indices=idx, transpose=True, group_size=w.block, bits=w.bits,
+                                 sorted_indices=sorted_indices)
+        data = w.data if isinstance(w, QuantizedWeight) else w
+        return mx.gather_mm(xs, mx.swapaxes(data, -1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
         """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed_pairs; host `pos`)."""
