@@ -53,9 +53,10 @@ def _moe(b, x, router, gate_up, down, top_k: int, normalize: int, activation: st
     return b.reshape(y, tuple(shape))
 
 
-def fold_experts(graph, backend) -> None:
+def fold_experts(graph, backend, release=lambda: None) -> None:
     """MoE(x, router, DQ(q, s, z), DQ(q, s, z)) with constant 3-D blocked DQs along the input dim (axis 2)
-    -> QMoE(x, router) with the experts prepared once; the DQs and their constants are dropped after."""
+    -> QMoE(x, router) with the experts prepared once; the DQs and their constants are dropped after, and
+    `release()` drops the mapped pages read for each weight once the backend holds its copy."""
     from .graph import Node, _drop_unread, _values
 
     producers = {o: n for n in graph.nodes for o in n.outputs}
@@ -74,6 +75,8 @@ def fold_experts(graph, backend) -> None:
                 zp = _values(consts[dq.inputs[2]]) if len(dq.inputs) > 2 and dq.inputs[2] else None
                 bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
                 prepared[w] = backend.prepare_experts(q, scale, zp, int(dq.attrs["block_size"]), bits)
+                del q, scale, zp
+                release()
         replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2], n.outputs,
                               {**n.attrs, "gate_up": prepared[n.inputs[2]], "down": prepared[n.inputs[3]],
                                "source": dqs[0].name})
