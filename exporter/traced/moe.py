@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts blocks, found by structure and traced as one `fuselm::MoE` op.
 
-A block is a module with two children: a router holding one `weight` [E, H] and an experts module
+A block is a module with two children: a router holding one weight [E, H] and an experts module
 holding the stacked expert weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj`
 [E, H, I] (transformers 5's layout for Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, ...). Anything
 else in the block (Qwen2-MoE's shared expert and its sigmoid gate) is traced as plain nodes beside
@@ -46,6 +46,7 @@ class Block:
     module: nn.Module
     router: nn.Module
     experts: nn.Module
+    weight_at: tuple[nn.Module, str] = (None, "weight")  # the router's one parameter: (owner, name)
     top_k: int = 0
     normalize: int = 0
     activation: str = "silu"
@@ -53,6 +54,10 @@ class Block:
     @property
     def num_experts(self) -> int:
         return self.experts.gate_up_proj.shape[0]
+
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return getattr(*self.weight_at)
 
 
 # --- the op --------------------------------------------------------------------------------------
@@ -127,13 +132,22 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
             raise FuselmError(f"model_type {model_type!r}: its experts at {where} carry {', '.join(extra) or 'two stacks'} "
                               "beside gate_up_proj/down_proj (expert biases); fuselm::MoE has no expert biases yet")
         n_exp, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[2]
-        routers = [c for c in m.children() if c is not ex and set(dict(c.named_parameters()).keys()) == {"weight"}
-                   and tuple(c.weight.shape) == (n_exp, hidden)]
+        routers = [(c, at) for c in m.children() if c is not ex and (at := _one_weight(c, (n_exp, hidden)))]
         if len(routers) != 1:
             raise FuselmError(f"model_type {model_type!r}: the experts at {where} have no router of one weight "
                               f"[{n_exp}, {hidden}] beside them (a router with a bias or its own layout); not supported")
-        blocks.append(_checked(Block(name, m, routers[0], ex), model_type))
+        blocks.append(_checked(Block(name, m, routers[0][0], ex, routers[0][1]), model_type))
     return blocks
+
+
+def _one_weight(module: nn.Module, shape: tuple[int, int]) -> tuple[nn.Module, str] | None:
+    """(owner, name) of the module's only parameter when it has `shape` (its own `weight`, or a Linear
+    inside it: HunYuan's `gate.wg`); None otherwise (a bias, a second tensor, another shape)."""
+    params = list(module.named_parameters())
+    if len(params) != 1 or tuple(params[0][1].shape) != shape:
+        return None
+    owner, _, name = params[0][0].rpartition(".")
+    return (module.get_submodule(owner) if owner else module), name
 
 
 def covered(model: nn.Module, blocks: list[Block]) -> set[int]:
@@ -146,7 +160,9 @@ def _checked(block: Block, model_type: str) -> Block:
     gen = torch.Generator().manual_seed(0)
     n_exp, hidden = block.num_experts, block.experts.gate_up_proj.shape[2]
     x2 = torch.randn(7, hidden, generator=gen)
-    with _swapped(block.router, weight=torch.randn(n_exp, hidden, generator=gen)) as router, torch.no_grad():
+    owner, pname = block.weight_at
+    with _swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)}), torch.no_grad():
+        router = block.router
         try:
             out = router(x2)
         except Exception as e:
@@ -160,7 +176,7 @@ def _checked(block: Block, model_type: str) -> Block:
                         and t.shape == index.shape), None)
         top_k = index.shape[-1]
         for normalize in (1, 0):
-            want_w, want_i = routing(x2, router.weight, top_k, normalize)
+            want_w, want_i = routing(x2, block.router_weight, top_k, normalize)
             if weights is not None and torch.equal(want_i, index) and torch.allclose(want_w, weights.float(), atol=1e-5):
                 block.top_k, block.normalize = int(top_k), normalize
                 break
@@ -225,7 +241,7 @@ def installed(layer: nn.Module, blocks: list[Block]):
             routed = [a for a in (*args, *kwargs.values()) if isinstance(a, _Routed)]
             if not routed or routed[0].hidden is not hidden:
                 raise FuselmError(f"{b.name}: the experts get other hidden states than their router; not supported")
-            return torch.ops.fuselm_trace.moe(hidden, b.router.weight, b.experts.gate_up_proj, b.experts.down_proj,
+            return torch.ops.fuselm_trace.moe(hidden, b.router_weight, b.experts.gate_up_proj, b.experts.down_proj,
                                               b.top_k, b.normalize, b.activation)
         return run
 
