@@ -8,7 +8,19 @@ import onnx_ir as ir
 
 from fuselm import contract
 
-from .base import Fusion, attach_functions, attr, const, fail, new_node, producer, rank, static_shape, take_over, users
+from .base import (
+    Fusion,
+    attach_functions,
+    attr,
+    const,
+    fail,
+    new_node,
+    producer,
+    rank,
+    static_shape,
+    take_over,
+    users,
+)
 from .fuse_gate_up import silu_input
 
 
