@@ -30,6 +30,8 @@ def test_every_pass_keeps_the_numbers(exported, family, quant):
     assert fired["FuseQKV"] == fired["FuseGateUp"] == fired["FuseAttention"] == fired["AttentionTo3D"] == layers
     assert fired["FuseRMSNorm"] == (4 if family == "qwen3" else 2) * layers + 1
     assert fired["FuseRoPE"] == 0  # fuselm's exporter writes FusedRoPE already
+    assert fired["RoPETo3D"] == 2 * layers and fired["FuseSwiGLU"] == layers
+    assert fired["FuseRoPENorm"] == (2 * layers if family == "qwen3" else 0)  # only Qwen3 has q/k norms
     for r in data["passes"]:
         if not r["changed"]:
             continue
