@@ -1,8 +1,9 @@
 """The graph contract (DESIGN.md "Graph contract (v1)"): the one home of what every part agrees on.
 
 The model directory's file names, the graph's input and output names, the KV cache names and their
-parsing, the default-domain opset, the `fuselm` domain and its op `FusedRoPE` (name, attributes,
-schema, node, model-local function body), and the feeds one step of a contract graph takes. The
+parsing, the default-domain opset, the `fuselm` domain and its ops `FusedRoPE` and `SwiGLU` (name,
+attributes, schema, node, model-local function body per form), and the feeds one step of a contract
+graph takes. The
 exporter writes the contract, the passes keep it, the runtime and the reference runs read it; no
 other module spells these names.
 """
@@ -141,21 +142,23 @@ def fused_rope_node(x: str, position_ids: str, y: str, name: str, inv_freq, atte
                         name=name, domain=DOMAIN, **attrs)
 
 
-def rope_schema():
-    """FusedRoPE's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
+def rope_schema(extended: bool = True):
+    """FusedRoPE's OpSchema (onnxscript needs one to emit a node of a custom domain). extended=False: the
+    plain form alone (x [B,S,H,D], no norm weight), for an emitter such as onnxscript that writes every
+    attribute the schema declares onto the node with its default."""
     from onnx.defs import OpSchema
 
-    return OpSchema(
-        ROPE_OP, DOMAIN, DOMAIN_VERSION,
-        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)"),
-                OpSchema.FormalParameter("norm_weight", "T", param_option=OpSchema.FormalParameterOption.Optional)],
-        outputs=[OpSchema.FormalParameter("Y", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
-        attributes=[OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
-                    OpSchema.Attribute("attention_scaling", oh.make_attribute("attention_scaling", 1.0), ""),
-                    OpSchema.Attribute("interleaved", oh.make_attribute("interleaved", 0), ""),
-                    OpSchema.Attribute("num_heads", oh.make_attribute("num_heads", 0), ""),
-                    OpSchema.Attribute("epsilon", oh.make_attribute("epsilon", RMS_EPSILON), "")])
+    inputs = [OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")]
+    attributes = [OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
+                  OpSchema.Attribute("attention_scaling", oh.make_attribute("attention_scaling", 1.0), ""),
+                  OpSchema.Attribute("interleaved", oh.make_attribute("interleaved", 0), "")]
+    if extended:
+        inputs.append(OpSchema.FormalParameter("norm_weight", "T", param_option=OpSchema.FormalParameterOption.Optional))
+        attributes += [OpSchema.Attribute("num_heads", oh.make_attribute("num_heads", 0), ""),
+                       OpSchema.Attribute("epsilon", oh.make_attribute("epsilon", RMS_EPSILON), "")]
+    return OpSchema(ROPE_OP, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[OpSchema.FormalParameter("Y", "T")],
+                    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+                    attributes=attributes)
 
 
 def _c64(name, values) -> onnx.NodeProto:
