@@ -107,8 +107,9 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
         chain.pop()
         if None in chain or [n.op_type for n in chain] not in _CHAINS or (chains and len(chain) != len(chains[0])):
             return None
+        # a lone FusedRoPE takes [B,S,H·D]; between Reshapes it takes [B,S,H,D]; and one norm at most
         if len(chain) == 1 and not chain[0].attrs.get("num_heads", 0) or \
-                len(chain) > 1 and (chain[1].attrs.get("num_heads", 0) or len(chain[1].inputs) > 2):
+                len(chain) > 1 and chain[1].attrs.get("num_heads", 0) or len(chain) == 4 and len(chain[1].inputs) > 2:
             return None
         sp = producers.get(chain[-1].inputs[0])
         if sp is None or sp.key != ("", "Split") or (split is not None and sp is not split) or \
