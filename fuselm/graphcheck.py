@@ -141,15 +141,15 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
     except FuselmError as e:
         raise FuselmError(f"{path}: {e}") from None
     try:
-        activation = contract.moe_activation(model.graph.node)
+        moe = contract.moe_form(model.graph.node)
     except FuselmError as e:
         raise FuselmError(f"{path}: {e}") from None
     forms = [form] if form is not None else \
         [contract.RopeForm(*f) for f in itertools.product((False, True), repeat=3)]
     canonical = {contract.ROPE_OP: [contract.fused_rope_function(f.interleaved, f.heads, f.normed) for f in forms],
                  contract.SWIGLU_OP: [contract.swiglu_function()],
-                 contract.MOE_OP: [contract.moe_function(a) for a in
-                                   (contract.MOE_ACTIVATIONS if activation is None else (activation,))]}
+                 contract.MOE_OP: [contract.moe_function(*f) for f in ([moe] if moe is not None else
+                                   itertools.product(contract.MOE_ACTIVATIONS, contract.MOE_SCORINGS))]}
     for protos in canonical.values():
         for proto in protos:
             proto.doc_string = ""

@@ -1,6 +1,7 @@
 """fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
 
-    x2 = x as [T, H]; probs = softmax(x2 @ router^T); (w, experts) = top_k(probs) (renormalised: normalize)
+    x2 = x as [T, H]; probs = softmax(x2 @ router^T) (or sigmoid, experts chosen with `bias` added)
+    (w, experts) = top_k(probs) (renormalised: normalize; times `scaling`)
     y = sum_k w * expert_mlp(x2, gate_up, down, experts, act(gate) * up)   [T, k, H] -> [T, H]
 
 `expert_mlp` / `expert_matmul` are the backend's (backends/base.py): MLX `mx.gather_mm` /
@@ -17,28 +18,38 @@ from onnx import TensorProto
 
 from fuselm import contract
 
-from .ops import Gelu, op
+from .ops import Gelu, _scalar, op
 from .ops_nn import RUNTIME
 
 
 @op(contract.MOE_OP, domain=contract.DOMAIN, fused=True)
-def MoE(b, x, router, gate_up, down, *, top_k, normalize=0, activation="silu"):
-    return _moe(b, x, router, gate_up, down, top_k, normalize, activation)
+def MoE(b, x, router, gate_up, down, bias=None, *, top_k, normalize=0, activation="silu", scoring="softmax",
+        scaling=1.0):
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
 
 
 @op("QMoE", domain=RUNTIME)
-def QMoE(b, x, router, *, gate_up, down, top_k, normalize=0, activation="silu", source=""):
+def QMoE(b, x, router, bias=None, *, gate_up, down, top_k, normalize=0, activation="silu", scoring="softmax",
+         scaling=1.0, source=""):
     """fuselm::MoE whose stacked expert weights were prepared at load (`fold_experts`)."""
-    return _moe(b, x, router, gate_up, down, top_k, normalize, activation)
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
 
 
-def _moe(b, x, router, gate_up, down, top_k: int, normalize: int, activation: str):
+def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float):
     shape = b.shape(x)
     x2 = b.reshape(x, (-1, shape[-1]))
-    probs = b.softmax(b.matmul(x2, b.transpose(router, (1, 0))), -1)
-    weights, experts = b.topk(probs, int(top_k), -1, True, True)
+    logits = b.matmul(x2, b.transpose(router, (1, 0)))
+    if scoring == "softmax":
+        weights, experts = b.topk(b.softmax(logits, -1), int(top_k), -1, True, True)
+    else:  # each expert's sigmoid, chosen with the selection bias added, weighted without it
+        probs = b.unary("sigmoid", logits)
+        choice = b.binary("add", probs, bias) if bias is not None else probs
+        experts = b.topk(choice, int(top_k), -1, True, True)[1]
+        weights = b.gather_elements(probs, experts, 1)
     if normalize:
         weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
+    if scaling != 1.0:
+        weights = b.binary("mul", weights, _scalar(b, weights, float(scaling)))
 
     def act(gate, up):
         if activation == "silu":
@@ -64,12 +75,12 @@ def fold_experts(graph, backend, release=lambda: None) -> None:
     prepared: dict[str, object] = {}
     replace = {}
     for n in graph.nodes:
-        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) != 4:
+        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5):
             continue
-        dqs = [producers.get(w) for w in n.inputs[2:]]
+        dqs = [producers.get(w) for w in n.inputs[2:4]]
         if not all(_foldable(dq, consts, graph) for dq in dqs):
             continue
-        for w, dq in zip(n.inputs[2:], dqs, strict=True):
+        for w, dq in zip(n.inputs[2:4], dqs, strict=True):
             if w not in prepared:
                 q, scale = _values(consts[dq.inputs[0]]), consts[dq.inputs[1]]
                 zp = _values(consts[dq.inputs[2]]) if len(dq.inputs) > 2 and dq.inputs[2] else None
@@ -77,7 +88,7 @@ def fold_experts(graph, backend, release=lambda: None) -> None:
                 prepared[w] = backend.prepare_experts(q, scale, zp, int(dq.attrs["block_size"]), bits)
                 del q, scale, zp
                 release()
-        replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2], n.outputs,
+        replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2] + n.inputs[4:], n.outputs,
                               {**n.attrs, "gate_up": prepared[n.inputs[2]], "down": prepared[n.inputs[3]],
                                "source": dqs[0].name})
     if replace:

@@ -30,7 +30,8 @@ CANDIDATES = [
     "qwen3_moe", "qwen3_next", "minicpm3", "gpt2", "falcon_h1", "lfm2",
     "gptj", "falcon", "codegen", "gpt_neox_japanese", "bloom", "mpt", "gpt_neo", "gpt_bigcode",
     *(MOE_TYPES := ["mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared", "flex_olmo", "cohere2_moe",
-                    "hunyuan_v1_moe", "gpt_oss", "phimoe", "glm4_moe", "ernie4_5_moe", "jetmoe"]),
+                    "hunyuan_v1_moe", "glm4_moe", "minimax_m2", "exaone_moe", "solar_open", "gpt_oss", "phimoe",
+                    "ernie4_5_moe", "jetmoe"]),
 ]
 # Mixtures of experts at the tiny size: 4 experts, top-2, narrow experts (the defaults hold 60-128 experts),
 # under each config's own names for them

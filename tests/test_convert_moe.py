@@ -4,8 +4,9 @@ Tiny random checkpoints made by transformers itself (per-expert tensors as save_
 them; Granite-MoE's stacked input_linear), converted, checked against HF transformers (f32, prefill
 + a decode step with past, exporter/check.py) before and after `fuselm optimize`. Routing: Mixtral
 and Granite-MoE renormalise the top-k (Granite takes the softmax over the top-k logits: the same);
-OLMoE and Qwen2-MoE do not (their configs); Qwen3-MoE here with norm_topk_prob true. Qwen2-MoE's
-shared expert and its sigmoid gate are plain nodes beside the op.
+OLMoE and Qwen2-MoE do not (their configs); Qwen3-MoE here with norm_topk_prob true; GLM-4.5 scores
+each expert with a sigmoid and chooses with a bias. Qwen2-MoE's shared expert and its sigmoid gate are
+plain nodes beside the op.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from fuselm.exporter.check import check
 from onnx import helper as oh
 
@@ -54,6 +56,38 @@ def test_moe_family_matches_hf_before_and_after_optimize(model_type, tmp_path):
     ops = {n.op_type for n in optimized.graph.node}
     assert {"MoE", "Attention", "FusedRoPE", "RMSNormalization"} <= ops  # the dense fusions still apply
     assert [f.name for f in optimized.functions if f.name == "MoE"] == ["MoE"]
+
+
+def test_moe_sigmoid_router_with_selection_bias(tmp_path):
+    """GLM-4.5's router (DeepSeek-V3 style, one group): each expert's sigmoid, the top_k chosen with the
+    checkpoint's e_score_correction_bias added, weighted without it, renormalised, times
+    routed_scaling_factor; its shared experts beside the op. The bias is made random in the checkpoint
+    (save_pretrained writes zeros), so choosing with it is what the comparison with HF checks; the
+    runtime's sparse kernel (numpy) gives HF's greedy tokens."""
+    from fuselm.runtime_metal.sampling import Sampler
+    from fuselm.runtime_metal.session import Session
+    from safetensors.torch import load_file, save_file
+
+    from fuselm.reference import hf_model, hf_steps
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "glm4_moe", generic=True, **MOE, n_routed_experts=4, first_k_dense_replace=0,
+                               n_group=1, topk_group=1, routed_scaling_factor=1.5)
+    tensors = load_file(hf / "model.safetensors")
+    biases = [k for k in tensors if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: torch.rand(v.shape, generator=gen) if k in biases else v for k, v in tensors.items()},
+              hf / "model.safetensors", metadata={"format": "pt"})
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    meta = json.loads((out / "fuselm.json").read_text())["moe"]
+    assert (meta["scoring"], meta["selection_bias"], meta["normalize"], meta["scaling"]) == ("sigmoid", True, 1, 1.5)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    opt = fuselm.optimize(out, tmp_path / "opt", quiet=True)
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    want = hf_steps(hf_model(hf), [5, 9, 2, 7, 11], 5).tokens
+    sess = Session(opt, backend="numpy")
+    sess.reset(10)
+    assert list(sess.generate([5, 9, 2, 7, 11], 5, Sampler())) == want
 
 
 def test_moe_q4_experts_are_blocked_dequantize(tmp_path):

@@ -47,9 +47,12 @@ class Block:
     router: nn.Module
     experts: nn.Module
     weight_at: tuple[nn.Module, str] = (None, "weight")  # the router's one parameter: (owner, name)
+    bias_at: tuple[nn.Module, str] | None = None  # a selection bias buffer [E] (e_score_correction_bias)
     top_k: int = 0
     normalize: int = 0
     activation: str = "silu"
+    scoring: str = "softmax"
+    scaling: float = 1.0
 
     @property
     def num_experts(self) -> int:
@@ -59,17 +62,22 @@ class Block:
     def router_weight(self) -> torch.Tensor:
         return getattr(*self.weight_at)
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(*self.bias_at) if self.bias_at else None
+
 
 # --- the op --------------------------------------------------------------------------------------
 @torch.library.custom_op("fuselm_trace::moe", mutates_args=())
-def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, normalize: int,
-        activation: str) -> torch.Tensor:
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor | None,
+        top_k: int, normalize: int, activation: str, scoring: str, scaling: float) -> torch.Tensor:
     """x [..., H] -> y [..., H]: fuselm::MoE (contract.moe_function's semantics)."""
-    return reference(x, router, gate_up, down, top_k, normalize, activation)
+    return reference(x, router, gate_up, down, top_k, normalize, activation,
+                     routed=routing(x.reshape(-1, x.shape[-1]), router, top_k, normalize, scoring, bias, scaling))
 
 
 @moe.register_fake
-def _(x, router, gate_up, down, top_k, normalize, activation):
+def _(x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling):
     return torch.empty_like(x)
 
 
@@ -77,13 +85,18 @@ _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
                 "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
-def routing(x2: torch.Tensor, router: torch.Tensor, top_k: int, normalize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], experts [T, k]): softmax over all experts, the top_k, renormalised if asked."""
-    probs = torch.softmax(x2.float() @ router.float().T, dim=-1)
-    values, index = torch.topk(probs, top_k, dim=-1)
+def routing(x2: torch.Tensor, router: torch.Tensor, top_k: int, normalize: int, scoring: str = "softmax",
+            bias: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], experts [T, k]): softmax over the experts (or each one's sigmoid, chosen with `bias`
+    added), the top_k, renormalised if asked, times `scaling`."""
+    logits = x2.float() @ router.float().T
+    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = probs + bias.float() if bias is not None and scoring == "sigmoid" else probs
+    index = torch.topk(choice, top_k, dim=-1).indices
+    values = probs.gather(1, index)
     if normalize:
         values = values / values.sum(dim=-1, keepdim=True)
-    return values, index
+    return values * scaling, index
 
 
 def reference(x, router, gate_up, down, top_k: int, normalize: int, activation: str,
@@ -106,8 +119,10 @@ def translation():
 
     op = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.MOE_OP, contract.moe_schema())
 
-    def to_onnx(x, router, gate_up, down, top_k, normalize, activation):
-        return op(x, router, gate_up, down, top_k=int(top_k), normalize=int(normalize), activation=str(activation))
+    def to_onnx(x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling):
+        inputs = (x, router, gate_up, down) + ((bias,) if bias is not None else ())
+        return op(*inputs, top_k=int(top_k), normalize=int(normalize), activation=str(activation), scoring=str(scoring),
+                  scaling=float(scaling))
 
     return {torch.ops.fuselm_trace.moe.default: to_onnx}
 
@@ -156,15 +171,23 @@ def covered(model: nn.Module, blocks: list[Block]) -> set[int]:
 
 
 def _checked(block: Block, model_type: str) -> Block:
-    """Read top_k, normalize and the activation back from the model's own router and experts."""
+    """Read top_k, the routing (scoring, normalize, scaling, selection bias) and the activation back from the
+    model's own router and experts."""
     gen = torch.Generator().manual_seed(0)
     n_exp, hidden = block.num_experts, block.experts.gate_up_proj.shape[2]
     x2 = torch.randn(7, hidden, generator=gen)
+    block.bias_at = _selection_bias(block)
     owner, pname = block.weight_at
-    with _swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)}), torch.no_grad():
+    with _swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)}), torch.no_grad(), \
+            _buffer_swapped(block.bias_at, torch.rand(n_exp, generator=gen)):
         router = block.router
         try:
-            out = router(x2)
+            try:
+                out = router(x2)
+            except TypeError:  # MiniMax-M2's router takes the block's bias as an argument
+                if block.bias is None:
+                    raise
+                out = router(x2, block.bias)
         except Exception as e:
             raise FuselmError(f"model_type {model_type!r}: its router at {block.name} does not run on [tokens, hidden] "
                               f"({type(e).__name__}: {str(e)[:120]}); not supported") from None
@@ -175,14 +198,10 @@ def _checked(block: Block, model_type: str) -> Block:
         weights = next((t for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()
                         and t.shape == index.shape), None)
         top_k = index.shape[-1]
-        for normalize in (1, 0):
-            want_w, want_i = routing(x2, block.router_weight, top_k, normalize)
-            if weights is not None and torch.equal(want_i, index) and torch.allclose(want_w, weights.float(), atol=1e-5):
-                block.top_k, block.normalize = int(top_k), normalize
-                break
-        else:
+        if not _routing_form(block, x2, index, weights, top_k):
             raise FuselmError(f"model_type {model_type!r}: its router at {block.name} is neither softmax-top-k nor "
-                              "renormalised softmax-top-k (sigmoid or grouped routing, a bias); fuselm::MoE cannot express it")
+                              "sigmoid-top-k with a selection bias, renormalised or not (grouped top-k, a router bias, "
+                              "sparsemixer); fuselm::MoE cannot express it")
         # the experts on tiny stand-in weights (the real expert count, small widths)
         inter, h = 4, 8
         small = {"gate_up_proj": torch.randn(n_exp, 2 * inter, h, generator=gen) * 0.5,
@@ -205,6 +224,54 @@ def _checked(block: Block, model_type: str) -> Block:
     raise FuselmError(f"model_type {model_type!r}: its experts at {block.name} are not act(gate) * up -> down over "
                       "gate_up_proj = [gate; up] with silu or gelu (an interleaved or clamped GLU); fuselm::MoE "
                       "cannot express them")
+
+
+def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
+    """Set the block's top_k, scoring, normalize and scaling from the router's output on `x2`; False if
+    no form of fuselm::MoE gives its choice of experts and their weights (compared in expert order:
+    routers may return the top_k unsorted)."""
+    if weights is None:
+        return False
+    order = index.argsort(-1)
+    index, weights = index.gather(1, order), weights.float().gather(1, order)
+    for scoring in contract.MOE_SCORINGS:
+        for normalize in (1, 0):
+            w, i = routing(x2, block.router_weight, top_k, normalize, scoring, block.bias)
+            mine = i.argsort(-1)
+            w, i = w.gather(1, mine), i.gather(1, mine)
+            scaling = float((weights / w).mean())
+            if torch.equal(i, index) and torch.allclose(w * scaling, weights, atol=1e-5, rtol=1e-4):
+                block.top_k, block.scoring, block.normalize = int(top_k), scoring, normalize
+                block.scaling = 1.0 if abs(scaling - 1.0) < 1e-6 else scaling
+                if scoring == "softmax":
+                    block.bias_at = None  # a softmax router chose without it
+                return True
+    return False
+
+
+def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
+    """A persistent float buffer [E] of the router (or of the block itself): the bias added to the scores
+    when choosing experts (DeepSeek-V3's e_score_correction_bias)."""
+    n_exp = block.num_experts
+    owners = [(m, n) for m in block.router.modules() for n in m._buffers] + [(block.module, n) for n in block.module._buffers]
+    found = [(m, n) for m, n in owners if m._buffers[n] is not None and tuple(m._buffers[n].shape) == (n_exp,)
+             and m._buffers[n].is_floating_point() and n not in m._non_persistent_buffers_set]
+    return found[0] if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def _buffer_swapped(at: tuple[nn.Module, str] | None, value: torch.Tensor):
+    """A buffer replaced by `value` (random: the check sees whether it steers the choice), put back afterwards."""
+    if at is None:
+        yield
+        return
+    module, name = at
+    old = module._buffers[name]
+    module._buffers[name] = value
+    try:
+        yield
+    finally:
+        module._buffers[name] = old
 
 
 @contextlib.contextmanager
@@ -232,25 +299,34 @@ def installed(layer: nn.Module, blocks: list[Block]):
     """While active, the blocks inside `layer` compute their routed experts as one fuselm_trace::moe."""
     inside = [b for b in blocks if any(m is b.module for m in layer.modules())]
 
-    def route(x):
+    def route(x, *args, **kwargs):
         r = _Routed(x)
         return None, r, r
 
     def experts_of(b: Block):
         def run(hidden, *args, **kwargs):
             routed = [a for a in (*args, *kwargs.values()) if isinstance(a, _Routed)]
-            if not routed or routed[0].hidden is not hidden:
+            same = routed and (routed[0].hidden is hidden or (routed[0].hidden.shape[-1] == hidden.shape[-1]
+                                                              and routed[0].hidden.numel() == hidden.numel()))
+            if not same:  # the router saw other tokens (or another tensor) than the experts get
                 raise FuselmError(f"{b.name}: the experts get other hidden states than their router; not supported")
             return torch.ops.fuselm_trace.moe(hidden, b.router_weight, b.experts.gate_up_proj, b.experts.down_proj,
-                                              b.top_k, b.normalize, b.activation)
+                                              b.bias if b.scoring == "sigmoid" else None, b.top_k, b.normalize,
+                                              b.activation, b.scoring, b.scaling)
         return run
 
+    biases = [b.bias_at for b in inside if b.bias_at]
     try:
         for b in inside:
             b.router.forward = route
             b.experts.forward = experts_of(b)
+        for module, name in biases:  # a parameter while traced: the stamp reads it from the checkpoint
+            module._parameters[name] = nn.Parameter(module._buffers.pop(name), requires_grad=False)
         yield
     finally:
+        for module, name in biases:
+            if name in module._parameters:
+                module._buffers[name] = module._parameters.pop(name).data
         for b in inside:
             for m in (b.router, b.experts):
                 m.__dict__.pop("forward", None)
@@ -362,5 +438,6 @@ def metadata(blocks: list[Block]) -> dict | None:
         return None
     b = blocks[0]
     return {"experts": b.num_experts, "top_k": b.top_k, "normalize": b.normalize, "activation": b.activation,
+            "scoring": b.scoring, "scaling": b.scaling, "selection_bias": b.bias_at is not None,
             "expert_intermediate": b.experts.down_proj.shape[2], "blocks": len(blocks),
             "shared_expert": any(len(list(x.module.children())) > 2 for x in blocks)}
