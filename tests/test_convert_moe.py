@@ -107,31 +107,38 @@ def test_moe_q4_experts_are_blocked_dequantize(tmp_path):
     assert check(out, hf, quiet=True)["max_abs_logit_diff"] < 1.0  # q4 noise, not a wrong graph
 
 
-@pytest.mark.parametrize("normalize", [0, 1])
-def test_moe_function_body_is_the_sparse_reference(normalize):
+@pytest.mark.parametrize("scoring,normalize", [("softmax", 0), ("softmax", 1), ("sigmoid", 1)])
+def test_moe_function_body_is_the_sparse_reference(scoring, normalize):
     """The op's FunctionProto (dense, in onnxruntime) against a per-token loop over the top-k experts."""
-    n_exp, inter, hidden, k = 4, 6, 8, 2
+    n_exp, inter, hidden, k, scaling = 4, 6, 8, 2, 1.5
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, hidden)).astype(np.float32)
     r = rng.standard_normal((n_exp, hidden)).astype(np.float32)
     gu = rng.standard_normal((n_exp, 2 * inter, hidden)).astype(np.float32)
     dn = rng.standard_normal((n_exp, hidden, inter)).astype(np.float32)
-    node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, normalize)
-    info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * rank)
-            for n, rank in zip(("x", "r", "gu", "dn"), (3, 2, 3, 3), strict=True)]
+    bias = rng.random(n_exp).astype(np.float32)
+    sig = scoring == "sigmoid"
+    node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, normalize, scoring=scoring, scaling=scaling,
+                             bias="b" if sig else None)
+    names, ranks = ("x", "r", "gu", "dn", "b")[:4 + sig], (3, 2, 3, 3, 1)[:4 + sig]
+    info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * rank) for n, rank in zip(names, ranks, strict=True)]
     graph = oh.make_graph([node], "g", info, [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None] * 3)])
     model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
                           opset_imports=[oh.make_opsetid("", contract.OPSET), oh.make_opsetid(contract.DOMAIN, 1)])
     onnx.checker.check_model(model, full_check=True)
-    y = ort.InferenceSession(model.SerializeToString()).run(None, dict(x=x, r=r, gu=gu, dn=dn))[0].reshape(-1, hidden)
+    feeds = dict(zip(names, (x, r, gu, dn, bias), strict=False))
+    y = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0].reshape(-1, hidden)
     x2 = x.reshape(-1, hidden)
     logits = x2 @ r.T
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    if sig:
+        p = 1 / (1 + np.exp(-logits))
+    else:
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
     want = np.zeros_like(x2)
     for t in range(len(x2)):
-        top = np.argsort(-p[t])[:k]
-        w = p[t, top] / (p[t, top].sum() if normalize else 1.0)
+        top = np.argsort(-(p[t] + bias if sig else p[t]))[:k]
+        w = p[t, top] / (p[t, top].sum() if normalize else 1.0) * scaling
         for e, we in zip(top, w, strict=True):
             gate, up = np.split(gu[e] @ x2[t], 2)
             want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
