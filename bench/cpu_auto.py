@@ -3,7 +3,7 @@
 auto`'s rule on a machine without a GPU (fuselm/engine_choice.py).
 
     python bench/cpu_auto.py                    # Qwen3-0.6B shape, q4, 3 rounds
-    python bench/cpu_auto.py --tiny             # a tiny config in seconds (tests/test_bench_cpu_auto.py)
+    python bench/cpu_auto.py --tiny             # a tiny config: a smoke test in about a minute
 
 One random-weight Qwen3-shaped checkpoint (bench/runtime.py's preparation: `fuselm convert --quant q4`
 + `fuselm optimize`), and the same lowered by `fuselm optimize --target onnxruntime`. Engines, each
@@ -115,7 +115,7 @@ def prepare(shape: str, work: Path) -> tuple[Path, Path, Path]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="0.6b", choices=["0.6b", "4b"])
-    ap.add_argument("--tiny", action="store_true", help="a tiny config, short prompts, 1 round: a test in seconds")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config, short prompts, 1 round: a smoke test")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="*", default=list(ENGINES), choices=ENGINES)

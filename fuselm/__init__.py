@@ -103,4 +103,4 @@ def validate(model_dir, reference, **kwargs):
                           "compares with onnxruntime on DIR itself: drop --standard or pass --backend onnxruntime")
     from .runtime_metal.validate import validate as _validate
 
-    return _validate(model_dir, reference, backend=backend, **kwargs)
+    return _validate(model_dir, reference, backend=backend, why=why, **kwargs)

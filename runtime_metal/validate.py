@@ -72,8 +72,9 @@ def check_int8(int8: dict, first: int | None, reference: str, yardstick: str, hi
 
 
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", **kv) -> dict:
-    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
+             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", why=None, **kv) -> dict:
+    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch. `why`: why this
+    backend runs (`--backend auto`'s reason), shown in the table's title."""
     from rich.console import Console
     from rich.table import Table
 
@@ -110,7 +111,8 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         int8 = _int8_drift(ours, onnxrt, level4)
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
-    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}")
+    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}"
+                        f"{f' · {why}' if why else ''}")
     for col in ("step", "fuselm", "onnxruntime", "HF", "max|Δlogit| vs ORT", "max|Δlogit| vs HF"):
         table.add_column(col, justify="right")
     for i in range(tokens):
@@ -123,7 +125,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
               "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
               "compiled": sess.compiled is not None, "compile_failed": sess.compile_failed,
-              "describe": sess.describe(),
+              "describe": sess.describe(), "why": why,
               "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
                                        None)}
     if quantized and hf_drift is not None:
