@@ -76,9 +76,8 @@ def _backend_for(model_dir, kwargs: dict) -> tuple[str, str | None]:
     asked = kwargs.pop("backend", None) or "auto"
     if asked not in ("auto", "onnxruntime") and lowered_for_onnxruntime(model_dir):
         raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft): it was lowered for onnxruntime "
-                          "(`fuselm optimize --target onnxruntime`) or written by onnxruntime-genai's builder; run it "
-                          "with --backend onnxruntime, or run `fuselm optimize DIR -o OUT` first (without --target: "
-                          "it maps them to standard ops) and run OUT")
+                          f"(`fuselm optimize --target onnxruntime`); run it with --backend onnxruntime, or run "
+                          f"--backend {asked} on the directory `fuselm optimize` wrote without --target")
     return resolve(model_dir, asked, kwargs)
 
 
