@@ -105,13 +105,14 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
                         onnx.load(str(std / contract.MODEL_NAME), load_external_data=False).graph.node)
         int8 = quantized and int8_activations(path)
         ours = loop_greedy(loop, ids, tokens)
+        what, loop = loop.what, None  # one engine's weights in memory at a time
         plain = OrtRunner(std).greedy(ids, tokens)
         level4 = OrtRunner(std, optimize=True, accuracy_level=INT8_LEVEL).greedy(ids, tokens) if int8 else None
     hf = hf_steps(hf_model(ref), ids, tokens)
     d_std, d_hf = _max_diff(ours, plain), _max_diff(ours, hf)
     target, target_name = (plain, "the standard graph") if quantized else (hf, "HF transformers")
     first = _first_diff(ours.tokens, target.tokens)
-    what = f"{loop.what} on the {'lowered' if lowered else 'standard'} graph{f' ({why})' if why else ''}"
+    what = f"{what} on the {'lowered' if lowered else 'standard'} graph{f' ({why})' if why else ''}"
     acts = "int8" if int8 else "f32"
     console = Console(quiet=quiet)
     table = Table(title=f"fuselm validate: {what} · {'quantized' if quantized else 'float'} graph, {acts} "
