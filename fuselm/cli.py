@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run fused ops through their ONNX function bodies (A/B check)")
         r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="compile the static-shape decode step (default: on for MLX and CUDA, off on CPU)")
-        r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        r.add_argument("--threads", type=int, default=None,
+                       help="CPU threads: torch's, or onnxruntime's intra-op threads (default: the engine's own)")
         r.add_argument("--kv-bits", type=int, default=None, metavar="{8,16,32}",
                        help="KV cache storage: 8 (int8, per-group f16 scales), 16 (float16), 32 (float32); "
                             "default: the graph's dtype")
