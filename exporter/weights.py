@@ -190,12 +190,19 @@ def layout(jobs: Iterable[WeightJob], location: str) -> int:
 def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Callable[[WeightJob], None]) -> None:
     """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs.
 
-    Writing runs on a second thread (a short queue), so the kernel's copy into the page cache
-    overlaps reading and encoding the next block; memory stays at a few blocks.
+    Writing (uint4 packing, the kernel's copy into the page cache) runs on a second thread behind a
+    short queue, so it overlaps reading and encoding the next blocks, across jobs; memory stays at a
+    few blocks.
     """
+    import torch
+
     size = layout(jobs, path.name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     writer = _Writer(fd)
+    # The stream's parallelism is its writer thread: torch's intra-op threads on a block's short
+    # reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         os.ftruncate(fd, size)
         for job in jobs:
@@ -209,9 +216,10 @@ def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Call
                 arrays = job.encode(ckpt.read_rows(job.source, start, stop))
                 for out, arr in zip(job.outputs, arrays, strict=True):
                     writer.put(out.proto, arr, start, start == 0 and stop == rows, out.transposed)
-            writer.sync()
-            on_job(job)
+            on_job(job)  # encoded; its writes may still be queued (no wait: the next job's encoding overlaps them)
+        writer.sync()
     finally:
+        torch.set_num_threads(threads)
         writer.close()
         os.close(fd)
 
