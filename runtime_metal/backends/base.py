@@ -121,6 +121,11 @@ class Backend:
         """(the next key, a key to use now) from `key`."""
         raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
 
+    def int8_activations(self, weights: list[QuantizedWeight]) -> bool:
+        """Whether these weights' matmuls round their activations to int8 (validate then compares with
+        onnxruntime's own int8 activations, MatMulNBits at accuracy level 4)."""
+        return False
+
     def drift_tolerance(self, weights: list[QuantizedWeight]) -> float:
         """How far two orders of the same float work (static vs dynamic decode, the compiled vs the eager
         step) may drift, as a share of the largest logit, for a graph with these quantized weights: half

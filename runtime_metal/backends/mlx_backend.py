@@ -492,7 +492,7 @@ class MLXBackend(Backend):
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
-        """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed; host `pos`)."""
+        """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed_pairs; host `pos`)."""
         if heads is not None:
             buffer[:, heads[0]:heads[1], pos:pos + new.shape[2]] = new
             return buffer
