@@ -77,3 +77,9 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     assert cache.folder() is None and cache.load("k") is None
     cache.store("k", None)  # off: never touches the disk
     assert not (tmp_path / "cache").exists()
+
+
+def test_key_follows_the_config_not_its_bookkeeping():
+    config = {"model_type": "qwen3", "hidden_size": 64, "_name_or_path": "a", "transformers_version": "5.0"}
+    assert cache.key(config) == cache.key({**config, "_name_or_path": "b", "transformers_version": "5.1"})
+    assert cache.key(config) != cache.key({**config, "hidden_size": 128})

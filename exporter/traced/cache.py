@@ -7,7 +7,7 @@ the model expects, its tensor names and fuselm.json's model fields. Tracing cost
 architecture and stamping milliseconds, so a second convert (another precision, a fine-tune of the
 same architecture) costs only its weights.
 
-- Key: sha256 of config.json's content, fuselm's version, the source of exporter/traced/ and
+- Key: sha256 of config.json's content (less `_name_or_path`, `transformers_version`), fuselm's version, the source of exporter/traced/ and
   fuselm/contract.py, and the versions of torch, transformers, onnxscript, onnx-ir and onnx
   (everything the trace depends on; the weights and the precisions do not enter it).
 - One directory per key under $FUSELM_TRACE_CACHE_DIR, else ~/.cache/fuselm/traced
@@ -31,13 +31,15 @@ from pathlib import Path
 
 import onnx
 
-from fuselm import __version__
+from fuselm import __version__, contract
 
 from .trace import Template
 
 FORMAT = 1
 _PACKAGES = ("torch", "transformers", "onnxscript", "onnx-ir", "onnx")
 _MANIFEST = "traced.json"
+# config.json fields no modeling code reads (a fine-tune saved elsewhere, by another transformers)
+_BOOKKEEPING = ("_name_or_path", "transformers_version")
 
 
 @dataclass
@@ -68,17 +70,16 @@ class Traced:
 def key(config: dict) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    kept = {k: v for k, v in config.items() if k not in _BOOKKEEPING}
+    h = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode())
     h.update(f"format {FORMAT} fuselm {__version__}".encode())
     for package in _PACKAGES:
         try:
             h.update(f" {package} {version(package)}".encode())
         except PackageNotFoundError:
             h.update(f" {package} -".encode())
-    here = Path(__file__).parent
-    for src in [*sorted(here.glob("*.py")), here.parents[1] / "fuselm" / "contract.py"]:
-        if src.is_file():
-            h.update(src.name.encode() + src.read_bytes())
+    for src in [*sorted(Path(__file__).parent.glob("*.py")), Path(contract.__file__)]:
+        h.update(src.name.encode() + src.read_bytes())
     return h.hexdigest()[:32]
 
 
