@@ -69,10 +69,30 @@ def _scale_zero_point(lo: np.ndarray, hi: np.ndarray, qmax: float) -> tuple[np.n
     return scale, np.clip(np.round(-lo / scale), 0, qmax)
 
 
-def quantize_linear(w: np.ndarray, bits: int, block: int) -> list[np.ndarray]:
+def quantize_linear(w: np.ndarray, bits: int, block: int) -> list:
     """An HF Linear weight [out, in] -> (q, scales, zero_points) of its [in, out] storage, blocks along
-    in: quantized in HF's layout, then only the uint8 / small results transposed."""
-    return [transpose(a) for a in quantize(w, bits, block, axis=1)]
+    in: quantized in HF's layout, then only the uint8 / small results transposed (4-bit ones packed
+    first, so the transpose moves half the bytes)."""
+    q, s, z = quantize(w, bits, block, axis=1)
+    if bits == 4:
+        return [_packed_transpose(q), transpose(s), _packed_transpose(z)]
+    return [transpose(q), transpose(s), transpose(z)]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """uint4 values already packed in ONNX's order (exporter/weights.py writes the bytes as they are):
+    `data` uint8 [rows, cols / 2] for a [rows, cols] uint4 tensor."""
+
+    data: np.ndarray
+
+
+def _packed_transpose(v: np.ndarray) -> Packed | np.ndarray:
+    """uint4 values v [out, k] -> v.T [k, out] packed: byte (i, o/2) holds v[o, i] low, v[o+1, i] high,
+    i.e. pairs of v's rows packed, then transposed. An odd `out` stays unpacked (the writer packs it)."""
+    if v.shape[0] % 2:
+        return transpose(v)
+    return Packed(transpose(v[0::2] | (v[1::2] << 4)))
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, block: int, axis: int = 0) -> np.ndarray:

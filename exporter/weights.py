@@ -26,7 +26,7 @@ from fuselm.errors import FuselmError, shown
 from fuselm.modeldir import within_checkpoint
 
 from .graph import WeightJob
-from .quant import pack_uint4
+from .quant import Packed, pack_uint4
 
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ITEM_BITS = {TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16, TensorProto.UINT8: 8, TensorProto.UINT4: 4}
@@ -263,23 +263,31 @@ class _Writer:
         self.queue.task_done()
 
 
-def _write_block(fd: int, proto: TensorProto, arr: np.ndarray, start: int, whole: bool, transposed: bool) -> None:
-    """Write a block of rows (or, transposed, a block of columns starting at column `start`)."""
+def _write_block(fd: int, proto: TensorProto, arr, start: int, whole: bool, transposed: bool) -> None:
+    """Write a block of rows (or, transposed, a block of columns starting at column `start`, an even one
+    for uint4). `arr` is an array of the proto's values, or a quant.Packed of its uint4 bytes."""
     offset = int(next(e.value for e in proto.external_data if e.key == "offset"))
     bits = _ITEM_BITS[proto.data_type]
-    arr = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type))
+    if isinstance(arr, Packed):
+        arr, encode = arr.data, _raw
+    else:
+        arr, encode = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type)), lambda a: _encode(a, bits)
     if whole:
-        _pwrite(fd, _encode(arr, bits), offset)
+        _pwrite(fd, encode(arr), offset)
     elif not transposed:
-        _pwrite(fd, _encode(arr, bits), offset + start * int(np.prod(proto.dims[1:])) * bits // 8)
+        _pwrite(fd, encode(arr), offset + start * int(np.prod(proto.dims[1:])) * bits // 8)
     else:
         n_cols = proto.dims[1]
         for r in range(arr.shape[0]):  # one strided segment per output row
-            _pwrite(fd, _encode(arr[r], bits), offset + (r * n_cols + start) * bits // 8)
+            _pwrite(fd, encode(arr[r]), offset + (r * n_cols + start) * bits // 8)
 
 
 def _encode(arr: np.ndarray, bits: int):
-    return pack_uint4(arr) if bits == 4 else memoryview(arr.reshape(-1)).cast("B")
+    return pack_uint4(arr) if bits == 4 else _raw(arr)
+
+
+def _raw(arr: np.ndarray):
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
 
 
 def _pwrite(fd: int, data, offset: int) -> None:

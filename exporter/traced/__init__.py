@@ -16,6 +16,7 @@ the same architecture goes straight to step 3.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name, traced.kv_shape)
     with _unsupported():
         builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.sliding, traced.window)
-    return Export(builder, ckpt, traced.meta, traced.model_type)
+    return Export(builder, ckpt, copy.deepcopy(traced.meta), traced.model_type)  # the cached one stays as traced
 
 
 def _traced(hf_dir: Path, config: dict):
