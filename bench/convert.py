@@ -224,11 +224,11 @@ def main(argv=None) -> int:
             r.update(shape=shape, tool="torch.onnx.export(dynamo=True)", quant="f32")
             rows.append(r)
             print(r, flush=True)
-    _report(rows, args.results)
+    _report(rows, args.results, "python bench/convert.py " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0
 
 
-def _report(rows: list[dict], name: str = "convert.json") -> None:
+def _report(rows: list[dict], name: str = "convert.json", command: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -264,8 +264,8 @@ def _report(rows: list[dict], name: str = "convert.json") -> None:
               f"{summary['cpu_speedup_0.6b_f32_vs_baseline']}x less CPU time")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
-    path.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                            "python": platform.python_version()},
+    path.write_text(json.dumps({"command": command, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                            "python": platform.python_version()},
                                 "rows": rows, **summary}, indent=2) + "\n")
     print(f"wrote {path}")
 
