@@ -432,6 +432,14 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
     return ExpertCheckpoint(ckpt, stacks)
 
 
+def cached_stacks(ckpt: Checkpoint, stacks: dict) -> Checkpoint:
+    """The checkpoint with the stacked expert parameters a cached trace recorded (exporter/traced/cache.py:
+    JSON, so shapes come back as lists)."""
+    if not stacks:
+        return ckpt
+    return ExpertCheckpoint(ckpt, {name: (tuple(shape), parts) for name, (shape, parts) in stacks.items()})
+
+
 def metadata(blocks: list[Block]) -> dict | None:
     """fuselm.json's `moe` field: experts, top_k, normalize, activation, expert width, the layers' blocks."""
     if not blocks:
