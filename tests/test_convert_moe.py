@@ -143,3 +143,20 @@ def test_moe_function_body_is_the_sparse_reference(scoring, normalize):
             gate, up = np.split(gu[e] @ x2[t], 2)
             want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
     np.testing.assert_allclose(y, want, atol=1e-4)
+
+
+def test_moe_from_the_trace_cache_is_the_same_model(tmp_path, monkeypatch):
+    """A second convert stamps the cached trace (exporter/traced/cache.py) and stacks the per-expert tensors
+    from the parts the entry recorded: the same bytes, without tracing."""
+    from fuselm.exporter import traced as traced_pkg
+
+    monkeypatch.setenv("FUSELM_TRACE_CACHE", "1")
+    monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(traced_pkg, "_TRACED", {})
+    hf = make(tmp_path, "qwen2_moe")
+    first = fuselm.convert(hf, tmp_path / "first", exporter="torch", quant="q4", quiet=True)
+    monkeypatch.setattr(traced_pkg, "_TRACED", {})
+    monkeypatch.setattr(traced_pkg, "_traced", lambda *a: pytest.fail("traced again"))
+    second = fuselm.convert(hf, tmp_path / "second", exporter="torch", quant="q4", quiet=True)
+    for name in ("model.onnx", "model.onnx.data", "fuselm.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
