@@ -39,25 +39,60 @@ SHAPES = {
 # tests and MLX's CPU backend: a Qwen3 of the same layout, small enough to run in seconds
 SHAPES["tiny"] = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True)
+# Mixtures of experts (bench/mlx_peer.py; issue 21): the real configs' shapes, random weights. OLMoE-1B-7B-0924
+# (its experts are `intermediate_size` wide), Qwen3-30B-A3B cut to 8 of its 48 layers; `-Nl`: N layers only.
+_OLMOE = dict(model_type="olmoe", num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+              head_dim=128, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+              vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=4096,
+              rope_theta=10000.0)
+_QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                  rope_theta=1e6)
+SHAPES.update({
+    "olmoe-1b-7b": _OLMOE, "olmoe-1b-7b-4l": {**_OLMOE, "num_hidden_layers": 4},
+    "olmoe-1b-7b-2l": {**_OLMOE, "num_hidden_layers": 2},  # (a local estimate of the full shape's preparation)
+    "qwen3-30b-a3b-8l": {**_QWEN3_MOE, "num_hidden_layers": 8}, "qwen3-30b-a3b-4l": {**_QWEN3_MOE, "num_hidden_layers": 4},
+    # MLX's CPU backend and tests: the Qwen3-MoE layout in seconds (K % 256 == 0 for the kernels)
+    "tiny-moe": {**_QWEN3_MOE, "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 256,
+                 "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 2048},
+})
 SHARD_BYTES = 2 * 1024**3
 EXPORTERS = {"builder": "fuselm convert", "torch": "fuselm convert --exporter torch",
              "torch-cached": "fuselm convert --exporter torch (trace cached)"}
 RESULTS = Path(__file__).parent / "results"
 
 
+def model_type(shape: str) -> str:
+    return SHAPES[shape].get("model_type", "qwen3")
+
+
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """The HF tensors of a Qwen3 checkpoint with config dict `c`, in checkpoint order."""
+    """The HF tensors of a Qwen3, Qwen3-MoE or OLMoE checkpoint with config dict `c`, in checkpoint order
+    (the names and shapes transformers' save_pretrained writes: one tensor per expert and projection)."""
+    kind = c.get("model_type", "qwen3")
     h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    norms = (q, kv) if kind == "olmoe" else (d, d)  # OLMoE's q/k norms span the whole projection
+    expert = c.get("moe_intermediate_size", inter) if kind == "qwen3_moe" else inter
     out = {"model.embed_tokens.weight": (c["vocab_size"], h)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
                     p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                    p + "self_attn.o_proj.weight": (h, q), p + "self_attn.q_norm.weight": (d,),
-                    p + "self_attn.k_norm.weight": (d,), p + "post_attention_layernorm.weight": (h,),
-                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                    p + "mlp.down_proj.weight": (h, inter)})
+                    p + "self_attn.o_proj.weight": (h, q), p + "self_attn.q_norm.weight": (norms[0],),
+                    p + "self_attn.k_norm.weight": (norms[1],), p + "post_attention_layernorm.weight": (h,)})
+        if kind == "qwen3":
+            out.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                        p + "mlp.down_proj.weight": (h, inter)})
+            continue
+        out[p + "mlp.gate.weight"] = (c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            x = f"{p}mlp.experts.{e}."
+            out.update({x + "gate_proj.weight": (expert, h), x + "up_proj.weight": (expert, h),
+                        x + "down_proj.weight": (h, expert)})
     out["model.norm.weight"] = (h,)
     if not c["tie_word_embeddings"]:
         out["lm_head.weight"] = (c["vocab_size"], h)
@@ -65,7 +100,8 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
-    """A random bf16 Qwen3 checkpoint of `shape`, sharded, written one tensor at a time."""
+    """A random bf16 checkpoint of `shape` (Qwen3, Qwen3-MoE or OLMoE), sharded, written one tensor at a time
+    (never more than one tensor in memory: the 7B MoE shapes stream as the dense ones)."""
     import torch
     from transformers import AutoConfig
 
@@ -76,12 +112,17 @@ def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
         return out
     tok = train_tokenizer()
     tok.save_pretrained(out)
-    config = AutoConfig.for_model("qwen3", **SHAPES[shape], rms_norm_eps=1e-6, max_position_embeddings=40960,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="bfloat16",
-                                  bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    config.architectures = ["Qwen3ForCausalLM"]
+    c = {"rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1e6, **SHAPES[shape]}
+    kind, theta = c.pop("model_type", "qwen3"), c.pop("rope_theta")
+    config = AutoConfig.for_model(kind, **c, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                  dtype="bfloat16", bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     config.save_pretrained(out)
-    shapes = tensor_shapes(SHAPES[shape])
+    if kind != "qwen3":  # the fields as the real config.json has them (mlx-lm's MoE models read these names)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(rope_theta=theta, num_experts=c["num_experts"])
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shapes = tensor_shapes({**c, "model_type": kind})
     shards, current, size = [], [], 0
     for name, s in shapes.items():
         nbytes = 2 * int(torch.tensor(s).prod())
@@ -184,7 +225,7 @@ def main(argv=None) -> int:
     if args.make_checkpoint:
         print(write_checkpoint(args.make_checkpoint, args.shapes[0]))
         return 0
-    runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"], "tiny": ["f32", "q4"]}
+    runs = {"0.6b": ["f32", "q4"], "4b": ["f16", "q4"], "tiny": ["f32", "q4"]}  # (the MoE shapes: q4)
     genai = _genai_python(args.genai_python)
     rows = []
     for shape in args.shapes:
@@ -194,7 +235,7 @@ def main(argv=None) -> int:
         hf = args.work / f"qwen3-{shape}-hf"
         subprocess.run([sys.executable, __file__, "--shapes", shape, "--make-checkpoint", str(hf)], check=True)
         print(f"[{shape}] checkpoint ready in {time.perf_counter() - t0:.0f} s: {hf}", flush=True)
-        for quant in [q for q in runs[shape] if args.quants is None or q in args.quants]:
+        for quant in [q for q in runs.get(shape, ["q4"]) if args.quants is None or q in args.quants]:
             for exporter in args.exporters:  # each engine alone in its own process, in turn
                 out = args.work / f"qwen3-{shape}-{quant}-{exporter}"
                 cmd = [sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant", quant,

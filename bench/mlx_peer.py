@@ -3,12 +3,16 @@
     python bench/mlx_peer.py                                   # 0.6b and 4b, 4-bit at group 32 and 64
     python bench/mlx_peer.py --shapes 0.6b --groups 32 --runs 7
     python bench/mlx_peer.py --shapes tiny --contexts 128 --prefill 128    # MLX's CPU backend (a test)
+    python bench/mlx_peer.py --shapes olmoe-1b-7b qwen3-30b-a3b-8l --groups 64   # mixtures of experts
+    python bench/mlx_peer.py --stash --shapes olmoe-1b-7b --groups 64   # only the checkpoint and fuselm's graphs
 
 The same code runs on a Mac (Metal), on Linux with MLX's CUDA backend, and on MLX's CPU backend.
-One random-weight Qwen3-shaped HF checkpoint per shape (bench/convert.py writes it streaming);
+One random-weight HF checkpoint per shape (bench/convert.py's SHAPES, written streaming: Qwen3, and the
+mixtures of experts OLMoE-1B-7B and Qwen3-30B-A3B cut to 8 layers, converted by fuselm's traced exporter);
 mlx-lm reads the directory `mlx_lm convert -q --q-bits 4 --q-group-size G` makes of it, fuselm the
 graph `fuselm convert --quant q4 --block-size G --lm-head q4 --embed q4` + `fuselm optimize` makes
-(same bits and group size for every weight, embedding and lm_head included). Each engine runs in its
+(same bits and group size for every weight, embedding and lm_head included); each conversion's wall time,
+CPU time and peak RSS (a child's ru_maxrss, bench/convert.py measure) go in the rows. Each engine runs in its
 own child process, loaded once and warmed up (one run); the parent then interleaves the engines run by
 run (run r of every engine, then run r + 1), so a drift of the machine touches them alike, and reports
 the median, min and max over `--runs` runs (default 5) of:
@@ -23,6 +27,7 @@ the median, min and max over `--runs` runs (default 5) of:
   the step is also counted with those ops as one kernel each ("fused ops as one", the graph a GPU runs;
   runtime_metal/backends/mlx_backend.py fused_ops_as_one).
 Writes bench/results/mlx-peer-<device>.json and prints a table with the fuselm/mlx-lm ratios.
+`--stash` (no MLX needed) makes the checkpoints and fuselm's graphs only: bench/h200_mlx.sh's CPU phase.
 """
 
 from __future__ import annotations
@@ -59,6 +64,16 @@ def count_primitives(outputs, inputs) -> dict:
     return graph_kernels(outputs)
 
 
+def prepared_arrays(graph) -> list:
+    """The weights fuselm's load prepared (QMatMul's, and QMoE's stacked experts), to evaluate them at load."""
+    out = []
+    for n in graph.nodes:
+        for key in {"QMatMul": ("weight",), "QMoE": ("gate_up", "down")}.get(n.op_type, ()):
+            data = n.attrs[key].data
+            out.extend(data if isinstance(data, tuple) else [data])
+    return out
+
+
 # --- engines (each runs in a child process) ------------------------------------------------
 class FuselmEngine:
     def __init__(self, model: Path, dtype: str, compile_: bool):
@@ -68,7 +83,7 @@ class FuselmEngine:
 
         t0 = time.perf_counter()
         self.sess = Session(model, backend="mlx", dtype=dtype, compile=compile_)
-        mx.eval([w for n in self.sess.graph.nodes if n.op_type == "QMatMul" for w in n.attrs["weight"].data])
+        mx.eval(prepared_arrays(self.sess.graph))
         self.load_s = time.perf_counter() - t0
         self.sampler = Sampler()
         self.vocab = self.sess.meta["dims"]["vocab"]
@@ -273,27 +288,62 @@ def child(args) -> None:
 
 
 # --- orchestration ----------------------------------------------------------------------------
-def prepare(shape: str, group: int, work: Path, dtype: str) -> dict[str, Path]:
-    """The HF checkpoint, mlx-lm's directory (weights and activations in `dtype`, as fuselm computes), fuselm's
-    exported and optimized graphs (made once)."""
+def _convert_bench():
     sys.path.insert(0, str(HERE))
     import convert as convert_bench
 
-    ckpt = convert_bench.write_checkpoint(work / f"qwen3-{shape}-hf", shape)
-    out = {"ckpt": ckpt, "mlx-lm": work / f"qwen3-{shape}-mlxlm-g{group}-{dtype}",
-           "exported": work / f"qwen3-{shape}-q4-g{group}-exported", "fuselm": work / f"qwen3-{shape}-q4-g{group}"}
-    if not (out["mlx-lm"] / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(ckpt), "--mlx-path",
-                        str(out["mlx-lm"]), "-q", "--q-bits", "4", "--q-group-size", str(group), "--dtype",
-                        {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]],
-                       check=True, stdout=subprocess.DEVNULL)
-    if not (out["exported"] / "fuselm.json").is_file():
-        subprocess.run([sys.executable, "-m", "fuselm.cli", "convert", str(ckpt), "-o", str(out["exported"]),
-                        "--quant", "q4", "--block-size", str(group), "--lm-head", "q4", "--embed", "q4", "--force",
-                        "--quiet"], check=True)
-    if not (out["fuselm"] / "fuselm.json").is_file():
-        subprocess.run([sys.executable, "-m", "fuselm.cli", "optimize", str(out["exported"]), "-o", str(out["fuselm"]),
-                        "--force", "--quiet"], check=True)
+    return convert_bench
+
+
+def stem(shape: str) -> str:
+    """The work directories' prefix of `shape` (qwen3-<shape> for the dense Qwen3 shapes, as before)."""
+    return f"qwen3-{shape}" if _convert_bench().model_type(shape) == "qwen3" else shape
+
+
+def _timed(work: Path, shape: str, key: str, done: Path, cmd: list[str]) -> None:
+    """Run `cmd` (unless `done` exists) measured in a child (wall, CPU, peak RSS); kept in <stem>-prepare.json
+    under `key`, so the bench phase reports the stash phase's conversions."""
+    if done.is_file():
+        return
+    r = _convert_bench().measure(cmd)
+    log = work / f"{stem(shape)}-prepare.json"
+    data = json.loads(log.read_text()) if log.is_file() else {}
+    data[key] = {**r, "cpus": os.cpu_count(), "output_gb": round(sum(
+        f.stat().st_size for f in done.parent.rglob("*") if f.is_file()) / 1e9, 2)}
+    tmp = log.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(log)
+
+
+def prepare(shape: str, group: int, work: Path, dtype: str | None) -> dict[str, Path]:
+    """The HF checkpoint, mlx-lm's directory (weights and activations in `dtype`, as fuselm computes), fuselm's
+    exported and optimized graphs (made once, each step timed); `dtype` None: the checkpoint and fuselm's only."""
+    s = stem(shape)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / f"{s}-hf"
+    # in children: the parent stays small (Linux carries a child's RSS at fork into its ru_maxrss)
+    _timed(work, shape, "checkpoint", ckpt / "model.safetensors.index.json",
+           [sys.executable, str(HERE / "convert.py"), "--shapes", shape, "--make-checkpoint", str(ckpt)])
+    out = {"ckpt": ckpt, "mlx-lm": work / f"{s}-mlxlm-g{group}-{dtype}", "exported": work / f"{s}-q4-g{group}-exported",
+           "fuselm": work / f"{s}-q4-g{group}"}
+    exporter = [] if _convert_bench().model_type(shape) == "qwen3" else ["--exporter", "torch"]  # (MoE: traced)
+    _timed(work, shape, f"fuselm convert g{group}", out["exported"] / "fuselm.json",
+           [sys.executable, "-m", "fuselm.cli", "convert", str(ckpt), "-o", str(out["exported"]), *exporter,
+            "--quant", "q4", "--block-size", str(group), "--lm-head", "q4", "--embed", "q4", "--force", "--quiet"])
+    _timed(work, shape, f"fuselm optimize g{group}", out["fuselm"] / "fuselm.json",
+           [sys.executable, "-m", "fuselm.cli", "optimize", str(out["exported"]), "-o", str(out["fuselm"]),
+            "--force", "--quiet"])
+    if dtype is None:
+        return out
+    _timed(work, shape, f"mlx-lm convert g{group} {dtype}", out["mlx-lm"] / "config.json",
+           [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(ckpt), "--mlx-path", str(out["mlx-lm"]), "-q", "--q-bits", "4", "--q-group-size",
+            str(group), "--dtype", {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]])
+    log = work / f"{s}-prepare.json"
+    steps = json.loads(log.read_text()) if log.is_file() else {}
+    out["convert"] = {"fuselm": {k.split(" g")[0]: v for k, v in steps.items() if k.startswith("fuselm") and
+                                 k.endswith(f" g{group}")},
+                      "mlx-lm": {"convert": steps.get(f"mlx-lm convert g{group} {dtype}")},
+                      "checkpoint": steps.get("checkpoint")}
     # the first load prepares the MLX weights and keeps them beside the model (runtime_metal/prepared.py): the
     # benchmark's own load is then a second load, as users see every time after the first
     first = subprocess.run([sys.executable, __file__, "--child", "load-fuselm", "--model", str(out["fuselm"]),
@@ -369,9 +419,9 @@ def bench_point(engines: dict[str, Path], args) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="*", default=["0.6b", "4b"], choices=["tiny", "0.6b", "4b"])
+    ap.add_argument("--shapes", nargs="*", default=["0.6b", "4b"], choices=list(_convert_bench().SHAPES))
     ap.add_argument("--groups", nargs="*", type=int, default=[32, 64], choices=[32, 64, 128])
     ap.add_argument("--contexts", nargs="*", type=int, default=[128, 2048], help="decode at these context lengths")
     ap.add_argument("--prefill", nargs="*", type=int, default=[512, 2048], help="prefill these prompt lengths")
@@ -384,9 +434,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/mlx-peer-<device>.json)")
     ap.add_argument("--token-check", action="store_true",
                     help="also compare fuselm-MLX and fuselm-torch greedy tokens on one q4 graph (the trained demo model)")
+    ap.add_argument("--stash", action="store_true",
+                    help="only make the checkpoints and fuselm's graphs, timed (no MLX needed; bench/h200_mlx.sh stash)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.stash:
+        for shape in args.shapes:
+            for group in args.groups:
+                t0 = time.perf_counter()
+                prepare(shape, group, args.work, None)
+                print(f"[{shape} g{group}] checkpoint and fuselm graphs ready in {time.perf_counter() - t0:.0f} s: "
+                      + (args.work / f"{stem(shape)}-prepare.json").read_text(), flush=True)
+        return 0
     if args.child:
         child(args)
         return 0
@@ -407,6 +471,9 @@ def main(argv=None) -> int:
                 r.update(shape=shape, group=group)
                 if r["engine"] == "fuselm":
                     r["first_load"] = paths["first_load"]
+                if r["engine"] in ("fuselm", "mlx-lm"):
+                    r["convert"] = paths["convert"][r["engine"]]
+                    r["checkpoint"] = paths["convert"]["checkpoint"]
                 rows.append(r)
                 print(f"[{shape} g{group}] {r['engine']}: " + json.dumps(
                     {k: v for k, v in r.items() if not k.endswith("_runs") and k != "per_token"}), flush=True)
@@ -481,6 +548,11 @@ def report(rows: list[dict]) -> dict:
         for k, v in r["prefill_tok_s"].items():
             summary[f"{key} prefill@{k}"] = round(v / peer["prefill_tok_s"][k], 2)
         summary[f"{key} load s"] = [round(r["load_s"], 2), round(peer["load_s"], 2)]
+        if r.get("convert") and peer.get("convert", {}).get("convert"):
+            ours, theirs = r["convert"], peer["convert"]["convert"]
+            summary[f"{key} convert s (fuselm convert + optimize, mlx-lm)"] = [
+                round(sum(v["seconds"] for v in ours.values()), 1), theirs["seconds"]]
+            summary[f"{key} convert peak RSS MB"] = [max(v["peak_rss_mb"] for v in ours.values()), theirs["peak_rss_mb"]]
         summary[f"{key} kernels/token"] = [r["per_token"]["kernels"], peer["per_token"]["kernels"]]
         if "fused_as_one" in r["per_token"] and "fused_as_one" in peer["per_token"]:
             summary[f"{key} kernels/token, fused ops as one"] = [r["per_token"]["fused_as_one"]["kernels"],
