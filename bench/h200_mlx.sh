@@ -5,6 +5,7 @@
 # call carries at most 64 MiB, so the ~90 MB mlx-cuda wheel comes in two halves over two calls:
 #   bash bench/h200_mlx.sh stash  SHAPES   # carry .mlxcuda/p1 .mlxcuda/w: keep half 1; write checkpoints, convert
 #   bash bench/h200_mlx.sh bench  SHAPES   # carry .mlxcuda/p2 (within 30 s): install MLX, run the benchmark
+# SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
 # Results land in $OUT (the device tool brings them back): mlx-peer-gpu.json and the logs.
 set -uo pipefail
@@ -23,18 +24,11 @@ stash)
     cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     # the CPU half of the preparation (checkpoints, fuselm convert + optimize): no GPU needed
+    # (the MoE shapes too: olmoe-1b-7b, olmoe-1b-7b-4l, qwen3-30b-a3b-8l; each step timed with its peak RSS,
+    # kept in $work/<shape>-prepare.json for the bench phase's rows)
     cd /root
-    for s in $shapes; do
-        python3 "$repo/bench/convert.py" --shapes "$s" --make-checkpoint "$work/qwen3-$s-hf" >/dev/null || exit 1
-        for g in ${QGROUPS:-32 64}; do  # the group sizes side by side: each conversion is one core's work
-            exp=$work/qwen3-$s-q4-g$g-exported opt=$work/qwen3-$s-q4-g$g
-            ( [ -f "$exp/fuselm.json" ] || python3 -m fuselm.cli convert "$work/qwen3-$s-hf" -o "$exp" --quant q4 \
-                --block-size $g --lm-head q4 --embed q4 --force --quiet
-              [ -f "$opt/fuselm.json" ] || python3 -m fuselm.cli optimize "$exp" -o "$opt" --force --quiet ) &
-        done
-        wait
-        echo "prepared $s"
-    done
+    python3 "$repo/bench/mlx_peer.py" --stash --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \
+        2>&1 | tee "${OUT:-/tmp/out}/stash.log" || exit 1
     ;;
 bench)
     if ! python3 -c "import mlx.core" 2>/dev/null; then
@@ -42,7 +36,8 @@ bench)
         python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/*.whl || exit 1
     fi
     python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device())"
-    cd /root && python3 "$repo/bench/mlx_peer.py" --shapes $shapes --work "$work" --out "$OUT/mlx-peer-gpu.json" \
+    cd /root && python3 "$repo/bench/mlx_peer.py" --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \
+        --out "$OUT/mlx-peer-gpu.json" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/mlx-peer.log"
     ;;
 esac

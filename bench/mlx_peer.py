@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -300,6 +301,9 @@ def stem(shape: str) -> str:
     return f"qwen3-{shape}" if _convert_bench().model_type(shape) == "qwen3" else shape
 
 
+_LOG_LOCK = threading.Lock()
+
+
 def _timed(work: Path, shape: str, key: str, done: Path, cmd: list[str]) -> None:
     """Run `cmd` (unless `done` exists) measured in a child (wall, CPU, peak RSS); kept in <stem>-prepare.json
     under `key`, so the bench phase reports the stash phase's conversions."""
@@ -307,15 +311,16 @@ def _timed(work: Path, shape: str, key: str, done: Path, cmd: list[str]) -> None
         return
     r = _convert_bench().measure(cmd)
     log = work / f"{stem(shape)}-prepare.json"
-    data = json.loads(log.read_text()) if log.is_file() else {}
-    data[key] = {**r, "cpus": os.cpu_count(), "output_gb": round(sum(
-        f.stat().st_size for f in done.parent.rglob("*") if f.is_file()) / 1e9, 2)}
-    tmp = log.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(log)
+    with _LOG_LOCK:  # (--stash prepares the group sizes side by side)
+        data = json.loads(log.read_text()) if log.is_file() else {}
+        data[key] = {**r, "cpus": os.cpu_count(), "output_gb": round(sum(
+            f.stat().st_size for f in done.parent.rglob("*") if f.is_file()) / 1e9, 2)}
+        tmp = log.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(log)
 
 
-def prepare(shape: str, group: int, work: Path, dtype: str | None) -> dict[str, Path]:
+def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_only: bool = False) -> dict[str, Path]:
     """The HF checkpoint, mlx-lm's directory (weights and activations in `dtype`, as fuselm computes), fuselm's
     exported and optimized graphs (made once, each step timed); `dtype` None: the checkpoint and fuselm's only."""
     s = stem(shape)
@@ -324,6 +329,8 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None) -> dict[str, 
     # in children: the parent stays small (Linux carries a child's RSS at fork into its ru_maxrss)
     _timed(work, shape, "checkpoint", ckpt / "model.safetensors.index.json",
            [sys.executable, str(HERE / "convert.py"), "--shapes", shape, "--make-checkpoint", str(ckpt)])
+    if checkpoint_only:
+        return {"ckpt": ckpt}
     out = {"ckpt": ckpt, "mlx-lm": work / f"{s}-mlxlm-g{group}-{dtype}", "exported": work / f"{s}-q4-g{group}-exported",
            "fuselm": work / f"{s}-q4-g{group}"}
     exporter = [] if _convert_bench().model_type(shape) == "qwen3" else ["--exporter", "torch"]  # (MoE: traced)
@@ -443,13 +450,16 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.stash:
+    if args.stash:  # the checkpoint, then the group sizes side by side (each conversion is mostly one core's work)
+        from concurrent.futures import ThreadPoolExecutor
+
         for shape in args.shapes:
-            for group in args.groups:
-                t0 = time.perf_counter()
-                prepare(shape, group, args.work, None)
-                print(f"[{shape} g{group}] checkpoint and fuselm graphs ready in {time.perf_counter() - t0:.0f} s: "
-                      + (args.work / f"{stem(shape)}-prepare.json").read_text(), flush=True)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(args.groups)) as pool:
+                prepare(shape, args.groups[0], args.work, None, checkpoint_only=True)
+                list(pool.map(lambda g, shape=shape: prepare(shape, g, args.work, None), args.groups))
+            print(f"[{shape}] checkpoint and fuselm graphs ready in {time.perf_counter() - t0:.0f} s: "
+                  + (args.work / f"{stem(shape)}-prepare.json").read_text(), flush=True)
         return 0
     if args.child:
         child(args)
