@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,10 @@ def test_streamed_moe_checkpoint_loads_in_transformers(shape, tmp_path, monkeypa
              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48, "moe_intermediate_size": 32,
              "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 512}
     monkeypatch.setitem(cb.SHAPES, "small", small)
+    if shape == "olmoe-1b-7b":  # several shards, written side by side
+        monkeypatch.setattr(cb, "SHARD_BYTES", 40_000)
     ckpt = cb.write_checkpoint(tmp_path / "hf", "small")
+    assert (len(list(ckpt.glob("*.safetensors"))) > 1) == (shape != "tiny-moe")
     model, info = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.config.model_type == small["model_type"]
@@ -46,7 +50,7 @@ def test_moe_shape_table_and_arguments():
     assert (qwen["num_hidden_layers"], qwen["num_experts"], qwen["moe_intermediate_size"], qwen["vocab_size"]) == (
         8, 128, 768, 151936)
     assert cb.SHAPES["olmoe-1b-7b-4l"]["num_hidden_layers"] == 4
-    n = sum(int(__import__("math").prod(s)) for s in cb.tensor_shapes(olmoe).values())
+    n = sum(math.prod(s) for s in cb.tensor_shapes(olmoe).values())
     assert 6.8e9 < n < 7.0e9  # OLMoE-1B-7B: 6.92B parameters
     assert peer.stem("olmoe-1b-7b") == "olmoe-1b-7b" and peer.stem("0.6b") == "qwen3-0.6b"
     args = peer.parse_args(["--shapes", "tiny-moe", "olmoe-1b-7b-4l", "--groups", "64"])
