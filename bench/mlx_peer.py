@@ -304,12 +304,12 @@ def stem(shape: str) -> str:
 _LOG_LOCK = threading.Lock()
 
 
-def _timed(work: Path, shape: str, key: str, done: Path, cmd: list[str]) -> None:
+def _timed(work: Path, shape: str, key: str, done: Path, cmd: list[str], env: dict | None = None) -> None:
     """Run `cmd` (unless `done` exists) measured in a child (wall, CPU, peak RSS); kept in <stem>-prepare.json
     under `key`, so the bench phase reports the stash phase's conversions."""
     if done.is_file():
         return
-    r = _convert_bench().measure(cmd)
+    r = _convert_bench().measure(cmd, env)
     log = work / f"{stem(shape)}-prepare.json"
     with _LOG_LOCK:  # (--stash prepares the group sizes side by side)
         data = json.loads(log.read_text()) if log.is_file() else {}
@@ -336,7 +336,8 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_on
     exporter = [] if _convert_bench().model_type(shape) == "qwen3" else ["--exporter", "torch"]  # (MoE: traced)
     _timed(work, shape, f"fuselm convert g{group}", out["exported"] / "fuselm.json",
            [sys.executable, "-m", "fuselm.cli", "convert", str(ckpt), "-o", str(out["exported"]), *exporter,
-            "--quant", "q4", "--block-size", str(group), "--lm-head", "q4", "--embed", "q4", "--force", "--quiet"])
+            "--quant", "q4", "--block-size", str(group), "--lm-head", "q4", "--embed", "q4", "--force", "--quiet"],
+           {"FUSELM_TRACE_CACHE": "0"})  # (a first convert of the architecture: it traces, as on a fresh machine)
     _timed(work, shape, f"fuselm optimize g{group}", out["fuselm"] / "fuselm.json",
            [sys.executable, "-m", "fuselm.cli", "optimize", str(out["exported"]), "-o", str(out["fuselm"]),
             "--force", "--quiet"])
