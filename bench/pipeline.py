@@ -96,6 +96,32 @@ if g.rank() == 0:
 """
 
 
+# the CPU a rank burns while it waits for a message: MLX's ring backend polls its non-blocking socket
+# (mlx/distributed/ring/ring.cpp, SocketThread::worker), so a waiting rank keeps a core busy
+SPIN = """
+import json, sys, time
+import mlx.core as mx
+g = mx.distributed.init(strict=True, backend="ring")
+mx.set_default_device(mx.cpu)
+x = mx.zeros((1, 1, 8))
+if g.rank() == 0:
+    time.sleep(2)
+    mx.eval(mx.distributed.send(x, 1))
+else:
+    c, t = time.process_time(), time.perf_counter()
+    mx.eval(mx.distributed.recv_like(x, 0))
+    json.dump((time.process_time() - c) / (time.perf_counter() - t), open(sys.argv[1], "w"))
+"""
+
+
+def spin(work: Path) -> float:
+    """CPU seconds per second a rank spends waiting 2 s for a message."""
+    from test_pipeline_run import launch
+
+    launch(2, "-c", SPIN, str(work / "spin.json"))
+    return json.loads((work / "spin.json").read_text())
+
+
 def hop(hidden: int, work: Path) -> float:
     from test_pipeline_run import launch
 
@@ -135,6 +161,7 @@ def main() -> None:
                 seconds, memory[n] = pipeline(tmp / f"split{n}", n, args.tokens, tmp / f"run{n}")
                 runs[n].append(med(seconds))
         rtt = hop(shape["hidden_size"], tmp)
+        waiting = spin(tmp)
     rows = {n: statistics.median(v) for n, v in runs.items()}
     load = os.getloadavg()[0]
     print(f"decode per token, MLX CPU, {args.quant}, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
@@ -151,7 +178,9 @@ def main() -> None:
                   f"({m['weights_held_bytes'] / 2**20:.2f} MiB) + cache; process RSS {m['max_rss_bytes'] / 2**20:.0f} MiB")
     print(f"  one hop's round trip (ring over loopback, [1, 1, {shape['hidden_size'] + 1}] f32 there and back): "
           f"{rtt:.3f} ms median")
-    out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:]), "hop_round_trip_ms": rtt, "shape": shape,
+    print(f"  a rank waiting for its message uses {waiting:.2f} CPU-seconds per second (MLX's ring backend polls its "
+          "socket): ranks on one host share its cores with the waiting ones")
+    out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:]), "hop_round_trip_ms": rtt, "waiting_rank_cpu_per_s": waiting, "shape": shape,
            "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup, "runs": args.runs,
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": load, "ms_per_token": rows,
            "ms_per_token_runs": runs, "ratio": {n: ms / rows[1] for n, ms in rows.items()}, "memory": memory}
