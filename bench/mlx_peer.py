@@ -506,6 +506,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def convert_cell(steps: dict | None) -> str:
+    """Wall seconds of the engine's conversion steps (fuselm: convert + optimize) and the largest peak RSS."""
+    steps = [v for v in (steps or {}).values() if v]
+    if not steps:
+        return ""
+    return f"{sum(v['seconds'] for v in steps):.1f} ({max(v['peak_rss_mb'] for v in steps) / 1024:.2f})"
+
+
 def report(rows: list[dict]) -> dict:
     from rich.console import Console
     from rich.table import Table
@@ -513,7 +521,7 @@ def report(rows: list[dict]) -> dict:
     console = Console()
     table = Table(title="fuselm MLX vs mlx-lm (median, min-max over the interleaved runs)")
     cols = ("shape", "group", "engine", "decode tok/s by context", "prefill tok/s by length", "load s",
-            "kernels/token", "host ms/token")
+            "kernels/token", "host ms/token", "convert s (peak RSS GB)")
     for c in cols:
         table.add_column(c)
     summary: dict = {}
@@ -523,13 +531,13 @@ def report(rows: list[dict]) -> dict:
 
     for r in rows:
         if "error" in r:
-            table.add_row(r["shape"], str(r["group"]), r["engine"], "", "", "", "", r["error"][:80])
+            table.add_row(r["shape"], str(r["group"]), r["engine"], "", "", "", "", r["error"][:80], "")
             continue
         pt = r["per_token"]
         one = f", as one: {pt['fused_as_one']['kernels']}" if "fused_as_one" in pt else ""
         table.add_row(r["shape"], str(r["group"]), r["engine"], cell(r["decode_spread"], ".1f"),
                       cell(r["prefill_spread"], ".0f"), f"{r['load_s']:.2f}", f"{pt['kernels']} ({pt['primitives']}){one}",
-                      f"{pt['host_ms']:.2f}")
+                      f"{pt['host_ms']:.2f}", convert_cell(r.get("convert")))
     console.print(table)
     for key in dict.fromkeys((r["shape"], r["group"]) for r in rows):
         point = [r for r in rows if (r["shape"], r["group"]) == key and "error" not in r]
