@@ -395,6 +395,13 @@ def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0, packed4=0):
     return b.reshape(b.binary("mul", y, b.cast(per(s), 1)), out_shape)
 
 
+@op("QGatherRows", domain=RUNTIME)
+def QGatherRows(b, ids, *, weight, source=""):
+    """DequantizeLinear -> Gather(axis 0) of a table a tied lm_head also reads, folded at load onto that head's
+    prepared weight (`Backend.quantized_gather`): the table is held once, as mlx-lm's QuantizedEmbedding."""
+    return b.quantized_gather(weight, ids)
+
+
 @op("LastRows", domain=RUNTIME, wants_context=True)
 def LastRows(b, x, *, _ctx=None):
     """The lm_head's input [B, S, hidden] cut to its last position when the run needs only the next token's
