@@ -96,7 +96,7 @@ def child_context(args) -> dict:
         for c in sess.caches:
             for t0 in range(0, ctx, 4096):
                 n = min(4096, ctx - t0)
-                view = kvcache.CacheView(sess.buffers[c.name], t0, n)
+                view = kvcache.CacheView(sess.buffers[c.name], t0, n, head_dim=c.head_dim)
                 view.append(sess.backend, torch.randn((1, c.heads, n, c.head_dim), generator=g))
                 sess.buffers[c.name] = view.buffer
         sess.pos = ctx
@@ -133,7 +133,7 @@ def child_attention(args) -> dict:
     for _ in range(2):
         x = torch.randn((1, hkv, t, d), generator=g)
         fmt = kvcache.KVFormat(FORMATS[args.format])
-        view = kvcache.CacheView(kvcache.make_cache(b, (1, hkv, t, d), 1, fmt), 0, t)
+        view = kvcache.CacheView(kvcache.make_cache(b, (1, hkv, t, d), 1, fmt), 0, t, head_dim=d)
         kv.append(view.append(b, x, stored_ok=True))
         del x
     mask = torch.zeros((1, 1, 1, t))

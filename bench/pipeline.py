@@ -4,10 +4,13 @@
     python bench/pipeline.py                       # tiny shape, q4, 2 and 3 ranks
     python bench/pipeline.py --quant f32 --tokens 256 --ranks 2
 
-One process: `fuselm.stream_generate` on the unsplit graph. N ranks: the split, each rank one stage
+One process: `fuselm.stream_generate` on the unsplit graph, in its own process. N ranks: the split, each rank one stage
 (runtime_metal/pipeline_run.py). Both on MLX's CPU backend with the same Session (static-shape decode,
 compiled); the per-token time is the median interval between printed tokens after the first
---warmup tokens. Goal (issue 20): 2 ranks within 1.3x of 1. Writes bench/results/pipeline.json.
+--warmup tokens; the configurations run interleaved, --runs times, and the table gives the median run
+(and the spread). Each rank also reports MLX's peak memory against its stage's weight bytes + its KV
+cache. Goals (issue 20): 2 ranks within 1.3x of 1; a rank's peak <= its weights + cache + 15 %.
+Writes bench/results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -29,26 +32,44 @@ SHAPE = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_ke
 PROMPT = [5, 6, 7, 40, 41, 42, 9, 300]
 
 
+SINGLE = """
+import json, sys, time
+import fuselm
+stamps = []
+for _ in fuselm.stream_generate(sys.argv[1], prompt_ids=json.loads(sys.argv[2]), max_tokens=int(sys.argv[3]),
+                                ignore_eos=True, backend="mlx", device="cpu"):
+    stamps.append(time.perf_counter())
+print(json.dumps([b - a for a, b in zip(stamps, stamps[1:])]))
+"""
+
+
 def single(model: Path, tokens: int) -> list[float]:
-    import fuselm
+    """One process on the unsplit graph (its own process, like each rank)."""
+    p = subprocess.run([sys.executable, "-c", SINGLE, str(model), json.dumps(PROMPT), str(tokens)],
+                       capture_output=True, text=True, timeout=600)
+    if p.returncode:
+        raise SystemExit(f"the single-process run failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
-    stamps = []
-    for _ in fuselm.stream_generate(str(model), prompt_ids=PROMPT, max_tokens=tokens, ignore_eos=True,
-                                    backend="mlx", device="cpu"):
-        stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
-
-def pipeline(split_dir: Path, ranks: int, tokens: int, work: Path) -> list[float]:
+def pipeline(split_dir: Path, ranks: int, tokens: int, work: Path) -> tuple[list[float], list[dict]]:
+    """(token intervals on the last rank, each rank's memory report) of one `mlx.launch` run."""
     from test_pipeline_run import DRIVER, launch
 
+    for f in work.glob("*.json"):
+        f.unlink()
     cli = ["run", str(split_dir), "--prompt-ids", "5", "--max-tokens", "1", "--device", "cpu"]
     kw = {"prompt_ids": PROMPT, "max_tokens": tokens, "ignore_eos": True, "device": "cpu"}
     p = launch(ranks, "-c", DRIVER, str(work), json.dumps([(str(split_dir), kw), cli]), timeout=600)
-    result = work / f"0-rank{ranks - 1}.json"
-    if not result.is_file():
+    results = [work / f"0-rank{r}.json" for r in range(ranks)]
+    if not all(r.is_file() for r in results):
         raise SystemExit(f"the pipeline run failed:\n{p.stderr[-3000:]}")
-    return json.loads(result.read_text())["token_seconds"]
+    results = [json.loads(r.read_text()) for r in results]
+    stages = json.loads((split_dir / "split.json").read_text())["stages"]
+    memory = [{**r["memory"], "weight_bytes": st["bytes"],
+               "ratio": r["memory"]["mlx_peak_bytes"] / (st["bytes"] + r["memory"]["cache_bytes"])}
+              for r, st in zip(results, stages, strict=True)]
+    return results[-1]["token_seconds"], memory
 
 
 # one hop's round trip: a [1, 1, hidden + 1] message there and back between two ranks, 200 times
@@ -83,6 +104,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=8, help="first decode steps left out (checking, compiling)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--runs", type=int, default=3, help="interleaved runs of each configuration (medians)")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = ap.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -94,26 +116,37 @@ def main() -> None:
         ckpt = make_checkpoint(tmp / "hf", "qwen3", **SHAPE)
         fuselm.convert(ckpt, tmp / "exp", quant=args.quant, quiet=True)
         fuselm.optimize(tmp / "exp", tmp / "opt", quiet=True)
-        rows = {}
-        med = lambda xs: 1000 * statistics.median(xs[args.warmup:])  # noqa: E731
-        rows[1] = med(single(tmp / "opt", args.tokens))
         for n in args.ranks:
             fuselm.split(tmp / "opt", tmp / f"split{n}", stages=n, quiet=True)
-            work = tmp / f"run{n}"
-            work.mkdir()
-            rows[n] = med(pipeline(tmp / f"split{n}", n, args.tokens, work))
+            (tmp / f"run{n}").mkdir()
+        runs: dict[int, list[float]] = {1: [], **{n: [] for n in args.ranks}}
+        memory: dict[int, list] = {}
+        med = lambda xs: 1000 * statistics.median(xs[args.warmup:])  # noqa: E731
+        for _ in range(args.runs):  # interleaved: 1 rank, 2 ranks, 3 ranks, 1 rank, ...
+            runs[1].append(med(single(tmp / "opt", args.tokens)))
+            for n in args.ranks:
+                seconds, memory[n] = pipeline(tmp / f"split{n}", n, args.tokens, tmp / f"run{n}")
+                runs[n].append(med(seconds))
         rtt = hop(SHAPE["hidden_size"], tmp)
+    rows = {n: statistics.median(v) for n, v in runs.items()}
     load = os.getloadavg()[0]
     print(f"decode per token, MLX CPU, {args.quant}, hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} "
-          f"layers, median of {args.tokens - 1 - args.warmup} steps ({platform.machine()}, {os.cpu_count()} cores, "
-          f"load average {load:.1f})")
+          f"layers, median over {args.runs} interleaved runs of each run's median of {args.tokens - 1 - args.warmup} "
+          f"steps ({platform.machine()}, {os.cpu_count()} cores, load average {load:.1f})")
     for n, ms in rows.items():
-        print(f"  {n} rank{'s' if n > 1 else ' '}: {ms:7.3f} ms/token  ({ms / rows[1]:.2f}x of 1 rank)")
+        spread = f"{min(runs[n]):.3f}-{max(runs[n]):.3f}"
+        print(f"  {n} rank{'s' if n > 1 else ' '}: {ms:7.3f} ms/token ({spread})  ({ms / rows[1]:.2f}x of 1 rank)")
+    for n, ranks in memory.items():
+        for r, m in enumerate(ranks):
+            print(f"  {n} ranks, rank {r}: MLX peak {m['mlx_peak_bytes'] / 2**20:.2f} MiB = {m['ratio']:.2f}x its "
+                  f"stage's weights ({m['weight_bytes'] / 2**20:.2f} MiB) + cache ({m['cache_bytes'] / 2**20:.2f} MiB); "
+                  f"process RSS {m['max_rss_bytes'] / 2**20:.0f} MiB")
     print(f"  one hop's round trip (ring over loopback, [1, 1, {SHAPE['hidden_size'] + 1}] f32 there and back): "
           f"{rtt:.3f} ms median")
-    out = {"hop_round_trip_ms": rtt, "shape": SHAPE, "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup,
+    out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:]), "hop_round_trip_ms": rtt, "shape": SHAPE,
+           "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup, "runs": args.runs,
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": load, "ms_per_token": rows,
-           "ratio": {n: ms / rows[1] for n, ms in rows.items()}}
+           "ms_per_token_runs": runs, "ratio": {n: ms / rows[1] for n, ms in rows.items()}, "memory": memory}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

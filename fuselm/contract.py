@@ -321,3 +321,74 @@ def vocab_size(model: onnx.ModelProto) -> int:
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == INPUT_IDS and node.input[0] in inits:
             return int(inits[node.input[0]].dims[0])
     return 64
+
+
+# --- what the runtime feeds one step -------------------------------------------------------------
+@dataclass
+class CacheSpec:
+    """One past input of a contract graph as the runtime holds it."""
+
+    name: str  # graph input
+    present: str  # graph output
+    heads: int
+    head_dim: int
+    dtype: int
+
+
+@dataclass
+class StepIO:
+    """The names one step of a graph takes and returns: input_ids or a pipeline stage's hidden state,
+    logits or the next stage's hidden state, and the caches in layer order."""
+
+    first: str
+    output: str
+    caches: list[CacheSpec]
+
+
+def check_step_io(ins: dict[str, tuple[int, list]], outs, path) -> StepIO:
+    """Check a graph's inputs (name -> (element type, dims)) and output names against the contract,
+    as the runtime will feed them; every problem is a FuselmError naming the fix."""
+    outs = set(outs)
+    first = HIDDEN if HIDDEN in ins else INPUT_IDS  # a pipeline stage (`fuselm split`) takes / returns the
+    output = NEXT_HIDDEN if NEXT_HIDDEN in outs else LOGITS  # hidden state in place of input_ids / logits
+    step_inputs = (first, ATTENTION_MASK, POSITION_IDS)
+    missing = [n for n in step_inputs if n not in ins] + [n for n in (output,) if n not in outs]
+    specs = []
+    for name, (elem, shape) in sorted(ins.items(), key=lambda kv: cache_order(kv[0])):
+        if not is_past(name):
+            continue
+        if present_of(name) not in outs:
+            missing.append(present_of(name))
+        if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            raise FuselmError(f"graph input {name} has shape {shape}; the contract needs [batch, kv_heads, past, "
+                              "head_dim] with fixed kv_heads and head_dim")
+        specs.append(CacheSpec(name, present_of(name), shape[1], shape[3], elem))
+    if not specs:
+        missing.append(past_name("{i}", "key/.value"))
+    unknown = [n for n in ins if n not in step_inputs and not is_past(n)]
+    if missing or unknown:
+        what = (f"missing {', '.join(missing)}" if missing else "") + \
+               ("; " if missing and unknown else "") + (f"unexpected inputs {unknown}" if unknown else "")
+        raise FuselmError(f"{path} does not follow the fuselm graph contract ({what}); it needs {NAMES_TEXT} "
+                          "(DESIGN.md); re-export with `fuselm convert`")
+    _check_declared({n: t for n, t in ins.items() if n != HIDDEN})
+    return StepIO(first, output, specs)
+
+
+def _check_declared(ins: dict) -> None:
+    """The inputs' declared types and static dims must admit what the runtime feeds: int64 ids [1, n],
+    float caches [1, kv_heads, past, head_dim] (dims without a size, `[]`, admit anything)."""
+    for name, (elem, shape) in ins.items():
+        ids = not is_past(name)
+        growing = (1,) if ids else (2,)  # seq / past length: different at every step
+        if (elem != TensorProto.INT64) if ids else elem not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            problem = f"element type {TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else elem}"
+        elif shape and (len(shape) != (2 if ids else 4) or shape[0] not in (1, None) and isinstance(shape[0], int)
+                        or any(isinstance(shape[i], int) for i in growing)):
+            problem = f"shape {shape}"
+        else:
+            continue
+        raise FuselmError(f"graph input {name} is declared with {problem}, which the runtime cannot feed: the "
+                          f"contract is {' / '.join(STEP_INPUTS)} int64 [batch, sequence] and "
+                          f"{PAST} float [batch, kv_heads, past, head_dim], batch 1 or free, sequence and "
+                          "past free (DESIGN.md); re-export with `fuselm convert`")

@@ -49,7 +49,8 @@ class CompiledDecode:
 
     def _step(self, ids, pos, *bufs):
         sess = self.sess
-        views = {n: CacheView(buf, pos, 1, static=True) for n, buf in zip(self.names, bufs, strict=True)}
+        views = {c.name: CacheView(buf, pos, 1, static=True, head_dim=c.head_dim)
+                 for c, buf in zip(sess.caches, bufs, strict=True)}
         sess.executor.ctx["rope_offset"] = pos
         sess.executor.ctx["all_logits"] = False
         feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views}

@@ -26,6 +26,10 @@ graph still sees float past/present):
 A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
 attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
 is not one Attention op) gets the rows as floats.
+
+The session's buffers (`in_place`, `packed_pairs`, `allocate`, `view`): one per past input, by name,
+a packed pair's two names on one buffer; a graph that reads its cache with other ops keeps the
+present tensors it returns instead.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 from onnx import TensorProto
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from .backends import kv_quant
@@ -171,6 +177,7 @@ class CacheView:
     seq: int  # rows this step appends
     static: bool = False
     heads: tuple[int, int] | None = None  # this input's heads of a buffer that holds K and V (packed)
+    head_dim: int | None = None  # D, where the buffer is an 8-bit cache (its arrays are in the backend's layout)
 
     @property
     def max_len(self) -> int:
@@ -184,14 +191,15 @@ class CacheView:
     def shape(self) -> tuple[int, int, int, int]:
         b, h, _, d = (int(s) for s in self._first.shape)
         if isinstance(self.buffer, tuple):
-            d = _head_dim_of(self.buffer)
+            assert self.head_dim is not None, "a view of an 8-bit cache needs its head_dim"
+            d = self.head_dim
         h = h if self.heads is None else self.heads[1] - self.heads[0]
         return (b, h, self.max_len - self.seq if self.static else int(self.pos), d)
 
     def append_both(self, other: CacheView, backend, kv, stored_ok: bool, rows: tuple[int, int]):
         """K and V of one packed buffer (this view's heads, then `other`'s) written by one update of
         `kv` [B, Hk + Hv, S, D] at the host position `pos`; returns their rows t0..t1 (as `append`)."""
-        both = CacheView(self.buffer, self.pos, self.seq, self.static)
+        both = CacheView(self.buffer, self.pos, self.seq, self.static, None, self.head_dim)
         out = both.append(backend, kv, stored_ok, rows)
         self.buffer = other.buffer = both.buffer
         return tuple(_heads(backend, out, view.heads) for view in (self, other))
@@ -235,12 +243,59 @@ def _heads(backend, x, heads: tuple[int, int]):
     return StoredKV(data, (b, heads[1] - heads[0], t, d), x.valid, x.dtype)
 
 
-def packed(backend, shape: tuple, graph_dtype: int, fmt: KVFormat) -> object:
-    """One cache holding a layer's K and V heads side by side ([B, 2H, L, D]: K heads, then V heads)."""
-    b, h, length, d = shape
-    return make_cache(backend, (b, 2 * h, length, d), graph_dtype, fmt)
+# --- the session's buffers: one per past input, or one per layer for K and V (packed) -----------------
+def in_place(nodes, names: set[str]) -> bool:
+    """The cache can live in preallocated buffers when the graph only appends to it (KVAppend, Attention's
+    past inputs) or reads its shape."""
+    for n in nodes:
+        for i, x in enumerate(n.inputs):
+            if x in names and not ((n.op_type == "KVAppend" and i == 0) or n.op_type == "Shape"
+                                   or (n.op_type == "Attention" and not n.domain and i in (4, 5))):
+                return False
+    return True
 
 
-def _head_dim_of(stored: tuple) -> int:
-    """head_dim of an 8-bit cache: q's last dim is D (torch uint8) or D/4 (MLX packs 4 into uint32)."""
-    return int(stored[0].shape[3]) * (4 if "uint32" in str(stored[0].dtype) else 1)
+def packed_pairs(specs: list, nodes, causal_reads: bool, fmts: tuple[KVFormat, KVFormat]) -> dict[str, str]:
+    """Value cache name -> its key's, for layers whose K and V can live in one buffer ([B, 2H, L, D]):
+    causal reads, every Attention given its k and v rows as one array (qkv_heads.py), K and V of the
+    same shape and storage format. Empty unless every layer qualifies."""
+    by_name = {c.name: c for c in specs}
+    pairs = {}
+    for n in (n for n in nodes if n.key == ("", "Attention")):
+        k, v = (n.inputs[i] if len(n.inputs) > i else "" for i in (4, 5))
+        if len(n.inputs) < 8 or not n.inputs[7] or k not in by_name or v not in by_name or k in pairs or \
+                (by_name[k].heads, by_name[k].head_dim, by_name[k].dtype) != \
+                (by_name[v].heads, by_name[v].head_dim, by_name[v].dtype):
+            return {}
+        pairs[v] = k
+    return pairs if causal_reads and len(pairs) * 2 == len(specs) and fmts[0] == fmts[1] else {}
+
+
+def format_of(spec, fmts: tuple[KVFormat, KVFormat]) -> KVFormat:
+    return fmts[contract.parse_cache(spec.name).kind == "value"]
+
+
+def allocate(backend, specs: list, fmts: tuple[KVFormat, KVFormat], packed: dict[str, str], length: int) -> dict:
+    """Zeroed buffers [1, H, length, D] by past name (a packed pair shares one [1, 2H, length, D]: the
+    keys' heads, then the values'); a cache larger than the free memory is refused before allocating
+    (a huge --max-tokens, or absurd cache dims in the graph)."""
+    need = sum(cache_bytes((1, c.heads, length, c.head_dim), c.dtype, format_of(c, fmts)) for c in specs)
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise FuselmError(f"the KV cache for {length:,} tokens needs {need / 2**30:,.1f} GiB, more than the "
+                          f"{free / 2**30:.1f} GiB of free memory; lower --max-tokens (or --tokens)")
+    out = {}
+    for c in specs:
+        shape = (1, c.heads * (2 if c.name in packed.values() else 1), length, c.head_dim)
+        if c.name not in packed:
+            out[c.name] = make_cache(backend, shape, c.dtype, format_of(c, fmts))
+    out.update({v: out[k] for v, k in packed.items()})
+    return out
+
+
+def view(buffers: dict, spec, packed: dict[str, str], pos, seq: int, static: bool = False) -> CacheView:
+    """The graph's past input `spec` over its buffer (a packed buffer: its half of the heads)."""
+    heads = None
+    if packed:
+        heads = (spec.heads, 2 * spec.heads) if spec.name in packed else (0, spec.heads)
+    return CacheView(buffers[spec.name], pos, seq, static, heads, spec.head_dim)

@@ -19,9 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from fuselm import contract
 from fuselm.contract import META_NAME, MODEL_NAME
 from fuselm.errors import FuselmError
-from fuselm.graphcheck import check_graph_file
+from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB, check_graph_file
 from fuselm.modeldir import read_meta
 
 # ONNX element type -> numpy dtype of the values as the runtime holds them on the host.
@@ -125,6 +126,17 @@ def load(path: str | os.PathLike) -> LoadedModel:
         input_types[vi.name] = (tt.elem_type, dims)
     return LoadedModel(model.graph, inits, functions, opsets, onnx_path, meta, input_types,
                        [o.name for o in model.graph.output], maps)
+
+
+def check_contract(lm: LoadedModel) -> contract.StepIO:
+    """What one step of the loaded graph takes and returns (fuselm/contract.py checks it); a graph
+    onnxruntime-genai's builder wrote is refused with the command that maps it to the contract."""
+    genai = next((n for n in lm.graph.node if n.domain == ORT_DOMAIN or n.op_type in ORT_ONNX_DOMAIN_CONTRIB), None)
+    if genai is not None:  # its contrib ops, no position_ids
+        raise FuselmError(f"{lm.path} uses onnxruntime contrib ops ({genai.op_type}, node {genai.name!r}), "
+                          "as onnxruntime-genai's builder writes them; run `fuselm optimize DIR -o OUT` first "
+                          "(it maps them to standard ops and the graph contract) and run OUT")
+    return contract.check_step_io(lm.input_types, lm.output_names, lm.path)
 
 
 class _DataFiles:

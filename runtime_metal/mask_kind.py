@@ -51,6 +51,14 @@ def classify(graph: Graph, window_hint: int | None = None) -> None:
             n.attrs["causal_rows"] = window
 
 
+def causal_reads(backend, graph: Graph, in_place: bool, fused: bool) -> bool:
+    """The session reads only the filled rows of its cache: a backend that wants it (`causal_reads`), fused
+    kernels, a cache in place, every Attention's mask a causal band (`causal_rows`), no KVAppend."""
+    attention = [n for n in graph.nodes if n.key == ("", "Attention")]
+    return bool(backend.causal_reads and fused and in_place and attention and all("causal_rows" in n.attrs for n in attention)
+                and not any(n.op_type == "KVAppend" for n in graph.nodes))
+
+
 def _cone(graph: Graph, producers: dict, name: str) -> list[Node] | None:
     """The nodes `name` depends on, in graph order; None when it reads other graph inputs than SMALL."""
     need, stack = set(), [name]

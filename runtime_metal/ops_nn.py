@@ -168,7 +168,7 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     if rows is not None:  # the filled rows, and no array mask (mask_kind.py)
         (t0, t1), causal = rows
         if kv_rows is not None and past_key.heads is not None and _same(past_key.buffer, past_value.buffer):
-            # one buffer holds K and V (kvcache.packed), and the layer made their rows as one array
+            # one buffer holds K and V (kvcache.packed_pairs), and the layer made their rows as one array
             K, V = past_key.append_both(past_value, b, b.transpose(kv_rows, (0, 2, 1, 3)), True, (t0, t1))
         else:
             K, V = past_key.append(b, K, True, (t0, t1)), past_value.append(b, V, True, (t0, t1))

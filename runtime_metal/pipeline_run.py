@@ -15,8 +15,11 @@ gets the same command line, so all know the prompt, its chunks and --max-tokens.
 - prefill: rank 0 runs the prompt in chunks and sends each chunk's hidden state on while it runs the
   next, so the stages work on different chunks at once; the last rank keeps the last chunk's logits.
 - decode: one token per step through the pipe: the last rank picks the token (on the device), prints
-  it and sends it to rank 0, which embeds it. A message is the hidden state [1, s, hidden] plus one
-  column: 1 there means "stop" (rank 0 got an eos token), passed on down the pipe.
+  it and sends it to rank 0, which embeds it. Every rank queues its next step (receive -> stage ->
+  send, mx.async_eval) before the message comes (`Queued`), so the host builds it while the pipe
+  works. A hidden-state message is [1, s, hidden] plus one column, a token message [token, stop]:
+  the last rank sets stop on the device when it picks an eos token, and the flag travels down the
+  pipe with the step queued for it, which every rank ends with.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
   hostfile, a rank that hangs): the waiting rank prints what it waited for and is ended by its
   watchdog process (SIGKILL, status 137), never hangs; mx.distributed.init gets the same deadline. A
@@ -39,6 +42,7 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
 
+from . import kvcache
 from .generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
 from .sampling import Sampler
 from .session import Session, kv_options
@@ -180,14 +184,20 @@ class Pipe:
 
     # --- messages -------------------------------------------------------------------------------
     def _send(self, x, dst):
-        with self.deadline(f"sending to rank {dst}"), self._lost(dst):
+        with self.waiting(f"sending to rank {dst}", dst):
             self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
 
     def _recv(self, shape, dtype, src, what: str):
-        with self.deadline(what), self._lost(src):
+        with self.waiting(what, src):
             x = self.mx.distributed.recv(shape, dtype, src, group=self.group)
             self.mx.eval(x)
         return x
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, peer: int):
+        """Work that may wait for `peer`: under the deadline, a broken connection named."""
+        with self.deadline(what), self._lost(peer):
+            yield
 
     @contextlib.contextmanager
     def _lost(self, peer: int):
@@ -197,11 +207,30 @@ class Pipe:
             raise FuselmError(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
                               "died (its own output says why)") from None
 
-    def send_hidden(self, h, stop: bool = False):
+    def send_hidden(self, h, stop=None):
+        """Send the hidden state on with its stop column (`stop`: a device array, lazily, at decode; a
+        prefill chunk is sent and waited for). Returns the lazy send at decode."""
         mx = self.mx
         h = h.reshape(1, -1, self.width).astype(self.msg_dtype)
-        flag = mx.full((1, h.shape[1], 1), 1.0 if stop else 0.0, dtype=self.msg_dtype)
-        self._send(mx.concatenate([h, flag], axis=-1), self.rank + 1)
+        if stop is None:
+            self._send(mx.concatenate([h, mx.zeros((1, h.shape[1], 1), dtype=self.msg_dtype)], axis=-1),
+                       self.rank + 1)
+            return None
+        flag = mx.broadcast_to(stop.reshape(1, 1, 1).astype(self.msg_dtype), (1, h.shape[1], 1))
+        return self.send(mx.concatenate([h, flag], axis=-1), self.rank + 1)
+
+    def send(self, x, dst):
+        """A lazy send: it runs when evaluated (Queued), after the step that computes x."""
+        return self.mx.distributed.send(x, dst, group=self.group)
+
+    def recv_lazy(self, shape, dtype, src):
+        """A lazy receive: the step built on it is queued before the message comes."""
+        return self.mx.distributed.recv(shape, dtype, src, group=self.group)
+
+    @staticmethod
+    def stopped(message) -> bool:
+        """The stop flag of a received message (waits for it: the next step is already queued)."""
+        return bool(message.reshape(-1)[-1].item())
 
     def recv_hidden(self, rows: int, what: str):
         """(hidden [1, rows, width], stop) from the rank before."""
@@ -227,6 +256,26 @@ class Pipe:
             # this rank exits; the ranks after it see the connection break (or their deadline pass)
             raise FuselmError(f"rank {self.rank}: rank {prev} runs a stage that does not fit: {', '.join(bad)}; every "
                               "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
+
+
+class Queued:
+    """Decode steps queued on the device (mx.async_eval), at most two ahead of the host: a rank builds
+    step n+1's graph (receive -> stage -> send) while step n still waits for its message, so the host's
+    work per token overlaps the pipe's instead of adding to it."""
+
+    def __init__(self, mx, depth: int = 2):
+        self.mx, self.depth, self.sends = mx, depth, []
+
+    def add(self, send) -> None:
+        self.mx.async_eval(send)
+        self.sends.append(send)
+        if len(self.sends) > self.depth:
+            self.mx.eval(self.sends.pop(0))
+
+    def finish(self, pipe: Pipe) -> None:
+        with pipe.waiting("the last decode step's exchange", (pipe.rank + 1) % pipe.size):
+            self.mx.eval(self.sends)
+        self.sends = []
 
 
 def _check_hostfile(n_stages: int) -> None:
@@ -293,13 +342,16 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         for part in chunks:
             pipe.send_hidden(sess._step_dynamic(part))
             b.sync(list(sess.buffers.values()))
-        last = pipe.size - 1
+        last, queued = pipe.size - 1, Queued(pipe.mx)
         for _ in range(max_tokens - 1):
-            token = pipe._recv((1,), pipe.mx.int32, last, f"the next token from rank {last}")
-            if stops and int(token.item()) in stops:  # (a host sync: only when there is an eos to look for)
-                pipe.send_hidden(pipe.mx.zeros((1, 1, pipe.width)), stop=True)
-                break
-            pipe.send_hidden(sess.decode(token.astype(pipe.mx.int64)))
+            with pipe.waiting(f"the next token from rank {last}", last):
+                # queue the step before its token arrives: the host builds it while the pipe works
+                message = pipe.recv_lazy((2,), pipe.mx.int32, last)  # [token, stop]
+                h = sess.decode(message[:1].astype(pipe.mx.int64))
+                queued.add(pipe.send_hidden(h, stop=message[1:]))
+                if stops and pipe.stopped(message):
+                    break
+        queued.finish(pipe)
     else:
         logits = None
         for k, part in enumerate(chunks):
@@ -310,25 +362,26 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             else:
                 pipe.send_hidden(y)
             b.sync(list(sess.buffers.values()))
-        detok = _Detokenizer(tok)
+        detok, queued = _Detokenizer(tok), Queued(pipe.mx)
+        stop_ids = pipe.mx.array(sorted(stops) or [-1], dtype=pipe.mx.int32)
         for n in range(max_tokens):
-            if n:
-                h, stop = pipe.recv_hidden(1, f"decode step {n} from rank {rank - 1}")
-                if stop:
+            with pipe.waiting(f"decode step {n} from rank {rank - 1}", rank - 1):
+                if n:
+                    message = pipe.recv_lazy((1, 1, pipe.width + 1), pipe.msg_dtype, rank - 1)
+                    y = sess.decode(message[..., :pipe.width])
                     if not pipe.last:
-                        pipe.send_hidden(h, stop=True)
-                    break
-                y = sess.decode(h)
-                if not pipe.last:
-                    pipe.send_hidden(y)
+                        queued.add(pipe.send_hidden(y, stop=message[..., pipe.width:]))
+                        if stops and pipe.stopped(message):
+                            break
+                        continue
+                    logits = y
+                elif not pipe.last:
                     continue
-                logits = y
-            elif not pipe.last:
-                continue
-            picked = b.pick_token(logits, sampler)
-            if n + 1 < max_tokens:  # rank 0 embeds it while this rank prints it
-                pipe._send(picked.reshape(1).astype(pipe.mx.int32), 0)
-            token = b.item(picked)
+                picked = b.pick_token(logits, sampler).reshape(1).astype(pipe.mx.int32)
+                if n + 1 < max_tokens:  # rank 0 embeds it while this rank prints it
+                    stop = (picked == stop_ids).any().reshape(1).astype(pipe.mx.int32)
+                    queued.add(pipe.send(pipe.mx.concatenate([picked, stop]), 0))
+                token = b.item(picked)
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
             stamps.append(time.perf_counter())
@@ -338,9 +391,18 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             out.write(detok.add(token))
             out.flush()
             if token in stops:
-                continue  # rank 0 sends the stop down the pipe; wait for it so every rank ends together
+                if n + 1 < max_tokens:  # the step rank 0 queued for the stop token comes round; end with it
+                    pipe._recv((1, 1, pipe.width + 1), pipe.msg_dtype, rank - 1, "the end of the pipe")
+                break
+        queued.finish(pipe)
     now = time.perf_counter()
-    result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids)}
+    import resource
+
+    result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids),
+              # what this rank held (issue 20: <= its stage's weights + cache + 15 %)
+              "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()),
+                         "cache_bytes": sum(kvcache.nbytes(b, v) for v in {id(v): v for v in sess.buffers.values()}.values()),
+                         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}
     if pipe.last:
         out.write("\n")
         out.flush()

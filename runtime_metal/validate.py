@@ -90,10 +90,10 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     d_ort, d_hf = _max_diff(ours, onnxrt), _max_diff(ours, hf)
     target, target_name = (onnxrt, "onnxruntime") if quantized else (hf, "HF transformers")
     first = _first_diff(ours.tokens, target.tokens)
-    kinds = {n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"}
+    weights = [n.attrs["weight"] for n in sess.graph.nodes if n.op_type == "QMatMul"]
     # onnxruntime's own int8 activations: its MatMulNBits fusion at accuracy level 4 (optimizations on)
     int8 = None
-    if quantized and any(k.endswith("-int8") for k in kinds):
+    if quantized and sess.backend.int8_activations(weights):
         level4 = OrtRunner(sess.lm.path, optimize=True, accuracy_level=4).greedy(ids, tokens)
         int8 = _int8_drift(ours, onnxrt, level4)
     hf_drift = _first_diff(ours.tokens, hf.tokens)
@@ -118,7 +118,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         console.print(f"HF drift (expected for {mode}): tokens first differ from HF at step {hf_drift}")
     if int8 is not None:
         result["int8"] = int8
-        console.print(f"int8 activations ({'/'.join(sorted(kinds))}): max |Δlogit| from onnxruntime level 1 (f32) "
+        console.print(f"int8 activations ({'/'.join(sorted({w.kind for w in weights}))}): max |Δlogit| from onnxruntime level 1 (f32) "
                       f"{int8['drift']:.3g}, onnxruntime level 4 (int8) {int8['ort_level4_drift']:.3g}; tokens leave "
                       f"level 1's at step {first}, level 4's at {int8['ort_level4_first_diff']}")
         first4 = int8["ort_level4_first_diff"]

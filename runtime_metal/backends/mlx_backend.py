@@ -497,7 +497,7 @@ class MLXBackend(Backend):
         return out.reshape(*ids.shape, w.in_features)
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
-        """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed; host `pos`)."""
+        """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed_pairs; host `pos`)."""
         if heads is not None:
             buffer[:, heads[0]:heads[1], pos:pos + new.shape[2]] = new
             return buffer

@@ -1,0 +1,247 @@
+"""How one decode step runs (a strategy), and the one place that picks it (`Decoding.choose`).
+
+  Dynamic   every step traced at its own shapes;
+  Checked   the first static step, run dynamic and static and compared: graphs from other exporters may
+            derive positions from shapes in ways static shapes break;
+  Static    one plan over the whole preallocated cache, the same shapes every token, run op by op;
+  Compiled  that plan as one compiled function, per cache length (its shapes are fixed): compiled.py's
+            `CompiledDecode`, or `PiecewiseDecode` where attention reads only the filled rows.
+
+`choose` runs before every step, from what the session knows now:
+  - dynamic where the cache cannot live in place, static decode is off, the check disagreed, or a
+    sliding window is shorter than the cache on a backend that reads the whole buffer (the window's
+    mask is computed from the cache index, and static shapes would move the query to the end of the
+    buffer; causal reads cut the window's rows themselves);
+  - checked until a static step has agreed with dynamic decode;
+  - static while the profiler times ops (a compiled step runs no ops to time), and on the step a
+    compiled one is built from (kept only if it reproduces that step's logits);
+  - compiled once a compiled step for this cache length exists.
+Choosing before every step (a few comparisons) means a profiler switched on between two steps, a reset
+to another cache length and a check's outcome all take effect at the next step, and nothing else picks
+a path. What is learnt moves forward only (unchecked -> static or dynamic; a compile that failed is not
+tried again). `describe()` tells what the last step ran.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import numpy as np
+
+from fuselm import contract
+
+from . import kvcache
+from .compiled import CompiledDecode, PiecewiseDecode, agrees, static_feeds
+
+
+class Decode(enum.Enum):
+    DYNAMIC = "dynamic decode"
+    CHECKING = "static-shape decode, checked on the first step"
+    STATIC = "static-shape decode"
+    COMPILED = "static-shape decode, compiled"
+
+
+class Strategy:
+    """One way to run a decode step of `decoding.sess`: `step(token)` -> logits [vocab], `describe()`."""
+
+    mode: Decode
+
+    def __init__(self, decoding: Decoding):
+        self.decoding, self.sess = decoding, decoding.sess
+        self.ran: Strategy = self  # what a step of this strategy turned out to run (Checked: its outcome)
+
+    def describe(self) -> str:
+        return self.mode.value
+
+
+class Dynamic(Strategy):
+    mode = Decode.DYNAMIC
+
+    def __init__(self, decoding: Decoding, why: str):
+        super().__init__(decoding)
+        self.why = why
+
+    def step(self, token):
+        return self.sess._step_dynamic(token)
+
+    def describe(self) -> str:
+        return f"{self.mode.value} ({self.why})"
+
+
+class Static(Strategy):
+    """The static plan run eagerly; `build`: then compile it for this cache length from this step."""
+
+    mode = Decode.STATIC
+
+    def __init__(self, decoding: Decoding, build: bool = False, note: str = ""):
+        super().__init__(decoding)
+        self.build, self.note = build, note
+
+    def step(self, token):
+        ids, pos_dev, logits = self.eager(token)
+        if self.build:
+            self.decoding.build(ids, pos_dev, logits)
+        self.sess.pos += 1
+        return self.sess.backend.slice(logits, (0, 0))
+
+    def eager(self, token) -> tuple:
+        """(ids, device position, logits [1, 1, vocab]) of the step at the session's position; the
+        position is not moved on."""
+        s = self.sess
+        ids, pos_dev = s._ids(token), self.decoding.position()
+        feeds = static_feeds(s.backend, ids, pos_dev, s.max_len, s.first_input)
+        at = s.pos if s.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
+        views = {c.name: s._view(c, at, 1, static=True) for c in s.caches}
+        return ids, pos_dev, s._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
+
+    def describe(self) -> str:
+        return self.mode.value + self.note + self.decoding.compile_state()
+
+
+class Compiled(Strategy):
+    mode = Decode.COMPILED
+
+    def __init__(self, decoding: Decoding, fn: CompiledDecode | PiecewiseDecode):
+        super().__init__(decoding)
+        self.fn = fn
+
+    def step(self, token):
+        s, pos = self.sess, self.sess.pos
+        logits, nxt, bufs = self.fn(s._ids(token), self.decoding.position(), [s.buffers[c.name] for c in s.caches])
+        s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+        self.decoding.pos_dev = (pos + 1, nxt) if nxt is not None else None
+        s.pos += 1
+        return s.backend.slice(logits, (0, 0))
+
+    def describe(self) -> str:
+        return f"{self.mode.value}: {self.fn.what}"
+
+
+class Checked(Strategy):
+    """Runs the step dynamic, puts the cache rows back, runs it static and compares the logits: static
+    decode is kept only if both agree; else the dynamic step's rows and logits stand."""
+
+    mode = Decode.CHECKING
+
+    def step(self, token):
+        s, d, b = self.sess, self.decoding, self.sess.backend
+        pos = s.pos
+        before = _rows(s, pos)
+        dyn = s._step_dynamic(token)
+        after = _rows(s, pos)
+        _put(s, before)
+        s.pos = pos
+        ids, pos_dev, logits = Static(d).eager(token)
+        out = b.slice(logits, (0, 0))
+        x, y = (np.asarray(b.to_numpy(v), np.float64) for v in (dyn, out))
+        diff = float(np.abs(x - y).max())
+        if not diff <= d.tolerance() * max(1.0, float(np.abs(x).max())):  # (NaN: not kept)
+            d.static, d.why = False, f"static-shape decode differed from it by {diff:.3g} on the first step"
+            _put(s, after)
+            s.pos = pos + 1
+            self.ran = d.choose()
+            return dyn
+        d.static = True
+        self.ran = d.choose()  # the static strategy this cache length runs from now on
+        if isinstance(self.ran, Static):
+            self.ran.note += ", checked against dynamic decode on its first step"
+            if self.ran.build:
+                d.build(ids, pos_dev, logits)
+        s.pos = pos + 1
+        return out
+
+
+class Decoding:
+    """What the session has learnt about decoding its graph, and the strategy each step runs."""
+
+    def __init__(self, sess, static: bool, compile: bool | None):
+        env = os.environ.get("FUSELM_COMPILE", "")
+        self.sess = sess
+        self.compile = (env not in ("0", "false", "no") if env else sess.backend.compile_default) \
+            if compile is None else bool(compile)
+        self.static: bool | None = None if static and sess.in_place else False  # None: not checked yet
+        self.why = "static-shape decode is off" if not static else \
+            "the graph reads its cache with other ops than Attention/KVAppend, so the cache cannot live in place"
+        self.compiled: dict[int, CompiledDecode | PiecewiseDecode] = {}  # by cache length
+        self.failed: str | None = None  # why the compiled step was not kept
+        self.last: Strategy | None = None  # what the last step ran
+        self.pos_dev = None  # (position, the same as a device array) the compiled step handed back
+
+    def choose(self) -> Strategy:
+        s = self.sess
+        if self.static is False:
+            return Dynamic(self, self.why)
+        if s.window is not None and s.max_len > s.window and not s.causal_reads:
+            return Dynamic(self, f"the sliding window of {s.window} tokens is shorter than the cache ({s.max_len}): "
+                                 "static shapes would shift its mask")
+        if self.static is None:
+            return Checked(self)
+        if s.profiler.enabled:
+            return Static(self, note=", eager while the profiler times its ops")
+        fn = self.compiled.get(s.max_len)
+        if fn is not None:
+            return Compiled(self, fn)
+        return Static(self, build=self.compile and self.failed is None)
+
+    def step(self, token):
+        strategy = self.choose()
+        out = strategy.step(token)
+        self.last = strategy.ran
+        return out
+
+    def reset(self) -> None:
+        self.pos_dev = None
+
+    def position(self):
+        """The session's position as a 0-d device integer (the one the compiled step handed back, if it is this one)."""
+        s = self.sess
+        if self.pos_dev is not None and self.pos_dev[0] == s.pos:
+            return self.pos_dev[1]
+        return s.backend.asarray(np.array(s.pos, np.int64))
+
+    def tolerance(self) -> float:
+        return self.sess.backend.drift_tolerance([n.attrs["weight"] for n in self.sess.graph.nodes
+                                                  if n.op_type == "QMatMul"])
+
+    def compile_state(self) -> str:
+        if not self.compile:
+            return ""
+        if self.failed is not None:
+            return f", compile failed ({self.failed})"
+        return ", run eagerly while its compiled step was built" if self.sess.max_len in self.compiled else \
+            ", compiles on the next static step"
+
+    def build(self, ids, pos_dev, eager_logits) -> None:
+        """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
+
+        Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
+        s, b = self.sess, self.sess.backend
+        feeds = static_feeds(b, ids, pos_dev, s.max_len, s.first_input)
+        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos_dev, 1, static=True) for c in s.caches}})
+        if plan is None:
+            self.failed = "the static step's plan is not kept (FUSELM_DEBUG / FUSELM_LIMIT, or a value-dependent op)"
+            return
+        fn = (PiecewiseDecode if s.causal_reads else CompiledDecode)(s, plan, s.max_len)
+        bufs = [s.buffers[c.name] for c in s.caches]
+        try:
+            fn.build((ids, pos_dev, *bufs))
+            logits, _, _ = fn(ids, pos_dev, bufs)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
+            self.failed = f"{type(e).__name__}: {e}"[:300]
+            return
+        if not agrees(b, eager_logits, logits, tol=self.tolerance()):
+            d = np.abs(np.asarray(b.to_numpy(eager_logits), np.float64) - np.asarray(b.to_numpy(logits), np.float64))
+            self.failed = f"compiled logits differ from the eager step by {d.max():.3g}"
+            return
+        self.compiled[s.max_len] = fn
+
+
+def _rows(s, pos: int) -> dict:
+    """A host copy of the cache rows the step at `pos` writes (kvcache.snapshot), one per buffer."""
+    return {k: kvcache.snapshot(s.backend, v, pos, pos + 1) for k, v in s.buffers.items() if k not in s.packed}
+
+
+def _put(s, saved: dict) -> None:
+    s.buffers = {**s.buffers, **{k: kvcache.restore(s.backend, s.buffers[k], v) for k, v in saved.items()}}
+    s.buffers.update({v: s.buffers[k] for v, k in s.packed.items()})  # a packed pair: one buffer again
