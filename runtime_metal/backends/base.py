@@ -232,6 +232,10 @@ class Backend:
         raise NotImplementedError
 
     # --- fused kernels ----------------------------------------------------------------
+    def silu_gate(self, gate, up):
+        """SiLU(gate) · up (silu_gate.py): the three ops the graph wrote; a backend with a kernel for it overrides."""
+        return self.binary("mul", self.binary("mul", gate, self.unary("sigmoid", gate)), up)
+
     def rms_norm(self, x, weight, eps: float):
         """RMS normalization over the last axis, times `weight` (broadcast over the last axis)."""
         raise NotImplementedError

@@ -392,6 +392,9 @@ class MLXBackend(Backend):
     def rms_norm(self, x, weight, eps):
         return mx.fast.rms_norm(x, weight, eps)
 
+    def silu_gate(self, gate, up):
+        return _silu_gate(gate, up)
+
     def layer_norm(self, x, weight, bias, eps):
         return mx.fast.layer_norm(x, weight, bias, eps)
 
@@ -540,6 +543,12 @@ class MLXBackend(Backend):
         vq, vs, vz = block
         return mx.quantized_matmul(_kv_operand(p, vs), vq, vs, vz, transpose=False,
                                    group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gate(gate, up):
+    """SiLU(gate) · up as one kernel at any shape (mlx-lm's swiglu)."""
+    return gate * mx.sigmoid(gate) * up
 
 
 def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps):
