@@ -1,8 +1,9 @@
 """The graph contract (DESIGN.md "Graph contract (v1)"): the one home of what every part agrees on.
 
 The model directory's file names, the graph's input and output names, the KV cache names and their
-parsing, the default-domain opset, the `fuselm` domain and its op `FusedRoPE` (name, attributes,
-schema, node, model-local function body), and the feeds one step of a contract graph takes. The
+parsing, the default-domain opset, the `fuselm` domain and its ops `FusedRoPE` and `SwiGLU` (name,
+attributes, schema, node, model-local function body per form), and the feeds one step of a contract
+graph takes. The
 exporter writes the contract, the passes keep it, the runtime and the reference runs read it; no
 other module spells these names.
 """
@@ -113,56 +114,100 @@ def cache_order(name: str) -> tuple:
 
 # --- fuselm::FusedRoPE ---------------------------------------------------------------------------
 ROPE_OP = "FusedRoPE"
+RMS_EPSILON = 1e-5  # FusedRoPE's `epsilon` default: RMSNormalization's
+
+
+@dataclass(frozen=True)
+class RopeForm:
+    """Which FusedRoPE body a graph needs: its rotary layout, whether any node takes x as
+    [B, S, H·D] (`num_heads` > 0), and whether its nodes normalize each head first (a third input)."""
+
+    interleaved: bool = False
+    heads: bool = False
+    normed: bool = False
 
 
 def fused_rope_node(x: str, position_ids: str, y: str, name: str, inv_freq, attention_scaling: float = 1.0,
-                    interleaved: int = 0) -> onnx.NodeProto:
-    """One `fuselm::FusedRoPE` node: x [B,S,H,D], position_ids [B,S] -> y [B,S,H,D]."""
-    return oh.make_node(ROPE_OP, [x, position_ids], [y], name=name, domain=DOMAIN,
-                        inv_freq=[float(v) for v in inv_freq], attention_scaling=float(attention_scaling),
-                        interleaved=int(interleaved))
+                    interleaved: int = 0, num_heads: int = 0, norm_weight: str | None = None,
+                    epsilon: float = RMS_EPSILON) -> onnx.NodeProto:
+    """One `fuselm::FusedRoPE` node: x [B,S,H,D] (or [B,S,H·D] with num_heads=H), position_ids [B,S] -> y
+    shaped as x; with `norm_weight` [D], each head is RMS-normalized (epsilon) and scaled first."""
+    attrs = {"inv_freq": [float(v) for v in inv_freq], "attention_scaling": float(attention_scaling),
+             "interleaved": int(interleaved)}
+    if num_heads:
+        attrs["num_heads"] = int(num_heads)
+    if norm_weight is not None:
+        attrs["epsilon"] = float(epsilon)
+    return oh.make_node(ROPE_OP, [x, position_ids, *([norm_weight] if norm_weight is not None else [])], [y],
+                        name=name, domain=DOMAIN, **attrs)
 
 
-def rope_schema():
-    """FusedRoPE's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
+def rope_schema(extended: bool = True):
+    """FusedRoPE's OpSchema (onnxscript needs one to emit a node of a custom domain). extended=False: the
+    plain form alone (x [B,S,H,D], no norm weight), for an emitter such as onnxscript that writes every
+    attribute the schema declares onto the node with its default."""
     from onnx.defs import OpSchema
 
-    return OpSchema(
-        ROPE_OP, DOMAIN, DOMAIN_VERSION,
-        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")],
-        outputs=[OpSchema.FormalParameter("Y", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
-        attributes=[OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
-                    OpSchema.Attribute("attention_scaling", oh.make_attribute("attention_scaling", 1.0), ""),
-                    OpSchema.Attribute("interleaved", oh.make_attribute("interleaved", 0), "")])
+    inputs = [OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("position_ids", "tensor(int64)")]
+    attributes = [OpSchema.Attribute("inv_freq", OpSchema.AttrType.FLOATS, ""),
+                  OpSchema.Attribute("attention_scaling", oh.make_attribute("attention_scaling", 1.0), ""),
+                  OpSchema.Attribute("interleaved", oh.make_attribute("interleaved", 0), "")]
+    if extended:
+        inputs.append(OpSchema.FormalParameter("norm_weight", "T", param_option=OpSchema.FormalParameterOption.Optional))
+        attributes += [OpSchema.Attribute("num_heads", oh.make_attribute("num_heads", 0), ""),
+                       OpSchema.Attribute("epsilon", oh.make_attribute("epsilon", RMS_EPSILON), "")]
+    return OpSchema(ROPE_OP, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[OpSchema.FormalParameter("Y", "T")],
+                    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+                    attributes=attributes)
 
 
-def fused_rope_function(interleaved: bool = False) -> onnx.FunctionProto:
-    """The FunctionProto of fuselm::FusedRoPE (domain fuselm, v1) for one rotary layout, opset-23 ops only.
+def _c64(name, values) -> onnx.NodeProto:
+    return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
 
+
+def fused_rope_function(interleaved: bool = False, heads: bool = False, normed: bool = False) -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::FusedRoPE (domain fuselm, v1) for one form (RopeForm), opset-23 ops only.
+
+    heads (some node takes x [B,S,H·D] with num_heads=H, as onnxruntime's RotaryEmbedding does):
+        x4 = Reshape(x, [0, 0, num_heads, -1]) (num_heads=0 copies H of a 4-D x); y = Reshape(y4, Shape(x))
+    normed (the nodes take a third input, norm_weight [D]): x4 = RMSNormalization(x4, norm_weight,
+        axis=-1, epsilon, stash_type=1) first (Qwen3's q/k norm over head_dim)
     freqs = position_ids[..., None] * inv_freq                      [B,S,R/2]
     rotate_half (interleaved=0): emb = concat(freqs, freqs); rot = concat(-x2, x1)
     interleaved=1:               emb = repeat each freq twice; rot = (-x_odd, x_even) pairs
     cos/sin = cos/sin(emb) * attention_scaling, unsqueezed to [B,S,1,R]: they broadcast over
     heads (never [S,1,R,1]: the unsqueeze trap). Dims R..D of x pass through unrotated.
-    The body is written for the layout the model uses (no `If` on the attribute), so
+    The body is written for the form the model's nodes use (no `If` on an attribute), so
     `onnx.inliner` plus any converter gets plain ops.
     """
-    def c64(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
-
+    x, y, pre, post = "X", "Y", [], []
+    if heads:
+        x, y = "x_heads", "y_heads"
+        pre = [_attr_constant("nh", "value_int", "num_heads", onnx.AttributeProto.INT),
+               _c64("zero_zero", [0, 0]), _c64("minus_one", [-1]), _c64("axis_0", [0]),
+               oh.make_node("Unsqueeze", ["nh", "axis_0"], ["nh_1"]),
+               oh.make_node("Concat", ["zero_zero", "nh_1", "minus_one"], ["shape_heads"], axis=0),
+               oh.make_node("Reshape", ["X", "shape_heads"], [x])]
+        post = [oh.make_node("Shape", ["X"], ["shape_x"]), oh.make_node("Reshape", [y, "shape_x"], ["Y"])]
+    if normed:
+        norm = oh.make_node("RMSNormalization", [x, "norm_weight"], ["x_normed"], axis=-1, stash_type=1)
+        ref = norm.attribute.add()
+        ref.name, ref.type, ref.ref_attr_name = "epsilon", onnx.AttributeProto.FLOAT, "epsilon"
+        pre.append(norm)
+        x = "x_normed"
     nodes = [
+        *pre,
         _attr_constant("inv", "value_floats", "inv_freq", onnx.AttributeProto.FLOATS),
         _attr_constant("scale", "value_float", "attention_scaling", onnx.AttributeProto.FLOAT),
-        c64("axis_last", [-1]), c64("axis_2", [2]), c64("zero", [0]), c64("one", [1]), c64("two", [2]),
-        c64("big", [2**62]),
+        _c64("axis_last", [-1]), _c64("axis_2", [2]), _c64("zero", [0]), _c64("one", [1]), _c64("two", [2]),
+        _c64("big", [2**62]),
         oh.make_node("Shape", ["inv"], ["half"]),
         oh.make_node("Mul", ["half", "two"], ["rdim"]),
         oh.make_node("Cast", ["position_ids"], ["pos_f"], to=TensorProto.FLOAT),
         oh.make_node("Unsqueeze", ["pos_f", "axis_last"], ["pos_u"]),
         oh.make_node("Mul", ["pos_u", "inv"], ["freqs"]),  # [B,S,R/2]
-        oh.make_node("Slice", ["X", "zero", "rdim", "axis_last"], ["x_rot"]),
-        oh.make_node("Slice", ["X", "rdim", "big", "axis_last"], ["x_pass"]),
+        oh.make_node("Slice", [x, "zero", "rdim", "axis_last"], ["x_rot"]),
+        oh.make_node("Slice", [x, "rdim", "big", "axis_last"], ["x_pass"]),
         *(_interleaved_body() if interleaved else _half_body()),
         oh.make_node("Cos", ["emb"], ["cos_raw"]),
         oh.make_node("Sin", ["emb"], ["sin_raw"]),
@@ -173,35 +218,63 @@ def fused_rope_function(interleaved: bool = False) -> onnx.FunctionProto:
         oh.make_node("Mul", ["x_rot", "cos"], ["x_cos"]),
         oh.make_node("Mul", ["rot", "sin"], ["rot_sin"]),
         oh.make_node("Add", ["x_cos", "rot_sin"], ["y_rot"]),
-        oh.make_node("Concat", ["y_rot", "x_pass"], ["Y"], axis=-1),
+        oh.make_node("Concat", ["y_rot", "x_pass"], [y], axis=-1),
+        *post,
     ]
+    attributes = [oh.make_attribute("attention_scaling", 1.0), oh.make_attribute("interleaved", 0)]
+    if heads:
+        attributes.append(oh.make_attribute("num_heads", 0))
+    if normed:
+        attributes.append(oh.make_attribute("epsilon", RMS_EPSILON))
     return oh.make_function(
-        DOMAIN, ROPE_OP, ["X", "position_ids"], ["Y"], nodes,
+        DOMAIN, ROPE_OP, ["X", "position_ids", *(["norm_weight"] if normed else [])], ["Y"], nodes,
         opset_imports=[oh.make_opsetid("", OPSET)],
         attributes=["inv_freq"],
-        attribute_protos=[oh.make_attribute("attention_scaling", 1.0), oh.make_attribute("interleaved", 0)],
+        attribute_protos=attributes,
         doc_string=fused_rope_function.__doc__,
     )
 
 
-def rope_layout(nodes) -> bool | None:
-    """The one `interleaved` value the FusedRoPE nodes of a graph use (None: no FusedRoPE node).
+def _int_attr(n, name: str) -> int:
+    """An INT attribute of a NodeProto or an onnx_ir node (0 when absent)."""
+    if isinstance(n, onnx.NodeProto):
+        return next((a.i for a in n.attribute if a.name == name), 0)
+    a = n.attributes.get(name)
+    return a.as_int() if a is not None else 0
 
-    A model-local function has one body per op, so a graph mixing both layouts is refused."""
-    forms = set()
+
+def _n_inputs(n) -> int:
+    """Inputs given to a NodeProto or an onnx_ir node (a trailing omitted optional input does not count)."""
+    given = [bool(i) for i in n.input] if isinstance(n, onnx.NodeProto) else [i is not None for i in n.inputs]
+    while given and not given[-1]:
+        given.pop()
+    return len(given)
+
+
+def rope_form(nodes) -> RopeForm | None:
+    """The one form the FusedRoPE nodes of a graph use (None: no FusedRoPE node).
+
+    A model-local function has one body per op, so a graph mixing the rotary layouts, or normed and plain
+    nodes, is refused; 4-D and [B,S,H·D] nodes share the `heads` body."""
+    layouts, normed, heads = set(), set(), False
     for n in nodes:
         if n.domain == DOMAIN and n.op_type == ROPE_OP:
-            attrs = n.attribute if isinstance(n, onnx.NodeProto) else None
-            if attrs is not None:
-                value = next((a.i for a in attrs if a.name == "interleaved"), 0)
-            else:  # an onnx_ir node
-                a = n.attributes.get("interleaved")
-                value = a.as_int() if a is not None else 0
-            forms.add(bool(value))
-    if len(forms) > 1:
+            layouts.add(bool(_int_attr(n, "interleaved")))
+            normed.add(_n_inputs(n) > 2)
+            heads = heads or _int_attr(n, "num_heads") > 0
+    if len(layouts) > 1:
         raise FuselmError("the graph mixes interleaved and rotate-half FusedRoPE nodes; fuselm::FusedRoPE has one "
                           "function body per model, so one rotary layout per graph is supported")
-    return forms.pop() if forms else None
+    if len(normed) > 1:
+        raise FuselmError("the graph mixes FusedRoPE nodes with and without a norm weight; fuselm::FusedRoPE has one "
+                          "function body per model: fold the q/k norms into every FusedRoPE or into none")
+    return RopeForm(layouts.pop(), heads, normed.pop()) if layouts else None
+
+
+def rope_layout(nodes) -> bool | None:
+    """The one `interleaved` value the FusedRoPE nodes of a graph use (None: no FusedRoPE node)."""
+    form = rope_form(nodes)
+    return None if form is None else form.interleaved
 
 
 def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
@@ -225,11 +298,8 @@ def _half_body() -> list[onnx.NodeProto]:
 
 def _interleaved_body() -> list[onnx.NodeProto]:
     """interleaved (GPT-J layout): pairs (x[2i], x[2i+1]) rotate by freqs[i]."""
-    def c64(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
-
     return [
-        c64("shape_pairs", [0, 0, 0, -1, 2]), c64("shape_flat3", [0, 0, -1]), c64("shape_flat4", [0, 0, 0, -1]),
+        _c64("shape_pairs", [0, 0, 0, -1, 2]), _c64("shape_flat3", [0, 0, -1]), _c64("shape_flat4", [0, 0, 0, -1]),
         oh.make_node("Unsqueeze", ["freqs", "axis_last"], ["i_f"]),
         oh.make_node("Concat", ["i_f", "i_f"], ["i_ff"], axis=-1),
         oh.make_node("Reshape", ["i_ff", "shape_flat3"], ["emb"]),
@@ -242,10 +312,41 @@ def _interleaved_body() -> list[onnx.NodeProto]:
     ]
 
 
+# --- fuselm::SwiGLU ------------------------------------------------------------------------------
+SWIGLU_OP = "SwiGLU"
+
+
+def swiglu_schema():
+    """SwiGLU's OpSchema: X [..., 2·I] (gate then up) -> Y [..., I]."""
+    from onnx.defs import OpSchema
+
+    return OpSchema(SWIGLU_OP, DOMAIN, DOMAIN_VERSION, inputs=[OpSchema.FormalParameter("X", "T")],
+                    outputs=[OpSchema.FormalParameter("Y", "T")],
+                    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")])
+
+
+def swiglu_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::SwiGLU (domain fuselm, v1): the gated SiLU of a fused gate/up projection.
+
+    gate, up = X[..., :I], X[..., I:] (Split into two halves over the last axis)
+    Y = gate · Sigmoid(gate) · up                                    [..., I]
+    """
+    nodes = [oh.make_node("Split", ["X"], ["gate", "up"], axis=-1, num_outputs=2),
+             oh.make_node("Sigmoid", ["gate"], ["sig"]),
+             oh.make_node("Mul", ["gate", "sig"], ["silu"]),
+             oh.make_node("Mul", ["silu", "up"], ["Y"])]
+    return oh.make_function(DOMAIN, SWIGLU_OP, ["X"], ["Y"], nodes, opset_imports=[oh.make_opsetid("", OPSET)],
+                            attributes=[], doc_string=swiglu_function.__doc__)
+
+
 def functions_for(nodes) -> list[onnx.FunctionProto]:
-    """The model-local functions a graph with these nodes must carry (FusedRoPE's, in its layout)."""
-    layout = rope_layout(nodes)
-    return [] if layout is None else [fused_rope_function(layout)]
+    """The model-local functions a graph with these nodes must carry: FusedRoPE's in its form, SwiGLU's."""
+    nodes = list(nodes)
+    form = rope_form(nodes)
+    out = [] if form is None else [fused_rope_function(form.interleaved, form.heads, form.normed)]
+    if any(n.domain == DOMAIN and n.op_type == SWIGLU_OP for n in nodes):
+        out.append(swiglu_function())
+    return out
 
 
 # --- feeds of one step ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ naming the problem:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -132,26 +133,31 @@ def _check_in_onnxruntime(model: onnx.ModelProto, path: Path) -> None:
 
 def _check_functions(model: onnx.ModelProto, path: Path) -> None:
     """A model-local function of the fuselm domain must be fuselm's own definition (fuselm/contract.py), in
-    the rotary layout the graph's nodes use: the runtime runs its kernel for the op while onnxruntime and
-    Netron read the body, so a different body would make them compute different things."""
+    the form the graph's nodes use (FusedRoPE: rotary layout, [B,S,H·D] inputs, norm weight): the runtime
+    runs its kernel for the op while onnxruntime and Netron read the body, so a different body would make
+    them compute different things."""
     try:
-        layout = contract.rope_layout(model.graph.node)
+        form = contract.rope_form(model.graph.node)
     except FuselmError as e:
         raise FuselmError(f"{path}: {e}") from None
-    layouts = (False, True) if layout is None else (layout,)
-    canonical = [contract.fused_rope_function(x) for x in layouts]
-    for proto in canonical:
-        proto.doc_string = ""
+    forms = [form] if form is not None else \
+        [contract.RopeForm(*f) for f in itertools.product((False, True), repeat=3)]
+    canonical = {contract.ROPE_OP: [contract.fused_rope_function(f.interleaved, f.heads, f.normed) for f in forms],
+                 contract.SWIGLU_OP: [contract.swiglu_function()]}
+    for protos in canonical.values():
+        for proto in protos:
+            proto.doc_string = ""
     for f in model.functions:
         if f.domain != contract.DOMAIN:
             continue
         given = onnx.FunctionProto()
         given.CopyFrom(f)
         given.doc_string = ""
-        if f.name != contract.ROPE_OP or all(given != proto for proto in canonical):
+        if all(given != proto for proto in canonical.get(f.name, [])):
             raise FuselmError(f"{path}: the model-local function {contract.DOMAIN}::{shown(f.name, 60)} is not "
-                              f"fuselm's definition of that op (domain version {contract.DOMAIN_VERSION}) for this "
-                              f"graph's rotary layout; a runtime would compute something else than its body; {_FIX}")
+                              f"fuselm's definition of that op (domain version {contract.DOMAIN_VERSION}) for the "
+                              f"form this graph's nodes use; a runtime would compute something else than its body; "
+                              f"{_FIX}")
 
 
 def _check_ops(model: onnx.ModelProto, path: Path) -> None:
@@ -183,11 +189,23 @@ def _check_ops(model: onnx.ModelProto, path: Path) -> None:
             problem = "inv_freq is missing, empty or not finite"
         elif attrs.get("interleaved", 0) not in (0, 1) or not math.isfinite(attrs.get("attention_scaling", 1.0)):
             problem = "interleaved is not 0/1 or attention_scaling is not finite"
+        elif not isinstance(attrs.get("num_heads", 0), int) or attrs.get("num_heads", 0) < 0 or \
+                not attrs.get("epsilon", contract.RMS_EPSILON) > 0:
+            problem = "num_heads is negative or epsilon is not a positive number"
         else:
             dims = shapes[n.input[0]].dim if n.input[0] in shapes else []
-            head_dim = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
-            if head_dim is not None and 2 * len(inv) > head_dim:
+            heads = attrs.get("num_heads", 0)
+            width = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+            head_dim = width // heads if width is not None and heads else width
+            weight = weights.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+            if heads and (len(dims) not in (0, 3) or (width is not None and width % heads)):
+                problem = f"num_heads = {heads}, but its input is not [B, S, heads·D] (shape {[d.dim_value for d in dims]})"
+            elif not heads and len(dims) not in (0, 4):
+                problem = f"its input has rank {len(dims)}: [B, S, H, D], or [B, S, H·D] with num_heads"
+            elif head_dim is not None and 2 * len(inv) > head_dim:
                 problem = f"rotary dim 2*{len(inv)} exceeds the head dim {head_dim} of its input"
+            elif weight is not None and head_dim is not None and weight != [head_dim]:
+                problem = f"its norm weight has shape {weight}, not [{head_dim}] (the head dim)"
         if problem:
             raise FuselmError(f"{path}: node {shown(n.name, 80)} (fuselm::FusedRoPE): {problem}; {_FIX}")
 

@@ -45,7 +45,7 @@ class Match:
 
 _SAME_RANK = {"Split", "Cast", "Sigmoid", "Relu", "Neg", "Sqrt", "Reciprocal", "Identity", "Softmax", "Transpose",
               "RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "DequantizeLinear",
-              contract.ROPE_OP, "Attention", "Concat"}
+              contract.ROPE_OP, contract.SWIGLU_OP, "Attention", "Concat"}
 _BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "MatMul"}
 _REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"}
 

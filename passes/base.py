@@ -364,8 +364,13 @@ def rope_node(graph: ir.Graph, x: ir.Value, position_ids: ir.Value, name: str, i
 
 def attach_functions(model: ir.Model) -> None:
     """Attach the model-local functions of the fuselm ops the graph uses (one definition: the contract's),
-    in the rotary layout its nodes use."""
+    in the form its nodes use (FusedRoPE's rotary layout, [B,S,H·D] inputs, norm weight); a fuselm function
+    the graph no longer needs, or one of another form, goes."""
     protos = contract.functions_for(list(model.graph))
+    used = {n.op_type for n in model.graph if n.domain == contract.DOMAIN}
+    for key in [k for k in model.functions if k[0] == contract.DOMAIN]:
+        if key[1] not in used or any(p.name == key[1] for p in protos):
+            del model.functions[key]
     if protos:
         model.opset_imports.setdefault(contract.DOMAIN, contract.DOMAIN_VERSION)
     for proto in protos:

@@ -25,7 +25,7 @@ from fuselm import contract
 
 from .base import node_layer
 
-_FUSED = {"RMSNormalization", "Attention", contract.ROPE_OP, "RotaryEmbedding", "GroupQueryAttention",
+_FUSED = {"RMSNormalization", "Attention", contract.ROPE_OP, contract.SWIGLU_OP, "RotaryEmbedding", "GroupQueryAttention",
           "SkipSimplifiedLayerNormalization", "MatMulNBits"}
 _MATMUL = {"MatMul", "Gemm", "DequantizeLinear"}
 _SHAPE = {"Shape", "Size", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Reshape", "Range",

@@ -36,11 +36,13 @@ _MASKED = -1e4  # an additive mask entry at or below this weighs exp(-1e4) = 0 i
 @dataclass
 class Rope:
     node: ir.Node
-    x: ir.Value  # FusedRoPE's input [B, S, heads, D]
+    x: ir.Value  # FusedRoPE's input [B, S, heads, D], or [B, S, heads·D] when `flat`
     inv_freq: tuple
     scaling: float
     interleaved: int
     positions: ir.Value
+    flat: bool = False  # num_heads set: x is [B, S, heads·D]
+    norm: tuple[ir.Value, float] | None = None  # FusedRoPE's per-head norm (weight [D], epsilon): GQA has none
 
 
 @dataclass
@@ -54,26 +56,44 @@ class GQAMatch:
     rope: Rope | None
 
 
-def _unrotated(v: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value, Rope | None]:
-    """(the [B, S, heads·D] tensor before FusedRoPE, its FusedRoPE) for v = Reshape(FusedRoPE(x), [.., heads·D]);
-    (v, None) when v is not rotated."""
-    r = producer(v, "Reshape")
-    rope = r.inputs[0].producer() if r is not None else None
-    if rope is None or rope.domain != contract.DOMAIN or rope.op_type != contract.ROPE_OP:
-        return v, None
+def _unrotated(v: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value | None, Rope | None]:
+    """(the [B, S, heads·D] tensor before FusedRoPE, its FusedRoPE) for v = FusedRoPE(x [B, S, heads·D],
+    num_heads=heads) or Reshape(FusedRoPE(x [B, S, heads, D]), [.., heads·D]); the tensor is None when
+    rewrite must make it (a 3-D view after FusedRoPE's norm); (v, None) when v is not rotated."""
+    rope = v.producer()
+    flat = _is_rope(rope) and attr(rope, "num_heads", 0) > 0
+    if not flat:
+        r = producer(v, "Reshape")
+        rope = r.inputs[0].producer() if r is not None else None
+        if not _is_rope(rope) or attr(rope, "num_heads", 0):
+            return v, None
     if len(rope.outputs[0].uses()) != 1 or rope.outputs[0].is_graph_output():
         fail(f"{rope.name} (FusedRoPE) has other readers")
     x = rope.inputs[0]
-    if x.shape is not None and (x.shape.rank() != 4 or x.shape[2] not in (heads, None) or x.shape[3] != head_dim):
-        fail(f"FusedRoPE's input {x.name} is not [B, S, {heads}, {head_dim}]")
+    want = [heads * head_dim] if flat else [heads, head_dim]
+    if flat and attr(rope, "num_heads") != heads:
+        fail(f"{rope.name} (FusedRoPE) has num_heads {attr(rope, 'num_heads')}, the Attention {heads}")
+    if x.shape is not None and (x.shape.rank() != 2 + len(want) or any(
+            isinstance(d, int) and d != w for d, w in zip(list(x.shape)[2:], want, strict=True))):
+        fail(f"FusedRoPE's input {x.name} is not [B, S, {', '.join(map(str, want))}]")
+    weight = rope.inputs[2] if len(rope.inputs) > 2 else None
+    norm = (weight, float(attr(rope, "epsilon", contract.RMS_EPSILON))) if weight is not None else None
     inv = tuple(attr(rope, "inv_freq", ()))
     found = Rope(rope, x, inv, float(attr(rope, "attention_scaling", 1.0)), int(attr(rope, "interleaved", 0)),
-                 rope.inputs[1])
+                 rope.inputs[1], flat, norm)
+    if norm is not None:
+        return None, found  # GQA gets the normalized heads as a 3-D view, made in rewrite
+    if flat:
+        return x, found
     split = producer(x, "Reshape")  # x = Reshape(y [B, S, heads·D]): hand GQA y itself
     target = const(split.inputs[1]) if split is not None else None
     if target is not None and list(target) == [0, 0, heads, head_dim] and _width(split.inputs[0]) == heads * head_dim:
         return split.inputs[0], found
     return None, found  # a 3-D view of x is made in rewrite (after q/k norms)
+
+
+def _is_rope(node: ir.Node | None) -> bool:
+    return node is not None and node.domain == contract.DOMAIN and node.op_type == contract.ROPE_OP
 
 
 def _width(v: ir.Value | None) -> int | None:
@@ -188,8 +208,9 @@ class OrtGroupQueryAttention(Fusion):
     """Attention-23(q, k, v, mask, past_k, past_v) with FusedRoPE on q and k -> com.microsoft.GroupQueryAttention.
 
     The pattern: a 3-D Attention-23 (AttentionTo3D's form: q [B, S, H·D], k/v [B, S, KV·D]) with
-    the past inputs and present graph outputs, q and k each Reshape(FusedRoPE(x [B, S, heads, D],
-    position_ids), [.., heads·D]) (q/k norms stay before it, outside GQA, as its schema says), or
+    the past inputs and present graph outputs, q and k each FusedRoPE(x [B, S, heads·D], position_ids[,
+    norm weight], num_heads) or Reshape(FusedRoPE(x [B, S, heads, D], ...), [.., heads·D]) (q/k norms,
+    FusedRoPE's own included, stay before it as RMSNormalization, outside GQA, as its schema says), or
     neither rotated. GQA gets do_rotary=1, rotary_interleaved from FusedRoPE, cos/sin caches
     [max_length, rotary_dim/2] = attention_scaling·cos/sin(p × inv_freq) computed from FusedRoPE's
     attributes, the graph's position_ids (input 9), seqlens_k = ReduceSum(attention_mask) - 1 and
@@ -305,11 +326,23 @@ class OrtGroupQueryAttention(Fusion):
 
     @staticmethod
     def _flat(graph: ir.Graph, x: ir.Value | Rope, heads: int, head_dim: int, scope: str, new: list) -> ir.Value:
-        """The rotated tensor's input as [B, S, heads·D] (a Reshape of FusedRoPE's input after the q/k norm)."""
+        """The rotated tensor's input as [B, S, heads·D]: a Reshape of FusedRoPE's input (after the q/k norm
+        before it), or of FusedRoPE's own norm over head_dim (RMSNormalization on a [B, S, heads, D] view)."""
         if isinstance(x, ir.Value):
             return x
+        heads4 = x.x
+        if x.flat:
+            shape4 = small_constant(graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
+            r = new_node(graph, "Reshape", [heads4, shape4], f"{scope}/heads/Reshape")
+            new.append(r)
+            heads4 = r.outputs[0]
+        if x.norm is not None:
+            norm = new_node(graph, "RMSNormalization", [heads4, x.norm[0]], f"{scope}/norm/RMSNormalization",
+                            axis=-1, epsilon=x.norm[1], stash_type=1)
+            new.append(norm)
+            heads4 = norm.outputs[0]
         shape = small_constant(graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
-        r = new_node(graph, "Reshape", [x.x, shape], f"{scope}/Reshape")
+        r = new_node(graph, "Reshape", [heads4, shape], f"{scope}/Reshape")
         new.append(r)
         return r.outputs[0]
 

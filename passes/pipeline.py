@@ -27,12 +27,15 @@ from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rope import FuseRoPE
+from .fuse_rope_norm import FuseRoPENorm
+from .fuse_swiglu import FuseSwiGLU
 from .ort_gather_quantized import OrtGatherBlockQuantized
 from .ort_gqa import DEFAULT_MAX_LENGTH, OrtGroupQueryAttention
 from .ort_matmul_nbits import DEFAULT_ACCURACY_LEVEL, OrtMatMulNBits
 from .ort_skip_norm import OrtSkipRMSNorm
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
+from .rope_3d import RoPETo3D
 from .upgrade_opset import UpgradeOpset
 
 PIPELINE: list[Pass] = [
@@ -46,6 +49,9 @@ PIPELINE: list[Pass] = [
     FuseAttention(),
     FuseRoPE(),
     AttentionTo3D(),
+    FuseRoPENorm(),
+    RoPETo3D(),
+    FuseSwiGLU(),
 ]
 TARGETS = ("onnxruntime",)
 

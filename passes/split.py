@@ -39,7 +39,7 @@ from fuselm.genai_config import NAME as GENAI_NAME
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
-from .base import node_layer
+from .base import attach_functions, node_layer
 
 SPLIT_NAME = "split.json"
 
@@ -295,6 +295,7 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
     for name, fn in list(model.functions.items()):
         if not any(n.domain == fn.domain and n.op_type == fn.name for n in g):
             del model.functions[name]
+    attach_functions(model)  # a stage's fuselm functions in the form its own nodes use
     return model
 
 

@@ -273,9 +273,27 @@ def Attention(b, *inputs, **attrs):
 
 # --- rotary embeddings ---------------------------------------------------------------------
 @op(contract.ROPE_OP, domain=contract.DOMAIN, fused=True, wants_context=True)
-def FusedRoPE(b, x, position_ids, *, inv_freq, attention_scaling=1.0, interleaved=0, _ctx=None):
+def FusedRoPE(b, x, position_ids, norm_weight=None, *, inv_freq, attention_scaling=1.0, interleaved=0, num_heads=0,
+              epsilon=contract.RMS_EPSILON, _ctx=None):
+    """x [B,S,H,D] (or [B,S,H·D] with num_heads), each head RMS-normalized by `norm_weight` first when given:
+    the backend's rms_norm and rope kernels (reshapes are views)."""
+    shape = b.shape(x)
+    if num_heads:
+        x = b.reshape(x, (shape[0], shape[1], num_heads, shape[2] // num_heads))
+    if norm_weight is not None:
+        x = RMSNormalization(b, x, norm_weight, axis=-1, epsilon=epsilon, stash_type=1)
     offset = (_ctx or {}).get("rope_offset")
-    return b.rope(x, position_ids, inv_freq, float(attention_scaling), bool(interleaved), offset=offset)
+    y = b.rope(x, position_ids, inv_freq, float(attention_scaling), bool(interleaved), offset=offset)
+    return b.reshape(y, shape) if num_heads else y
+
+
+@op(contract.SWIGLU_OP, domain=contract.DOMAIN, fused=True)
+def SwiGLU(b, x):
+    """gate·Sigmoid(gate)·up of x = [gate | up] (last axis): slices are views, the rest one elementwise
+    expression (mx.compile fuses it)."""
+    i = b.shape(x)[-1] // 2
+    gate, up = b.slice(x, (Ellipsis, slice(0, i))), b.slice(x, (Ellipsis, slice(i, 2 * i)))
+    return b.binary("mul", b.binary("mul", gate, b.unary("sigmoid", gate)), up)
 
 
 @op("RotaryEmbedding")

@@ -6,7 +6,9 @@ Pattern (passes/ FuseQKV + FuseRMSNorm + FuseRoPE + AttentionTo3D):
     q -> Reshape [0, 0, Hq, D] -> RMSNormalization(wq) -> FusedRoPE(position_ids) -> Reshape -> Attention.Q
     k -> Reshape [0, 0, Hkv, D] -> RMSNormalization(wk) -> FusedRoPE(position_ids) -> Reshape -> Attention.K
     v -> Attention.V
-(the norms of Qwen3 / Gemma; llama, qwen2 and mistral have none: then neither q nor k has one)
+(the norms of Qwen3 / Gemma; llama, qwen2 and mistral have none: then neither q nor k has one), or as
+passes/ FuseRoPENorm + RoPETo3D leave it:
+    q -> FusedRoPE(position_ids[, wq], num_heads=Hq) -> Attention.Q     (k alike; the norm is FusedRoPE's input 2)
 becomes
     RoPETable(position_ids) -> cos, sin                  (once per rotary table, shared by every layer)
     QKVHeads(qkv, cos, sin, [wq; wk; 1]) -> Q, K, V, KV  (KV: the k and v heads side by side, [B, S, 2Hkv, D])
@@ -65,13 +67,13 @@ def rewrite(graph: Graph) -> None:
         if m is None:
             continue
         split, chains, rope_attrs, weight, eps, heads, kv_heads = m
-        key = (np.asarray(rope_attrs["inv_freq"]).tobytes(), float(rope_attrs.get("attention_scaling", 1.0)),
-               chains[0][-2].inputs[1])
+        positions = _rope(chains[0]).inputs[1]
+        key = (np.asarray(rope_attrs["inv_freq"]).tobytes(), float(rope_attrs.get("attention_scaling", 1.0)), positions)
         if key not in tables:
             t = f"{att.name}/rope_table"
             tables[key] = (t + "/cos", t + "/sin")
             new.setdefault(id(split), []).append(
-                Node("RoPETable", RUNTIME, t, [chains[0][-2].inputs[1]], list(tables[key]),
+                Node("RoPETable", RUNTIME, t, [positions], list(tables[key]),
                      {"inv_freq": np.asarray(rope_attrs["inv_freq"], np.float32), "attention_scaling": key[1]}))
         cos, sin = tables[key]
         w = att.name + "/qk_norm_weight"
@@ -99,12 +101,15 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
     chains = []
     split = None
     for i in (0, 1):
-        chain = [producers.get(att.inputs[i])]  # merge Reshape <- FusedRoPE [<- RMSNorm] <- Reshape
+        chain = [producers.get(att.inputs[i])]  # merge Reshape <- FusedRoPE [<- RMSNorm] <- Reshape, or FusedRoPE
         while chain[-1] is not None and chain[-1].op_type != "Split" and len(chain) < 5:
             chain.append(producers.get(chain[-1].inputs[0]))
         chain.pop()
-        if None in chain or [n.op_type for n in chain] not in (_CHAIN, _CHAIN[:2] + _CHAIN[3:]) or \
-                (chains and len(chain) != len(chains[0])):
+        if None in chain or [n.op_type for n in chain] not in _CHAINS or (chains and len(chain) != len(chains[0])):
+            return None
+        # a lone FusedRoPE takes [B,S,H·D]; between Reshapes it takes [B,S,H,D]; and one norm at most
+        if len(chain) == 1 and not chain[0].attrs.get("num_heads", 0) or \
+                len(chain) > 1 and chain[1].attrs.get("num_heads", 0) or len(chain) == 4 and len(chain[1].inputs) > 2:
             return None
         sp = producers.get(chain[-1].inputs[0])
         if sp is None or sp.key != ("", "Split") or (split is not None and sp is not split) or \
@@ -118,11 +123,15 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
             split.attrs.get("axis") not in (-1, 2):
         return None
     sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
-    norms = [c[1] for c in chains if len(c) == 4]
-    ropes = [c[-2] for c in chains]
-    a, b = (dict(r.attrs) for r in ropes)
+    ropes = [_rope(c) for c in chains]
+    # (node, weight input): the RMSNormalization before the rope, or the rope's own norm weight
+    norms = [(c[1], c[1].inputs[1]) for c in chains if len(c) == 4] or \
+        [(r, r.inputs[2]) for r in ropes if len(r.inputs) > 2 and r.inputs[2]]
+    if len(norms) not in (0, 2):
+        return None
+    a, b = ({k: v for k, v in r.attrs.items() if k not in ("num_heads", "epsilon")} for r in ropes)
     d = 2 * np.asarray(a.get("inv_freq", [])).size
-    weights = [graph.constants.get(n.inputs[1]) for n in norms] or [np.ones(d, np.float32)] * 2
+    weights = [graph.constants.get(w) for _, w in norms] or [np.ones(d, np.float32)] * 2
     if sizes is None or any(w is None or w.shape != (d,) for w in weights):
         return None
     inv = np.asarray(a.get("inv_freq", []), np.float32)
@@ -130,8 +139,8 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
             a.get("attention_scaling", 1.0) != b.get("attention_scaling", 1.0) or a.get("interleaved", 0) or \
             2 * inv.size != d or ropes[0].inputs[1] != ropes[1].inputs[1]:
         return None
-    eps = [float(n.attrs.get("epsilon", 1e-5)) for n in norms] or [0.0, 0.0]
-    if eps[0] != eps[1] or any(n.attrs.get("axis", -1) != -1 or n.attrs.get("stash_type", 1) != 1 for n in norms):
+    eps = [float(n.attrs.get("epsilon", contract.RMS_EPSILON)) for n, _ in norms] or [0.0, 0.0]
+    if eps[0] != eps[1] or any(n.attrs.get("axis", -1) != -1 or n.attrs.get("stash_type", 1) != 1 for n, _ in norms):
         return None
     sizes = [int(x) for x in np.asarray(sizes).reshape(-1)]
     if len(sizes) != 3 or sizes[1] != sizes[2] or sizes[0] % d or sizes[1] % d:
@@ -144,3 +153,9 @@ def _match(graph: Graph, producers: dict, readers: dict, att: Node):
 
 
 _CHAIN = ["Reshape", contract.ROPE_OP, "RMSNormalization", "Reshape"]  # from the Attention input back to the Split
+_CHAINS = (_CHAIN, _CHAIN[:2] + _CHAIN[3:], [contract.ROPE_OP])
+
+
+def _rope(chain: list[Node]) -> Node:
+    """The FusedRoPE of a chain in graph order ([Reshape, [RMSNorm,] FusedRoPE, Reshape] or [FusedRoPE])."""
+    return chain[-2] if len(chain) > 1 else chain[0]

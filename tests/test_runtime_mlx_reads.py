@@ -180,3 +180,17 @@ def test_sliding_window_decode_reads_the_windows_rows(optimized, monkeypatch):
         sess.decode(6 + t)
     layers = sess.meta["dims"]["layers"]
     assert seen == [(min(4, 3 + t), None) for t in range(5) for _ in range(layers)]  # rows 0..pos, then 4
+
+
+@pytest.mark.parametrize("skip", [(), ("RoPETo3D",), ("FuseRoPENorm", "RoPETo3D")])
+def test_qkv_heads_takes_every_fused_rope_form(exported, tmp_path, skip):
+    """qkv_heads.py matches FusedRoPE on [B,S,H·D] with its norm weight (the default pipeline), between
+    head Reshapes with the weight, and after a separate RMSNormalization: one QKVHeads per layer, no
+    FusedRoPE left, logits equal torch's (which runs the op table's FusedRoPE)."""
+    model = fuselm.optimize(exported("qwen3", "f32"), tmp_path / "opt", skip=skip, quiet=True)
+    sess = Session(model, backend="mlx")
+    ops = [n.op_type for n in sess.graph.nodes]
+    assert ops.count("QKVHeads") == sess.meta["dims"]["layers"] and "FusedRoPE" not in ops
+    ids = [3, 4, 5, 6, 2]
+    got, want = _logits(sess, ids, 3), _logits(Session(model, backend="torch"), ids, 3)
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(got).max())

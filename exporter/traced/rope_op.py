@@ -57,7 +57,8 @@ def translation():
     """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
     from onnxscript import values
 
-    fused_rope = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.ROPE_OP, contract.rope_schema())
+    fused_rope = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.ROPE_OP,
+                          contract.rope_schema(extended=False))
 
     def to_onnx(x, position_ids, inv_freq, attention_scaling, interleaved):
         return fused_rope(x, position_ids, inv_freq=list(inv_freq), attention_scaling=float(attention_scaling),

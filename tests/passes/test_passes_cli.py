@@ -82,7 +82,8 @@ def test_diff_html_renders_in_chromium(exported, tmp_path, capsys):
     report = json.loads(data.read_text())
     passes = [p["pass"] for p in report["passes"]]
     assert passes == ["UpgradeOpset", "FromGenAI", "RemoveDeadShapeOp", "ReorderQKVProjections", "FuseQKV",
-                      "FuseGateUp", "FuseRMSNorm", "FuseAttention", "FuseRoPE", "AttentionTo3D"]
+                      "FuseGateUp", "FuseRMSNorm", "FuseAttention", "FuseRoPE", "AttentionTo3D", "FuseRoPENorm",
+                      "RoPETo3D", "FuseSwiGLU"]
     html = page.read_text()
     # Self-contained: inline script and styles only, nothing fetched.
     assert "<script src" not in html and "<link" not in html

@@ -51,9 +51,9 @@ def test_every_removed_and_added_node_is_marked(exported, family):
     assert checked > 50
     counts = data["nodes_per_layer_out"]
     assert counts["uniform"] and counts["layers"] == [counts["per_layer"]] * 2
-    # Qwen3: RMSNorm, MatMul, Split, 2x (Reshape, RMSNorm, FusedRoPE, Reshape), Attention, MatMul, Add;
-    # RMSNorm, MatMul, Split, Sigmoid, Mul, Mul, MatMul, Add. Llama: no q/k norms; Qwen2: + the qkv bias Add.
-    assert counts["per_layer"] == {"qwen3": 22, "qwen2": 21, "llama": 20}[family]
+    # Qwen3: RMSNorm, MatMul, Split, 2x FusedRoPE (3-D, its q/k norm inside), Attention, MatMul, Add;
+    # RMSNorm, MatMul, SwiGLU, MatMul, Add. Llama: the same without norm weights; Qwen2: + the qkv bias Add.
+    assert counts["per_layer"] == {"qwen3": 13, "qwen2": 14, "llama": 13}[family]
 
 
 def _group(record, layer, stages, op, name_part):

@@ -30,6 +30,8 @@ def test_every_pass_keeps_the_numbers(exported, family, quant):
     assert fired["FuseQKV"] == fired["FuseGateUp"] == fired["FuseAttention"] == fired["AttentionTo3D"] == layers
     assert fired["FuseRMSNorm"] == (4 if family == "qwen3" else 2) * layers + 1
     assert fired["FuseRoPE"] == 0  # fuselm's exporter writes FusedRoPE already
+    assert fired["RoPETo3D"] == 2 * layers and fired["FuseSwiGLU"] == layers
+    assert fired["FuseRoPENorm"] == (2 * layers if family == "qwen3" else 0)  # only Qwen3 has q/k norms
     for r in data["passes"]:
         if not r["changed"]:
             continue
@@ -49,13 +51,17 @@ def test_optimized_qwen3_layer(optimized, quant):
     names = {n.name for n in nodes if n.op_type == "MatMul" and n.name.startswith("/model/layers.0/")}
     assert names == {f"/model/layers.0/{s}/MatMul" for s in ("attn/qkv_proj", "attn/o_proj", "mlp/gate_up_proj",
                                                               "mlp/down_proj")}
-    assert layer["FusedRoPE"] == 2 and layer["Attention"] == 1 and layer["RMSNormalization"] == 4
+    assert layer["FusedRoPE"] == 2 and layer["Attention"] == 1 and layer["RMSNormalization"] == 2
+    assert layer["SwiGLU"] == 1 and layer["Sigmoid"] == 0 and layer["Mul"] == 0
     assert layer["Softmax"] == layer["Pow"] == layer["ReduceMean"] == layer["Expand"] == 0
     assert layer["DequantizeLinear"] == (4 if quant == "q4" else 0)
-    # Attention in its 3-D form: no head Transposes; q/k split into heads and back (their RMSNorm and
-    # FusedRoPE work on [B,S,H,D]), v read straight from the Split.
-    assert layer["Transpose"] == 0 and layer["Reshape"] == 4
-    assert sum(layer.values()) == 22 + (4 if quant == "q4" else 0)
+    # Attention in its 3-D form: no head Transposes nor Reshapes; q and k go to FusedRoPE as [B,S,H·D]
+    # (num_heads) with their q/k norm weights, v straight from the Split.
+    assert layer["Transpose"] == 0 and layer["Reshape"] == 0
+    ropes = [n for n in nodes if n.op_type == "FusedRoPE" and n.name.startswith("/model/layers.0/")]
+    assert all(len(n.input) == 3 and n.input[2].endswith(("q_norm.weight", "k_norm.weight")) for n in ropes)
+    # RMSNorm x2, MatMul x4, Split, residual Add x2, FusedRoPE x2, Attention, SwiGLU
+    assert sum(layer.values()) == 13 + (4 if quant == "q4" else 0)
     # No dead node anywhere: every output is read or is a graph output.
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
@@ -129,7 +135,8 @@ def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path, attn, onnxscript_opt
                     optimize=onnxscript_optimize)
     out = fuselm.optimize(src, tmp_path / "opt", quiet=True)
     ops = Counter(n.op_type for n in _nodes(out / "model.onnx"))
-    assert ops["FusedRoPE"] == 4 and ops["Attention"] == 2 and ops["RMSNormalization"] == 9
+    # q/k norms folded into FusedRoPE (9 - 4), the SiLU gates one SwiGLU each
+    assert ops["FusedRoPE"] == 4 and ops["Attention"] == 2 and ops["RMSNormalization"] == 5 and ops["SwiGLU"] == 2
     assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["Pow"] == ops["RotaryEmbedding"] == 0
     attention = [n for n in _nodes(out / "model.onnx") if n.op_type == "Attention"]
     assert all(len(n.input) == 6 and len(n.output) == 3 for n in attention)  # the cache is inside

@@ -99,7 +99,8 @@ def test_passes_on_other_exporters_at_their_default_opsets(make_ckpt, tmp_path, 
     first = meta["passes"][0]
     assert first["pass"] == "UpgradeOpset" and first["fired_at"][0].endswith("-> 23")
     ops = Counter(n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node)
-    assert ops["RMSNormalization"] == 9 and ops["FusedRoPE"] == 4 and ops["Attention"] == 2, ops
+    # the q/k norms go into FusedRoPE (9 - 4 RMSNormalization), the SiLU gates into SwiGLU
+    assert ops["RMSNormalization"] == 5 and ops["FusedRoPE"] == 4 and ops["Attention"] == 2 and ops["SwiGLU"] == 2, ops
     assert ops["Softmax"] == ops["Cos"] == ops["Neg"] == ops["ReduceMean"] == 0
     before = run_steps(src)
     after = run_steps(out / "model.onnx", steps=before)
