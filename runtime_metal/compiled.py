@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -116,6 +117,10 @@ class PiecewiseDecode:
         for p in self.pieces:
             if p.steps[0].node.op_type != "Attention":
                 p.fn, _ = self.sess.backend.compile_step(self._piece(p), args, 1)
+        # what each call reads, as one C-level lookup (the host builds this loop every token)
+        self.calls = [(p.fn, p.fast, p, itemgetter(*p.inputs) if len(p.inputs) > 1 else
+                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()))
+                      for p in self.pieces]
         self.seconds = time.perf_counter() - t0
 
     def _piece(self, piece: Piece):
@@ -147,11 +152,11 @@ class PiecewiseDecode:
         ex.ctx["all_logits"] = False
         b.new_step()
         b.step_memo = {}
-        for p in self.pieces:
-            if p.fn is not None:
-                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
-            elif p.fast is not None:
-                p.fast(env, pos, pos_dev)
+        for fn, fast, p, inputs in self.calls:
+            if fn is not None:
+                env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))
+            elif fast is not None:
+                fast(env, pos, pos_dev)
             else:
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
@@ -179,7 +184,8 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
     before.heads_out.update({qn: hq, kvn: 0})
     before.outputs = [o for o in before.outputs if o not in (k3, v3) or o in others or o in sess.graph.outputs]
     after.heads_in.add(yn)
-    scale = None if a.get("scale") is None else float(a["scale"])
+    d = next(c.head_dim for c in sess.caches if c.name == kn)  # q's head size is k's
+    scale = float(1.0 / np.sqrt(d)) if a.get("scale") is None else float(a["scale"])
 
     def run(env, pos: int, pos_dev) -> None:
         q, kv, held = env[qn], env[kvn], env[kn]  # [B, Hq, S, D], [B, 2Hk, S, D], the buffer (or its CacheView)
@@ -188,13 +194,13 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
         if isinstance(buf, tuple) or b.dtype(buf) != b.dtype(kv):
             env[qn], env[kvn] = _merged(b, q), b.transpose(kv, (0, 2, 1, 3))
             env[k3], env[v3] = (_merged(b, b.slice(kv, (slice(None), slice(h0, h0 + hk)))) for h0 in (0, hk))
-            if view is None:
-                env[kn], env[vn] = (CacheView(buf, pos, 1, True, (h0, h0 + hk)) for h0 in (0, hk))
+            views = (view, env[vn]) if view is not None else \
+                tuple(CacheView(buf, pos, 1, True, (h0, h0 + hk)) for h0 in (0, hk))
+            env[kn], env[vn] = views
             ex.ctx["rope_offset"] = pos_dev
-            ex.run_steps([st], env)
+            ex.run_steps([st], env)  # (which drops the views from env after their last reader)
             env[yn] = _split(b, env[yn], hq)
-            if view is None:
-                env[kn] = env[vn] = env[kn].buffer
+            env[kn], env[vn] = views if view is not None else (views[0].buffer, views[0].buffer)
             return
         s = b.shape(q)[2]
         t1 = pos + s
@@ -206,7 +212,7 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
             view.buffer = env[vn].buffer = buf
         k = b.slice(buf, (slice(None), slice(0, hk), slice(t0, t1)))
         v = b.slice(buf, (slice(None), slice(hk, 2 * hk), slice(t0, t1)))
-        env[yn] = b.sdpa(q, k, v, None, float(1.0 / np.sqrt(b.shape(q)[3])) if scale is None else scale)
+        env[yn] = b.sdpa(q, k, v, None, scale)
 
     return run
 
