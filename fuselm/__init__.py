@@ -51,27 +51,34 @@ def split(in_path, out, **kwargs):
 
 def run(model_dir, **kwargs):
     """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
-    per process under `mlx.launch` (runtime_metal/pipeline_run.py)."""
-    from .ort_run import lowered_for_onnxruntime
+    per process under `mlx.launch` (runtime_metal/pipeline_run.py). `--backend auto` picks the engine by
+    fuselm/auto_backend.py's rule; the run's header says which and why."""
     from .runtime_metal import pipeline_run
 
     if pipeline_run.is_split(model_dir):
         return pipeline_run.run(model_dir, **kwargs)
     kwargs.pop("pipe_timeout", None)
-    if kwargs.get("backend", "auto") == "auto" and lowered_for_onnxruntime(model_dir):
-        kwargs["backend"] = "onnxruntime"  # only onnxruntime runs its contrib ops
-    elif kwargs.get("backend") not in (None, "onnxruntime") and lowered_for_onnxruntime(model_dir):
-        raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft): it was lowered for onnxruntime "
-                          "(`fuselm optimize --target onnxruntime`) or written by onnxruntime-genai's builder; run it "
-                          "with --backend onnxruntime, or run `fuselm optimize DIR -o OUT` first (without --target: "
-                          "it maps them to standard ops) and run OUT")
-    if kwargs.get("backend") == "onnxruntime":
+    backend, why = _backend_for(model_dir, kwargs)
+    if backend == "onnxruntime":
         from .ort_run import run as _ort_run
 
-        return _ort_run(model_dir, **{k: v for k, v in kwargs.items() if k != "backend"})
+        return _ort_run(model_dir, why=why, **kwargs)
     from .runtime_metal.generate import run as _run
 
-    return _run(model_dir, **kwargs)
+    return _run(model_dir, backend=backend, why=why, **kwargs)
+
+
+def _backend_for(model_dir, kwargs: dict) -> tuple[str, str | None]:
+    """Pop `backend` from run's / validate's keywords: the backend that runs `model_dir` and why (auto)."""
+    from .auto_backend import resolve
+    from .ort_run import lowered_for_onnxruntime
+
+    asked = kwargs.pop("backend", None) or "auto"
+    if asked not in ("auto", "onnxruntime") and lowered_for_onnxruntime(model_dir):
+        raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft): it was lowered for onnxruntime "
+                          f"(`fuselm optimize --target onnxruntime`); run it with --backend onnxruntime, or run "
+                          f"--backend {asked} on the directory `fuselm optimize` wrote without --target")
+    return resolve(model_dir, asked, kwargs)
 
 
 def stream_generate(model, **kwargs):
@@ -83,7 +90,16 @@ def stream_generate(model, **kwargs):
 
 
 def validate(model_dir, reference, **kwargs):
-    """Greedy tokens of the runtime vs onnxruntime vs HF transformers (see `fuselm validate -h`)."""
+    """Greedy tokens of the runtime vs onnxruntime vs HF transformers (see `fuselm validate -h`); with
+    `backend="onnxruntime"` (or auto's choice of it) the onnxruntime path vs the standard graph vs HF."""
+    backend, why = _backend_for(model_dir, kwargs)
+    if backend == "onnxruntime":
+        from .ort_validate import validate as _ort_validate
+
+        return _ort_validate(model_dir, reference, why=why, **kwargs)
+    if kwargs.pop("standard", None) is not None:
+        raise FuselmError(f"--standard compares the onnxruntime path with a standard graph; --backend {backend} "
+                          "compares with onnxruntime on DIR itself: drop --standard or pass --backend onnxruntime")
     from .runtime_metal.validate import validate as _validate
 
-    return _validate(model_dir, reference, **kwargs)
+    return _validate(model_dir, reference, backend=backend, why=why, **kwargs)

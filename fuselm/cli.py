@@ -77,15 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=[*BACKEND_NAMES, "onnxruntime"] if name == "run" else BACKEND_NAMES,
-                       default="auto",
-                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU)")
+        r.add_argument("--backend", choices=[*BACKEND_NAMES, "onnxruntime"], default="auto",
+                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU); "
+                            "auto: onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph "
+                            "(fuselm/auto_backend.py), else MLX on Metal, torch elsewhere (the f32 reference on CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
         r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="compile the static-shape decode step (default: on for MLX and CUDA, off on CPU)")
-        r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        r.add_argument("--threads", type=int, default=None,
+                       help="CPU threads: torch's, or onnxruntime's intra-op threads (default: the engine's own)")
         r.add_argument("--kv-bits", type=int, default=None, metavar="{8,16,32}",
                        help="KV cache storage: 8 (int8, per-group f16 scales), 16 (float16), 32 (float32); "
                             "default: the graph's dtype")
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
             r.add_argument("--prompt-ids", type=_ids, default=None)
+            r.add_argument("--standard", default=None, metavar="DIR",
+                           help="--backend onnxruntime on a lowered graph: the un-lowered model directory to compare "
+                                "with (default: --reference converted again as DIR's fuselm.json records, then optimized)")
     return p
 
 

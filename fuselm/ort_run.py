@@ -53,9 +53,12 @@ class GenaiLoop:
         self.model = og.Model(config)
         self.what = f"onnxruntime-genai {og.__version__}, CPU"
 
-    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed):
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed,
+                 ignore_eos: bool = False, logits: list | None = None):
+        """Yields each token; `logits`, when given, gets the logits [vocab] each token was picked from."""
         params = self.og.GeneratorParams(self.model)
-        options = {"max_length": len(ids) + max_tokens, "min_length": 0, "do_sample": temperature > 0}
+        total = len(ids) + max_tokens
+        options = {"max_length": total, "min_length": total if ignore_eos else 0, "do_sample": temperature > 0}
         if temperature > 0:
             options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p)
             if seed is not None:
@@ -64,6 +67,8 @@ class GenaiLoop:
         gen = self.og.Generator(self.model, params)
         gen.append_tokens(np.array([ids], dtype=np.int32))
         for _ in range(max_tokens):
+            if logits is not None:  # read before the pick: after it, genai 0.18 already holds the next step's
+                logits.append(np.asarray(gen.get_logits(), np.float32).reshape(-1))
             gen.generate_next_token()
             yield int(gen.get_next_tokens()[0])
 
@@ -95,7 +100,9 @@ class BoundLoop:
         v.update_inplace(a)
         return v
 
-    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed):
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed,
+                 ignore_eos: bool = False, logits: list | None = None):
+        """Yields each token (the caller stops at eos); `logits`, when given, gets the logits each was picked from."""
         from .runtime_metal.sampling import sample
 
         rng = np.random.default_rng(seed)
@@ -126,41 +133,73 @@ class BoundLoop:
             outs = dict(zip(bound, io.get_outputs(), strict=False))
             if not self.shared:
                 cache = {n: outs[contract.present_of(n)] for n in self.pasts}
-            logits = outs[contract.LOGITS].numpy()[0, -1]
-            token = sample(logits, temperature, top_k, top_p, rng)
+            last = outs[contract.LOGITS].numpy()[0, -1]
+            if logits is not None:
+                logits.append(np.array(last, np.float32))
+            token = sample(last, temperature, top_k, top_p, rng)
             done += s
             step = [token]
             yield token
 
 
-def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
-        top_k=0, top_p=1.0, seed=None, threads=None, stream=None, quiet=False, engine: str = "auto", **ignored) -> dict:
-    """Generate on onnxruntime: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
-    installed and the directory has its genai_config.json). Options of the other backends are refused."""
-    from rich.console import Console
+# run's / validate's keywords that only runtime_metal's backends honour
+RUNTIME_ONLY = ("device", "no_fused_kernels", "compile", "dtype", "kv_bits", "kv_bits_k", "kv_bits_v", "kv_group_size",
+                "profile")
 
-    from .runtime_metal.generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
-    unsupported = {k: v for k, v in ignored.items() if v not in (None, False, "auto")}
-    if unsupported:
-        raise FuselmError(f"--backend onnxruntime does not take {', '.join('--' + k.replace('_', '-') for k in unsupported)}; "
-                          "drop them or use --backend torch")
-    if max_tokens < 1:
-        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
-    path = Path(model_dir)
+def unhonoured(options: dict) -> list[str]:
+    """The flags among `options` (run's / validate's keywords) that onnxruntime's CPU engine cannot honour: a
+    device other than cpu, --compile, --kv-bits, --no-fused-kernels, ... (unset: None, False or "auto")."""
+    return ["--" + k.replace("_", "-") for k, v in options.items() if k in RUNTIME_ONLY
+            and v not in (None, False, "auto") and not (k == "device" and v == "cpu") and not (k == "dtype" and v == "f32")]
+
+
+def refuse_options(options: dict) -> None:
+    """A FuselmError naming the flags `unhonoured` finds; a keyword no backend takes is a TypeError."""
+    if unknown := set(options) - set(RUNTIME_ONLY):
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    if flags := unhonoured(options):
+        raise FuselmError(f"--backend onnxruntime does not take {', '.join(flags)}; drop them or use --backend torch")
+
+
+def genai_installed() -> bool:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_loop(path: Path, engine: str = "auto", threads: int | None = None):
+    """The generation loop: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
+    installed and the directory has its genai_config.json)."""
     if not (path / contract.MODEL_NAME).is_file():
         raise FuselmError(f"{path} has no {contract.MODEL_NAME}; pass a model directory from `fuselm optimize`")
     from .graphcheck import check_graph_file
 
     check_graph_file(path / contract.MODEL_NAME)
     if engine == "auto":
-        try:
-            import onnxruntime_genai  # noqa: F401
+        engine = "genai" if genai_installed() and (path / GENAI_CONFIG).is_file() else "ort"
+    if engine == "genai" and not genai_installed():
+        raise FuselmError("engine genai needs onnxruntime-genai (`pip install onnxruntime-genai`); or use engine ort")
+    return GenaiLoop(path, threads) if engine == "genai" else BoundLoop(path, threads)
 
-            engine = "genai" if (path / GENAI_CONFIG).is_file() else "ort"
-        except ImportError:
-            engine = "ort"
-    loop = GenaiLoop(path, threads) if engine == "genai" else BoundLoop(path, threads)
+
+def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
+        top_k=0, top_p=1.0, seed=None, threads=None, stream=None, quiet=False, engine: str = "auto", why=None,
+        **ignored) -> dict:
+    """Generate on onnxruntime: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
+    installed and the directory has its genai_config.json). Options of the other backends are refused. `why`:
+    why this backend runs (`--backend auto`'s reason), printed in the header."""
+    from rich.console import Console
+
+    from .runtime_metal.generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
+
+    refuse_options(ignored)
+    if max_tokens < 1:
+        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
+    path = Path(model_dir)
+    loop = make_loop(path, engine, threads)
     tok = load_tokenizer(path, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     meta = {}
@@ -170,11 +209,11 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         meta = read_meta(path)
     stops = set() if ignore_eos else eos_ids(path, meta, tok)
     out, console = stream or sys.stdout, Console(stderr=True, quiet=quiet)
-    console.print(f"[dim]fuselm run: {loop.what}[/dim]")
+    console.print(f"[dim]fuselm run: {loop.what}{f' · {why}' if why else ''}[/dim]")
     detok, tokens = _Detokenizer(tok), []
     t0 = time.perf_counter()
     t_first = None
-    for token in loop.generate(ids, max_tokens, temperature, top_k, top_p, seed):
+    for token in loop.generate(ids, max_tokens, temperature, top_k, top_p, seed, ignore_eos):
         t_first = t_first or time.perf_counter()
         tokens.append(token)
         out.write(detok.add(token))
@@ -185,10 +224,10 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     t_end = time.perf_counter()
     decode_n = len(tokens) - 1
     result = {"tokens": tokens, "text": tok.decode(tokens, skip_special_tokens=True) if tok is not None else None,
-              "prompt_tokens": len(ids), "backend": "onnxruntime-genai" if engine == "genai" else "onnxruntime",
+              "prompt_tokens": len(ids), "backend": "onnxruntime-genai" if isinstance(loop, GenaiLoop) else "onnxruntime",
               "device": "cpu", "prefill_tok_s": len(ids) / max(t_first - t0, 1e-9),
               "decode_tok_s": decode_n / max(t_end - t_first, 1e-9) if decode_n else None,
-              "stopped_at_eos": bool(tokens) and tokens[-1] in stops, "what": loop.what}
+              "stopped_at_eos": bool(tokens) and tokens[-1] in stops, "what": loop.what, "why": why}
     decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
     console.print(f"[dim]prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
                   f"{decode} · {loop.what}[/dim]")

@@ -156,8 +156,9 @@ def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_e
 
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        compile=None, threads=None, stream=None, quiet=False, dtype="auto", **kv) -> dict:
-    """Generate up to `max_tokens` tokens after the prompt; prints them as they come.
+        compile=None, threads=None, stream=None, quiet=False, dtype="auto", why=None, **kv) -> dict:
+    """Generate up to `max_tokens` tokens after the prompt; prints them as they come. `why`: why this backend
+    runs (`--backend auto`'s reason, fuselm/auto_backend.py), printed in the header.
 
     `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
     Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
@@ -169,7 +170,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                    dtype=dtype, **kv_options(**kv))
     out = stream or sys.stdout
     console = Console(stderr=True, quiet=quiet)
-    console.print(f"[dim]fuselm run: {sess.describe()}[/dim]")
+    console.print(f"[dim]fuselm run: {sess.describe()}{f' · {why}' if why else ''}[/dim]")
     generated, last = [], None
     for r in stream_generate(sess, prompt, prompt_ids, max_tokens, ignore_eos, chat, temperature, top_k, top_p, seed,
                              profile=profile):
@@ -186,7 +187,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         "tokens": generated, "text": text, "prompt_tokens": last.prompt_tokens, "backend": sess.backend.name,
         "device": sess.backend.device, "dtype": sess.backend.compute, "prefill_tok_s": last.prompt_tps,
         "decode_tok_s": last.generation_tps, "stopped_at_eos": last.finish_reason == "stop",
-        "what": sess.describe(),
+        "what": sess.describe(), "why": why,
     }
     decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
     console.print(f"[dim]prefill {last.prompt_tokens} tokens: {result['prefill_tok_s']:.1f} tok/s (to the first token) "

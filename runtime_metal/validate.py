@@ -59,9 +59,22 @@ def _int8_drift(ours: Trace, level1: Trace, level4: Trace) -> dict:
             "ort_level4_first_diff": first4, "ort_level4_tokens": level4.tokens}
 
 
+def check_int8(int8: dict, first: int | None, reference: str, yardstick: str, hint: str = "") -> None:
+    """CheckFailed unless the int8-activation drift (`_int8_drift`) stays within INT8_DRIFT_FACTOR times the
+    yardstick's and the tokens (first leaving the reference's at `first`) do not leave earlier than its."""
+    first4 = int8["ort_level4_first_diff"]
+    if int8["drift"] > INT8_DRIFT_FACTOR * int8["ort_level4_drift"] + 1e-6:
+        raise CheckFailed(f"int8-activation drift {int8['drift']:.3g} exceeds {INT8_DRIFT_FACTOR}x {yardstick}'s "
+                          f"({int8['ort_level4_drift']:.3g}){hint}")
+    if first is not None and (first4 is None or first < first4):
+        raise CheckFailed(f"int8-activation tokens leave {reference}'s at step {first}, before {yardstick}'s "
+                          f"({first4}){hint}")
+
+
 def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", **kv) -> dict:
-    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch."""
+             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", why=None, **kv) -> dict:
+    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch. `why`: why this
+    backend runs (`--backend auto`'s reason), shown in the table's title."""
     from rich.console import Console
     from rich.table import Table
 
@@ -98,7 +111,8 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         int8 = _int8_drift(ours, onnxrt, level4)
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
-    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}")
+    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}"
+                        f"{f' · {why}' if why else ''}")
     for col in ("step", "fuselm", "onnxruntime", "HF", "max|Δlogit| vs ORT", "max|Δlogit| vs HF"):
         table.add_column(col, justify="right")
     for i in range(tokens):
@@ -111,7 +125,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
               "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
               "compiled": sess.compiled is not None, "compile_failed": sess.compile_failed,
-              "describe": sess.describe(),
+              "describe": sess.describe(), "why": why,
               "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
                                        None)}
     if quantized and hf_drift is not None:
@@ -121,13 +135,8 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         console.print(f"int8 activations ({'/'.join(sorted({w.kind for w in weights}))}): max |Δlogit| from onnxruntime level 1 (f32) "
                       f"{int8['drift']:.3g}, onnxruntime level 4 (int8) {int8['ort_level4_drift']:.3g}; tokens leave "
                       f"level 1's at step {first}, level 4's at {int8['ort_level4_first_diff']}")
-        first4 = int8["ort_level4_first_diff"]
-        if int8["drift"] > INT8_DRIFT_FACTOR * int8["ort_level4_drift"] + 1e-6:
-            raise CheckFailed(f"int8-activation drift {int8['drift']:.3g} exceeds {INT8_DRIFT_FACTOR}x onnxruntime "
-                              f"level 4's ({int8['ort_level4_drift']:.3g}); FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
-        if first is not None and (first4 is None or first < first4):
-            raise CheckFailed(f"int8-activation tokens leave onnxruntime level 1's at step {first}, before level 4's "
-                              f"({first4}); FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
+        check_int8(int8, first, "onnxruntime level 1", "onnxruntime level 4",
+                   "; FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
         console.print("[green]OK[/green]: int8-activation drift within onnxruntime level 4's")
         return result
     if first is not None:

@@ -1,0 +1,107 @@
+"""`--backend auto` for `fuselm run` / `validate`: which engine runs a model directory, and why.
+
+The rule, from bench/results/cpu-auto.json and cpu-auto-1t.json (`python bench/cpu_auto.py`: the torch
+backend and `--backend onnxruntime` on the same Qwen3-0.6B-shaped q4 model, interleaved, medians):
+- a graph lowered for onnxruntime (`fuselm optimize --target onnxruntime`, com.microsoft ops):
+  onnxruntime; only it runs those ops, and on a CPU it was the fastest path measured (a decode token
+  in 0.44x the torch backend's CPU time on the standard graph, 1 thread);
+- a GPU (Metal, CUDA): runtime_metal's own choice (MLX on Metal, torch on CUDA);
+- a CPU and a standard graph (float or quantized): the torch backend. onnxruntime on the standard q4
+  graph took 3.6x the torch backend's CPU time per decode token: it cannot fuse the tied lm_head's
+  `Transpose(DequantizeLinear)` into MatMulNBits, so it dequantizes the vocabulary-wide head every
+  token (the why says to lower the graph instead);
+- options only runtime_metal honours (--compile, --kv-bits, ...) keep a standard graph there.
+`--backend torch` always runs the torch backend (the f32 reference on a CPU).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from . import contract
+
+ONNXRUNTIME, RUNTIME = "onnxruntime", "auto"  # RUNTIME: runtime_metal's make_backend("auto") decides
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the choice reads: the machine (a GPU a backend can use) and the graph."""
+
+    gpu: str | None  # "metal", "cuda" or None
+    lowered: bool  # com.microsoft contrib ops (onnxruntime's own)
+    weight_bits: frozenset[int]  # bits of the graph's quantized weights (blocked DequantizeLinear); empty: float
+    flags: tuple[str, ...] = ()  # options given that only runtime_metal's backends honour (--compile, --kv-bits)
+
+
+def choose(facts: Facts) -> tuple[str, str]:
+    """(backend, why): "onnxruntime", or "auto" for runtime_metal's own choice (MLX on Metal, torch
+    elsewhere)."""
+    if facts.lowered:
+        return ONNXRUNTIME, "auto: the graph is lowered for onnxruntime (com.microsoft ops only onnxruntime runs)"
+    if facts.gpu is not None:
+        return RUNTIME, f"auto: a {facts.gpu} GPU"
+    if facts.flags:
+        return RUNTIME, f"auto: {', '.join(facts.flags)} asks for the torch backend"
+    if facts.weight_bits:
+        bits = "/".join(str(b) for b in sorted(facts.weight_bits))
+        return RUNTIME, (f"auto: no GPU and a standard {bits}-bit graph: the torch backend (onnxruntime took 3.6x its "
+                         "CPU time per decode token there: it dequantizes a tied head every token); `fuselm optimize "
+                         "--target onnxruntime` lowers the graph for onnxruntime, which then took 0.44x "
+                         "(bench/results/cpu-auto-1t.json)")
+    return RUNTIME, "auto: no GPU and a float graph: the torch backend (the f32 reference)"
+
+
+def gpu() -> str | None:
+    """"metal" on a Mac with Metal, "cuda" where torch sees a CUDA device, else None (torch is imported only
+    where an NVIDIA device node exists, so a CPU-only run need not load it)."""
+    from .runtime_metal.backends import mlx_metal_available
+
+    if mlx_metal_available():
+        return "metal"
+    if glob.glob("/dev/nvidia[0-9]*") and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    return None
+
+
+def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
+    """(lowered, weight bits) of a model directory's graph, read without its weights; (False, {}) for a path
+    that holds no readable graph (the backend's own checks name the problem)."""
+    from .graphcheck import ORT_DOMAIN
+
+    path = Path(model_dir)
+    path = path / contract.MODEL_NAME if path.is_dir() else path
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem
+        return False, frozenset()
+    lowered = any(n.domain == ORT_DOMAIN for n in graph.node) and (path.parent / contract.META_NAME).is_file()
+    types = {t.name: t.data_type for t in graph.initializer}
+    bits = {4 if types.get(n.input[0]) in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4) else 8
+            for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in types
+            and types[n.input[0]] in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4, onnx.TensorProto.UINT8,
+                                      onnx.TensorProto.INT8)}
+    return lowered, frozenset(bits)
+
+
+def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None]:
+    """The backend that runs `model_dir` for `--backend backend` and why (None when it was asked for);
+    `options`: run's / validate's other keywords (a device, --compile, --kv-bits ... ask for runtime_metal)."""
+    from .ort_run import unhonoured
+
+    if backend != "auto":
+        return backend, None
+    lowered, bits = graph_facts(model_dir)
+    device = options.get("device")
+    if device not in (None, "cpu") and not lowered:
+        return RUNTIME, None  # a device was named: runtime_metal's backends take it
+    facts = Facts(gpu=None if device == "cpu" else gpu(), lowered=lowered, weight_bits=bits,
+                  flags=tuple(f for f in unhonoured(options) if f != "--device"))
+    return choose(facts)

@@ -1,0 +1,147 @@
+"""`fuselm validate --backend onnxruntime`: greedy tokens and logits of the onnxruntime path (fuselm/ort_run.py,
+what `fuselm run --backend onnxruntime` runs) vs the standard graph in plain onnxruntime vs HF transformers.
+
+The standard graph is DIR itself when it holds standard ops; for a graph lowered by `fuselm optimize
+--target onnxruntime` it is `standard` when given, else the reference checkpoint converted again with the
+quantization DIR's fuselm.json records and optimized without --target, in a temporary directory. It runs with onnxruntime's
+optimizations off (fuselm/reference.py: the graph as written, f32 activations). Criteria, as
+runtime_metal/validate.py's:
+- a float graph: the tokens equal HF's;
+- a quantized graph whose matmuls take f32 activations (MatMulNBits accuracy level below 4): the tokens
+  equal the standard graph's;
+- int8 activations (onnxruntime's CPU default: a lowered graph at level 4, or onnxruntime's own
+  DequantizeLinear -> MatMul fusion on a standard graph): onnxruntime's fusion of the standard graph at
+  level 4 is the yardstick; the logit drift from the standard graph stays within INT8_DRIFT_FACTOR times
+  its drift, and the tokens do not leave the standard graph's earlier than its do.
+Exit 1 (CheckFailed) on a mismatch.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from . import contract
+from .errors import CheckFailed, FuselmError
+from .ort_run import lowered_for_onnxruntime, make_loop, refuse_options
+from .reference import OrtRunner, Trace, hf_model, hf_steps
+
+INT8_LEVEL = 4  # MatMulNBits' accuracy_level for int8 activations (onnxruntime's CPU default)
+
+
+def int8_activations(model_dir: Path) -> bool:
+    """Whether onnxruntime runs the graph's quantized matmuls on int8 activations: a lowered graph's
+    MatMulNBits at level 4, or a standard graph's DequantizeLinear -> MatMul (onnxruntime fuses it at
+    its default level, 4)."""
+    graph = onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    if nbits:
+        return any(a.name == "accuracy_level" and a.i >= INT8_LEVEL for n in nbits for a in n.attribute)
+    return any(n.op_type == "DequantizeLinear" for n in graph.node)
+
+
+def _precision(q: dict | None) -> str:
+    bits = (q or {}).get("bits", 32)
+    return f"q{bits}" if bits in (4, 8) else "f16" if bits == 16 else "f32"
+
+
+def standard_graph(lowered: Path, reference: Path, work: Path) -> Path:
+    """The standard graph a lowered directory was made from: `fuselm convert` of the reference checkpoint with
+    the quantization its fuselm.json records (linear layers, block size, lm_head, embedding), then `fuselm
+    optimize` without --target (passes/from_genai.py cannot map fuselm's own GroupQueryAttention back yet:
+    its query width is not static)."""
+    import fuselm
+
+    from .modeldir import read_meta
+
+    q = read_meta(lowered).get("quantization") or {}
+    linear = q.get("linear") or {}
+    exported = fuselm.convert(reference, work / "exported", quant=q.get("mode") or _precision(linear),
+                              block_size=linear.get("block_size", 32), lm_head=_precision(q.get("lm_head", linear)),
+                              embed=_precision(q.get("embed", linear)), quiet=True)
+    return fuselm.optimize(exported, work / "standard", quiet=True)
+
+
+def loop_greedy(loop, ids: list[int], n: int) -> Trace:
+    """The loop's greedy tokens and the logits it picked each from."""
+    logits: list = []
+    tokens = list(loop.generate(ids, n, 0.0, 0, 1.0, None, ignore_eos=True, logits=logits))
+    return Trace(tokens=tokens, logits=logits)
+
+
+def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, engine="auto", threads=None,
+             quiet=False, why=None, **options) -> dict:
+    """Greedy-generate `tokens` tokens on the onnxruntime path, the standard graph and HF; compare.
+    `standard`: the un-lowered model directory (default: DIR, or made again from the reference: `standard_graph`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .runtime_metal.generate import load_tokenizer
+    from .runtime_metal.validate import DEFAULT_PROMPT, _first_diff, _int8_drift, _max_diff, check_int8
+
+    refuse_options(options)
+    if tokens < 1:
+        raise FuselmError(f"--tokens must be at least 1, got {tokens}")
+    ref, path = Path(reference), Path(model_dir)
+    if not (ref / "config.json").is_file():
+        raise FuselmError(f"--reference {ref} is not a HF checkpoint directory (no config.json); pass the "
+                          "checkpoint the model was converted from")
+    loop = make_loop(path, engine, threads)
+    if prompt_ids is None:
+        tok = load_tokenizer(path, required=False)
+        prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
+    ids = [int(i) for i in prompt_ids]
+    lowered = lowered_for_onnxruntime(path)
+    with tempfile.TemporaryDirectory(prefix="fuselm-standard-") as tmp:
+        std = Path(standard) if standard is not None else path
+        if lowered and standard is None:
+            std = standard_graph(path, ref, Path(tmp))
+        if lowered_for_onnxruntime(std):
+            raise FuselmError(f"--standard {std} holds onnxruntime contrib ops too; pass the directory `fuselm optimize` "
+                              "wrote without --target")
+        quantized = any(n.op_type == "DequantizeLinear" for n in
+                        onnx.load(str(std / contract.MODEL_NAME), load_external_data=False).graph.node)
+        int8 = quantized and int8_activations(path)
+        ours = loop_greedy(loop, ids, tokens)
+        what, loop = loop.what, None  # one engine's weights in memory at a time
+        plain = OrtRunner(std).greedy(ids, tokens)
+        level4 = OrtRunner(std, optimize=True, accuracy_level=INT8_LEVEL).greedy(ids, tokens) if int8 else None
+    hf = hf_steps(hf_model(ref), ids, tokens)
+    d_std, d_hf = _max_diff(ours, plain), _max_diff(ours, hf)
+    target, target_name = (plain, "the standard graph") if quantized else (hf, "HF transformers")
+    first = _first_diff(ours.tokens, target.tokens)
+    what = f"{what} on the {'lowered' if lowered else 'standard'} graph{f' ({why})' if why else ''}"
+    acts = "int8" if int8 else "f32"
+    console = Console(quiet=quiet)
+    table = Table(title=f"fuselm validate: {what} · {'quantized' if quantized else 'float'} graph, {acts} "
+                        f"activations, reference {target_name}")
+    for col in ("step", "fuselm (onnxruntime)", "standard graph", "HF", "max|Δlogit| vs standard", "max|Δlogit| vs HF"):
+        table.add_column(col, justify="right")
+    for i in range(tokens):
+        mark = lambda t, other: f"[red]{t}[/red]" if t != other else str(t)  # noqa: E731
+        table.add_row(str(i), str(ours.tokens[i]), mark(plain.tokens[i], ours.tokens[i]),
+                      mark(hf.tokens[i], ours.tokens[i]), f"{d_std[i]:.2e}", f"{d_hf[i]:.2e}")
+    console.print(table)
+    result = {"tokens": ours.tokens, "standard": plain.tokens, "hf": hf.tokens, "quantized": quantized,
+              "lowered": lowered, "activations": acts, "reference": target_name, "first_mismatch": first,
+              "hf_first_diff": _first_diff(ours.tokens, hf.tokens), "max_logit_diff_standard": d_std,
+              "max_logit_diff_hf": d_hf, "backend": "onnxruntime", "device": "cpu", "describe": what}
+    if quantized and result["hf_first_diff"] is not None:
+        console.print(f"HF drift (expected for a quantized graph): tokens first differ from HF at step "
+                      f"{result['hf_first_diff']}")
+    if int8:
+        result["int8"] = drift = _int8_drift(ours, plain, level4)
+        console.print(f"int8 activations: max |Δlogit| from the standard graph (f32) {drift['drift']:.3g}, onnxruntime's "
+                      f"level-4 fusion of it {drift['ort_level4_drift']:.3g}; tokens leave the standard graph's at step "
+                      f"{first}, the fusion's at {drift['ort_level4_first_diff']}")
+        check_int8(drift, first, "the standard graph", "onnxruntime's level-4 fusion of the standard graph")
+        console.print("[green]OK[/green]: int8-activation drift within onnxruntime's level-4 fusion's")
+        return result
+    if first is not None:
+        d = (d_std if quantized else d_hf)[first]
+        raise CheckFailed(f"greedy tokens differ from {target_name} at step {first}: fuselm (onnxruntime) "
+                          f"{ours.tokens[first]}, {target_name} {target.tokens[first]} (max |Δlogit| there {d:.3g})")
+    console.print(f"[green]OK[/green]: {tokens} greedy tokens equal {target_name}'s")
+    return result
