@@ -218,17 +218,21 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
 
 
 def _split(b, x, heads: int):
-    """[B, S, H·D] -> [B, H, S, D] (heads 0: [B, S, H, D] -> [B, H, S, D])."""
+    """[B, S, H·D] -> [B, H, S, D] (heads 0: [B, S, H, D] -> [B, H, S, D]); one reshape for one token (S = 1: the
+    same element order), one view fewer in every compiled piece's graph."""
+    shape = b.shape(x)
+    if shape[1] == 1:
+        h = heads or shape[2]
+        return b.reshape(x, (shape[0], h, 1, shape[-1] // heads if heads else shape[3]))
     if heads:
-        bsz, s, width = b.shape(x)
-        x = b.reshape(x, (bsz, s, heads, width // heads))
+        x = b.reshape(x, (shape[0], shape[1], heads, shape[2] // heads))
     return b.transpose(x, (0, 2, 1, 3))
 
 
 def _merged(b, y):
-    """[B, H, S, D] -> [B, S, H·D]."""
+    """[B, H, S, D] -> [B, S, H·D] (for one token, S = 1, a reshape alone)."""
     bsz, h, s, d = b.shape(y)
-    return b.reshape(b.transpose(y, (0, 2, 1, 3)), (bsz, s, h * d))
+    return b.reshape(y if s == 1 else b.transpose(y, (0, 2, 1, 3)), (bsz, s, h * d))
 
 
 def _pieces(plan) -> list[Piece]:
