@@ -10,7 +10,9 @@ is never built). Each conversion runs in a child process; time is wall clock and
 child's ru_maxrss (os.wait4). The baseline is the whole-model `torch.onnx.export(dynamo=True)` of
 the HF model (0.6B only), also in a child; onnxruntime-genai's builder (`-p int4 -e cpu`, 0.6B q4)
 when a Python with it is given. Each fuselm conversion runs once per exporter (`builder`, and
-`torch`: the traced exporter). Prints a table, writes bench/results/convert.json.
+`torch`: the traced exporter, tracing on every run as a first convert of the architecture does;
+`torch-cached`: its later converts, the trace read from exporter/traced/cache.py's cache). Prints a
+table, writes bench/results/convert.json.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SHAPES = {
 SHAPES["tiny"] = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True)
 SHARD_BYTES = 2 * 1024**3
+EXPORTERS = {"builder": "fuselm convert", "torch": "fuselm convert --exporter torch",
+             "torch-cached": "fuselm convert --exporter torch (trace cached)"}
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -114,13 +118,13 @@ def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
     return out
 
 
-def measure(cmd: list[str]) -> dict:
+def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Run `cmd` as a child; wall time, CPU time (user + sys, less sensitive to other load on a
     shared box) and the child's peak RSS (ru_maxrss, KiB on Linux)."""
     os.sync()  # start every run without an earlier run's writeback in flight
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t0
@@ -146,9 +150,9 @@ print(f"baseline: load {t1 - t0:.1f} s, export {time.perf_counter() - t1:.1f} s"
 """
 
 
-def _median_run(cmd: list[str], repeat: int, out: Path) -> dict:
+def _median_run(cmd: list[str], repeat: int, out: Path, env: dict | None = None) -> dict:
     """`measure` `repeat` times; the run with the median wall time (its RSS and CPU with it)."""
-    runs = sorted((measure(cmd) for _ in range(repeat)), key=lambda r: r["seconds"])
+    runs = sorted((measure(cmd, env) for _ in range(repeat)), key=lambda r: r["seconds"])
     r = dict(runs[len(runs) // 2], runs=[x["seconds"] for x in runs], peak_rss_mb_max=max(x["peak_rss_mb"] for x in runs))
     r["output_mb"] = round(sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20, 1)
     return r
@@ -167,8 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-convert")
     ap.add_argument("--no-baseline", action="store_true", help="skip whole-model torch.onnx.export")
     ap.add_argument("--quants", nargs="*", default=None, help="only these precisions (default: f32 q4 for 0.6b, f16 q4 for 4b)")
-    ap.add_argument("--exporters", nargs="*", default=["builder", "torch"], choices=["builder", "torch"],
-                    help="fuselm exporters to run (torch: the traced exporter)")
+    ap.add_argument("--exporters", nargs="*", default=list(EXPORTERS), choices=list(EXPORTERS),
+                    help="fuselm exporters to run (torch: the traced exporter's first convert of an architecture, "
+                         "tracing it; torch-cached: a later one, its trace read from the cache)")
     ap.add_argument("--genai-python", default=None, metavar="PYTHON",
                     help="a Python with onnxruntime-genai, for its builder (-p int4 -e cpu) on 0.6b q4; skipped if none")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine; the median is reported")
@@ -192,10 +197,14 @@ def main(argv=None) -> int:
         for quant in [q for q in runs[shape] if args.quants is None or q in args.quants]:
             for exporter in args.exporters:  # each engine alone in its own process, in turn
                 out = args.work / f"qwen3-{shape}-{quant}-{exporter}"
-                r = _median_run([sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant",
-                                 quant, "--exporter", exporter, "--force", "--quiet"], args.repeat, out)
-                r.update(shape=shape, tool="fuselm convert" + (" --exporter torch" if exporter == "torch" else ""),
-                         quant=quant)
+                cmd = [sys.executable, "-m", "fuselm.cli", "convert", str(hf), "-o", str(out), "--quant", quant,
+                       "--exporter", exporter.removesuffix("-cached"), "--force", "--quiet"]
+                env = {"FUSELM_TRACE_CACHE": "0"}  # every run traces (a first convert of the architecture)
+                if exporter == "torch-cached":  # one unmeasured convert fills the cache, then every run reads it
+                    env = {"FUSELM_TRACE_CACHE": "1", "FUSELM_TRACE_CACHE_DIR": str(args.work / "trace-cache")}
+                    subprocess.run(cmd, env={**os.environ, **env}, check=True)
+                r = _median_run(cmd, args.repeat, out, env)
+                r.update(shape=shape, tool=EXPORTERS[exporter], quant=quant)
                 rows.append(r)
                 print(r, flush=True)
             if shape == "0.6b" and quant == "q4":
@@ -215,11 +224,11 @@ def main(argv=None) -> int:
             r.update(shape=shape, tool="torch.onnx.export(dynamo=True)", quant="f32")
             rows.append(r)
             print(r, flush=True)
-    _report(rows, args.results)
+    _report(rows, args.results, "python bench/convert.py " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0
 
 
-def _report(rows: list[dict], name: str = "convert.json") -> None:
+def _report(rows: list[dict], name: str = "convert.json", command: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -237,8 +246,9 @@ def _report(rows: list[dict], name: str = "convert.json") -> None:
     def q4(tool):
         return next((r for r in rows if r["shape"] == "0.6b" and r["quant"] == "q4" and r["tool"] == tool), None)
 
-    genai, traced, builder = q4("onnxruntime-genai builder"), q4("fuselm convert --exporter torch"), q4("fuselm convert")
-    for exporter, r in (("traced", traced), ("builder", builder)):
+    genai, traced, builder = q4("onnxruntime-genai builder"), q4(EXPORTERS["torch"]), q4(EXPORTERS["builder"])
+    cached = q4(EXPORTERS["torch-cached"])
+    for exporter, r in (("traced", traced), ("traced_cached", cached), ("builder", builder)):
         if r and genai:
             key = f"0.6b_q4_{exporter}_vs_genai"
             summary[key] = {"speedup": round(genai["seconds"] / r["seconds"], 2),
@@ -254,8 +264,8 @@ def _report(rows: list[dict], name: str = "convert.json") -> None:
               f"{summary['cpu_speedup_0.6b_f32_vs_baseline']}x less CPU time")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
-    path.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                            "python": platform.python_version()},
+    path.write_text(json.dumps({"command": command, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                            "python": platform.python_version()},
                                 "rows": rows, **summary}, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -26,7 +26,7 @@ from fuselm.errors import FuselmError, shown
 from fuselm.modeldir import within_checkpoint
 
 from .graph import WeightJob
-from .quant import pack_uint4
+from .quant import Packed, pack_uint4
 
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ITEM_BITS = {TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16, TensorProto.UINT8: 8, TensorProto.UINT4: 4}
@@ -190,12 +190,19 @@ def layout(jobs: Iterable[WeightJob], location: str) -> int:
 def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Callable[[WeightJob], None]) -> None:
     """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs.
 
-    Writing runs on a second thread (a short queue), so the kernel's copy into the page cache
-    overlaps reading and encoding the next block; memory stays at a few blocks.
+    Writing (uint4 packing, the kernel's copy into the page cache) runs on a second thread behind a
+    short queue, so it overlaps reading and encoding the next blocks, across jobs; memory stays at a
+    few blocks.
     """
+    import torch
+
     size = layout(jobs, path.name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     writer = _Writer(fd)
+    # The stream's parallelism is its writer thread: torch's intra-op threads on a block's short
+    # reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         os.ftruncate(fd, size)
         for job in jobs:
@@ -209,9 +216,10 @@ def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Call
                 arrays = job.encode(ckpt.read_rows(job.source, start, stop))
                 for out, arr in zip(job.outputs, arrays, strict=True):
                     writer.put(out.proto, arr, start, start == 0 and stop == rows, out.transposed)
-            writer.sync()
-            on_job(job)
+            on_job(job)  # encoded; its writes may still be queued (no wait: the next job's encoding overlaps them)
+        writer.sync()
     finally:
+        torch.set_num_threads(threads)
         writer.close()
         os.close(fd)
 
@@ -255,23 +263,31 @@ class _Writer:
         self.queue.task_done()
 
 
-def _write_block(fd: int, proto: TensorProto, arr: np.ndarray, start: int, whole: bool, transposed: bool) -> None:
-    """Write a block of rows (or, transposed, a block of columns starting at column `start`)."""
+def _write_block(fd: int, proto: TensorProto, arr, start: int, whole: bool, transposed: bool) -> None:
+    """Write a block of rows (or, transposed, a block of columns starting at column `start`, an even one
+    for uint4). `arr` is an array of the proto's values, or a quant.Packed of its uint4 bytes."""
     offset = int(next(e.value for e in proto.external_data if e.key == "offset"))
     bits = _ITEM_BITS[proto.data_type]
-    arr = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type))
+    if isinstance(arr, Packed):
+        arr, encode = arr.data, _raw
+    else:
+        arr, encode = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type)), lambda a: _encode(a, bits)
     if whole:
-        _pwrite(fd, _encode(arr, bits), offset)
+        _pwrite(fd, encode(arr), offset)
     elif not transposed:
-        _pwrite(fd, _encode(arr, bits), offset + start * int(np.prod(proto.dims[1:])) * bits // 8)
+        _pwrite(fd, encode(arr), offset + start * int(np.prod(proto.dims[1:])) * bits // 8)
     else:
         n_cols = proto.dims[1]
         for r in range(arr.shape[0]):  # one strided segment per output row
-            _pwrite(fd, _encode(arr[r], bits), offset + (r * n_cols + start) * bits // 8)
+            _pwrite(fd, encode(arr[r]), offset + (r * n_cols + start) * bits // 8)
 
 
 def _encode(arr: np.ndarray, bits: int):
-    return pack_uint4(arr) if bits == 4 else memoryview(arr.reshape(-1)).cast("B")
+    return pack_uint4(arr) if bits == 4 else _raw(arr)
+
+
+def _raw(arr: np.ndarray):
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
 
 
 def _pwrite(fd: int, data, offset: int) -> None:

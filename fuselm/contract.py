@@ -340,13 +340,153 @@ def swiglu_function() -> onnx.FunctionProto:
 
 
 def functions_for(nodes) -> list[onnx.FunctionProto]:
-    """The model-local functions a graph with these nodes must carry: FusedRoPE's in its form, SwiGLU's."""
+    """The model-local functions a graph with these nodes must carry: FusedRoPE's in its form, SwiGLU's,
+    MoE's in its form."""
     nodes = list(nodes)
     form = rope_form(nodes)
     out = [] if form is None else [fused_rope_function(form.interleaved, form.heads, form.normed)]
     if any(n.domain == DOMAIN and n.op_type == SWIGLU_OP for n in nodes):
         out.append(swiglu_function())
+    moe = moe_form(nodes)
+    if moe is not None:
+        out.append(moe_function(*moe))
     return out
+
+
+# --- fuselm::MoE ---------------------------------------------------------------------------------
+MOE_OP = "MoE"
+MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # act(gate) * up, the expert MLP's gate activation
+MOE_SCORINGS = ("softmax", "sigmoid")  # the router's probabilities: softmax over experts, or each expert's sigmoid
+
+
+def moe_node(x: str, router: str, gate_up: str, down: str, y: str, name: str, top_k: int, normalize: int,
+             activation: str = "silu", scoring: str = "softmax", scaling: float = 1.0,
+             bias: str | None = None) -> onnx.NodeProto:
+    """One `fuselm::MoE` node: x [..., H], router [E, H], gate_up [E, 2I, H], down [E, H, I](, bias [E])
+    -> y [..., H]."""
+    return oh.make_node(MOE_OP, [x, router, gate_up, down] + ([bias] if bias else []), [y], name=name, domain=DOMAIN,
+                        top_k=int(top_k), normalize=int(normalize), activation=activation, scoring=scoring,
+                        scaling=float(scaling))
+
+
+def moe_schema():
+    """MoE's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
+    from onnx.defs import OpSchema
+
+    return OpSchema(
+        MOE_OP, DOMAIN, DOMAIN_VERSION,
+        inputs=[*(OpSchema.FormalParameter(n, "T") for n in ("X", "router", "gate_up", "down")),
+                OpSchema.FormalParameter("bias", "T", param_option=OpSchema.FormalParameterOption.Optional)],
+        outputs=[OpSchema.FormalParameter("Y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute("top_k", OpSchema.AttrType.INT, ""),
+                    OpSchema.Attribute("normalize", oh.make_attribute("normalize", 0), ""),
+                    OpSchema.Attribute("activation", oh.make_attribute("activation", "silu"), ""),
+                    OpSchema.Attribute("scoring", oh.make_attribute("scoring", "softmax"), ""),
+                    OpSchema.Attribute("scaling", oh.make_attribute("scaling", 1.0), "")])
+
+
+def moe_function(activation: str = "silu", scoring: str = "softmax") -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::MoE (domain fuselm, v1) for one gate activation and router scoring,
+    opset-23 ops only.
+
+    The reference semantics, every expert computed densely (a runtime that knows the op runs only
+    the top_k experts of each token):
+    x2 = x flattened to [T, H]; logits = x2 @ router^T [T, E]
+    scoring softmax: probs = softmax(logits); experts = TopK(probs, top_k)
+    scoring sigmoid: probs = sigmoid(logits); experts = TopK(probs + bias, top_k) (bias [E] chooses only:
+                     DeepSeek-V3's e_score_correction_bias; GLM-4.5, MiniMax-M2)
+    values = probs at experts; values /= sum(values) where normalize = 1; values *= scaling
+    weights = values scattered into zeros [T, E] (0 outside each token's top_k)
+    gate, up = split(x2 @ gate_up^T) per expert [E, T, I]; h = act(gate) * up
+    y = sum_e weights[:, e] * (h_e @ down_e^T), reshaped to x's shape.
+    normalize = 1 with softmax equals softmax over the top_k logits (Granite-MoE's routing order).
+    """
+    if activation not in MOE_ACTIVATIONS or scoring not in MOE_SCORINGS:
+        raise FuselmError(f"fuselm::MoE activation {activation!r} / scoring {scoring!r} is not one of "
+                          f"{', '.join(MOE_ACTIVATIONS)} / {', '.join(MOE_SCORINGS)}")
+
+    def c64(name, values):
+        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
+
+    if activation == "silu":
+        act = [oh.make_node("Sigmoid", ["gate"], ["gate_sig"]), oh.make_node("Mul", ["gate", "gate_sig"], ["gate_act"])]
+    else:
+        act = [oh.make_node("Gelu", ["gate"], ["gate_act"], approximate="tanh" if activation == "gelu_tanh" else "none")]
+    if scoring == "softmax":
+        route = [oh.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+                 oh.make_node("TopK", ["probs", "k"], ["top_v", "top_i"], axis=-1)]
+    else:
+        route = [oh.make_node("Sigmoid", ["logits"], ["probs"]),
+                 oh.make_node("Add", ["probs", "bias"], ["choice"]),
+                 oh.make_node("TopK", ["choice", "k"], ["_choice_v", "top_i"], axis=-1),
+                 oh.make_node("GatherElements", ["probs", "top_i"], ["top_v"], axis=1)]
+    nodes = [
+        _attr_constant("k0", "value_int", "top_k", onnx.AttributeProto.INT),
+        _attr_constant("norm_i", "value_int", "normalize", onnx.AttributeProto.INT),
+        _attr_constant("scale", "value_float", "scaling", onnx.AttributeProto.FLOAT),
+        oh.make_node("Constant", [], ["one_f"], value_float=1.0),
+        oh.make_node("Constant", [], ["zero_f"], value_float=0.0),
+        c64("one_d", [1]), c64("minus1", [-1]), c64("axis0", [0]),
+        oh.make_node("Reshape", ["k0", "one_d"], ["k"]),
+        oh.make_node("Cast", ["norm_i"], ["norm_f"], to=TensorProto.FLOAT),
+        oh.make_node("Shape", ["X"], ["x_shape"]),
+        oh.make_node("Flatten", ["X"], ["x2"], axis=-1),  # [T, H]
+        oh.make_node("Transpose", ["router"], ["router_t"], perm=[1, 0]),
+        oh.make_node("MatMul", ["x2", "router_t"], ["logits"]),  # [T, E]
+        *route,
+        oh.make_node("ReduceSum", ["top_v", "minus1"], ["top_sum"], keepdims=1),
+        # denominator: the sum where normalize = 1, else 1 (no `If` on the attribute)
+        oh.make_node("Mul", ["top_sum", "norm_f"], ["sum_part"]),
+        oh.make_node("Sub", ["one_f", "norm_f"], ["keep_part"]),
+        oh.make_node("Add", ["sum_part", "keep_part"], ["denom"]),
+        oh.make_node("Div", ["top_v", "denom"], ["top_n"]),
+        oh.make_node("Mul", ["top_n", "scale"], ["top_w"]),
+        oh.make_node("Mul", ["probs", "zero_f"], ["zeros"]),
+        oh.make_node("ScatterElements", ["zeros", "top_i", "top_w"], ["dense_w"], axis=1),  # [T, E]
+        oh.make_node("Transpose", ["dense_w"], ["dense_wt"], perm=[1, 0]),
+        oh.make_node("Unsqueeze", ["dense_wt", "minus1"], ["w3"]),  # [E, T, 1]
+        oh.make_node("Transpose", ["gate_up"], ["gate_up_t"], perm=[0, 2, 1]),  # [E, H, 2I]
+        oh.make_node("MatMul", ["x2", "gate_up_t"], ["gu"]),  # [E, T, 2I]
+        oh.make_node("Split", ["gu"], ["gate", "up"], axis=-1, num_outputs=2),
+        *act,
+        oh.make_node("Mul", ["gate_act", "up"], ["h"]),
+        oh.make_node("Transpose", ["down"], ["down_t"], perm=[0, 2, 1]),  # [E, I, H]
+        oh.make_node("MatMul", ["h", "down_t"], ["per_expert"]),  # [E, T, H]
+        oh.make_node("Mul", ["per_expert", "w3"], ["weighted"]),
+        oh.make_node("ReduceSum", ["weighted", "axis0"], ["y2"], keepdims=0),  # [T, H]
+        oh.make_node("Reshape", ["y2", "x_shape"], ["Y"]),
+    ]
+    return oh.make_function(
+        DOMAIN, MOE_OP, ["X", "router", "gate_up", "down", "bias"], ["Y"], nodes,
+        opset_imports=[oh.make_opsetid("", OPSET)],
+        attributes=["top_k"],
+        attribute_protos=[oh.make_attribute("normalize", 0), oh.make_attribute("activation", activation),
+                          oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0)],
+        doc_string=moe_function.__doc__,
+    )
+
+
+def moe_form(nodes) -> tuple[str, str] | None:
+    """The one (activation, scoring) the MoE nodes of a graph use (None: no MoE node); one function body
+    per model, as FusedRoPE has one per rotary form."""
+    forms = set()
+    for n in nodes:
+        if n.domain == DOMAIN and n.op_type == MOE_OP:
+            forms.add(tuple(_str_attr(n, name, default) for name, default in (("activation", "silu"),
+                                                                            ("scoring", "softmax"))))
+    if len(forms) > 1:
+        raise FuselmError(f"the graph's MoE nodes use several forms ({', '.join('/'.join(f) for f in sorted(forms))}); "
+                          "fuselm::MoE has one function body per model, so one expert activation and router scoring "
+                          "per graph is supported")
+    return forms.pop() if forms else None
+
+
+def _str_attr(n, name: str, default: str) -> str:
+    if isinstance(n, onnx.NodeProto):
+        return next((a.s.decode() for a in n.attribute if a.name == name), default)
+    a = n.attributes.get(name)  # an onnx_ir node
+    return a.as_string() if a is not None else default
 
 
 # --- feeds of one step ---------------------------------------------------------------------------

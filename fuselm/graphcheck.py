@@ -140,10 +140,16 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
         form = contract.rope_form(model.graph.node)
     except FuselmError as e:
         raise FuselmError(f"{path}: {e}") from None
+    try:
+        moe = contract.moe_form(model.graph.node)
+    except FuselmError as e:
+        raise FuselmError(f"{path}: {e}") from None
     forms = [form] if form is not None else \
         [contract.RopeForm(*f) for f in itertools.product((False, True), repeat=3)]
     canonical = {contract.ROPE_OP: [contract.fused_rope_function(f.interleaved, f.heads, f.normed) for f in forms],
-                 contract.SWIGLU_OP: [contract.swiglu_function()]}
+                 contract.SWIGLU_OP: [contract.swiglu_function()],
+                 contract.MOE_OP: [contract.moe_function(*f) for f in ([moe] if moe is not None else
+                                   itertools.product(contract.MOE_ACTIVATIONS, contract.MOE_SCORINGS))]}
     for protos in canonical.values():
         for proto in protos:
             proto.doc_string = ""

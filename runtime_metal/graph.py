@@ -26,7 +26,7 @@ from onnx import AttributeProto, TensorProto, helper
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from . import ops_nn  # noqa: F401 - registers the nn ops into OPS
+from . import ops_moe, ops_nn  # noqa: F401 - they register the nn ops and fuselm::MoE into OPS
 from .backends.numpy_backend import NumpyBackend
 from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
@@ -175,6 +175,7 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     store = PreparedStore(backend, lm.path)
     try:
         _fold_dequantize(graph, backend, lm.release_pages, store)
+        ops_moe.fold_experts(graph, backend, lm.release_pages)
         store.commit()
     finally:
         store.close()

@@ -29,14 +29,24 @@ CANDIDATES = [
     "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
     "qwen3_moe", "qwen3_next", "minicpm3", "gpt2", "falcon_h1", "lfm2",
     "gptj", "falcon", "codegen", "gpt_neox_japanese", "bloom", "mpt", "gpt_neo", "gpt_bigcode",
+    *(MOE_TYPES := ["mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared", "flex_olmo", "cohere2_moe",
+                    "hunyuan_v1_moe", "glm4_moe", "minimax_m2", "exaone_moe", "solar_open", "gpt_oss", "phimoe",
+                    "ernie4_5_moe", "jetmoe"]),
 ]
+# Mixtures of experts at the tiny size: 4 experts, top-2, narrow experts (the defaults hold 60-128 experts),
+# under each config's own names for them
+_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
+        "moe_topk": 2, "moe_k": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "intermediate_size": 64, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}
 # Config fields the generic tiny sizes do not set and the model_type's defaults get wrong at that size
 # ("_drop": generic sizes the config class does not take).
 OVERRIDES = {"gptj": {"rotary_dim": 8}, "cwm": {"bos_token_id": 1}, "codegen": {"rotary_dim": 8}, "falcon": {"_drop": ["head_dim"]},
              "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
              # MLA: head_dim is the rotary part; the latent ranks and head widths at the tiny size
              "minicpm3": {"head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-                          "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4}}
+                          "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4},
+             **{mt: _MOE for mt in MOE_TYPES},
+             "qwen3_moe": {**_MOE, "norm_topk_prob": True}}
 RESULT = Path(__file__).resolve().parent.parent / "bench" / "results" / "traced_sweep.json"
 
 CHILD = r"""
@@ -75,7 +85,7 @@ meta = json.loads((work / "out" / "fuselm.json").read_text())
 worst = max(r["max_abs_logit_diff"], opt["max_abs_logit_diff"])
 print(json.dumps({**out, "status": "ok" if worst <= 1e-4 else "wrong",
                   "max_abs_logit_diff": r["max_abs_logit_diff"], "optimized_max_abs_logit_diff": opt["max_abs_logit_diff"],
-                  "layer_kinds": meta["traced"]["layer_kinds"],
+                  "layer_kinds": meta["traced"]["layer_kinds"], "moe": meta.get("moe"),
                   "interleaved": meta["rope"]["interleaved"], "rotary_dim": meta["rope"]["rotary_dim"],
                   "head_dim": meta["dims"]["head_dim"]}))
 """

@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Prepared-weight files would land inside the shared fixture directories: tests/test_prepared.py
 # turns them on for its own copies.
 os.environ.setdefault("FUSELM_PREPARED", "0")
+# Traced architectures cached on disk (exporter/traced/cache.py) would carry one test's trace into the
+# next session: off, except in tests/test_convert_traced_cache.py (its own directory).
+os.environ.setdefault("FUSELM_TRACE_CACHE", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one xdist worker per core: one torch / OpenMP thread each (set before torch

@@ -9,11 +9,14 @@ Order of work (exporter/convert.py writes the result exactly as it writes the bu
    one of the model around the layers.
 3. stamp.py: the layer templates stamped once per layer into one graph, weights declared through
    the builder's precision plan (streamed from safetensors afterwards, like the builder's).
+Steps 1-2 depend on config.json only: cache.py keeps what they found on disk, so a later convert of
+the same architecture goes straight to step 3.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -23,58 +26,74 @@ from ..families import IGNORED_SUFFIXES
 from ..graph import Export
 from ..quant import Plan
 from ..weights import Checkpoint
+from . import moe
 
 __all__ = ["build"]
-# The last few traced architectures (config.json -> skeleton and templates): converting one
-# checkpoint at several precisions in one process traces it once. Stamping never modifies them.
-_TRACED: dict[str, tuple] = {}
+# The last few traced architectures (cache key -> cache.Traced): converting one checkpoint at several
+# precisions in one process traces it once (on disk too: cache.py). Stamping never modifies them.
+_TRACED: dict[str, object] = {}
 _CACHED = 8
 
 
 def build(hf_dir: Path, config: dict, precisions) -> Export:
     """The traced graph for `hf_dir` (transformers' modeling code for its model_type), weights declared."""
-    from .skeleton import Skeleton
+    from . import cache
     from .stamp import Stamper
 
-    key = json.dumps(config, sort_keys=True, default=str)
-    if key in _TRACED:  # the same architecture again in this process (another --quant): no new trace
-        skel, plans, kinds, templates, outer = _TRACED[key]
+    key = cache.key(config)
+    traced = _TRACED.get(key) or cache.load(key)
+    ckpt = Checkpoint(hf_dir) if traced is not None else None
+    if traced is None or not set(ckpt.tensors) <= set(traced.names):  # a name the entry has not seen: trace
+        traced, ckpt = _traced(hf_dir, config)
+        cache.store(key, traced)
     else:
-        with _unsupported():
-            skel = Skeleton(hf_dir, config)
-            plans = skel.probe()  # the architecture's refusals come before the checkpoint's
+        ckpt.rename(traced.names.__getitem__)
+        ckpt = moe.cached_stacks(ckpt, traced.stacks)
+        ckpt.validate(traced.expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in traced.tied)
+    while len(_TRACED) >= _CACHED and key not in _TRACED:
+        _TRACED.pop(next(iter(_TRACED)))
+    _TRACED[key] = traced
+    plan = Plan(*precisions, traced.expected)
+    stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name, traced.kv_shape)
+    with _unsupported():
+        builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.sliding, traced.window)
+    return Export(builder, ckpt, copy.deepcopy(traced.meta), traced.model_type)  # the cached one stays as traced
+
+
+def _traced(hf_dir: Path, config: dict):
+    """Skeleton, probe, checkpoint check, then one trace per layer kind and one of the model around them."""
+    from .cache import Traced
+    from .skeleton import Skeleton
+    from .trace import layer_kinds, trace_layer, trace_outer
+
+    with _unsupported():
+        skel = Skeleton(hf_dir, config)
+        plans = skel.probe()  # the architecture's refusals come before the checkpoint's
     ckpt = Checkpoint(hf_dir)
-    ckpt.rename(skel.model_name)
+    names = {stored: skel.model_name(stored) for stored in ckpt.tensors}
+    ckpt.rename(names.__getitem__)
+    ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
     expected = skel.expected_tensors()
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
-    if key not in _TRACED:
-        with _unsupported():
-            kinds, templates, outer = _trace(skel, plans)
-        while len(_TRACED) >= _CACHED:
-            _TRACED.pop(next(iter(_TRACED)))
-        _TRACED[key] = (skel, plans, kinds, templates, outer)
-    inp = templates[0].graph.input
-    kv_shape = tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
-    plan = Plan(*precisions, expected)
-    stamper = Stamper(plan, skel.aliases(), skel.layers_name, skel.embed_name(), skel.head_name(), kv_shape)
     with _unsupported():
-        builder = stamper.build(outer, [templates[p.kind] for p in plans], [p.sliding for p in plans],
-                                getattr(skel.config, "sliding_window", None))
-    return Export(builder, ckpt, skel.metadata(plans, len(kinds), kv_shape), skel.model_type)
-
-
-def _trace(skel, plans) -> tuple:
-    from .trace import layer_kinds, trace_layer, trace_outer
-
-    kinds = layer_kinds(skel, plans)
-    first = {}
-    for p in plans:
-        first.setdefault(p.kind, p)
-    templates = {kind: trace_layer(skel, p) for kind, p in first.items()}
-    for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
-        p.rope = first[p.kind].rope
-    return kinds, templates, trace_outer(skel)
+        kinds = layer_kinds(skel, plans)
+        first = {}
+        for p in plans:
+            first.setdefault(p.kind, p)
+        templates = [trace_layer(skel, first[kind]) for kind in range(len(kinds))]
+        for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
+            p.rope = first[p.kind].rope
+        outer = trace_outer(skel)
+    traced = Traced(templates, outer, [p.kind for p in plans], [p.sliding for p in plans],
+                    getattr(skel.config, "sliding_window", None), skel.model_type, skel.layers_name,
+                    skel.embed_name(), skel.head_name(), expected, sorted(tied), skel.aliases(),
+                    names, {}, getattr(ckpt, "stacks", {}))
+    meta = skel.metadata(plans, len(kinds), traced.kv_shape)
+    if skel.moe_blocks:
+        meta["moe"] = moe.metadata(skel.moe_blocks)
+    traced.meta = json.loads(json.dumps(meta))  # as the cache keeps it
+    return traced, ckpt
 
 
 @contextlib.contextmanager

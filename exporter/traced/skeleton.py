@@ -30,6 +30,7 @@ _REFUSED_KEYS = {
 }
 # Module class names (substrings) of what the exporter refuses, found in the built model (a config's
 # num_experts alone does not make a model sparse: Doge keeps it with is_moe false).
+# Sparse MoE blocks that moe.py recognises are exported (fuselm::MoE); any other "Moe" / "Experts" module is refused.
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
@@ -136,8 +137,14 @@ class Skeleton:
             self.inline_attention = True
             model = self._build(config, "eager")
         self.config, self.model = config, model.eval()
+        from . import moe
+
+        self.moe_blocks = moe.find_blocks(model, self.model_type)
+        inside_moe = moe.covered(model, self.moe_blocks)
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
+                if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
+                    continue  # a model with recognised blocks: only experts outside them are refused
                 if part.lower() in type(module).__name__.lower():
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__}{f' at {name}' if name else ''})")

@@ -26,6 +26,7 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 
 from ..graph import Builder, attention_mask, graph_inputs
+from . import moe
 from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
 
 
@@ -39,6 +40,7 @@ class Stamper:
         self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
         self.kv_heads, self.k_dim, self.v_dim = kv_shape
         self.used: set[str] = set()  # checkpoint tensors the graph reads
+        self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
     def build(self, outer: Template, layers: list[Template], sliding: list[bool], window: int | None) -> Builder:
@@ -114,18 +116,30 @@ class Stamper:
             if name not in self.plan.shapes:
                 raise FuselmError(f"the traced model reads parameter {name}, which is not a tensor of the checkpoint")
             self.used.add(name)
-            vector = None
+            vector = experts = None
             for node in consumers.get(value, []):
                 if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
                     names[node.output[0]] = self._linear(name, node, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
                     names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]])
+                elif moe.reads_experts(node, value) and experts is None:  # stacked experts: the plan's precision
+                    experts = moe.expert_weight(self.plan, self.b, name, self._scope(name, scope, layer), layer)
+                    continue
+                elif _plain_gemm(node, value) and len(self.plan.shapes[name]) == 2:  # a Linear on [tokens, in]
+                    self.as_matmul[(id(t), node.name)] = self._linear(name, node, scope, layer)
+                    continue
                 else:
                     continue
                 self.skip.add((id(t), node.name))
-            if any((id(t), n.name) not in self.skip for n in consumers.get(value, [])):
+            if any((id(t), n.name) not in self.skip and (id(t), n.name) not in self.as_matmul and not moe.reads_experts(n, value)
+                   for n in consumers.get(value, [])):
                 vector = self.plan.vector(self.b, name, layer)
-            names[value] = vector if vector is not None else name
+            names[value] = experts or vector or name
+
+    def _scope(self, name: str, scope: str, layer: int | None) -> str:
+        """`{scope}/{module path}` of a layer's parameter (`/model/layers.0/mlp/experts/gate_up_proj`)."""
+        rel = name[len(f"{self.prefix}.{layer}."):] if layer is not None else name
+        return f"{scope}/{rel.removesuffix('.weight').replace('.', '/')}"
 
     def _linear(self, name: str, node: onnx.NodeProto, scope: str, layer: int | None) -> str:
         if layer is None and name == self.head:  # the model's get_output_embeddings() (tied or not)
@@ -150,6 +164,9 @@ class Stamper:
                 if inp not in names:
                     raise FuselmError(f"traced node {node.name} reads {inp}, which nothing produces; not supported")
                 new.input[k] = names[inp]
+        if (id(t), node.name) in self.as_matmul:  # x @ W^T as the dense layers write it: MatMul on [in, out]
+            new.op_type, new.input[1] = "MatMul", self.as_matmul[(id(t), node.name)]
+            del new.attribute[:]
         shapes = self._shapes(t)
         for k, out in enumerate(node.output):
             if out:
@@ -189,6 +206,12 @@ class Stamper:
             n += 1
             name = f"{base}_{n}"
         return name
+
+
+def _plain_gemm(node: onnx.NodeProto, value: str) -> bool:
+    """Gemm(x, W, transB=1) with no bias or scaling: torch's Linear on a 2-D input (MoE shared experts)."""
+    return (node.op_type == "Gemm" and list(node.input) == [node.input[0], value] and _attr(node, "transB", 0) == 1
+            and not _attr(node, "transA", 0) and _attr(node, "alpha", 1.0) == 1.0)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):

@@ -2,7 +2,8 @@
 
 A layer kind is what makes two layers' graphs differ: the module classes and their settings
 (e.g. SmolLM3's `use_rope`), parameter shapes, the rotary frequencies and the mask kind. Each
-kind is traced once with `torch.onnx.export(dynamo=True, opset_version=23, optimize=False)` on
+kind is traced once with `torch.onnx.export(dynamo=True, opset_version=23, optimize=False)` (its
+ONNX registry built once per process) on
 placeholder weights of the real shapes (uninitialized memory: the trace never reads them):
 
     layer(hidden [B,S,hidden], mask [B,1,S,T], position_ids [B,S], past_key, past_value)
@@ -26,7 +27,7 @@ from torch import nn
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from . import attention_op, rope_op
+from . import attention_op, moe, rope_op
 from .skeleton import LayerPlan, Skeleton, placeholders, restore
 
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
@@ -163,7 +164,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
     installed.spec = plan.rope
     undo = placeholders(layer)
     try:
-        with installed:
+        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention).eval()
             try:
                 key, value = _dry_run(skel, wrapper, hidden[:, :1], positions[:, :1])
@@ -202,13 +203,11 @@ def trace_outer(skel: Skeleton) -> Template:
 
 
 def _export(module, args, dynamic, input_names, output_names, model_type):
-    table = {**rope_op.translation(), **attention_op.translation(), **_marker_translation()}
+    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **_marker_translation()}
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            return torch.onnx.export(module, args, dynamo=True, opset_version=contract.OPSET, optimize=False, verbose=False,
-                                     dynamic_shapes=dynamic, input_names=input_names, output_names=output_names,
-                                     custom_translation_table=table, report=False)
+            return _onnx_export(module, args, dynamic, input_names, output_names, table)
     except FuselmError:
         raise
     except Exception as e:  # torch.export / translation failures: the modeling code does something we cannot trace
@@ -220,6 +219,36 @@ def _export(module, args, dynamic, input_names, output_names, model_type):
         raise FuselmError(f"model_type {model_type!r}: tracing transformers' modeling code failed "
                           f"({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ''}); "
                           "this model_type is not supported by the traced exporter") from None
+
+
+_REGISTRIES: dict[frozenset, object] = {}  # custom ops -> torch.onnx's registry with their translations
+
+
+def _onnx_export(module, args, dynamic, input_names, output_names, table):
+    """`torch.onnx.export(dynamo=True, optimize=False, custom_translation_table=table)`, its ONNX
+    registry built once per process: building it from torchlib is about a quarter of each export.
+    The same calls as torch.onnx's `export_compat` (torch is pinned); where they moved, torch.onnx.export."""
+    try:
+        from torch.onnx._internal.exporter import _core, _dynamic_shapes, _registration
+    except ImportError:
+        _core = None
+    if _core is None or not hasattr(_registration.ONNXRegistry, "from_torchlib"):
+        return torch.onnx.export(module, args, dynamo=True, opset_version=contract.OPSET, optimize=False, verbose=False,
+                                 dynamic_shapes=dynamic, input_names=input_names, output_names=output_names,
+                                 custom_translation_table=table, report=False)
+    registry = _REGISTRIES.get(frozenset(table))
+    if registry is None:
+        registry = _registration.ONNXRegistry.from_torchlib(opset_version=contract.OPSET)
+        for op, function in table.items():
+            registry.register_op(op, function, is_complex=False)
+        registry = _REGISTRIES.setdefault(frozenset(table), registry)
+    shapes, rename_axes = _dynamic_shapes.convert_str_to_export_dim(dynamic)
+    program = _core.export(module, args, None, registry=registry, dynamic_shapes=shapes, input_names=input_names,
+                           output_names=output_names, report=False, verbose=False, optimize=False,
+                           opset_version=contract.OPSET)
+    if rename_axes:  # the dims named as the Dim objects are
+        program._rename_dynamic_axes(dynamic)
+    return program
 
 
 def _template(program, prefix: str) -> Template:

@@ -276,6 +276,29 @@ class Backend:
         (`quantized_gather_kind`: the kind of `w` it takes)."""
         raise NotImplementedError
 
+    def prepare_experts(self, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
+                        block: int, bits: int) -> QuantizedWeight:
+        """Convert a stacked blocked DequantizeLinear expert weight once, at load (fuselm::MoE).
+
+        q [E, N, K] unsigned integers (one value per byte), scale/zero_point [E, N, K/block]: expert e's
+        weight is (q[e] - zero_point[e]) * scale[e], [out, in] with blocks along K (the input dim)."""
+        raise NotImplementedError
+
+    def expert_matmul(self, x, w, experts):
+        """Each token's selected experts: x [T, K] (shared by the slots) or [T, k, K] (one per slot),
+        w the stacked [E, N, K] weights (an array, or `prepare_experts`'), experts int [T, k]
+        -> [T, k, N] with out[t, j] = x[t(, j)] @ w[experts[t, j]]^T."""
+        raise NotImplementedError
+
+    def expert_mlp(self, x, gate_up, down, experts, act):
+        """The selected experts' MLPs: x [T, K], gate_up [E, 2I, K], down [E, K, I], experts [T, k] ->
+        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays.
+        Two `expert_matmul`s here; a backend may keep its own order between them (MLX sorts once)."""
+        gu = self.expert_matmul(x, gate_up, experts)
+        inter = self.shape(gu)[-1] // 2
+        gate, up = (self.slice(gu, (slice(None), slice(None), part)) for part in (slice(0, inter), slice(inter, None)))
+        return self.expert_matmul(act(gate, up), down, experts)
+
     # --- prepared weights kept beside the model (runtime_metal/prepared.py) -------------------
     def prepared_format(self) -> str | None:
         """A tag naming the format of this backend's prepared weights (versions, compute dtype), or None
@@ -329,4 +352,12 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
     k = q.shape[0]
     s = np.repeat(scale.astype(np.float32), block, axis=0)[:k]
     z = np.repeat(zero_point.astype(np.float32), block, axis=0)[:k] if zero_point is not None else 0.0
+    return (q.astype(np.float32) - z) * s
+
+
+def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
+    """Host reference of a stacked blocked DequantizeLinear along the last axis ([E, N, K] experts)."""
+    k = q.shape[-1]
+    s = np.repeat(scale.astype(np.float32), block, axis=-1)[..., :k]
+    z = np.repeat(zero_point.astype(np.float32), block, axis=-1)[..., :k] if zero_point is not None else 0.0
     return (q.astype(np.float32) - z) * s

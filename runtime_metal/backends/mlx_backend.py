@@ -14,7 +14,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import kv_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -475,6 +475,9 @@ class MLXBackend(Backend):
         zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
         bias = np.ascontiguousarray(-zp * s)
         data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
+        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until
+        # the first step, every weight's at once
+        mx.eval(data)
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
     def prepared_format(self):
@@ -498,6 +501,54 @@ class MLXBackend(Backend):
         flat = ids.reshape(-1)
         out = mx.dequantize(wq[flat], s[flat], bias[flat], group_size=w.block, bits=w.bits)
         return out.reshape(*ids.shape, w.in_features)
+
+    def prepare_experts(self, q, scale, zero_point, block, bits):
+        """MLX's affine format per expert ([E, N, K] is already MLX's [out, in] row layout): packed
+        uint32 [E, N, K*bits/32], scales and biases [E, N, K/block], bias = -zp * scale."""
+        e, n, k = q.shape
+        if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
+            w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
+        qb = mx.array(q.astype(np.uint8, copy=False))
+        if bits == 4:
+            pairs = qb.reshape(e, n, k // 2, 2)
+            qb = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(qb).view(mx.uint32)
+        s = scale.astype(np.float32)
+        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        return QuantizedWeight((packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s))), k, n, bits, block,
+                               "mlx")
+
+    def expert_matmul(self, x, w, experts):
+        """mlx-lm's SwitchLinear: x as [T, 1, 1, K] (or [T, k, 1, K]) against the experts' weights gathered
+        by `experts` [T, k] -> [T, k, N]."""
+        t, k = experts.shape
+        xs = mx.expand_dims(x, (-2, -3)) if x.ndim == 2 else mx.expand_dims(x, -2)
+        return self._gather_matmul(xs, w, experts.astype(mx.uint32), False).reshape(t, k, -1)
+
+    def expert_mlp(self, x, gate_up, down, experts, act):
+        """mlx-lm's SwitchGLU: for long prompts the (token, slot) rows are sorted by expert once
+        (`_gather_sort`), both projections read each expert's weights contiguously, then unsorted."""
+        t, k = experts.shape
+        if experts.size < 64:
+            return super().expert_mlp(x, gate_up, down, experts, act)
+        flat = experts.reshape(-1).astype(mx.uint32)
+        order = mx.argsort(flat)
+        idx = flat[order]
+        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True)  # [T*k, 1, 2I]
+        inter = gu.shape[-1] // 2
+        y = self._gather_matmul(act(gu[..., :inter], gu[..., inter:]), down, idx, True)
+        return y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
+
+    @staticmethod
+    def _gather_matmul(xs, w, idx, sorted_indices: bool):
+        if isinstance(w, QuantizedWeight) and w.kind == "mlx":
+            wq, s, bias = w.data
+            return mx.gather_qmm(xs, wq, s, bias, rhs_indices=idx, transpose=True, group_size=w.block, bits=w.bits,
+                                 sorted_indices=sorted_indices)
+        data = w.data if isinstance(w, QuantizedWeight) else w
+        return mx.gather_mm(xs, mx.swapaxes(data, -1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
         """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed_pairs; host `pos`)."""

@@ -9,7 +9,7 @@ from onnx import TensorProto
 
 from ..loader import NP_DTYPES
 from . import kv_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
 
 _FROM_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in (TensorProto.UINT4, TensorProto.INT4)}
 
@@ -215,6 +215,20 @@ class NumpyBackend(Backend):
 
     def quantized_matmul(self, x, w):
         return np.matmul(x, w.data)
+
+    def prepare_experts(self, q, scale, zero_point, block, bits):
+        w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+        return QuantizedWeight(w, q.shape[2], q.shape[1], bits, block, "dequant")
+
+    def expert_matmul(self, x, w, experts):
+        w = w.data if isinstance(w, QuantizedWeight) else w
+        t, k = experts.shape
+        xs = np.broadcast_to(x[:, None, :], (t, k, x.shape[-1])) if x.ndim == 2 else x
+        out = np.empty((t, k, w.shape[1]), np.result_type(x.dtype, w.dtype))
+        for e in np.unique(experts):  # grouped by expert: one matmul over every (token, slot) it serves
+            rows, slots = np.nonzero(experts == e)
+            out[rows, slots] = xs[rows, slots] @ w[e].T
+        return out
 
     def cache_write(self, buffer, new, pos):
         buffer[:, :, int(pos):int(pos) + new.shape[2]] = new

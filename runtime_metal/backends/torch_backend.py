@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from onnx import TensorProto
 
 from . import kv_quant, torch_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
 
 TORCH_DTYPES = {
     TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
@@ -397,6 +397,29 @@ class TorchBackend(Backend):
 
     def quantized_matmul(self, x, w):
         return torch_quant.matmul(x, w)
+
+    def prepare_experts(self, q, scale, zero_point, block, bits):
+        # dequantized once at load, in the float dtype the graph computes in (torch has no gathered int4 matmul)
+        w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+        return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
+
+    def expert_matmul(self, x, w, experts):
+        w = w.data if isinstance(w, QuantizedWeight) else w
+        t, k = experts.shape
+        xs = (x[:, None, :].expand(t, k, x.shape[-1]) if x.dim() == 2 else x).reshape(t * k, -1)
+        flat = experts.reshape(-1)
+        if t * k <= w.shape[0]:  # decode: gather the few selected experts (no host sync, CUDA-graph safe)
+            return torch.bmm(w.index_select(0, flat), xs.unsqueeze(-1).to(w.dtype)).reshape(t, k, -1).to(x.dtype)
+        out = xs.new_empty(t * k, w.shape[1])
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):  # grouped by expert: one matmul over every (token, slot) it serves
+            if n:
+                rows = order[start:start + n]
+                out[rows] = (xs[rows].to(w.dtype) @ w[e].T).to(out.dtype)
+                start += n
+        return out.reshape(t, k, -1)
 
     def cache_write(self, buffer, new, pos):
         if isinstance(pos, int):

@@ -1,0 +1,106 @@
+"""fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
+
+    x2 = x as [T, H]; probs = softmax(x2 @ router^T) (or sigmoid, experts chosen with `bias` added)
+    (w, experts) = top_k(probs) (renormalised: normalize; times `scaling`)
+    y = sum_k w * expert_mlp(x2, gate_up, down, experts, act(gate) * up)   [T, k, H] -> [T, H]
+
+`expert_mlp` / `expert_matmul` are the backend's (backends/base.py): MLX `mx.gather_mm` /
+`mx.gather_qmm` with mlx-lm's SwitchGLU sort for long prompts, torch and numpy the selected
+experts' matmuls grouped by expert. At load
+(`fold_experts`), a MoE whose stacked weights are blocked DequantizeLinears of constants becomes
+`QMoE` with the weights prepared once by `backend.prepare_experts` (MLX: its affine 4/8-bit format,
+so a 4-bit expert stays 4-bit in memory).
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from fuselm import contract
+
+from .ops import Gelu, _scalar, op
+from .ops_nn import RUNTIME
+
+
+@op(contract.MOE_OP, domain=contract.DOMAIN, fused=True)
+def MoE(b, x, router, gate_up, down, bias=None, *, top_k, normalize=0, activation="silu", scoring="softmax",
+        scaling=1.0):
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+
+
+@op("QMoE", domain=RUNTIME)
+def QMoE(b, x, router, bias=None, *, gate_up, down, top_k, normalize=0, activation="silu", scoring="softmax",
+         scaling=1.0, source=""):
+    """fuselm::MoE whose stacked expert weights were prepared at load (`fold_experts`)."""
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+
+
+def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float):
+    shape = b.shape(x)
+    x2 = b.reshape(x, (-1, shape[-1]))
+    logits = b.matmul(x2, b.transpose(router, (1, 0)))
+    if scoring == "softmax":
+        weights, experts = b.topk(b.softmax(logits, -1), int(top_k), -1, True, True)
+    else:  # each expert's sigmoid, chosen with the selection bias added, weighted without it
+        probs = b.unary("sigmoid", logits)
+        choice = b.binary("add", probs, bias) if bias is not None else probs
+        experts = b.topk(choice, int(top_k), -1, True, True)[1]
+        weights = b.gather_elements(probs, experts, 1)
+    if normalize:
+        weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
+    if scaling != 1.0:
+        weights = b.binary("mul", weights, _scalar(b, weights, float(scaling)))
+
+    def act(gate, up):
+        if activation == "silu":
+            g = b.binary("mul", gate, b.unary("sigmoid", gate))
+        else:
+            g = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return b.binary("mul", g, up)
+
+    y = b.expert_mlp(x2, gate_up, down, experts, act)  # [T, k, H]
+    w = b.cast(b.reshape(weights, tuple(b.shape(weights)) + (1,)), b.dtype(y))
+    y = b.reduce("sum", b.binary("mul", y, w), (1,), False)
+    return b.reshape(y, tuple(shape))
+
+
+def fold_experts(graph, backend, release=lambda: None) -> None:
+    """MoE(x, router, DQ(q, s, z), DQ(q, s, z)) with constant 3-D blocked DQs along the input dim (axis 2)
+    -> QMoE(x, router) with the experts prepared once; the DQs and their constants are dropped after, and
+    `release()` drops the mapped pages read for each weight once the backend holds its copy."""
+    from .graph import Node, _drop_unread, _values
+
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    consts = graph.constants
+    prepared: dict[str, object] = {}
+    replace = {}
+    for n in graph.nodes:
+        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5):
+            continue
+        dqs = [producers.get(w) for w in n.inputs[2:4]]
+        if not all(_foldable(dq, consts, graph) for dq in dqs):
+            continue
+        for w, dq in zip(n.inputs[2:4], dqs, strict=True):
+            if w not in prepared:
+                q, scale = _values(consts[dq.inputs[0]]), consts[dq.inputs[1]]
+                zp = _values(consts[dq.inputs[2]]) if len(dq.inputs) > 2 and dq.inputs[2] else None
+                bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
+                prepared[w] = backend.prepare_experts(q, scale, zp, int(dq.attrs["block_size"]), bits)
+                del q, scale, zp
+                release()
+        replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2] + n.inputs[4:], n.outputs,
+                              {**n.attrs, "gate_up": prepared[n.inputs[2]], "down": prepared[n.inputs[3]],
+                               "source": dqs[0].name})
+    if replace:
+        nodes = [replace.get(id(n), n) for n in graph.nodes]
+        graph.nodes = _drop_unread(nodes, graph.outputs, lambda n: n.key == ("", "DequantizeLinear"))
+
+
+def _foldable(dq, consts, graph) -> bool:
+    return (dq is not None and dq.key == ("", "DequantizeLinear") and dq.outputs[0] not in graph.outputs
+            and all(x in consts for x in dq.inputs if x) and int(dq.attrs.get("block_size", 0)) > 0
+            and int(dq.attrs.get("axis", 1)) in (2, -1) and consts[dq.inputs[0]].ndim == 3
+            and dq.attrs.get("output_dtype", 0) in (0, 1))
+
+
+__all__ = ["MoE", "QMoE", "fold_experts"]

@@ -1,0 +1,162 @@
+"""Mixtures of experts through the traced exporter: one `fuselm::MoE` per sparse block.
+
+Tiny random checkpoints made by transformers itself (per-expert tensors as save_pretrained writes
+them; Granite-MoE's stacked input_linear), converted, checked against HF transformers (f32, prefill
++ a decode step with past, exporter/check.py) before and after `fuselm optimize`. Routing: Mixtral
+and Granite-MoE renormalise the top-k (Granite takes the softmax over the top-k logits: the same);
+OLMoE and Qwen2-MoE do not (their configs); Qwen3-MoE here with norm_topk_prob true; GLM-4.5 scores
+each expert with a sigmoid and chooses with a bias. Qwen2-MoE's shared expert and its sigmoid gate are
+plain nodes beside the op.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from fuselm.exporter.check import check
+from onnx import helper as oh
+
+import fuselm
+from fuselm import contract, synth
+
+MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48, intermediate_size=64)
+CASES = {
+    "mixtral": (1, {}),
+    "qwen3_moe": (1, dict(norm_topk_prob=True)),
+    "olmoe": (0, {}),
+    "qwen2_moe": (0, {}),
+    "granitemoe": (1, {}),
+}
+
+
+def make(tmp_path, model_type, **extra):
+    return synth.make_checkpoint(tmp_path / "hf", model_type, generic=True, **{**MOE, **CASES[model_type][1], **extra})
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_moe_family_matches_hf_before_and_after_optimize(model_type, tmp_path):
+    hf = make(tmp_path, model_type)
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    meta = json.loads((out / "fuselm.json").read_text())["moe"]
+    assert (meta["experts"], meta["top_k"], meta["normalize"]) == (4, 2, CASES[model_type][0])
+    assert meta["shared_expert"] == (model_type == "qwen2_moe")
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    moes = [n for n in graph.node if n.op_type == contract.MOE_OP and n.domain == contract.DOMAIN]
+    assert len(moes) == 2
+    opt = fuselm.optimize(out, tmp_path / "opt", quiet=True)
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    optimized = onnx.load(opt / "model.onnx", load_external_data=False)
+    ops = {n.op_type for n in optimized.graph.node}
+    assert {"MoE", "Attention", "FusedRoPE", "RMSNormalization"} <= ops  # the dense fusions still apply
+    assert [f.name for f in optimized.functions if f.name == "MoE"] == ["MoE"]
+
+
+def test_moe_sigmoid_router_with_selection_bias(tmp_path):
+    """GLM-4.5's router (DeepSeek-V3 style, one group): each expert's sigmoid, the top_k chosen with the
+    checkpoint's e_score_correction_bias added, weighted without it, renormalised, times
+    routed_scaling_factor; its shared experts beside the op. The bias is made random in the checkpoint
+    (save_pretrained writes zeros), so choosing with it is what the comparison with HF checks; the
+    runtime's sparse kernel (numpy) gives HF's greedy tokens."""
+    from fuselm.runtime_metal.sampling import Sampler
+    from fuselm.runtime_metal.session import Session
+    from safetensors.torch import load_file, save_file
+
+    from fuselm.reference import hf_model, hf_steps
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "glm4_moe", generic=True, **MOE, n_routed_experts=4, first_k_dense_replace=0,
+                               n_group=1, topk_group=1, routed_scaling_factor=1.5)
+    tensors = load_file(hf / "model.safetensors")
+    biases = [k for k in tensors if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: torch.rand(v.shape, generator=gen) if k in biases else v for k, v in tensors.items()},
+              hf / "model.safetensors", metadata={"format": "pt"})
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    meta = json.loads((out / "fuselm.json").read_text())["moe"]
+    assert (meta["scoring"], meta["selection_bias"], meta["normalize"], meta["scaling"]) == ("sigmoid", True, 1, 1.5)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    opt = fuselm.optimize(out, tmp_path / "opt", quiet=True)
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    want = hf_steps(hf_model(hf), [5, 9, 2, 7, 11], 5).tokens
+    sess = Session(opt, backend="numpy")
+    sess.reset(10)
+    assert list(sess.generate([5, 9, 2, 7, 11], 5, Sampler())) == want
+
+
+def test_moe_q4_experts_are_blocked_dequantize(tmp_path):
+    hf = make(tmp_path, "qwen2_moe")
+    out = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    moe = next(n for n in model.graph.node if n.op_type == "MoE")
+    for w in moe.input[2:4]:
+        dq = producers[w]
+        assert dq.op_type == "DequantizeLinear" and oh.get_attribute_value(dq.attribute[0]) in (2, 32)
+        assert inits[dq.input[0]].data_type == onnx.TensorProto.UINT4 and len(inits[dq.input[0]].dims) == 3
+    # the shared expert's Linears (Gemm on [tokens, hidden] in the trace) are quantized MatMuls too
+    shared = [n for n in model.graph.node if "shared_expert/" in n.name and n.op_type in ("MatMul", "Gemm")]
+    assert shared and all(n.op_type == "MatMul" and producers[n.input[1]].op_type == "DequantizeLinear" for n in shared)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] < 1.0  # q4 noise, not a wrong graph
+
+
+@pytest.mark.parametrize("scoring,normalize", [("softmax", 0), ("softmax", 1), ("sigmoid", 1)])
+def test_moe_function_body_is_the_sparse_reference(scoring, normalize):
+    """The op's FunctionProto (dense, in onnxruntime) against a per-token loop over the top-k experts."""
+    n_exp, inter, hidden, k, scaling = 4, 6, 8, 2, 1.5
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, hidden)).astype(np.float32)
+    r = rng.standard_normal((n_exp, hidden)).astype(np.float32)
+    gu = rng.standard_normal((n_exp, 2 * inter, hidden)).astype(np.float32)
+    dn = rng.standard_normal((n_exp, hidden, inter)).astype(np.float32)
+    bias = rng.random(n_exp).astype(np.float32)
+    sig = scoring == "sigmoid"
+    node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, normalize, scoring=scoring, scaling=scaling,
+                             bias="b" if sig else None)
+    names, ranks = ("x", "r", "gu", "dn", "b")[:4 + sig], (3, 2, 3, 3, 1)[:4 + sig]
+    info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * rank) for n, rank in zip(names, ranks, strict=True)]
+    graph = oh.make_graph([node], "g", info, [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None] * 3)])
+    model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
+                          opset_imports=[oh.make_opsetid("", contract.OPSET), oh.make_opsetid(contract.DOMAIN, 1)])
+    onnx.checker.check_model(model, full_check=True)
+    feeds = dict(zip(names, (x, r, gu, dn, bias), strict=False))
+    y = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0].reshape(-1, hidden)
+    x2 = x.reshape(-1, hidden)
+    logits = x2 @ r.T
+    if sig:
+        p = 1 / (1 + np.exp(-logits))
+    else:
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+    want = np.zeros_like(x2)
+    for t in range(len(x2)):
+        top = np.argsort(-(p[t] + bias if sig else p[t]))[:k]
+        w = p[t, top] / (p[t, top].sum() if normalize else 1.0) * scaling
+        for e, we in zip(top, w, strict=True):
+            gate, up = np.split(gu[e] @ x2[t], 2)
+            want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
+    np.testing.assert_allclose(y, want, atol=1e-4)
+
+
+def test_moe_from_the_trace_cache_is_the_same_model(tmp_path, monkeypatch):
+    """A second convert stamps the cached trace (exporter/traced/cache.py) and stacks the per-expert tensors
+    from the parts the entry recorded: the same bytes, without tracing."""
+    from fuselm.exporter import traced as traced_pkg
+
+    monkeypatch.setenv("FUSELM_TRACE_CACHE", "1")
+    monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(traced_pkg, "_TRACED", {})
+    hf = make(tmp_path, "qwen2_moe")
+    first = fuselm.convert(hf, tmp_path / "first", exporter="torch", quant="q4", quiet=True)
+    monkeypatch.setattr(traced_pkg, "_TRACED", {})
+    monkeypatch.setattr(traced_pkg, "_traced", lambda *a: pytest.fail("traced again"))
+    second = fuselm.convert(hf, tmp_path / "second", exporter="torch", quant="q4", quiet=True)
+    for name in ("model.onnx", "model.onnx.data", "fuselm.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
