@@ -185,10 +185,8 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     _kv_append(graph)
     _fold_constants(graph)
     _last_rows(graph)
-    from . import mask_kind, qkv_heads, silu_gate
+    from . import mask_kind, qkv_heads
 
-    if fused:
-        silu_gate.rewrite(graph)
     if backend.causal_reads and fused:
         qkv_heads.rewrite(graph)
     mask_kind.classify(graph, (lm.meta or {}).get("sliding_window"))

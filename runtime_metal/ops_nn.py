@@ -289,11 +289,10 @@ def FusedRoPE(b, x, position_ids, norm_weight=None, *, inv_freq, attention_scali
 
 @op(contract.SWIGLU_OP, domain=contract.DOMAIN, fused=True)
 def SwiGLU(b, x):
-    """gate·Sigmoid(gate)·up of x = [gate | up] (last axis): slices are views, the rest one elementwise
-    expression (mx.compile fuses it)."""
+    """gate·Sigmoid(gate)·up of x = [gate | up] (last axis): slices are views, the rest `Backend.silu_gate`
+    (MLX: one compiled kernel at every shape, so a prompt chunk holds no [S, I] sigmoid or SiLU array)."""
     i = b.shape(x)[-1] // 2
-    gate, up = b.slice(x, (Ellipsis, slice(0, i))), b.slice(x, (Ellipsis, slice(i, 2 * i)))
-    return b.binary("mul", b.binary("mul", gate, b.unary("sigmoid", gate)), up)
+    return b.silu_gate(b.slice(x, (Ellipsis, slice(0, i))), b.slice(x, (Ellipsis, slice(i, 2 * i))))
 
 
 @op("RotaryEmbedding")

@@ -233,7 +233,7 @@ class Backend:
 
     # --- fused kernels ----------------------------------------------------------------
     def silu_gate(self, gate, up):
-        """SiLU(gate) · up (silu_gate.py): the three ops the graph wrote; a backend with a kernel for it overrides."""
+        """SiLU(gate) · up (fuselm::SwiGLU): three elementwise ops; a backend with one kernel for it overrides."""
         return self.binary("mul", self.binary("mul", gate, self.unary("sigmoid", gate)), up)
 
     def rms_norm(self, x, weight, eps: float):
