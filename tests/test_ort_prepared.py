@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
+import time
 
 import pytest
 from fuselm.runtime_metal.prepared import DIR_NAME
@@ -64,6 +66,10 @@ def test_a_damaged_copy_is_rebuilt(cpu, optimized, tmp_path):
     assert "lowered now; the copy there was damaged" in r["why"] and r["tokens"] == want
     (model / DIR_NAME / lowered.name / "model.onnx").write_bytes(b"not onnx")
     assert "damaged" in _run(model)["why"]
+    data = model / "model.onnx.data"
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the weights changed: a new key
+    r = _run(model)
+    assert "(lowered now)" in r["why"] and [str(p) in r["why"] for p in _lowered_dirs(model)] == [True]
 
 
 def test_float_and_torch_only_options_stay_on_torch(cpu, optimized, tmp_path):
@@ -93,3 +99,33 @@ def test_validate_by_auto_checks_the_lowered_copy_against_the_standard_graph(cpu
     r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT, quiet=True)
     assert r["lowered"] and "prepared once in" in r["describe"] and _lowered_dirs(model)
     assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
+
+
+def test_four_loaders_at_once_build_it_once(tmp_path, monkeypatch):
+    """prepared_dir (runtime_metal/prepared.py) from four threads at once (each takes the lock through its own
+    open file, as four processes do): one builds, three wait and read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fuselm.runtime_metal.prepared import prepared_dir
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.onnx").write_bytes(b"graph")
+    builds = []
+
+    def build(tmp):
+        tmp.mkdir()
+        time.sleep(0.3)
+        (tmp / "x").write_text("made")
+        builds.append(1)
+
+    def load(_):
+        path, how = prepared_dir(model, "fmt", "tag", build)
+        return how, (path / "x").read_text()
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = sorted(pool.map(load, range(4)))
+    assert outs == [("read", "made")] * 3 + [("written", "made")] and builds == [1]
+    assert sorted(p.name for p in (model / DIR_NAME).iterdir()) == [".fmt.lock", *(p.name for p in
+                                                                      (model / DIR_NAME).glob("fmt-*"))]
