@@ -27,8 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-SHAPE = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             intermediate_size=512, tie_word_embeddings=False)  # bench/convert.py's "tiny", untied
+SHAPES = {"tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       intermediate_size=512, tie_word_embeddings=False),  # bench/convert.py's "tiny", untied
+          # weights large enough that a rank's fixed costs (prefill activations, the logits) are small beside them
+          "small": dict(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=3072, tie_word_embeddings=False)}
 PROMPT = [5, 6, 7, 40, 41, 42, 9, 300]
 
 
@@ -67,7 +70,9 @@ def pipeline(split_dir: Path, ranks: int, tokens: int, work: Path) -> tuple[list
     results = [json.loads(r.read_text()) for r in results]
     stages = json.loads((split_dir / "split.json").read_text())["stages"]
     memory = [{**r["memory"], "weight_bytes": st["bytes"],
-               "ratio": r["memory"]["mlx_peak_bytes"] / (st["bytes"] + r["memory"]["cache_bytes"])}
+               "ratio": r["memory"]["mlx_peak_bytes"] / (st["bytes"] + r["memory"]["cache_bytes"]),
+               "ratio_held": r["memory"]["mlx_peak_bytes"] / (r["memory"]["weights_held_bytes"]
+                                                             + r["memory"]["cache_bytes"])}
               for r, st in zip(results, stages, strict=True)]
     return results[-1]["token_seconds"], memory
 
@@ -91,6 +96,32 @@ if g.rank() == 0:
 """
 
 
+# the CPU a rank burns while it waits for a message: MLX's ring backend polls its non-blocking socket
+# (mlx/distributed/ring/ring.cpp, SocketThread::worker), so a waiting rank keeps a core busy
+SPIN = """
+import json, sys, time
+import mlx.core as mx
+g = mx.distributed.init(strict=True, backend="ring")
+mx.set_default_device(mx.cpu)
+x = mx.zeros((1, 1, 8))
+if g.rank() == 0:
+    time.sleep(2)
+    mx.eval(mx.distributed.send(x, 1))
+else:
+    c, t = time.process_time(), time.perf_counter()
+    mx.eval(mx.distributed.recv_like(x, 0))
+    json.dump((time.process_time() - c) / (time.perf_counter() - t), open(sys.argv[1], "w"))
+"""
+
+
+def spin(work: Path) -> float:
+    """CPU seconds per second a rank spends waiting 2 s for a message."""
+    from test_pipeline_run import launch
+
+    launch(2, "-c", SPIN, str(work / "spin.json"))
+    return json.loads((work / "spin.json").read_text())
+
+
 def hop(hidden: int, work: Path) -> float:
     from test_pipeline_run import launch
 
@@ -101,6 +132,7 @@ def hop(hidden: int, work: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quant", choices=["f32", "q4"], default="q4")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=8, help="first decode steps left out (checking, compiling)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
@@ -113,7 +145,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="fuselm-bench-pipe-") as tmp:
         tmp = Path(tmp)
-        ckpt = make_checkpoint(tmp / "hf", "qwen3", **SHAPE)
+        shape = SHAPES[args.shape]
+        ckpt = make_checkpoint(tmp / "hf", "qwen3", **shape)
         fuselm.convert(ckpt, tmp / "exp", quant=args.quant, quiet=True)
         fuselm.optimize(tmp / "exp", tmp / "opt", quiet=True)
         for n in args.ranks:
@@ -127,10 +160,11 @@ def main() -> None:
             for n in args.ranks:
                 seconds, memory[n] = pipeline(tmp / f"split{n}", n, args.tokens, tmp / f"run{n}")
                 runs[n].append(med(seconds))
-        rtt = hop(SHAPE["hidden_size"], tmp)
+        rtt = hop(shape["hidden_size"], tmp)
+        waiting = spin(tmp)
     rows = {n: statistics.median(v) for n, v in runs.items()}
     load = os.getloadavg()[0]
-    print(f"decode per token, MLX CPU, {args.quant}, hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} "
+    print(f"decode per token, MLX CPU, {args.quant}, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
           f"layers, median over {args.runs} interleaved runs of each run's median of {args.tokens - 1 - args.warmup} "
           f"steps ({platform.machine()}, {os.cpu_count()} cores, load average {load:.1f})")
     for n, ms in rows.items():
@@ -139,11 +173,14 @@ def main() -> None:
     for n, ranks in memory.items():
         for r, m in enumerate(ranks):
             print(f"  {n} ranks, rank {r}: MLX peak {m['mlx_peak_bytes'] / 2**20:.2f} MiB = {m['ratio']:.2f}x its "
-                  f"stage's weights ({m['weight_bytes'] / 2**20:.2f} MiB) + cache ({m['cache_bytes'] / 2**20:.2f} MiB); "
-                  f"process RSS {m['max_rss_bytes'] / 2**20:.0f} MiB")
-    print(f"  one hop's round trip (ring over loopback, [1, 1, {SHAPE['hidden_size'] + 1}] f32 there and back): "
+                  f"stage's weights in the graph ({m['weight_bytes'] / 2**20:.2f} MiB) + cache "
+                  f"({m['cache_bytes'] / 2**20:.2f} MiB), {m['ratio_held']:.2f}x the weights as MLX holds them "
+                  f"({m['weights_held_bytes'] / 2**20:.2f} MiB) + cache; process RSS {m['max_rss_bytes'] / 2**20:.0f} MiB")
+    print(f"  one hop's round trip (ring over loopback, [1, 1, {shape['hidden_size'] + 1}] f32 there and back): "
           f"{rtt:.3f} ms median")
-    out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:]), "hop_round_trip_ms": rtt, "shape": SHAPE,
+    print(f"  a rank waiting for its message uses {waiting:.2f} CPU-seconds per second (MLX's ring backend polls its "
+          "socket): ranks on one host share its cores with the waiting ones")
+    out = {"command": "python bench/pipeline.py " + " ".join(sys.argv[1:]), "hop_round_trip_ms": rtt, "waiting_rank_cpu_per_s": waiting, "shape": shape,
            "quant": args.quant, "tokens": args.tokens, "warmup": args.warmup, "runs": args.runs,
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": load, "ms_per_token": rows,
            "ms_per_token_runs": runs, "ratio": {n: ms / rows[1] for n, ms in rows.items()}, "memory": memory}

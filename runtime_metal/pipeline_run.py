@@ -324,6 +324,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                 {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
                  "dtype": dtype, **kv_options(**kv)})
     sess, b = pipe.sess, pipe.sess.backend
+    held = int(pipe.mx.get_active_memory())  # the stage's weights as the backend holds them (before the cache)
     tok = load_tokenizer(pipe.dir, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
@@ -400,7 +401,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
 
     result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids),
               # what this rank held (issue 20: <= its stage's weights + cache + 15 %)
-              "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()),
+              "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()), "weights_held_bytes": held,
                          "cache_bytes": sum(kvcache.nbytes(b, v) for v in {id(v): v for v in sess.buffers.values()}.values()),
                          "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}
     if pipe.last:

@@ -474,6 +474,9 @@ class MLXBackend(Backend):
         zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
         bias = np.ascontiguousarray(-zp * s)
         data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
+        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until
+        # the first step, every weight's at once
+        mx.eval(data)
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
     def prepared_format(self):
