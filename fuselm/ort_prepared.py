@@ -5,8 +5,9 @@ GatherBlockQuantized; its default accuracy level) writes the lowered copy into
 `MODEL/.fuselm-prepared/onnxruntime-<key>/` through runtime_metal/prepared.py's `prepared_dir` (keyed by
 model.onnx's sha256, the data file's size and mtime, fuselm's and onnxruntime's versions and the accuracy
 level; written atomically under a lock, checked on read, rebuilt when stale or damaged). A graph the passes
-cannot lower (optimize refuses it, or no matmul became MatMulNBits, which is where the speed comes from)
-is remembered under the key: `--backend auto` then runs the torch backend and says why.
+cannot lower (optimize refuses it, or no matmul became MatMulNBits, which is where the speed comes from),
+or onnxruntime cannot load the lowered graph, is remembered under the key: `--backend auto` then runs the
+torch backend and says why.
 """
 
 from __future__ import annotations
@@ -47,3 +48,12 @@ def _lower(model_dir: Path, out: Path, level: int) -> None:
     if not any(n.domain == ORT_DOMAIN and n.op_type == "MatMulNBits" for n in graph.node):
         raise CannotPrepare("the onnxruntime passes lowered none of its matmuls to MatMulNBits "
                             "(`fuselm diff --target onnxruntime` shows why)")
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level, so.log_severity_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL, 3
+    try:  # every op has a CPU kernel in this onnxruntime (a run must not fail after auto chose it)
+        ort.InferenceSession(str(out / contract.MODEL_NAME), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+        raise CannotPrepare(f"onnxruntime {ort.__version__} cannot load the lowered graph "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
