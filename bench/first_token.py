@@ -51,7 +51,7 @@ def main() -> None:
         for name, backend in zip(rows, ("auto", "auto", "torch"), strict=True):
             rows[name].append(one(args.model, backend))
             print(name, rows[name][-1]["first_token_s"], "s", file=sys.stderr)
-    table = {name: {"median_s": statistics.median(r["first_token_s"] for r in runs), "runs": runs}
+    table = {name: {"median_s": round(statistics.median(r["first_token_s"] for r in runs), 2), "runs": runs}
              for name, runs in rows.items()}
     args.out.write_text(json.dumps({"command": " ".join(["python", "bench/first_token.py", *sys.argv[1:]]),
                                     "cpus": os.cpu_count(), "rows": table}, indent=1) + "\n")

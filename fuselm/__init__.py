@@ -30,7 +30,6 @@ def optimize(in_path, out, **kwargs):
 
 def _input_not_inside(source, out) -> None:
     """Replacing OUT (--force) must never delete the input it is made from."""
-
     if Path(out).resolve() in Path(source).resolve().parents:
         raise FuselmError(f"{source} lies inside OUT {out}: replacing OUT would delete it; choose another OUT")
 
