@@ -1,6 +1,6 @@
 """Which of fuselm's own CPU paths is faster on a graph: the torch backend or `--backend onnxruntime`
 (fuselm/ort_run.py: onnxruntime-genai, or onnxruntime with IO binding). The figures behind `--backend
-auto`'s rule on a machine without a GPU (fuselm/engine_choice.py).
+auto`'s rule on a machine without a GPU (fuselm/auto_backend.py).
 
     python bench/cpu_auto.py                    # Qwen3-0.6B shape, q4, 3 rounds
     python bench/cpu_auto.py --tiny             # a tiny config: a smoke test in about a minute

@@ -4,6 +4,8 @@ Every CLI command is a function of the same name here; imports are lazy so `impo
 stays cheap.
 """
 
+from pathlib import Path
+
 from .errors import CheckFailed, FuselmError
 
 __all__ = ["convert", "optimize", "diff", "split", "run", "validate", "stream_generate", "FuselmError", "CheckFailed"]
@@ -28,8 +30,6 @@ def optimize(in_path, out, **kwargs):
 
 def _input_not_inside(source, out) -> None:
     """Replacing OUT (--force) must never delete the input it is made from."""
-    from pathlib import Path
-
     if Path(out).resolve() in Path(source).resolve().parents:
         raise FuselmError(f"{source} lies inside OUT {out}: replacing OUT would delete it; choose another OUT")
 
@@ -58,18 +58,19 @@ def run(model_dir, **kwargs):
     if pipeline_run.is_split(model_dir):
         return pipeline_run.run(model_dir, **kwargs)
     kwargs.pop("pipe_timeout", None)
-    backend, why = _backend_for(model_dir, kwargs)
+    backend, why, path = _backend_for(model_dir, kwargs)
     if backend == "onnxruntime":
         from .ort_run import run as _ort_run
 
-        return _ort_run(model_dir, why=why, **kwargs)
+        return _ort_run(path, why=why, **kwargs)
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, backend=backend, why=why, **kwargs)
 
 
-def _backend_for(model_dir, kwargs: dict) -> tuple[str, str | None]:
-    """Pop `backend` from run's / validate's keywords: the backend that runs `model_dir` and why (auto)."""
+def _backend_for(model_dir, kwargs: dict) -> tuple[str, str | None, object]:
+    """Pop `backend` from run's / validate's keywords: the backend that runs `model_dir`, why (auto) and the
+    directory it runs (auto's lowered copy of a standard quantized graph on a CPU, else `model_dir`)."""
     from .auto_backend import resolve
     from .ort_run import lowered_for_onnxruntime
 
@@ -92,11 +93,13 @@ def stream_generate(model, **kwargs):
 def validate(model_dir, reference, **kwargs):
     """Greedy tokens of the runtime vs onnxruntime vs HF transformers (see `fuselm validate -h`); with
     `backend="onnxruntime"` (or auto's choice of it) the onnxruntime path vs the standard graph vs HF."""
-    backend, why = _backend_for(model_dir, kwargs)
+    backend, why, path = _backend_for(model_dir, kwargs)
     if backend == "onnxruntime":
         from .ort_validate import validate as _ort_validate
 
-        return _ort_validate(model_dir, reference, why=why, **kwargs)
+        if path != Path(model_dir):  # auto's lowered copy: held against the standard graph it was made from
+            kwargs["standard"] = kwargs.get("standard") or model_dir
+        return _ort_validate(path, reference, why=why, **kwargs)
     if kwargs.pop("standard", None) is not None:
         raise FuselmError(f"--standard compares the onnxruntime path with a standard graph; --backend {backend} "
                           "compares with onnxruntime on DIR itself: drop --standard or pass --backend onnxruntime")

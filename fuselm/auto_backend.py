@@ -6,10 +6,15 @@ backend and `--backend onnxruntime` on the same Qwen3-0.6B-shaped q4 model, inte
   onnxruntime; only it runs those ops, and on a CPU it was the fastest path measured (a decode token
   in 0.44x the torch backend's CPU time on the standard graph, 1 thread);
 - a GPU (Metal, CUDA): runtime_metal's own choice (MLX on Metal, torch on CUDA);
-- a CPU and a standard graph (float or quantized): the torch backend. onnxruntime on the standard q4
-  graph took 3.6x the torch backend's CPU time per decode token: it cannot fuse the tied lm_head's
-  `Transpose(DequantizeLinear)` into MatMulNBits, so it dequantizes the vocabulary-wide head every
-  token (the why says to lower the graph instead);
+- a CPU and a standard quantized (q4/q8) graph, onnxruntime importable and the prepared store on
+  (FUSELM_PREPARED): onnxruntime on the graph lowered for it, prepared once beside the model
+  (fuselm/ort_prepared.py: `MODEL/.fuselm-prepared/onnxruntime-<key>/`). On the 0.6B q4 model it decoded
+  4.3x the torch backend's tok/s (bench/results/cpu-auto-rerun.json: 12.5 vs 2.9 tok/s); onnxruntime on
+  the standard graph itself took 3.6x the torch backend's CPU time per decode token (it cannot fuse the
+  tied lm_head's `Transpose(DequantizeLinear)` into MatMulNBits, so it dequantizes the vocabulary-wide
+  head every token), so the standard graph is never run there. A graph the passes cannot lower runs on
+  the torch backend, the reason in the header;
+- a CPU and a float graph: the torch backend (the f32 reference);
 - options only runtime_metal honours (--compile, --kv-bits, ...) keep a standard graph there.
 `--backend torch` always runs the torch backend (the f32 reference on a CPU).
 """
@@ -26,6 +31,9 @@ import onnx
 from . import contract
 
 ONNXRUNTIME, RUNTIME = "onnxruntime", "auto"  # RUNTIME: runtime_metal's make_backend("auto") decides
+LOWER = "onnxruntime-lowered"  # choose's answer: onnxruntime on the prepared lowered copy (resolve makes it)
+SPEEDUP = ("onnxruntime on the lowered 0.6B q4 graph decoded 4.3x the torch backend's tok/s "
+           "(bench/results/cpu-auto-rerun.json)")
 
 
 @dataclass(frozen=True)
@@ -36,11 +44,12 @@ class Facts:
     lowered: bool  # com.microsoft contrib ops (onnxruntime's own)
     weight_bits: frozenset[int]  # bits of the graph's quantized weights (blocked DequantizeLinear); empty: float
     flags: tuple[str, ...] = ()  # options given that only runtime_metal's backends honour (--compile, --kv-bits)
+    lowerable: bool = False  # onnxruntime importable and the prepared store on (FUSELM_PREPARED)
 
 
 def choose(facts: Facts) -> tuple[str, str]:
-    """(backend, why): "onnxruntime", or "auto" for runtime_metal's own choice (MLX on Metal, torch
-    elsewhere)."""
+    """(backend, why): "onnxruntime", LOWER (onnxruntime on the graph lowered for it, prepared beside the
+    model), or "auto" for runtime_metal's own choice (MLX on Metal, torch elsewhere)."""
     if facts.lowered:
         return ONNXRUNTIME, "auto: the graph is lowered for onnxruntime (com.microsoft ops only onnxruntime runs)"
     if facts.gpu is not None:
@@ -49,10 +58,11 @@ def choose(facts: Facts) -> tuple[str, str]:
         return RUNTIME, f"auto: {', '.join(facts.flags)} asks for the torch backend"
     if facts.weight_bits:
         bits = "/".join(str(b) for b in sorted(facts.weight_bits))
-        return RUNTIME, (f"auto: no GPU and a standard {bits}-bit graph: the torch backend (onnxruntime took 3.6x its "
-                         "CPU time per decode token there: it dequantizes a tied head every token); `fuselm optimize "
-                         "--target onnxruntime` lowers the graph for onnxruntime, which then took 0.44x "
-                         "(bench/results/cpu-auto-1t.json)")
+        if facts.lowerable:
+            return LOWER, f"no GPU and a standard {bits}-bit graph: {SPEEDUP}"
+        return RUNTIME, (f"auto: no GPU and a standard {bits}-bit graph: the torch backend (onnxruntime is not "
+                         "importable or FUSELM_PREPARED=0 keeps the lowered copy off; `fuselm optimize --target "
+                         f"onnxruntime` lowers the graph for onnxruntime: {SPEEDUP})")
     return RUNTIME, "auto: no GPU and a float graph: the torch backend (the f32 reference)"
 
 
@@ -91,17 +101,38 @@ def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
     return lowered, frozenset(bits)
 
 
-def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None]:
-    """The backend that runs `model_dir` for `--backend backend` and why (None when it was asked for);
-    `options`: run's / validate's other keywords (a device, --compile, --kv-bits ... ask for runtime_metal)."""
+def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None, Path]:
+    """(backend, why, directory) that runs `model_dir` for `--backend backend` (why None when it was asked
+    for); the directory is the prepared lowered copy when auto runs onnxruntime on it. `options`: run's /
+    validate's other keywords (a device, --compile, --kv-bits ... ask for runtime_metal)."""
     from .ort_run import unhonoured
+    from .runtime_metal.prepared import enabled
 
+    path = Path(model_dir)
     if backend != "auto":
-        return backend, None
+        return backend, None, path
     lowered, bits = graph_facts(model_dir)
     device = options.get("device")
     if device not in (None, "cpu") and not lowered:
-        return RUNTIME, None  # a device was named: runtime_metal's backends take it
+        return RUNTIME, None, path  # a device was named: runtime_metal's backends take it
     facts = Facts(gpu=None if device == "cpu" else gpu(), lowered=lowered, weight_bits=bits,
-                  flags=tuple(f for f in unhonoured(options) if f != "--device"))
-    return choose(facts)
+                  flags=tuple(f for f in unhonoured(options) if f != "--device"),
+                  lowerable=path.is_dir() and enabled() and importlib.util.find_spec("onnxruntime") is not None)
+    backend, why = choose(facts)
+    if backend != LOWER:
+        return backend, why, path
+    return _lowered(path, why)
+
+
+def _lowered(path: Path, why: str) -> tuple[str, str, Path]:
+    """onnxruntime on the prepared lowered copy of `path`, or the torch backend with the reason it failed."""
+    from .ort_prepared import lowered_copy
+    from .runtime_metal.prepared import CannotPrepare
+
+    try:
+        out, how = lowered_copy(path)
+    except Exception as e:  # noqa: BLE001 - a graph that cannot be lowered (or a store that cannot be written) runs on torch
+        reason = str(e) if isinstance(e, CannotPrepare) else f"{type(e).__name__}: {e}"
+        return RUNTIME, f"auto: the torch backend: lowering the graph for onnxruntime failed ({reason})", path
+    when = "" if how == "read" else f" ({how.replace('written', 'lowered now', 1)})"
+    return ONNXRUNTIME, f"auto: onnxruntime on the graph lowered for it, prepared once in {out}{when}, because {why}", out

@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("model_dir")
         r.add_argument("--backend", choices=[*BACKEND_NAMES, "onnxruntime"], default="auto",
                        help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU); "
-                            "auto: onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph "
-                            "(fuselm/auto_backend.py), else MLX on Metal, torch elsewhere (the f32 reference on CPU)")
+                            "auto: onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph, "
+                            "lowered once into DIR/.fuselm-prepared/ (fuselm/auto_backend.py), else MLX on Metal, torch elsewhere (the f32 reference on CPU)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")

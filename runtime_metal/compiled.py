@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -106,6 +107,8 @@ class PiecewiseDecode:
         self.seconds = 0.0
         n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
         direct = sum(p.fast is not None for p in self.pieces)
+        # every Attention direct: the cache buffers go into the step as they are, no CacheView per cache and token
+        self.direct = direct == len(self.pieces) - n
         self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows" + \
             (f", {direct} of them as direct backend calls" if direct else "")
 
@@ -114,6 +117,10 @@ class PiecewiseDecode:
         for p in self.pieces:
             if p.steps[0].node.op_type != "Attention":
                 p.fn, _ = self.sess.backend.compile_step(self._piece(p), args, 1)
+        # what each call reads, as one C-level lookup (the host builds this loop every token)
+        self.calls = [(p.fn, p.fast, p, itemgetter(*p.inputs) if len(p.inputs) > 1 else
+                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()))
+                      for p in self.pieces]
         self.seconds = time.perf_counter() - t0
 
     def _piece(self, piece: Piece):
@@ -136,7 +143,8 @@ class PiecewiseDecode:
         """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
         sess, b = self.sess, self.sess.backend
         ex, pos = sess.executor, sess.pos
-        views = {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
+        views = dict(zip(self.names, bufs, strict=True)) if self.direct else \
+            {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
         if self.mask:
             env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
         else:
@@ -144,15 +152,15 @@ class PiecewiseDecode:
         ex.ctx["all_logits"] = False
         b.new_step()
         b.step_memo = {}
-        for p in self.pieces:
-            if p.fn is not None:
-                env.update(zip(p.outputs, p.fn(pos_dev, *[env[n] for n in p.inputs]), strict=True))
-            elif p.fast is not None:
-                p.fast(env, pos, pos_dev)
+        for fn, fast, p, inputs in self.calls:
+            if fn is not None:
+                env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))
+            elif fast is not None:
+                fast(env, pos, pos_dev)
             else:
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
-        return env[sess.output], None, [views[n].buffer for n in self.names]
+        return env[sess.output], None, [env[n] if self.direct else views[n].buffer for n in self.names]
 
 
 def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set):
@@ -172,43 +180,59 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
             or qn not in before.outputs or kvn not in before.outputs or yn not in after.inputs:
         return None
     hq, hk, window = int(a["q_num_heads"]), int(a["kv_num_heads"]), a["causal_rows"]
+    k3, v3 = ins[1], ins[2]  # the 3-D K and V: read only where the executor runs the op (rebuilt from kv there)
     before.heads_out.update({qn: hq, kvn: 0})
+    before.outputs = [o for o in before.outputs if o not in (k3, v3) or o in others or o in sess.graph.outputs]
     after.heads_in.add(yn)
-    scale = None if a.get("scale") is None else float(a["scale"])
+    d = next(c.head_dim for c in sess.caches if c.name == kn)  # q's head size is k's
+    scale = float(1.0 / np.sqrt(d)) if a.get("scale") is None else float(a["scale"])
 
     def run(env, pos: int, pos_dev) -> None:
-        q, kv, view = env[qn], env[kvn], env[kn]  # [B, Hq, S, D], [B, 2Hk, S, D]
-        buf = view.buffer
+        q, kv, held = env[qn], env[kvn], env[kn]  # [B, Hq, S, D], [B, 2Hk, S, D], the buffer (or its CacheView)
+        view = held if isinstance(held, CacheView) else None
+        buf = held if view is None else view.buffer
         if isinstance(buf, tuple) or b.dtype(buf) != b.dtype(kv):
             env[qn], env[kvn] = _merged(b, q), b.transpose(kv, (0, 2, 1, 3))
+            env[k3], env[v3] = (_merged(b, b.slice(kv, (slice(None), slice(h0, h0 + hk)))) for h0 in (0, hk))
+            views = (view, env[vn]) if view is not None else \
+                tuple(CacheView(buf, pos, 1, True, (h0, h0 + hk)) for h0 in (0, hk))
+            env[kn], env[vn] = views
             ex.ctx["rope_offset"] = pos_dev
-            ex.run_steps([st], env)
+            ex.run_steps([st], env)  # (which drops the views from env after their last reader)
             env[yn] = _split(b, env[yn], hq)
+            env[kn], env[vn] = views if view is not None else (views[0].buffer, views[0].buffer)
             return
         s = b.shape(q)[2]
         t1 = pos + s
         t0 = max(0, t1 - window) if window else 0
         buf = b.cache_write(buf, kv, pos)
-        view.buffer = env[vn].buffer = buf
+        if view is None:
+            env[kn] = env[vn] = buf
+        else:
+            view.buffer = env[vn].buffer = buf
         k = b.slice(buf, (slice(None), slice(0, hk), slice(t0, t1)))
         v = b.slice(buf, (slice(None), slice(hk, 2 * hk), slice(t0, t1)))
-        env[yn] = b.sdpa(q, k, v, None, float(1.0 / np.sqrt(b.shape(q)[3])) if scale is None else scale)
+        env[yn] = b.sdpa(q, k, v, None, scale)
 
     return run
 
 
 def _split(b, x, heads: int):
-    """[B, S, H·D] -> [B, H, S, D] (heads 0: [B, S, H, D] -> [B, H, S, D])."""
+    """[B, S, H·D] -> [B, H, S, D] (heads 0: [B, S, H, D] -> [B, H, S, D]); one reshape for one token (S = 1: the
+    same element order), one view fewer in every compiled piece's graph."""
+    shape = b.shape(x)
+    if shape[1] == 1:
+        h = heads or shape[2]
+        return b.reshape(x, (shape[0], h, 1, shape[-1] // heads if heads else shape[3]))
     if heads:
-        bsz, s, width = b.shape(x)
-        x = b.reshape(x, (bsz, s, heads, width // heads))
+        x = b.reshape(x, (shape[0], shape[1], heads, shape[2] // heads))
     return b.transpose(x, (0, 2, 1, 3))
 
 
 def _merged(b, y):
-    """[B, H, S, D] -> [B, S, H·D]."""
+    """[B, H, S, D] -> [B, S, H·D] (for one token, S = 1, a reshape alone)."""
     bsz, h, s, d = b.shape(y)
-    return b.reshape(b.transpose(y, (0, 2, 1, 3)), (bsz, s, h * d))
+    return b.reshape(y if s == 1 else b.transpose(y, (0, 2, 1, 3)), (bsz, s, h * d))
 
 
 def _pieces(plan) -> list[Piece]:

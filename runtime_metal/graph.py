@@ -208,7 +208,8 @@ def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
 def _fold_dequantize(graph: Graph, backend, release=lambda: None, store: PreparedStore | None = None) -> None:
     """DQ(const) -> MatMul(x, DQ) becomes QMatMul; so does MatMul(x, Transpose(DQ)) of a table stored
     [out, in] with blocks along `in` (a tied lm_head sharing the embedding's quantized table);
-    DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather (a 4-bit table gathered from its packed rows).
+    DQ(const) -> Gather(DQ, ids, axis 0) becomes QGather (a 4-bit table gathered from its packed rows), or
+    QGatherRows on the lm_head's prepared weight where the table is tied and the backend gathers that kind.
     No dequantized copy of a weight is made: a 4-bit weight is unpacked only while it is prepared,
     and `release()` drops the mapped pages read for it once the backend holds its own copy. Weights the
     `store` holds from an earlier load (runtime_metal/prepared.py) are taken as they are, unread."""
@@ -216,6 +217,9 @@ def _fold_dequantize(graph: Graph, backend, release=lambda: None, store: Prepare
     consts = graph.constants
     prepared: dict[str, object] = {}
     replace: dict[int, Node] = {}
+    # tables a MatMul also reads through a Transpose (a tied lm_head): their embedding gathers from its weight
+    tied = {t.inputs[0] for t in graph.nodes if t.key == ("", "Transpose") and t.inputs and
+            getattr(producers.get(t.inputs[0]), "key", None) == ("", "DequantizeLinear")}
     for n in graph.nodes:
         if n.key not in (("", "MatMul"), ("", "Gather")) or len(n.inputs) < 2:
             continue
@@ -233,28 +237,39 @@ def _fold_dequantize(graph: Graph, backend, release=lambda: None, store: Prepare
         block, axis = int(dq.attrs.get("block_size", 0)), int(dq.attrs.get("axis", 1))
         if q.ndim != 2 or not block or q.dtype.kind not in "u" or dq.attrs.get("output_dtype", 0) not in (0, 1):
             continue
-        if n.op_type == "MatMul" and axis in ((1, -1) if transposed else (0, -2)):
-            if w not in prepared and store is not None and store.get(w) is not None:
-                prepared[w] = store.get(w)
-            if w not in prepared:
+        rows = axis in (1, -1) and (transposed or n.op_type == "Gather")  # the [N, K] table, blocks along K
+        # a tied lm_head and the embedding share one prepared table: keyed by the table, not by the MatMul's input
+        key = f"{dq.outputs[0]}#rows" if rows else w
+        matmul = n.op_type == "MatMul" and axis in ((1, -1) if transposed else (0, -2))
+        gather = n.op_type == "Gather" and int(n.attrs.get("axis", 0)) == 0
+        on_head = gather and rows and backend.quantized_gather_kind is not None and dq.outputs[0] in tied
+        if matmul or on_head:
+            if key not in prepared and store is not None and store.get(key) is not None:
+                prepared[key] = store.get(key)
+            if key not in prepared:
                 bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
                 q, scale, zp = (_values(t) for t in (q, scale, zp))
-                if transposed:  # [out, in] blocks along in = the [in, out] weight with blocks along axis 0
+                if rows:  # [out, in] blocks along in = the [in, out] weight with blocks along axis 0
                     q, scale, zp = q.T, scale.T, (zp.T if zp is not None else None)
-                prepared[w] = backend.prepare_quantized(q, scale, zp, block, bits)
+                prepared[key] = backend.prepare_quantized(q, scale, zp, block, bits)
                 if store is not None:
-                    store.put(w, prepared[w])
+                    store.put(key, prepared[key])
                 del q, scale, zp
                 release()
+        if matmul:
             replace[id(n)] = Node("QMatMul", RUNTIME, n.name, [n.inputs[0]], n.outputs,
-                                  {"weight": prepared[w], "source": dq.name})
-        elif n.op_type == "Gather" and int(n.attrs.get("axis", 0)) == 0:
+                                  {"weight": prepared[key], "source": dq.name})
+        elif on_head and prepared[key].kind == backend.quantized_gather_kind:
+            replace[id(n)] = Node("QGatherRows", RUNTIME, n.name, [n.inputs[1]], n.outputs,
+                                  {"weight": prepared[key], "source": dq.name})
+        elif gather:
+            q = consts[dq.inputs[0]]
             table, packed = dq.inputs[0], 0
             if isinstance(q, Packed4) and q.rows is not None:  # gather packed rows, unpack only those
                 table, packed = f"{table}#packed_rows", 1
                 consts[table] = q.rows
-            replace[id(n)] = Node("QGather", RUNTIME, n.name, [table, dq.inputs[1], dq.inputs[2] if zp is not None else "",
-                                                               n.inputs[1]], n.outputs,
+            zp_name = dq.inputs[2] if len(dq.inputs) > 2 else ""
+            replace[id(n)] = Node("QGather", RUNTIME, n.name, [table, dq.inputs[1], zp_name, n.inputs[1]], n.outputs,
                                   {"axis": 0 if axis in (0, -2) else 1, "block_size": block, "packed4": packed})
     nodes = [replace.get(id(n), n) for n in graph.nodes]
     graph.nodes = _drop_unread(nodes, graph.outputs, lambda n: n.key in (("", "DequantizeLinear"), ("", "Transpose")))

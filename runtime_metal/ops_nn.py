@@ -289,11 +289,10 @@ def FusedRoPE(b, x, position_ids, norm_weight=None, *, inv_freq, attention_scali
 
 @op(contract.SWIGLU_OP, domain=contract.DOMAIN, fused=True)
 def SwiGLU(b, x):
-    """gate·Sigmoid(gate)·up of x = [gate | up] (last axis): slices are views, the rest one elementwise
-    expression (mx.compile fuses it)."""
+    """gate·Sigmoid(gate)·up of x = [gate | up] (last axis): slices are views, the rest `Backend.silu_gate`
+    (MLX: one compiled kernel at every shape, so a prompt chunk holds no [S, I] sigmoid or SiLU array)."""
     i = b.shape(x)[-1] // 2
-    gate, up = b.slice(x, (Ellipsis, slice(0, i))), b.slice(x, (Ellipsis, slice(i, 2 * i)))
-    return b.binary("mul", b.binary("mul", gate, b.unary("sigmoid", gate)), up)
+    return b.silu_gate(b.slice(x, (Ellipsis, slice(0, i))), b.slice(x, (Ellipsis, slice(i, 2 * i))))
 
 
 @op("RotaryEmbedding")
@@ -411,6 +410,13 @@ def QGather(b, q, scale, zero_point, ids, *, axis=0, block_size=0, packed4=0):
     if z is not None:
         y = b.binary("sub", y, b.cast(per(z), 1))
     return b.reshape(b.binary("mul", y, b.cast(per(s), 1)), out_shape)
+
+
+@op("QGatherRows", domain=RUNTIME)
+def QGatherRows(b, ids, *, weight, source=""):
+    """DequantizeLinear -> Gather(axis 0) of a table a tied lm_head also reads, folded at load onto that head's
+    prepared weight (`Backend.quantized_gather`): the table is held once, as mlx-lm's QuantizedEmbedding."""
+    return b.quantized_gather(weight, ids)
 
 
 @op("LastRows", domain=RUNTIME, wants_context=True)

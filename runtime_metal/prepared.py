@@ -14,6 +14,11 @@ that file (memory-mapped by the backend's loader) instead of the graph's weights
   that load the same model at once for the first time prepare it once; the others wait and read it.
 - A model directory that cannot be written (read-only) falls back to $FUSELM_PREPARED_DIR or
   ~/.cache/fuselm/prepared; FUSELM_PREPARED=0 turns the store off.
+
+`prepared_dir` keeps a whole prepared directory the same way (`<format>-<key>/`, e.g. the graph lowered for
+onnxruntime: fuselm/ort_prepared.py): built into a temporary directory and renamed into place under the
+lock, stamped with its key and every file's size (and the sha256 of the files under 64 MB), checked on
+every read; a build that finds the model cannot be prepared is remembered under the key (`<format>-<key>.failed`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +37,13 @@ from .backends.base import QuantizedWeight
 
 DIR_NAME = ".fuselm-prepared"
 _ENTRY = "::"  # weight name :: part index
+STAMP = ".fuselm-prepared.json"  # in a prepared directory: its key and its files
+_HASHED = 64 << 20  # a prepared directory's files up to this size are hashed on read; larger ones checked by size
+
+
+def enabled() -> bool:
+    """False when FUSELM_PREPARED=0 (or false/no) turns the store off."""
+    return os.environ.get("FUSELM_PREPARED", "1") not in ("0", "false", "no")
 
 
 class PreparedStore:
@@ -42,7 +55,7 @@ class PreparedStore:
         self.new: dict[str, QuantizedWeight] = {}
         self.path = self.key = self._held = None
         self.state = "off"
-        if self.tag is None or os.environ.get("FUSELM_PREPARED", "1") in ("0", "false", "no"):
+        if self.tag is None or not enabled():
             return
         model = Path(model_path)
         model = model / contract.MODEL_NAME if model.is_dir() else model
@@ -154,3 +167,87 @@ def _lock(path: Path):
     f = open(path, "a")  # noqa: SIM115 - held across the preparation, closed by PreparedStore.close
     fcntl.flock(f, fcntl.LOCK_EX)
     return f
+
+
+class CannotPrepare(Exception):
+    """`prepared_dir`'s build found that this model cannot be prepared in this format (remembered under the key)."""
+
+
+def prepared_dir(model_path, fmt: str, tag: str, build) -> tuple[Path, str]:
+    """(path, how) of `<store>/<fmt>-<key>/`, the key covering the graph, its data file's size and mtime,
+    fuselm's version and `tag`; how: "read", "written" or "written; the copy there was damaged (...)". `build(tmp)` writes the directory's files into
+    the new directory `tmp`; CannotPrepare from it is remembered (later calls raise it at once), any other
+    exception leaves nothing behind. Four processes at once build it once: the others wait and read it."""
+    model = Path(model_path)
+    model = model / contract.MODEL_NAME if model.is_dir() else model
+    key = _key(model, tag)
+    folder = _folder(model.parent)
+    path, failed = folder / f"{fmt}-{key[:24]}", folder / f"{fmt}-{key[:24]}.failed"
+    state = _check_dir(path, key)
+    if state == "read":
+        return path, "read"
+    _raise_failed(failed)
+    folder.mkdir(parents=True, exist_ok=True)
+    held = _lock(folder / f".{fmt}.lock")
+    try:
+        state = _check_dir(path, key)  # again under the lock: a process that built it meanwhile was waited for
+        if state == "read":
+            return path, "read"
+        _raise_failed(failed)
+        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+            _stamp(tmp, key)
+            shutil.rmtree(path, ignore_errors=True)  # a damaged copy of this key
+            os.replace(tmp, path)
+        except CannotPrepare as e:
+            part = failed.with_name(f".{failed.name}.{os.getpid()}.tmp")
+            part.write_text(f"{e}\n")
+            os.replace(part, failed)
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for old in folder.glob(f"{fmt}-*"):  # older keys' copies
+            if old != path:
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        return path, "written" + ("" if state == "missing" else f"; the copy there was {state}")
+    finally:
+        fcntl.flock(held, fcntl.LOCK_UN)
+        held.close()
+
+
+def _raise_failed(failed: Path) -> None:
+    if failed.is_file():
+        raise CannotPrepare(failed.read_text().strip())
+
+
+def _stamp(folder: Path, key: str) -> None:
+    files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    table = {name: [p.stat().st_size, _sha(p) if p.stat().st_size <= _HASHED else None] for name, p in files.items()}
+    (folder / STAMP).write_text(json.dumps({"key": key, "files": table}, indent=1))
+
+
+def _check_dir(folder: Path, key: str) -> str:
+    """"read" when `folder` holds what its stamp lists, else why not ("missing", "stale", "damaged (...)")."""
+    if not folder.is_dir():
+        return "missing"
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+        if stamp["key"] != key:
+            return "stale"
+        for name, (size, sha) in stamp["files"].items():
+            p = folder / name
+            if p.stat().st_size != size or (sha is not None and _sha(p) != sha):
+                return f"damaged ({name} changed)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"damaged ({type(e).__name__})"
+    return "read"
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -94,6 +94,11 @@ def test_validate_cli_and_bad_combinations(optimized, lowered, make_ckpt, capsys
     (Facts(gpu="metal", lowered=False, weight_bits=frozenset({4})), "auto", "metal GPU"),
     (Facts(gpu=None, lowered=False, weight_bits=frozenset()), "auto", "f32 reference"),
     (Facts(gpu=None, lowered=False, weight_bits=frozenset({4, 8})), "auto", "--target onnxruntime"),
+    (Facts(gpu=None, lowered=False, weight_bits=frozenset({4, 8}), lowerable=True), "onnxruntime-lowered", "4.3x"),
+    (Facts(gpu=None, lowered=False, weight_bits=frozenset(), lowerable=True), "auto", "f32 reference"),
+    (Facts(gpu="metal", lowered=False, weight_bits=frozenset({4}), lowerable=True), "auto", "metal GPU"),
+    (Facts(gpu=None, lowered=False, weight_bits=frozenset({4}), flags=("--compile",), lowerable=True), "auto",
+     "--compile"),
     (Facts(gpu=None, lowered=False, weight_bits=frozenset({4}), flags=("--kv-bits",)), "auto", "--kv-bits"),
 ])
 def test_auto_rule(facts, backend, why):
@@ -106,8 +111,8 @@ def test_auto_reads_the_graph_and_says_why(optimized, lowered, monkeypatch):
     assert graph_facts(lowered(4)) == (True, frozenset())
     assert graph_facts(optimized("qwen2", "q4"))[0] is False and graph_facts(optimized("qwen2", "q4"))[1] >= {4}
     assert graph_facts(optimized("qwen2", "f32")) == (False, frozenset())
-    assert resolve(optimized("qwen2", "q4"), "torch", {}) == ("torch", None)
-    assert resolve(optimized("qwen2", "q4"), "auto", {"device": "cuda:1"}) == ("auto", None)
+    assert resolve(optimized("qwen2", "q4"), "torch", {})[:2] == ("torch", None)
+    assert resolve(optimized("qwen2", "q4"), "auto", {"device": "cuda:1"})[:2] == ("auto", None)
     r = fuselm.run(lowered(4), prompt_ids=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
     assert r["backend"].startswith("onnxruntime") and "lowered for onnxruntime" in r["why"]
     r = fuselm.run(optimized("qwen2", "f32"), prompt_ids=[5], max_tokens=1, quiet=True, stream=io.StringIO())

@@ -90,6 +90,29 @@ def test_packed_rows_gather_the_stored_values(shared_q4):
     np.testing.assert_allclose(b.to_numpy(got), want[ids], rtol=0, atol=1e-6)
 
 
+def test_mlx_embedding_gathers_from_the_tied_head(shared_q4):
+    """On MLX the tied 4-bit embedding is gathered from the lm_head's prepared weight (one copy, as mlx-lm's
+    QuantizedEmbedding): the same object, and rows equal to the stored table dequantized (as above)."""
+    pytest.importorskip("mlx.core")
+    sess = Session(shared_q4, backend="mlx")
+    gather = next(n for n in sess.graph.nodes if n.op_type == "QGatherRows")
+    head = next(n for n in sess.graph.nodes if "logits" in n.outputs)
+    assert gather.attrs["weight"] is head.attrs["weight"]
+    assert not any(n.op_type == "QGather" for n in sess.graph.nodes)
+    ref = Session(shared_q4, backend="torch")
+    qg = next(n for n in ref.graph.nodes if n.op_type == "QGather")
+    from fuselm.runtime_metal.ops import OPS
+
+    vocab = sess.meta["dims"]["vocab"]
+    ids = np.array([[3, 0, vocab - 1, 7]])
+    rb = ref.backend
+    args = [rb.asarray(ref.graph.constants[x]) if x else None for x in qg.inputs[:3]]
+    want = rb.to_numpy(OPS[("fuselm.runtime", "QGather")].fn(rb, *args, rb.asarray(ids), **qg.attrs))
+    b = sess.backend
+    got = b.to_numpy(OPS[("fuselm.runtime", "QGatherRows")].fn(b, b.asarray(ids), **gather.attrs))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_logits_of_the_last_position_only(exported):
     """A prefill chunk's lm_head reads the last position ([1, 1, vocab]); a run that asks for every
     position gets them, equal to onnxruntime's on the same graph (f32: no activation rounding on

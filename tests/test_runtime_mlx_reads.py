@@ -102,6 +102,29 @@ def test_causal_reads_match_the_masked_path(optimized, monkeypatch, kv):
     np.testing.assert_allclose(got, _logits(ref, ids, 8), atol=2e-4 * np.abs(got).max())
 
 
+def test_cache_in_another_dtype_goes_through_the_executor(optimized):
+    """A cache buffer not in the compute dtype (a graph's float16 cache under float32 activations; here the
+    buffers are made float16 by hand): each direct decode attention hands it to the executor's Attention
+    (compiled.py, the 3-D K/V inputs rebuilt from the rows), and the logits stay those of the float32 cache
+    up to float16 rounding."""
+    import mlx.core as mx
+
+    model = optimized("qwen3", "f32")
+    ids = [3, 9, 4, 7, 1]
+    sess = Session(model, backend="mlx")
+    sess.reset(len(ids) + 6)
+    half = {id(v): v.astype(mx.float16) for v in sess.buffers.values()}  # K and V keep sharing one buffer
+    sess.buffers = {k: half[id(v)] for k, v in sess.buffers.items()}
+    out = [sess.logits_to_numpy(sess.prefill(ids, chunk=3))]
+    for _ in range(5):
+        out.append(sess.logits_to_numpy(sess.decode(int(np.argmax(out[-1])))))
+    got = np.stack(out)
+    assert sess.mode is Decode.COMPILED and "as direct backend calls" in sess.describe(), sess.describe()
+    assert all(v.dtype == mx.float16 for v in sess.buffers.values())
+    want = _logits(Session(model, backend="mlx"), ids, 6)
+    np.testing.assert_allclose(got, want, atol=1e-2 * np.abs(want).max())
+
+
 def test_sliding_window_past_the_window_matches_torch(optimized):
     """A window of 4, 11 tokens: MLX decodes static over the window's last rows; torch goes dynamic."""
     model = optimized("mistral", "f32", sliding_window=4)

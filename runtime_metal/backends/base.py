@@ -60,6 +60,9 @@ class Backend:
     # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
     kv_groups: tuple[int, ...] | None = None
     kv_block_keys: int | None = None
+    # the QuantizedWeight kind whose rows `quantized_gather` reads (MLX: [N, K] packed, as mlx-lm's
+    # QuantizedEmbedding): a 4-bit embedding is then gathered from the tied lm_head's copy (None: QGather)
+    quantized_gather_kind: str | None = None
     step_memo: dict | None = None  # values shared by the ops of one graph run; the executor resets it per run
 
     # --- data movement ---------------------------------------------------------------
@@ -229,6 +232,10 @@ class Backend:
         raise NotImplementedError
 
     # --- fused kernels ----------------------------------------------------------------
+    def silu_gate(self, gate, up):
+        """SiLU(gate) · up (fuselm::SwiGLU): three elementwise ops; a backend with one kernel for it overrides."""
+        return self.binary("mul", self.binary("mul", gate, self.unary("sigmoid", gate)), up)
+
     def rms_norm(self, x, weight, eps: float):
         """RMS normalization over the last axis, times `weight` (broadcast over the last axis)."""
         raise NotImplementedError
@@ -262,6 +269,11 @@ class Backend:
 
     def quantized_matmul(self, x, w: QuantizedWeight):
         """x [..., K] @ dequantize(w) [K, N]."""
+        raise NotImplementedError
+
+    def quantized_gather(self, w: QuantizedWeight, ids):
+        """Rows `ids` (any shape) of the [N, K] table whose transpose `w` holds, dequantized: [*ids, K]
+        (`quantized_gather_kind`: the kind of `w` it takes)."""
         raise NotImplementedError
 
     def prepare_experts(self, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,

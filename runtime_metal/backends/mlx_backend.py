@@ -7,6 +7,7 @@ Only MLX's own ops are used, so what runs here in CI is what runs on the Apple G
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -170,6 +171,7 @@ class MLXBackend(Backend):
     kv_groups = (32, 64, 128)  # what mx.quantize takes
     lazy = True
     compile_default = True
+    quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
@@ -390,6 +392,9 @@ class MLXBackend(Backend):
     def rms_norm(self, x, weight, eps):
         return mx.fast.rms_norm(x, weight, eps)
 
+    def silu_gate(self, gate, up):
+        return _silu_gate(gate, up)
+
     def layer_norm(self, x, weight, bias, eps):
         return mx.fast.layer_norm(x, weight, bias, eps)
 
@@ -440,16 +445,12 @@ class MLXBackend(Backend):
         `weight_rot` its rotate_half twin (halves swapped, the first negated), so the rotation reads the
         normalized heads through a negative-stride view: one rms_norm over every head (v's result is
         dropped) and one elementwise expression of kernel outputs and constants, which mx.compile fuses."""
-        bsz, s, width = qkv.shape
         h = heads + 2 * kv_heads
-        d = width // h
-        x = qkv.reshape(bsz, s, h, 2, d // 2)
-        n = x if eps is None else mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(x.shape)
-        key = ("qk", h, heads + kv_heads)
-        if key not in self._freqs:  # which heads rotate (q and k)
-            self._freqs[key] = (None, mx.array((np.arange(h) < heads + kv_heads).reshape(h, 1, 1)))
-        rotated = (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype)
-        return mx.where(self._freqs[key][1], rotated, x).reshape(bsz, s, h, d)
+        key = ("qk", h, heads + kv_heads, eps)
+        if key not in self._freqs:  # which heads rotate (q and k), and the expression compiled once per layout
+            rotates = mx.array((np.arange(h) < heads + kv_heads).reshape(h, 1, 1))
+            self._freqs[key] = (None, mx.compile(partial(_qkv_heads, rotates=rotates, eps=eps)))
+        return self._freqs[key][1](qkv, cos, sin, weight, weight_rot)
 
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
@@ -493,6 +494,13 @@ class MLXBackend(Backend):
             return mx.matmul(x, w.data)
         wq, s, bias = w.data
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
+
+    def quantized_gather(self, w, ids):
+        """mlx-lm's QuantizedEmbedding: the packed rows, their scales and biases gathered, then dequantized."""
+        wq, s, bias = w.data
+        flat = ids.reshape(-1)
+        out = mx.dequantize(wq[flat], s[flat], bias[flat], group_size=w.block, bits=w.bits)
+        return out.reshape(*ids.shape, w.in_features)
 
     def prepare_experts(self, q, scale, zero_point, block, bits):
         """MLX's affine format per expert ([E, N, K] is already MLX's [out, in] row layout): packed
@@ -586,6 +594,24 @@ class MLXBackend(Backend):
         vq, vs, vz = block
         return mx.quantized_matmul(_kv_operand(p, vs), vq, vs, vz, transpose=False,
                                    group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gate(gate, up):
+    """SiLU(gate) · up as one kernel at any shape (mlx-lm's swiglu)."""
+    return gate * mx.sigmoid(gate) * up
+
+
+def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps):
+    """MLXBackend.qkv_heads, compiled (mx.compile) so that a prompt chunk's rotation is one fused kernel too:
+    uncompiled, each product of the expression would be its own [S, H, D] float32 array (cos and sin are float32)."""
+    bsz, s, width = qkv.shape
+    h = rotates.shape[0]
+    d = width // h
+    x = qkv.reshape(bsz, s, h, 2, d // 2)
+    n = x if eps is None else mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(x.shape)
+    rotated = (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype)
+    return mx.where(rotates, rotated, x).reshape(bsz, s, h, d)
 
 
 def _kv_operand(x, scales):

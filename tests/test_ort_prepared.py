@@ -1,0 +1,131 @@
+"""`--backend auto` on a CPU lowers a standard q4 graph for onnxruntime once, beside the model
+(fuselm/ort_prepared.py over runtime_metal/prepared.py's `prepared_dir`), and runs it there."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+
+import pytest
+from fuselm.runtime_metal.prepared import DIR_NAME
+
+import fuselm
+from fuselm.auto_backend import resolve
+
+pytest.importorskip("onnxruntime")
+PROMPT, TOKENS = [100, 200, 300, 50], 8
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    monkeypatch.setattr("fuselm.auto_backend.gpu", lambda: None)
+
+
+def _copy(src, tmp_path, name="m"):
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    return out
+
+
+def _run(model, **kw):
+    return fuselm.run(model, prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True,
+                      stream=io.StringIO(), **kw)
+
+
+def _lowered_dirs(model):
+    return [p for p in (model / DIR_NAME).glob("onnxruntime-*") if p.is_dir()]
+
+
+def test_auto_lowers_once_and_equals_the_optimize_target_graph(cpu, optimized, exported, tmp_path, monkeypatch):
+    model = _copy(optimized("qwen3", "q4"), tmp_path)
+    first = _run(model)
+    assert first["backend"].startswith("onnxruntime") and "lowered now)" in first["why"], first["why"]
+    (lowered,) = _lowered_dirs(model)
+    mtime = lowered.stat().st_mtime_ns
+
+    def refuse(*a, **k):
+        raise AssertionError("lowered again")
+
+    monkeypatch.setattr("fuselm.ort_prepared._lower", refuse)
+    second = _run(model)
+    assert "prepared once in" in second["why"] and "lowered now" not in second["why"] and lowered.stat().st_mtime_ns == mtime
+    want = fuselm.optimize(exported("qwen3", "q4"), tmp_path / "by-optimize", target="onnxruntime", quiet=True)
+    assert first["tokens"] == second["tokens"] == _run(want, backend="onnxruntime")["tokens"]
+
+
+def test_a_damaged_copy_is_rebuilt(cpu, optimized, tmp_path):
+    model = _copy(optimized("qwen3", "q4"), tmp_path)
+    want = _run(model)["tokens"]
+    (lowered,) = _lowered_dirs(model)
+    data = lowered / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
+    r = _run(model)
+    assert "lowered now; the copy there was damaged" in r["why"] and r["tokens"] == want
+    (model / DIR_NAME / lowered.name / "model.onnx").write_bytes(b"not onnx")
+    assert "damaged" in _run(model)["why"]
+    data = model / "model.onnx.data"
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the weights changed: a new key
+    r = _run(model)
+    assert "(lowered now)" in r["why"] and [str(p) in r["why"] for p in _lowered_dirs(model)] == [True]
+
+
+def test_float_and_torch_only_options_stay_on_torch(cpu, optimized, tmp_path):
+    f32 = _copy(optimized("qwen3", "f32"), tmp_path, "f32")
+    assert resolve(f32, "auto", {})[0] == "auto" and not (f32 / DIR_NAME).exists()
+    q4 = _copy(optimized("qwen3", "q4"), tmp_path, "q4")
+    backend, why, path = resolve(q4, "auto", {"kv_bits": 8})
+    assert backend == "auto" and "--kv-bits" in why and path == q4 and not (q4 / DIR_NAME).exists()
+
+
+def test_off_switch_and_a_graph_that_cannot_be_lowered(cpu, optimized, tmp_path, monkeypatch):
+    q4 = _copy(optimized("qwen3", "q4"), tmp_path)
+    monkeypatch.setenv("FUSELM_PREPARED", "0")
+    assert resolve(q4, "auto", {})[0] == "auto" and not (q4 / DIR_NAME).exists()
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    monkeypatch.setattr("fuselm.passes.pipeline.target_passes", lambda *a, **k: [])  # nothing lowers
+    r = _run(q4)
+    assert r["backend"] == "torch" and "lowering the graph for onnxruntime failed" in r["why"], r["why"]
+    assert "MatMulNBits" in r["why"] and list((q4 / DIR_NAME).glob("onnxruntime-*.failed"))
+    assert "MatMulNBits" in resolve(q4, "auto", {})[1]  # remembered: not lowered again
+
+
+def test_validate_by_auto_checks_the_lowered_copy_against_the_standard_graph(cpu, optimized, make_ckpt, tmp_path):
+    from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
+
+    model = _copy(optimized("qwen2", "q4"), tmp_path)
+    r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT, quiet=True)
+    assert r["lowered"] and "prepared once in" in r["describe"] and _lowered_dirs(model)
+    assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
+
+
+def test_four_loaders_at_once_build_it_once(tmp_path, monkeypatch):
+    """prepared_dir (runtime_metal/prepared.py) from four threads at once (each takes the lock through its own
+    open file, as four processes do): one builds, three wait and read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fuselm.runtime_metal.prepared import prepared_dir
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.onnx").write_bytes(b"graph")
+    builds = []
+
+    def build(tmp):
+        tmp.mkdir()
+        time.sleep(0.3)
+        (tmp / "x").write_text("made")
+        builds.append(1)
+
+    def load(_):
+        path, how = prepared_dir(model, "fmt", "tag", build)
+        return how, (path / "x").read_text()
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = sorted(pool.map(load, range(4)))
+    assert outs == [("read", "made")] * 3 + [("written", "made")] and builds == [1]
+    assert sorted(p.name for p in (model / DIR_NAME).iterdir()) == [".fmt.lock", *(p.name for p in
+                                                                      (model / DIR_NAME).glob("fmt-*"))]
