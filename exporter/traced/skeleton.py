@@ -216,9 +216,10 @@ class Skeleton:
     def model_name(self, stored: str) -> str:
         """A checkpoint tensor's name in the model: transformers' own load-time renames for this
         architecture (its conversion mapping: GPT-NeoX's `embed_out` -> `lm_head`)."""
-        from transformers.core_model_loading import apply_renamings
-
-        return apply_renamings(stored, self._renamings) if self._renamings else stored
+        name = stored
+        for renaming in self._renamings:  # each in turn (transformers' apply_renamings, not in 5.17)
+            name, _ = renaming.rename_source_key(name)
+        return name
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
