@@ -71,8 +71,7 @@ def pipeline(split_dir: Path, ranks: int, tokens: int, work: Path) -> tuple[list
     stages = json.loads((split_dir / "split.json").read_text())["stages"]
     memory = [{**r["memory"], "weight_bytes": st["bytes"],
                "ratio": r["memory"]["mlx_peak_bytes"] / (st["bytes"] + r["memory"]["cache_bytes"]),
-               "ratio_held": r["memory"]["mlx_peak_bytes"] / (r["memory"]["weights_held_bytes"]
-                                                             + r["memory"]["cache_bytes"])}
+               "ratio_held": r["memory"]["mlx_peak_bytes"] / r["memory"]["held_bytes"]}
               for r, st in zip(results, stages, strict=True)]
     return results[-1]["token_seconds"], memory
 
@@ -174,8 +173,9 @@ def main() -> None:
         for r, m in enumerate(ranks):
             print(f"  {n} ranks, rank {r}: MLX peak {m['mlx_peak_bytes'] / 2**20:.2f} MiB = {m['ratio']:.2f}x its "
                   f"stage's weights in the graph ({m['weight_bytes'] / 2**20:.2f} MiB) + cache "
-                  f"({m['cache_bytes'] / 2**20:.2f} MiB), {m['ratio_held']:.2f}x the weights as MLX holds them "
-                  f"({m['weights_held_bytes'] / 2**20:.2f} MiB) + cache; process RSS {m['max_rss_bytes'] / 2**20:.0f} MiB")
+                  f"({m['cache_bytes'] / 2**20:.2f} MiB), {m['ratio_held']:.2f}x what it holds generating (weights as "
+                  f"MLX holds them + cache: {m['held_bytes'] / 2**20:.2f} MiB); process RSS "
+                  f"{m['max_rss_bytes'] / 2**20:.0f} MiB")
     print(f"  one hop's round trip (ring over loopback, [1, 1, {shape['hidden_size'] + 1}] f32 there and back): "
           f"{rtt:.3f} ms median")
     print(f"  a rank waiting for its message uses {waiting:.2f} CPU-seconds per second (MLX's ring backend polls its "

@@ -15,9 +15,9 @@ gets the same command line, so all know the prompt, its chunks and --max-tokens.
 - prefill: rank 0 runs the prompt in chunks and sends each chunk's hidden state on while it runs the
   next, so the stages work on different chunks at once; the last rank keeps the last chunk's logits.
 - decode: one token per step through the pipe: the last rank picks the token (on the device), prints
-  it and sends it to rank 0, which embeds it. Every rank queues its next step (receive -> stage ->
-  send, mx.async_eval) before the message comes (`Queued`), so the host builds it while the pipe
-  works. A hidden-state message is [1, s, hidden] plus one column, a token message [token, stop]:
+  it and sends it to rank 0, which embeds it. Each step is built as one lazy graph (receive ->
+  stage -> send); `Queued` can keep some in flight (FUSELM_PIPE_QUEUE; off by default). A
+  hidden-state message is [1, s, hidden] plus one column, a token message [token, stop]:
   the last rank sets stop on the device when it picks an eos token, and the flag travels down the
   pipe with the step queued for it, which every rank ends with.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
@@ -259,11 +259,17 @@ class Pipe:
 
 
 class Queued:
-    """Decode steps queued on the device (mx.async_eval), at most two ahead of the host: a rank builds
-    step n+1's graph (receive -> stage -> send) while step n still waits for its message, so the host's
-    work per token overlaps the pipe's instead of adding to it."""
+    """Decode steps queued on the device (mx.async_eval), at most FUSELM_PIPE_QUEUE ahead of the host
+    (default 0: each step is finished before the next is built). Queued ahead, a rank builds step
+    n+1's graph (receive -> stage -> send) while step n still waits for its message, so the host's work
+    overlaps the pipe's; but MLX's ring backend polls its socket while a receive is pending
+    (mlx/distributed/ring/ring.cpp), so a receive posted early spins a core through the rank's own
+    compute. On one 2-core host that made 2 ranks 3.55x one rank's time per token against 2.50x
+    unqueued (bench/pipeline.py, load ~3); with a core to spare per rank (a Mac each) it may pay:
+    not measured."""
 
-    def __init__(self, mx, depth: int = 2):
+    def __init__(self, mx, depth: int | None = None):
+        depth = int(os.environ.get("FUSELM_PIPE_QUEUE", "0")) if depth is None else depth
         self.mx, self.depth, self.sends = mx, depth, []
 
     def add(self, send) -> None:
@@ -324,7 +330,6 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                 {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
                  "dtype": dtype, **kv_options(**kv)})
     sess, b = pipe.sess, pipe.sess.backend
-    held = int(pipe.mx.get_active_memory())  # the stage's weights as the backend holds them (before the cache)
     tok = load_tokenizer(pipe.dir, required=prompt is not None)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
@@ -401,7 +406,10 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
 
     result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids),
               # what this rank held (issue 20: <= its stage's weights + cache + 15 %)
-              "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()), "weights_held_bytes": held,
+              "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()),
+                         # what it holds once generating: its weights as MLX holds them (prepared weights are
+                         # mapped lazily, so after load it may hold none yet) and the cache
+                         "held_bytes": int(pipe.mx.get_active_memory()),
                          "cache_bytes": sum(kvcache.nbytes(b, v) for v in {id(v): v for v in sess.buffers.values()}.values()),
                          "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}
     if pipe.last:
