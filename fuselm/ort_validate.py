@@ -76,10 +76,16 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
     """Greedy-generate `tokens` tokens on the onnxruntime path, the standard graph and HF; compare.
     `standard`: the un-lowered model directory (default: DIR, or made again from the reference: `standard_graph`)."""
     from rich.console import Console
-    from rich.table import Table
 
     from .runtime_metal.generate import load_tokenizer
-    from .runtime_metal.validate import DEFAULT_PROMPT, _first_diff, _int8_drift, _max_diff, check_int8
+    from .runtime_metal.validate import (
+        DEFAULT_PROMPT,
+        _first_diff,
+        _int8_drift,
+        _max_diff,
+        check_int8,
+        step_table,
+    )
 
     refuse_options(options)
     if tokens < 1:
@@ -115,14 +121,9 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
     what = f"{what} on the {'lowered' if lowered else 'standard'} graph{f' ({why})' if why else ''}"
     acts = "int8" if int8 else "f32"
     console = Console(quiet=quiet)
-    table = Table(title=f"fuselm validate: {what} · {'quantized' if quantized else 'float'} graph, {acts} "
-                        f"activations, reference {target_name}")
-    for col in ("step", "fuselm (onnxruntime)", "standard graph", "HF", "max|Δlogit| vs standard", "max|Δlogit| vs HF"):
-        table.add_column(col, justify="right")
-    for i in range(tokens):
-        mark = lambda t, other: f"[red]{t}[/red]" if t != other else str(t)  # noqa: E731
-        table.add_row(str(i), str(ours.tokens[i]), mark(plain.tokens[i], ours.tokens[i]),
-                      mark(hf.tokens[i], ours.tokens[i]), f"{d_std[i]:.2e}", f"{d_hf[i]:.2e}")
+    table = step_table(f"fuselm validate: {what} · {'quantized' if quantized else 'float'} graph, {acts} "
+                       f"activations, reference {target_name}",
+                       ("fuselm (onnxruntime)", "standard graph", "max|Δlogit| vs standard"), ours, plain, hf, d_std, d_hf)
     console.print(table)
     result = {"tokens": ours.tokens, "standard": plain.tokens, "hf": hf.tokens, "quantized": quantized,
               "lowered": lowered, "activations": acts, "reference": target_name, "first_mismatch": first,

@@ -41,6 +41,21 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
+def step_table(title: str, names: tuple[str, str, str], ours: Trace, ref: Trace, hf: Trace, d_ref: list[float],
+               d_hf: list[float]):
+    """The per-step table: our token, the reference's and HF's (red where they differ from ours), and the
+    logit drifts; `names` = (our column, the reference's, its drift column)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("step", names[0], names[1], "HF", names[2], "max|Δlogit| vs HF"):
+        table.add_column(col, justify="right")
+    mark = lambda t, other: f"[red]{t}[/red]" if t != other else str(t)  # noqa: E731
+    for i, t in enumerate(ours.tokens):
+        table.add_row(str(i), str(t), mark(ref.tokens[i], t), mark(hf.tokens[i], t), f"{d_ref[i]:.2e}", f"{d_hf[i]:.2e}")
+    return table
+
+
 def _max_diff(a: Trace, b: Trace) -> list[float]:
     return [float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits, strict=False)]
 
@@ -76,7 +91,6 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch. `why`: why this
     backend runs (`--backend auto`'s reason), shown in the table's title."""
     from rich.console import Console
-    from rich.table import Table
 
     if tokens < 1:
         raise FuselmError(f"--tokens must be at least 1, got {tokens}")
@@ -111,14 +125,9 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
         int8 = _int8_drift(ours, onnxrt, level4)
     hf_drift = _first_diff(ours.tokens, hf.tokens)
     console = Console(quiet=quiet)
-    table = Table(title=f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}"
-                        f"{f' · {why}' if why else ''}")
-    for col in ("step", "fuselm", "onnxruntime", "HF", "max|Δlogit| vs ORT", "max|Δlogit| vs HF"):
-        table.add_column(col, justify="right")
-    for i in range(tokens):
-        mark = lambda t, other: f"[red]{t}[/red]" if t != other else str(t)  # noqa: E731
-        table.add_row(str(i), str(ours.tokens[i]), mark(onnxrt.tokens[i], ours.tokens[i]), mark(hf.tokens[i], ours.tokens[i]),
-                      f"{d_ort[i]:.2e}", f"{d_hf[i]:.2e}")
+    table = step_table(f"fuselm validate: {sess.describe()} · {mode or 'f32'} graph, reference {target_name}"
+                       f"{f' · {why}' if why else ''}", ("fuselm", "onnxruntime", "max|Δlogit| vs ORT"),
+                       ours, onnxrt, hf, d_ort, d_hf)
     console.print(table)
     result = {"tokens": ours.tokens, "onnxruntime": onnxrt.tokens, "hf": hf.tokens, "quantized": quantized,
               "reference": target_name, "first_mismatch": first, "hf_first_diff": hf_drift,
