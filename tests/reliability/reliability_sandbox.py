@@ -28,6 +28,7 @@ Answer: rc (exit status, None if killed), signal, timed_out, stdout, stderr, exc
 from __future__ import annotations
 
 import errno
+import importlib
 import itertools
 import json
 import os
@@ -51,6 +52,11 @@ import onnxruntime  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import transformers  # noqa: E402, F401
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
+
+# the families' modeling modules (the rotary classes convert reads: exporter/rope.py): a child that
+# imports one pulls in torch._dynamo and transformers' generation and masking code, ~2 CPU-s a case
+for _family in ("qwen3", "qwen2", "llama", "mistral"):
+    importlib.import_module(f"transformers.models.{_family}.modeling_{_family}")
 
 import fuselm  # noqa: E402
 import fuselm.cli  # noqa: E402
