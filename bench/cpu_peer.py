@@ -289,12 +289,13 @@ def spawn(engine: str, model: Path, ckpt: Path, args) -> dict:
 
 
 # --- preparation -------------------------------------------------------------------------------
-def prepare(shape: str, work: Path) -> tuple[Path, dict[str, Path]]:
+def prepare(shape: str, work: Path, engines=None) -> tuple[Path, dict[str, Path]]:
     """The checkpoint, fuselm's optimized q4 model (bench/runtime.py's preparation), the same lowered for
-    onnxruntime (`--target onnxruntime`, MatMulNBits accuracy level 4 as genai's builder) and genai's int4 build."""
+    onnxruntime (`--target onnxruntime`, MatMulNBits accuracy level 4 as genai's builder; only when
+    `engines`, if given, runs it) and genai's int4 build."""
     ckpt, models = _bench_module("runtime").prepare(shape, work, ["q4"])
     lowered = work / f"qwen3-{shape}-q4-onnxruntime"
-    if not (lowered / "genai_config.json").is_file():
+    if (engines is None or GENAI_ON_FUSELM in engines) and not (lowered / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "fuselm.cli", "optimize", str(models["q4"][0]), "-o", str(lowered),
                         "--target", "onnxruntime", "--force", "--quiet"], check=True)
     genai = work / f"qwen3-{shape}-genai-int4"
@@ -404,7 +405,7 @@ def main(argv=None) -> int:
         return 0
     for shape in shapes:
         t0 = time.perf_counter()
-        ckpt, models = prepare(shape, args.work / shape)
+        ckpt, models = prepare(shape, args.work / shape, args.engines)
         if "mnn" in args.engines:  # MNN's own llmexport 4-bit block 32 (bench/mnn_peer.py)
             models["mnn"] = _bench_module("mnn_peer").export(ckpt, args.work / shape)
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]

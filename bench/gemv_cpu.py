@@ -86,6 +86,26 @@ def onnx_model(mats: list, threads: int):
     return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", contract.OPSET)])
 
 
+def torch_weight(engine: str, q, s, z, bits):
+    """torch-int4pack: 4-bit weights through `_weight_int4pack_mm_for_cpu` (torch's packed int4 CPU
+    kernel: dequantizes (q - 8) * scale + zero, so zero = (8 - zp) * scale); 8-bit weights, which no
+    torch CPU kernel takes blocked (`_weight_int8pack_mm` is per channel), and every weight of
+    torch-bf16: dequantized once to bf16 for F.linear (oneDNN; AMX where the CPU has it)."""
+    if engine == "torch-int4pack" and bits == 4:
+        packed = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.T.astype(np.int32)).contiguous(), 2)
+        scale = torch.from_numpy(s)
+        sz = torch.stack([scale, (8 - torch.from_numpy(z).float()) * scale], -1).to(torch.bfloat16).contiguous()
+        return ("int4pack", packed, sz)
+    w = (q.astype(np.float32) - np.repeat(z, BLOCK, 0)) * np.repeat(s, BLOCK, 0)
+    return ("bf16", torch.from_numpy(w.T.copy()).to(torch.bfloat16))
+
+
+def torch_matmul(x, w):
+    if w[0] == "int4pack":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[1], BLOCK, w[2])
+    return torch.nn.functional.linear(x, w[1])
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -116,7 +136,7 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
     xs = {k: rng.standard_normal((rows, k), dtype=np.float32) for k in sorted({m[0].shape[0] for m in mats})}
     if rows > 1:  # prefill: the layers' matmuls; the lm_head runs for the last position only (a GEMV)
         mats = mats[:-1]
-    if cpu_kernels() is None:
+    if engine.startswith("fuselm") and cpu_kernels() is None:
         raise SystemExit("fuselm's CPU kernels are not available on this machine")
     # the bytes a token reads, counted as fuselm stores them (both engines read about the same): per
     # row, the weights padded to whole groups of 256, an f32 scale and a u8 zero point per 32 values
@@ -133,6 +153,14 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
 
         def token():
             return [torch_quant.matmul(x, w).numpy() for x, w in prepared]
+    elif engine.startswith("torch-"):  # torch's own CPU kernels, bf16 activations (their fast path)
+        torch.set_num_threads(threads)
+        prepared = [(torch.from_numpy(xs[q.shape[0]]).to(torch.bfloat16), torch_weight(engine, q, s, z, bits))
+                    for q, s, z, bits in mats]
+        kind = "/".join(sorted({w[0] for _, w in prepared}))
+
+        def token():
+            return [torch_matmul(x, w).float().numpy() for x, w in prepared]
     else:
         from fuselm.reference import ort_session
 
@@ -156,7 +184,7 @@ def run_engine(engine: str, shape: str, layers: int, runs: int, threads: int, ro
     cpu = [timed_cpu(token) for _ in range(runs)] if threads == 1 else []
     return {"engine": engine, "kernel": kind, "ms_per_token": statistics.median(times) * 1e3,
             "cpu_ms_per_token": statistics.median(cpu) * 1e3 if cpu else None,
-            "runs_ms": [t * 1e3 for t in times], "rows": rows, "bytes_per_token": nbytes, "matmuls": len(mats),
+            "runs_ms": [t * 1e3 for t in times], "cpu_runs_ms": [t * 1e3 for t in cpu], "rows": rows, "bytes_per_token": nbytes, "matmuls": len(mats),
             "max_rel_error": err}
 
 
@@ -168,25 +196,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prefill", type=int, nargs="?", const=512, default=0, metavar="TOKENS",
                     help="rows of x per matmul (a prefill chunk; 512 if no number) instead of one decode token")
-    ap.add_argument("--engines", nargs="+", default=["fuselm-int8", "fuselm-int16", "ort-level4", "ort-level1"])
+    ap.add_argument("--engines", nargs="+", default=["fuselm-int8", "fuselm-int16", "ort-level4", "ort-level1",
+                                                     "torch-int4pack"])
+    ap.add_argument("--out", type=Path, default=RESULTS / "gemv-cpu.json", help="results JSON (merged by key)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every engine (medians over all)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # child process: run one engine, print JSON
     args = ap.parse_args()
     rows_x = args.prefill or 1
     if args.engine:
         print(json.dumps(run_engine(args.engine, args.shape, args.layers, args.runs, args.threads, rows_x)))
         return
-    rows = []
-    for engine in args.engines:
-        # f32 activations through MLAS: ~1 s per decode token
-        runs = 2 if engine == "ort-level1" and not args.prefill else args.runs
-        load = os.getloadavg()[0]
-        cmd = [sys.executable, __file__, "--engine", engine, "--shape", args.shape, "--runs", str(runs),
-               "--threads", str(args.threads), "--prefill", str(args.prefill)] + \
-            (["--layers", str(args.layers)] if args.layers else [])
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"{engine} failed:\n{out.stderr[-3000:]}")
-        rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_before": load})
+    rows = {}
+    for rnd in range(args.rounds):  # interleaved: each round runs every engine once, in a rotated order
+        for engine in args.engines[rnd % len(args.engines):] + args.engines[:rnd % len(args.engines)]:
+            # f32 activations through MLAS: ~1 s per decode token
+            runs = 2 if engine == "ort-level1" and not args.prefill else args.runs
+            load = os.getloadavg()[0]
+            cmd = [sys.executable, __file__, "--engine", engine, "--shape", args.shape, "--runs", str(runs),
+                   "--threads", str(args.threads), "--prefill", str(args.prefill)] + \
+                (["--layers", str(args.layers)] if args.layers else [])
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{engine} failed:\n{out.stderr[-3000:]}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            if engine not in rows:
+                rows[engine] = {**r, "runs_ms": [], "cpu_runs_ms": [], "load_before": []}
+            rows[engine]["runs_ms"] += r["runs_ms"]
+            rows[engine]["cpu_runs_ms"] += r["cpu_runs_ms"]
+            rows[engine]["load_before"].append(load)
+    rows = list(rows.values())
+    for r in rows:  # medians over every run of every round
+        r["ms_per_token"] = statistics.median(r["runs_ms"])
+        r["cpu_ms_per_token"] = statistics.median(r["cpu_runs_ms"]) if r["cpu_runs_ms"] else None
     bw = roof(args.threads, 5)
     # 1 thread: compare CPU time (robust on a shared machine); more threads: wall time
     key = "cpu_ms_per_token" if args.threads == 1 else "ms_per_token"
@@ -198,7 +239,9 @@ def main() -> None:
         r["speedup_vs_ort_level4"] = base / r[key] if base else None
     nbytes, mats = rows[0]["bytes_per_token"], rows[0]["matmuls"]
     result = {"shape": args.shape, "layers": args.layers or SHAPES[args.shape][0], "threads": args.threads,
-              "rows_of_x": rows_x, "cpu": _cpu_name(), "roof_gb_s": bw, "rows": rows}
+              "rows_of_x": rows_x, "cpu": _cpu_name(), "roof_gb_s": bw, "rounds": args.rounds,
+              "command": "python bench/gemv_cpu.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+              "rows": rows}
     from rich.console import Console
     from rich.table import Table
 
@@ -214,10 +257,10 @@ def main() -> None:
                       f"{r['cpu_ms_per_token']:.2f}" if r["cpu_ms_per_token"] else "-", speed,
                       "-" if args.prefill else f"{r['share_of_roof']:.0%}",
                       f"{r['speedup_vs_ort_level4']:.2f}x" if base else "-", f"{r['max_rel_error']:.1e}",
-                      f"{r['load_before']:.1f}")
+                      "/".join(f"{x:.1f}" for x in r["load_before"]))
     Console(width=150).print(table)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "gemv-cpu.json"
+    out = args.out
     old = json.loads(out.read_text()) if out.exists() else {}
     old[args.shape + (f"-prefill{rows_x}" if args.prefill else "") + f"-{args.threads}t"] = result
     out.write_text(json.dumps(old, indent=2) + "\n")
