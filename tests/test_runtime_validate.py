@@ -6,7 +6,6 @@ the first step) and the backends' fused and quantized kernels. References: HF tr
 """
 
 import pytest
-from fuselm.runtime_metal.backends import torch_quant
 from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
 
 import fuselm
@@ -46,19 +45,6 @@ def _check_quantized(r):
     else:
         assert r["tokens"] == r["onnxruntime"]
         assert max(r["max_logit_diff_ort"]) < 1e-3
-
-
-@pytest.mark.parametrize("family,stage,quant", [("qwen3", "optimized", "q4"), ("llama", "exported", "f32")])
-def test_validate_torch_compiled(family, stage, quant, make_ckpt, exported, optimized):
-    """torch.compile'd static decode (inductor around the AVX2 quantized kernels) on CPU."""
-    model = (exported if stage == "exported" else optimized)(family, quant)
-    r = fuselm.validate(model, make_ckpt(family), tokens=TOKENS, backend="torch", compile=True, quiet=True)
-    assert r["compiled"], r["compile_failed"]
-    if quant == "q4":
-        assert r["quantized_kernel"] in (torch_quant.CPU_KINDS if torch_quant.cpu_kernels() else ("dequant",))
-        _check_quantized(r)
-    else:
-        assert r["tokens"] == r["hf"] and max(r["max_logit_diff_hf"]) < 1e-3
 
 
 def test_validate_fails_on_the_wrong_reference(make_ckpt, exported):
