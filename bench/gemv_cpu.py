@@ -1,5 +1,5 @@
 """Side by side on this CPU: the quantized matmuls of one decode token (M = 1) or of a prefill chunk
-(--prefill: M = 512 rows), fuselm vs onnxruntime.
+(--prefill: M = 512 rows), fuselm vs onnxruntime and torch.
 
     python bench/gemv_cpu.py                    # Qwen3-0.6B's shapes: 28 layers + the 8-bit lm_head
     python bench/gemv_cpu.py --shape 4b --layers 8
@@ -13,6 +13,9 @@ in a real token, through:
   activations, integer dots, the same kernel as an integer GEMM for prefill) and `fuselm-int16`
   (int16 activations; prefill dequantizes each weight to f32 for a BLAS GEMM);
   A prefill chunk runs the layers' matmuls only (the lm_head runs for the last position: a GEMV).
+- torch's own CPU kernels, bf16 activations: `torch-int4pack` (4-bit weights through
+  `_weight_int4pack_mm_for_cpu`; the 8-bit lm_head, which no torch kernel takes blocked, as bf16
+  F.linear) and `torch-bf16` (every weight dequantized to bf16 for F.linear: oneDNN, AMX where there);
 - onnxruntime on a graph of the same weights as blocked DequantizeLinear -> MatMul (what fuselm
   writes; onnxruntime fuses it into MatMulNBits), at its default accuracy level 4 (int8
   activations) and at level 1 (f32 activations, the reference fuselm validates against).
@@ -20,7 +23,9 @@ Each engine runs alone in a child process (no other engine's threads spinning be
 of the runs per token (with --threads 1 also the process's CPU time, compared instead of wall
 time: robust on a shared machine); GB/s counts the bytes each token must read (weights, scales, zero points as
 fuselm stores them); the roof is a 2-thread torch sum over 512 MB. Also reports how far each
-engine's outputs are from f64 math on the same weights. Writes bench/results/gemv-cpu.json.
+engine's outputs are from f64 math on the same weights. --rounds interleaves the engines (each round
+runs every engine once, in a rotated order; medians over all runs). Writes bench/results/gemv-cpu.json
+(--out elsewhere).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def child_context(args) -> dict:
 
 def child_attention(args) -> dict:
     """One decode token's attention in one layer of a Qwen3 shape at `context`, cache in `format`:
-    the runtime's own code (the AVX2 kernel for f32, attention_blocks for f16/int8), median of runs."""
+    the runtime's own code (the torch backend's sdpa for f32, attention_blocks for f16/int8), median of runs."""
     import numpy as np
     import torch
     from fuselm.runtime_metal import attention_blocks, kvcache

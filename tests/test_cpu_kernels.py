@@ -18,12 +18,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from fuselm.runtime_metal.backends import kernel_build, make_backend, torch_quant
 from fuselm.runtime_metal.backends.torch_quant import (
     GEMV_MAX_ROWS,
     ISAS,
-    attention,
     cpu_kernels,
     matmul,
     prepare,
@@ -38,8 +36,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no CPU kernels (n
 
 @pytest.fixture(autouse=True)
 def two_thread_team(monkeypatch):
-    """matmul and attention run with a team of 2 (as gemv's calls below ask), whatever torch's thread
-    count: the split of rows and heads between threads is tested even in a one-thread xdist worker."""
+    """matmul runs with a team of 2 (as gemv's calls below ask), whatever torch's thread count: the
+    split of rows between threads is tested even in a one-thread xdist worker."""
     monkeypatch.setitem(torch_quant.KERNEL_THREADS, "n", 2)
 
 
@@ -239,25 +237,3 @@ def test_layout_errors_are_clear():
         kernels.pack(torch.from_numpy(q + 16), torch.from_numpy(scale), torch.from_numpy(zp), 32, 4)
     with pytest.raises(RuntimeError, match="act_bits must be 8 or 16"):
         kernels.gemv(torch.zeros(1, 256), *packed, 4, 1, 4, 0)
-
-
-@pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().isa_supported(ISAS["avx2"]), reason="needs AVX2")
-@pytest.mark.parametrize("hq,hkv,s,t,d", [(16, 8, 1, 193, 128), (32, 8, 3, 50, 64), (4, 4, 5, 17, 128), (8, 2, 16, 40, 32)])
-def test_attention_matches_sdpa(hq, hkv, s, t, d):
-    """torch_quant.attention (grouped kv heads, keys in a strided cache view) against torch's SDPA, with no
-    mask, a bool mask (a static cache's causal rows) and additive masks; a fully masked row attends nothing."""
-    g = torch.Generator().manual_seed(hq + t)
-    q = torch.randn(2, hq, s, d, generator=g)
-    k = torch.randn(2, hkv, t + 9, d, generator=g)[:, :, :t]  # a view into a longer buffer
-    v = torch.randn(2, hkv, t, d, generator=g)
-    allowed = torch.arange(t)[None, None, None, :] <= (t - 6 - s + torch.arange(s))[None, None, :, None]
-    additive = torch.where(allowed, torch.randn(1, hq, s, t, generator=g), float("-inf"))
-    for mask in (None, allowed, torch.where(allowed, 0.0, float("-inf")), additive):
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1, enable_gqa=True)
-        out = attention(q, k, v, mask, 0.1)
-        assert out.shape == ref.shape and torch.allclose(out, ref, atol=2e-6, rtol=0), (out - ref).abs().max()
-    dead = allowed.clone().expand(2, hq, s, t).contiguous()
-    dead[1, 0, 0] = False
-    out = attention(q, k, v, dead, 0.1)
-    assert torch.all(out[1, 0, 0] == 0)
-    assert attention(q.double(), k.double(), v.double(), None, 0.1) is None  # not f32: the caller's path runs

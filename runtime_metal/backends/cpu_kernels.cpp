@@ -325,87 +325,6 @@ void dequant_rows(int64_t bits, const uint8_t* qp, const float* sp, const uint8_
   }
 }
 
-// exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2/2, relative error ~2e-7;
-// below -87 it returns 0 (exp(-87) is under f32's normal range)
-inline __m256 exp_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-// One kv head's attention for R query rows (the query heads of its group x the query positions):
-// scores over the keys (skipping keys masked for every row), softmax, the weighted sum of values.
-// K and V are read once for all R rows. `bias(row, t)`: additive mask, -inf = masked.
-template <typename Bias>
-void attend(const float* const* qrows, int R, const float* k, int64_t k_t, const float* v, int64_t v_t, int64_t T,
-            int64_t D, float scale, Bias&& bias, float* const* out, float* scores) {
-  for (int64_t t = 0; t < T; ++t) {
-    bool any = false;
-    for (int r = 0; r < R; ++r) {
-      scores[r * T + t] = bias(r, t);
-      any |= scores[r * T + t] != -INFINITY;
-    }
-    if (!any) continue;
-    const float* kt = k + t * k_t;
-    for (int r = 0; r < R; ++r) {
-      if (scores[r * T + t] == -INFINITY) continue;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qrows[r] + d), _mm256_loadu_ps(kt + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qrows[r] + d + 8), _mm256_loadu_ps(kt + d + 8), a1);
-      }
-      scores[r * T + t] += hsum(_mm256_add_ps(a0, a1)) * scale;
-    }
-  }
-  for (int r = 0; r < R; ++r) {  // softmax in place; a row with every key masked attends nothing
-    float* sr = scores + r * T;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < T; ++t) mx = std::max(mx, sr[t]);
-    std::fill(out[r], out[r] + D, 0.f);
-    if (mx == -INFINITY) {
-      std::fill(sr, sr + T, 0.f);
-      continue;
-    }
-    __m256 total = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= T; t += 8) {
-      const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sr + t), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(sr + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    float sum = hsum(total);
-    for (; t < T; ++t) {
-      sr[t] = std::exp(sr[t] - mx);
-      sum += sr[t];
-    }
-    const float inv = 1.f / sum;
-    for (t = 0; t < T; ++t) sr[t] *= inv;
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const float* vt = v + t * v_t;
-    for (int r = 0; r < R; ++r) {
-      const float p = scores[r * T + t];
-      if (p == 0.f) continue;
-      const __m256 pv = _mm256_set1_ps(p);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out[r] + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(out[r] + d)));
-    }
-  }
-}
-
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -576,78 +495,9 @@ torch::Tensor dequant(torch::Tensor q, torch::Tensor scale, torch::Tensor zero, 
   return out.narrow(0, 0, N * K).view({N, K});
 }
 
-// Attention for a few query positions (decode) with grouped kv heads, f32:
-// out = softmax(q k^T * scale + mask) v. q [B, Hq, S, D]; k, v [B, Hkv, T, D] (any strides, D
-// contiguous: a view into a preallocated cache); mask: none, bool (true = attend) or additive f32,
-// 4-D and broadcastable to [B, Hq, S, T]. One task per (batch, kv head) over the kernels' team;
-// keys masked for every query row are not read (the unwritten tail of a static cache).
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
-                        double scale, int64_t threads) {
-  TORCH_CHECK(isa_supported(AVX2), "the attention kernel needs AVX2");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: [B, H, S|T, D]");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32, "f32 only");
-  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == T && k.size(3) == D &&
-              v.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "q, k, v shapes disagree");
-  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "head_dim must be a multiple of 16 and contiguous");
-  torch::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = *mask;
-    TORCH_CHECK(m.dim() == 4 && (m.dtype() == torch::kBool || m.dtype() == torch::kFloat32), "mask: 4-D bool or f32");
-    const int64_t full[4] = {B, Hq, S, T};
-    for (int i = 0; i < 4; ++i) TORCH_CHECK(m.size(i) == 1 || m.size(i) == full[i], "mask does not broadcast");
-  }
-  const int64_t group = Hq / Hkv, R = group * S;
-  auto out = torch::empty({B, Hq, S, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool has_mask = m.defined(), is_bool = has_mask && m.dtype() == torch::kBool;
-  const void* mp = has_mask ? m.data_ptr() : nullptr;
-  int64_t ms[4] = {0, 0, 0, 0};
-  for (int i = 0; has_mask && i < 4; ++i) ms[i] = m.size(i) == 1 ? 0 : m.stride(i);
-  const int64_t tasks = B * Hkv;
-  const int64_t team = std::max<int64_t>(1, std::min(threads, tasks));
-#pragma omp parallel num_threads(team)
-  {
-    std::vector<float> scores(R * T);
-    std::vector<const float*> qrows(R);
-    std::vector<float*> orows(R);
-    std::vector<int64_t> mrow(R);
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t hq = h * group + r / S, sq = r % S;
-        qrows[r] = qp + b * q.stride(0) + hq * q.stride(1) + sq * q.stride(2);
-        orows[r] = op + ((b * Hq + hq) * S + sq) * D;
-        mrow[r] = b * ms[0] + hq * ms[1] + sq * ms[2];
-      }
-      const float* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const float* vb = vp + b * v.stride(0) + h * v.stride(1);
-      const float sc = static_cast<float>(scale);
-      if (!has_mask) {
-        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc, [](int, int64_t) { return 0.f; },
-               orows.data(), scores.data());
-      } else if (is_bool) {
-        const bool* mb = static_cast<const bool*>(mp);
-        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
-               [&](int r, int64_t t) { return mb[mrow[r] + t * ms[3]] ? 0.f : -INFINITY; }, orows.data(), scores.data());
-      } else {
-        const float* mf = static_cast<const float*>(mp);
-        avx2::attend(qrows.data(), R, kb, k.stride(2), vb, v.stride(2), T, D, sc,
-               [&](int r, int64_t t) { return mf[mrow[r] + t * ms[3]]; }, orows.data(), scores.data());
-      }
-    }
-  }
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_supported", &isa_supported, "whether this CPU runs instruction set n (0 scalar, 1 AVX2, 2 AVX-512 VNNI)");
   m.def("pack", &pack, "[K, N] blocked low-bit weights to the kernels' layout");
   m.def("gemv", &gemv, "low-bit weight-only matmul (GEMV for a few rows of x, integer GEMM for many)");
   m.def("dequant", &dequant, "low-bit weights to f32 [N, K]");
-  m.def("attention", &attention, "grouped-query attention for a few query positions");
 }

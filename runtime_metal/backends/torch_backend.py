@@ -77,6 +77,19 @@ def _grouped_attention(q, k, v, mask, scale):
     return torch.matmul(probs.view(b, hkv, r * s, t), v).view(b, hq, s, v.shape[-1])
 
 
+def _written_keys(k, v, mask):
+    """k, v and mask cut after the last key some query attends: a static cache's unwritten tail is not
+    read (eager CPU decode; a compiled step keeps its static shapes)."""
+    t = k.shape[2]
+    if mask.shape[-1] != t or t < 2:
+        return k, v, mask
+    seen = (mask if mask.dtype == torch.bool else mask > float("-inf")).reshape(-1, t).any(0)
+    last = int(seen.nonzero().max()) + 1 if bool(seen.any()) else t
+    if last == t:
+        return k, v, mask
+    return k[:, :, :last], v[:, :, :last], mask[..., :last]
+
+
 # the 8-bit cache: decode folds the affine fix-up into the small [queries, keys] products; a prefill block
 # (many queries) dequantizes the block instead, which costs less than G products of [queries, keys]
 _FOLD_MAX_QUERIES = 32
@@ -362,10 +375,8 @@ class TorchBackend(Backend):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         if q.shape[2] <= _GROUPED_MAX_QUERIES:
-            if q.device.type == "cpu":  # the AVX2 kernel: K/V read once per query group, masked tail skipped
-                out = torch_quant.attention(q, k, v, mask, scale)
-                if out is not None:
-                    return out
+            if q.device.type == "cpu" and mask is not None and not torch.compiler.is_compiling():
+                k, v, mask = _written_keys(k, v, mask)
             return _grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
