@@ -16,7 +16,7 @@ The copy's genai_config.json (and the IO-binding loop, which reads it) turns onn
 optimizations off: the passes already lowered the graph, and onnxruntime's optimizer only folds the
 tied embedding's Reshape into a second 155 MB copy and inlines SwiGLU. Measured on the 0.6B q4 copy
 (onnxruntime-genai 0.18, 2 threads): the same greedy tokens, the same decode CPU time per token (58 vs
-60 ms), 0.3 s less CPU to load and 136 MB less peak RSS (832 vs 968 MB). Saving onnxruntime's optimized
+60 ms), 0.3 s less CPU for a load and 8 tokens, and 136 MB less peak RSS (832 vs 968 MB). Saving onnxruntime's optimized
 graph at prepare time (`optimized_model_filepath`, also with its prepacked weights) loads no faster (0.9 s
 of CPU either way: prepacking the MatMulNBits weights, which the saved copy does again) and writes
 that folded copy into the data file (643 MB, or 1.17 GB with the prepacked weights, against 483 MB).
