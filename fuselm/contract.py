@@ -10,25 +10,46 @@ other module spells these names.
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto
-from onnx import helper as oh
 
 from .errors import FuselmError
+
+
+class _Lazy:
+    """A module (or one of its attributes) imported on first use: the names and cache parsing below are all
+    a run on onnxruntime's prepared copy reads, and importing onnx costs a fresh process a large share of its
+    first-token time (bench/first_token.py)."""
+
+    def __init__(self, module: str, attr: str | None = None):
+        self._where = (module, attr)
+
+    def __getattr__(self, name: str):
+        module, attr = self._where
+        target = importlib.import_module(module)
+        return getattr(getattr(target, attr) if attr else target, name)
+
+
+onnx = _Lazy("onnx")
+oh = _Lazy("onnx.helper")
+TensorProto = _Lazy("onnx", "TensorProto")
 
 # --- the model directory -----------------------------------------------------------------------
 MODEL_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 META_NAME = "fuselm.json"
+SPLIT_NAME = "split.json"  # `fuselm split`'s output: its stages and how they connect
 
 # --- versions ------------------------------------------------------------------------------------
 OPSET = 23  # default domain, every graph fuselm writes
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
+# `--target onnxruntime`: MatMulNBits' default accuracy_level, as onnxruntime-genai's builder writes CPU int4
+# (4: int8 activations); also in the key of the copy `--backend auto` lowers (fuselm/ort_prepared.py)
+ORT_ACCURACY_LEVEL = 4
 
 # --- inputs and outputs --------------------------------------------------------------------------
 INPUT_IDS = "input_ids"
