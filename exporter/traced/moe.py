@@ -574,6 +574,11 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
             param = getattr(b.experts, attr)
             name, shape = names[id(param)], tuple(param.shape)
             layout = relayout[attr]
+            if name not in ckpt.tensors and f"{name}_blocks" in ckpt.tensors:
+                raise FuselmError(f"checkpoint {ckpt.dir}: its experts are MXFP4-quantized ({name}_blocks / _scales, "
+                                  "gpt-oss's released format); fuselm reads float experts: convert a bf16 copy, or "
+                                  "dequantize it first (transformers: from_pretrained(..., quantization_config="
+                                  "Mxfp4Config(dequantize=True)), then save_pretrained)")
             if layout != Layout():  # stored in another layout than the op's (gpt-oss): stored stacked only
                 stored = ckpt.tensors.get(name)
                 if stored is None:
