@@ -237,15 +237,17 @@ def test_gpt_oss_mxfp4_experts_are_refused(gpt_oss, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_moe_from_the_trace_cache_is_the_same_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss"])
+def test_moe_from_the_trace_cache_is_the_same_model(model_type, tmp_path, monkeypatch, request):
     """A second convert stamps the cached trace (exporter/traced/cache.py) and stacks the per-expert tensors
-    from the parts the entry recorded: the same bytes, without tracing."""
+    from the parts the entry recorded (gpt-oss: its stacks' layout, transposed and interleaved): the same
+    bytes, without tracing."""
     from fuselm.exporter import traced as traced_pkg
 
     monkeypatch.setenv("FUSELM_TRACE_CACHE", "1")
     monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(traced_pkg, "_TRACED", {})
-    hf = make(tmp_path, "qwen2_moe")
+    hf = make(tmp_path, model_type) if model_type != "gpt_oss" else request.getfixturevalue("gpt_oss")("hf")
     first = fuselm.convert(hf, tmp_path / "first", exporter="torch", quant="q4", quiet=True)
     monkeypatch.setattr(traced_pkg, "_TRACED", {})
     monkeypatch.setattr(traced_pkg, "_traced", lambda *a: pytest.fail("traced again"))
