@@ -56,6 +56,9 @@ class Backend:
     long_sdpa = False
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
+    # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
+    # oldest (executor.InFlight); None: the whole run is queued at once, then computed
+    inflight_layers: int | None = None
     # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any
     # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
     kv_groups: tuple[int, ...] | None = None

@@ -7,6 +7,7 @@ Only MLX's own ops are used, so what runs here in CI is what runs on the Apple G
 from __future__ import annotations
 
 import contextlib
+import os
 from functools import partial
 
 import mlx.core as mx
@@ -173,6 +174,9 @@ class MLXBackend(Backend):
     compile_default = True
     quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
+    # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
+    # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
+    inflight_layers = int(os.environ.get("FUSELM_INFLIGHT", "2")) or None
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
         from fuselm.errors import FuselmError
