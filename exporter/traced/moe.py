@@ -327,41 +327,41 @@ def _checked(block: Block, model_type: str) -> Block:
 def _experts_form(block: Block, top_k: int, gen) -> bool:
     """Set the block's activation (alpha, limit) and gate/up interleaving from its experts run on tiny stand-in
     weights (the real expert count, small widths, the module's own layout and biases); False if none matches.
-    The inputs are large enough that a clamp at the module's limit bites."""
+    silu / gelu are told apart on unit inputs (gelu and its tanh form differ by ~1e-4 there); a clamped SwiGLU
+    is checked on inputs large enough that its clamp bites."""
     n_exp, inter, h = block.num_experts, 4, 16  # widths of 16-byte multiples (torch._grouped_mm)
     gu_layout, down_layout = block.gate_up_layout, block.down_layout
     gate_up = torch.randn(n_exp, 2 * inter, h, generator=gen) * 0.5  # the op's layout
     down = torch.randn(n_exp, h, inter, generator=gen) * 0.5
-    small = {"gate_up_proj": gate_up.transpose(1, 2) if gu_layout.transposed else gate_up,
-             "down_proj": down.transpose(1, 2) if down_layout.transposed else down}
     biases = (None, None)
     if "gate_up_proj_bias" in dict(block.experts.named_parameters()):
         biases = (torch.randn(n_exp, 2 * inter, generator=gen), torch.randn(n_exp, h, generator=gen))
-        small.update(gate_up_proj_bias=biases[0], down_proj_bias=biases[1])
-    xs = torch.randn(6, h, generator=gen) * 8
+    xs = torch.randn(6, h, generator=gen)
     w_small, i_small = routing(xs, torch.randn(n_exp, h, generator=gen), top_k, 1)
-    with _swapped(block.experts, **small) as experts, torch.no_grad():
-        try:
-            got = experts(xs, i_small, w_small)
-        except Exception as e:
-            raise FuselmError(f"{block.name}: its experts do not run as experts(hidden, top_k_index, top_k_weights) "
-                              f"({type(e).__name__}: {str(e)[:120]}); not supported") from None
     floats = [v for k, v in vars(block.experts).items() if not k.startswith("_") and isinstance(v, float)]
-    candidates = [(a, {}) for a in contract.MOE_ACTIVATIONS if a != "clamped_swiglu"]
-    candidates += [("clamped_swiglu", dict(alpha=al, limit=li)) for al in floats for li in floats if al != li or len(floats) == 1]
+    # (activation, settings, input scale, atol)
+    candidates = [(a, {}, 1.0, 1e-5) for a in contract.MOE_ACTIVATIONS if a != "clamped_swiglu"]
+    candidates += [("clamped_swiglu", dict(alpha=al, limit=li), 8.0, 1e-4) for al in floats for li in floats
+                   if al != li or len(floats) == 1]
     for interleaved in (False, True):
-        if interleaved:  # the module's tensors hold gate_up's rows interleaved: the same experts if it reads them so
-            gu = _interleaved(gate_up)
-            gub = _interleaved(biases[0]) if biases[0] is not None else None
-            small["gate_up_proj"] = gu.transpose(1, 2) if gu_layout.transposed else gu
-            if gub is not None:
-                small["gate_up_proj_bias"] = gub
-            with _swapped(block.experts, **small) as experts, torch.no_grad():
-                got = experts(xs, i_small, w_small)
-        for activation, clamp in candidates:
-            want = reference(xs, None, gate_up, down, top_k, 1, activation, routed=(w_small, i_small), biases=biases,
-                             **clamp)
-            if got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+        # the module's tensors hold gate_up's rows interleaved: the same experts if it reads them so
+        gu = _interleaved(gate_up) if interleaved else gate_up
+        small = {"gate_up_proj": gu.transpose(1, 2) if gu_layout.transposed else gu,
+                 "down_proj": down.transpose(1, 2) if down_layout.transposed else down}
+        if biases[0] is not None:
+            small.update(gate_up_proj_bias=_interleaved(biases[0]) if interleaved else biases[0], down_proj_bias=biases[1])
+        got = {}
+        with _swapped(block.experts, **small) as experts, torch.no_grad():
+            for scale in (1.0, 8.0):
+                try:
+                    got[scale] = experts(xs * scale, i_small, w_small)
+                except Exception as e:
+                    raise FuselmError(f"{block.name}: its experts do not run as experts(hidden, top_k_index, "
+                                      f"top_k_weights) ({type(e).__name__}: {str(e)[:120]}); not supported") from None
+        for activation, clamp, scale, atol in candidates:
+            want = reference(xs * scale, None, gate_up, down, top_k, 1, activation, routed=(w_small, i_small),
+                             biases=biases, **clamp)
+            if got[scale].shape == want.shape and torch.allclose(got[scale], want, atol=atol, rtol=atol):
                 block.activation = activation
                 block.alpha, block.limit = clamp.get("alpha", 1.0), clamp.get("limit", float("inf"))
                 block.gate_up_layout = Layout(gu_layout.transposed, interleaved)
