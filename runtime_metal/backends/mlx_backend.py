@@ -531,16 +531,18 @@ class MLXBackend(Backend):
         xs = mx.expand_dims(x, (-2, -3)) if x.ndim == 2 else mx.expand_dims(x, -2)
         return self._gather_matmul(xs, w, experts.astype(mx.uint32), False).reshape(t, k, -1)
 
-    def expert_mlp(self, x, gate_up, down, experts, act):
+    def expert_mlp(self, x, gate_up, down, experts, act, gate_up_bias=None):
         """mlx-lm's SwitchGLU: for long prompts the (token, slot) rows are sorted by expert once
         (`_gather_sort`), both projections read each expert's weights contiguously, then unsorted."""
         t, k = experts.shape
         if experts.size < 64:
-            return super().expert_mlp(x, gate_up, down, experts, act)
+            return super().expert_mlp(x, gate_up, down, experts, act, gate_up_bias)
         flat = experts.reshape(-1).astype(mx.uint32)
         order = mx.argsort(flat)
         idx = flat[order]
         gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True)  # [T*k, 1, 2I]
+        if gate_up_bias is not None:
+            gu = gu + mx.expand_dims(gate_up_bias[idx], -2)
         inter = gu.shape[-1] // 2
         y = self._gather_matmul(act(gu[..., :inter], gu[..., inter:]), down, idx, True)
         return y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
