@@ -125,6 +125,7 @@ class TorchBackend(Backend):
         if self._dev.type == "cpu":
             _return_freed_memory()
         self._rope_memo: tuple | None = None
+        self._tracing = False
         self._inv_freq: dict[int, tuple] = {}
         self.threads = None
         if self._dev.type == "cpu":
@@ -153,7 +154,11 @@ class TorchBackend(Backend):
     def compile_step(self, fn, args, n_inputs):
         from .torch_compile import compile_step
 
-        return compile_step(fn, args, n_inputs, cuda=self._dev.type == "cuda")
+        self._tracing = True  # make_fx traces the step: static shapes, no host reads of device values
+        try:
+            return compile_step(fn, args, n_inputs, cuda=self._dev.type == "cuda")
+        finally:
+            self._tracing = False
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
@@ -375,7 +380,7 @@ class TorchBackend(Backend):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         if q.shape[2] <= _GROUPED_MAX_QUERIES:
-            if q.device.type == "cpu" and mask is not None and not torch.compiler.is_compiling():
+            if q.device.type == "cpu" and mask is not None and not (self._tracing or torch.compiler.is_compiling()):
                 k, v, mask = _written_keys(k, v, mask)
             return _grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
