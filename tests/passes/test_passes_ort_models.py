@@ -89,6 +89,7 @@ def test_diff_shows_each_lowering_with_its_drift(exported, tmp_path):
         assert r["changed"] and r["checker"] == "ok", (name, r.get("checker"))
         assert r["drift"]["decode"]["logits_rel"] <= 1e-5, (name, r["drift"])
     assert "OrtMatMulNBits" not in {r["pass"] for r in fuselm.diff(exported("qwen3", "q4"), quiet=True)["passes"]}
+    assert not records["OrtPackedQKV"]["changed"]  # qwen3's q/k norms sit between the Split and GQA
 
 
 def test_cli_target_flag_and_skip(exported, tmp_path, capsys):
