@@ -1,8 +1,9 @@
 """fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
 
-    x2 = x as [T, H]; probs = softmax(x2 @ router^T) (or sigmoid, experts chosen with `bias` added)
+    x2 = x as [T, H]; probs = softmax(x2 @ router^T (+ router_bias)) (or sigmoid, experts chosen with `bias` added)
     (w, experts) = top_k(probs) (renormalised: normalize; times `scaling`)
-    y = sum_k w * expert_mlp(x2, gate_up, down, experts, act(gate) * up)   [T, k, H] -> [T, H]
+    y = sum_k w * (expert_mlp(x2, gate_up, down, experts, act(gate, up), gate_up_bias) + down_bias[experts])
+        [T, k, H] -> [T, H]; act: act(gate) * up, or gpt-oss's clamped SwiGLU (alpha, limit)
 
 `expert_mlp` / `expert_matmul` are the backend's (backends/base.py): MLX `mx.gather_mm` /
 `mx.gather_qmm` with mlx-lm's SwitchGLU sort for long prompts, torch and numpy the selected
@@ -23,22 +24,28 @@ from .ops_nn import RUNTIME
 
 
 @op(contract.MOE_OP, domain=contract.DOMAIN, fused=True)
-def MoE(b, x, router, gate_up, down, bias=None, *, top_k, normalize=0, activation="silu", scoring="softmax",
-        scaling=1.0):
-    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+def MoE(b, x, router, gate_up, down, bias=None, router_bias=None, gate_up_bias=None, down_bias=None, *, top_k,
+        normalize=0, activation="silu", scoring="softmax", scaling=1.0, alpha=1.0, limit=float("inf")):
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling,
+                (router_bias, gate_up_bias, down_bias), alpha, limit)
 
 
 @op("QMoE", domain=RUNTIME)
-def QMoE(b, x, router, bias=None, *, gate_up, down, top_k, normalize=0, activation="silu", scoring="softmax",
-         scaling=1.0, source=""):
+def QMoE(b, x, router, bias=None, router_bias=None, gate_up_bias=None, down_bias=None, *, gate_up, down, top_k,
+         normalize=0, activation="silu", scoring="softmax", scaling=1.0, alpha=1.0, limit=float("inf"), source=""):
     """fuselm::MoE whose stacked expert weights were prepared at load (`fold_experts`)."""
-    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling,
+                (router_bias, gate_up_bias, down_bias), alpha, limit)
 
 
-def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float):
+def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float,
+         biases=(None, None, None), alpha: float = 1.0, limit: float = float("inf")):
+    router_bias, gate_up_bias, down_bias = biases
     shape = b.shape(x)
     x2 = b.reshape(x, (-1, shape[-1]))
     logits = b.matmul(x2, b.transpose(router, (1, 0)))
+    if router_bias is not None:
+        logits = b.binary("add", logits, router_bias)
     if scoring == "softmax":
         weights, experts = b.topk(b.softmax(logits, -1), int(top_k), -1, True, True)
     else:  # each expert's sigmoid, chosen with the selection bias added, weighted without it
@@ -52,13 +59,21 @@ def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activati
         weights = b.binary("mul", weights, _scalar(b, weights, float(scaling)))
 
     def act(gate, up):
+        if activation == "clamped_swiglu":  # gpt-oss: min(gate, limit) * sigmoid(alpha * ...) * (clip(up) + 1)
+            lim = _scalar(b, gate, float(limit))
+            gate = b.binary("min", gate, lim)
+            up = b.binary("max", b.binary("min", up, lim), _scalar(b, up, -float(limit)))
+            g = b.binary("mul", gate, b.unary("sigmoid", b.binary("mul", gate, _scalar(b, gate, float(alpha)))))
+            return b.binary("mul", g, b.binary("add", up, _scalar(b, up, 1.0)))
         if activation == "silu":
             g = b.binary("mul", gate, b.unary("sigmoid", gate))
         else:
             g = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
         return b.binary("mul", g, up)
 
-    y = b.expert_mlp(x2, gate_up, down, experts, act)  # [T, k, H]
+    y = b.expert_mlp(x2, gate_up, down, experts, act, gate_up_bias)  # [T, k, H]
+    if down_bias is not None:
+        y = b.binary("add", y, b.gather(down_bias, experts, 0))
     w = b.cast(b.reshape(weights, tuple(b.shape(weights)) + (1,)), b.dtype(y))
     y = b.reduce("sum", b.binary("mul", y, w), (1,), False)
     return b.reshape(y, tuple(shape))
@@ -75,7 +90,7 @@ def fold_experts(graph, backend, release=lambda: None) -> None:
     prepared: dict[str, object] = {}
     replace = {}
     for n in graph.nodes:
-        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5):
+        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5, 8):
             continue
         dqs = [producers.get(w) for w in n.inputs[2:4]]
         if not all(_foldable(dq, consts, graph) for dq in dqs):

@@ -56,6 +56,9 @@ class Backend:
     long_sdpa = False
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
+    # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
+    # oldest (executor.InFlight); None: the whole run is queued at once, then computed
+    inflight_layers: int | None = None
     # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any
     # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
     kv_groups: tuple[int, ...] | None = None
@@ -290,11 +293,14 @@ class Backend:
         -> [T, k, N] with out[t, j] = x[t(, j)] @ w[experts[t, j]]^T."""
         raise NotImplementedError
 
-    def expert_mlp(self, x, gate_up, down, experts, act):
+    def expert_mlp(self, x, gate_up, down, experts, act, gate_up_bias=None):
         """The selected experts' MLPs: x [T, K], gate_up [E, 2I, K], down [E, K, I], experts [T, k] ->
-        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays.
+        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays,
+        gate_up_bias [E, 2I] (gpt-oss) added to each slot's gate/up projection.
         Two `expert_matmul`s here; a backend may keep its own order between them (MLX sorts once)."""
         gu = self.expert_matmul(x, gate_up, experts)
+        if gate_up_bias is not None:
+            gu = self.binary("add", gu, self.gather(gate_up_bias, experts, 0))
         inter = self.shape(gu)[-1] // 2
         gate, up = (self.slice(gu, (slice(None), slice(None), part)) for part in (slice(0, inter), slice(inter, None)))
         return self.expert_matmul(act(gate, up), down, experts)
