@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         for role, v in r["matmul_nbits"].items():
             print(f"    {role:60s} {v['us_per_step']:9.1f} us  x{v['nodes_per_step']}")
     print(f"load average {load:.2f} before, {load_after:.2f} after")
-    cpu = _bench_module_machine()
+    cpu = _machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _bench_module_machine() -> dict:
+def _machine() -> dict:
+    """bench/cpu_peer.py's machine record (processor, SIMD flags, onnxruntime and genai versions)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_cpu_peer", HERE / "cpu_peer.py")
