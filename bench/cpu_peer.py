@@ -19,9 +19,12 @@ Then two fresh processes per engine, timed whole from the parent (imports + load
 - first token of a 16-token prompt (`fuselm run --prompt-ids ... --max-tokens 1`, and the
   equivalent onnxruntime-genai script), with its peak RSS,
 - a 512-token prompt and 16 generated tokens: the peak RSS of a `fuselm run`-like process.
-`--interleaved [--standard]` loads the onnxruntime-genai engines (genai, genai-fuselm) in
-one process and measures them in turn, run after run (decode at 128, its prefill), so a shared box's
-load falls on each alike. `--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
+`--interleaved [--standard] [--q4-head]` loads the onnxruntime-genai engines (genai, genai-fuselm) in
+one process and measures them in turn, run after run (decode at each --contexts with its prefill, then
+each other --prefills; the median step's process CPU ms too, which at `--threads 1` is the work
+itself), so a shared box's load falls on each alike; `--q4-head` adds genai-fuselm-q4head: fuselm's
+graph at the builder's precision (`convert --lm-head q4`: one 4-bit table for the tied head and
+embedding, where fuselm's default keeps them 8-bit), lowered alike. `--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
 --target onnxruntime` (MatMulNBits, GroupQueryAttention with one shared past/present buffer); every
 row records the compute nodes per decoder layer of the graph it ran (Constant nodes not counted).
 The box may be shared: every row records the 1-minute load average before it started. Prints a
@@ -48,6 +51,10 @@ RESULTS = HERE / "results"
 ENGINES = ("fuselm", "genai")
 # onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize --target onnxruntime` (opt-in)
 GENAI_ON_FUSELM = "genai-fuselm"
+# the same at onnxruntime-genai's builder's precision: `fuselm convert --quant q4 --lm-head q4` (the tied
+# embedding follows: one 4-bit table, as the builder's int4), lowered alike (opt-in)
+GENAI_ON_FUSELM_Q4HEAD = "genai-fuselm-q4head"
+GENAI_ENGINES = ("genai", GENAI_ON_FUSELM, GENAI_ON_FUSELM_Q4HEAD)
 
 
 def _bench_module(name: str):
@@ -149,35 +156,63 @@ def measure(engine, vocab: int, runs: int, contexts: tuple, prefills: tuple, ste
     return out
 
 
-def _decode_rate(engine, token, steps: int):
-    """`steps` greedy decode steps from `token`: (the last token, tokens/s from the median step)."""
-    times = []
+def _decode_rate(engine, token, steps: int, cpu: list | None = None):
+    """`steps` greedy decode steps from `token`: (the last token, tokens/s from the median step); the
+    median step's process CPU ms is appended to `cpu` when given (at 1 thread the work itself, which a
+    shared box's load barely moves; at more, onnxruntime's spinning threads count too)."""
+    times, cpus = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         token = engine.step(token)
         times.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    if cpu is not None:
+        cpu.append(statistics.median(cpus) * 1e3)
     return token, 1 / statistics.median(times)
 
 
-def interleaved(models: dict[str, Path], engines: list[str], vocab: int, ctx: int, steps: int, runs: int,
-                threads: int) -> dict:
+def interleaved(models: dict[str, Path], engines: list[str], vocab: int, contexts: tuple, steps: tuple,
+                prefills: tuple, runs: int, threads: int) -> dict:
     """The onnxruntime-genai engines loaded in one process and measured in turn, run after run (a shared
-    box's load then falls on all alike): median decode step at `ctx` tokens of context and prefill of it."""
+    box's load then falls on all alike): per run and engine, the median decode step after a prompt of each
+    context length (its prefill timed too), then a prefill of each other length. The 1-minute load average
+    is recorded before each run."""
     loaded = {e: GenaiEngine(models[e], threads) for e in engines}
-    decode: dict = {e: [] for e in engines}
-    prefill: dict = {e: [] for e in engines}
+    out: dict = {e: {} for e in engines}
+    loads = []
+
+    def keep(e: str, key: str, value: float) -> None:
+        out[e].setdefault(key, []).append(round(value, 2 if key.startswith("decode") else 1))
+
+    def name(k: str) -> str:  # decode_128 -> decode_128_tok_s; decode_128_cpu_ms stays
+        return k if k.endswith("_ms") else f"{k}_tok_s"
+
     for r in range(runs + 1):  # run 0 warms up
+        if r:
+            loads.append(round(os.getloadavg()[0], 2))
         for e, engine in loaded.items():
-            t = time.perf_counter()
-            token = engine.prefill(_ids(ctx, vocab, 300 + r), steps + 1)
-            took = time.perf_counter() - t
-            token, rate = _decode_rate(engine, token, steps)
-            if r:
-                decode[e].append(round(rate, 2))
-                prefill[e].append(round(ctx / took, 1))
-    return {e: {f"decode_{ctx}_tok_s": statistics.median(decode[e]), f"decode_{ctx}_runs": decode[e],
-                f"prefill_{ctx}_tok_s": statistics.median(prefill[e]), f"prefill_{ctx}_runs": prefill[e]}
-            for e in engines}
+            for c, n_steps in zip(contexts, steps, strict=True):
+                t = time.perf_counter()
+                token = engine.prefill(_ids(c, vocab, 300 + r), n_steps + 1)
+                took = time.perf_counter() - t
+                cpu: list = []
+                token, rate = _decode_rate(engine, token, n_steps, cpu)
+                if r:
+                    keep(e, f"decode_{c}", rate)
+                    keep(e, f"decode_{c}_cpu_ms", cpu[0])
+                    keep(e, f"prefill_{c}", c / took)
+            for n in prefills:
+                if n in contexts:
+                    continue
+                t = time.perf_counter()
+                engine.prefill(_ids(n, vocab, 400 + r), 1)
+                if r:
+                    keep(e, f"prefill_{n}", n / (time.perf_counter() - t))
+    result = {e: {k2: v for k, runs_ in sorted(out[e].items())
+                  for k2, v in ((name(k), statistics.median(runs_)), (f"{k}_runs", runs_))}
+              for e in engines}
+    result["load_before_runs"] = loads
+    return result
 
 
 def child(args) -> None:
@@ -185,7 +220,7 @@ def child(args) -> None:
     model = Path(args.model)
     vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
-    if args.child in ("genai", GENAI_ON_FUSELM):
+    if args.child in GENAI_ENGINES:
         engine = GenaiEngine(model, args.threads)
     elif args.child == "mnn":  # run by .venv-mnn's Python through bench/mnn_safe.py (see bench/mnn_peer.py)
         engine = _bench_module("mnn_peer").MnnEngine(model, args.threads)
@@ -224,7 +259,7 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
     (the child prints it), total wall time and the process's peak RSS (os.wait4)."""
     ids_arg = ",".join(map(str, ids))
     env = None
-    if engine in ("genai", GENAI_ON_FUSELM):
+    if engine in GENAI_ENGINES:
         cmd = [sys.executable, "-c", GENAI_RUN, str(model), ids_arg, str(new), str(threads)]
     elif engine == "mnn":
         mnn = _bench_module("mnn_peer")
@@ -308,6 +343,22 @@ def prepare(shape: str, work: Path, engines=None) -> tuple[Path, dict[str, Path]
                   GENAI_ON_FUSELM: lowered}
 
 
+def prepare_q4_head(ckpt: Path, work: Path) -> Path:
+    """`fuselm convert --quant q4 --lm-head q4` (onnxruntime-genai's builder's precision: one 4-bit table
+    for the tied head and embedding) + `optimize` + `optimize --target onnxruntime`."""
+    steps = [("exported", ["convert", str(ckpt), "--quant", "q4", "--lm-head", "q4"]), ("optimized", ["optimize"]),
+             ("onnxruntime", ["optimize", "--target", "onnxruntime"])]
+    src = None
+    for name, cmd in steps:
+        out = work / f"qwen3-{work.name}-q4head-{name}"
+        if not (out / "fuselm.json").is_file():
+            args = cmd if src is None else [cmd[0], str(src), *cmd[1:]]
+            subprocess.run([sys.executable, "-m", "fuselm.cli", *args, "-o", str(out), "--force", "--quiet"],
+                           check=True)
+        src = out
+    return src
+
+
 def compute_nodes_per_layer(model_dir: Path) -> list[int]:
     """Nodes inside each decoder layer (passes/draw.py's assignment), Constant nodes not counted (the
     builder writes its constants as nodes, fuselm as initializers)."""
@@ -361,7 +412,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="*", default=list(ENGINES),
-                    choices=["fuselm", "fuselm-compile", "genai", GENAI_ON_FUSELM, "mnn"])
+                    choices=["fuselm", "fuselm-compile", *GENAI_ENGINES, "mnn"])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
     ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
@@ -370,6 +421,9 @@ def main(argv=None) -> int:
                          "(decode at the first context, its prefill)")
     ap.add_argument("--standard", action="store_true",
                     help="with --interleaved: also genai on fuselm's portable (not lowered) q4 graph")
+    ap.add_argument("--q4-head", action="store_true",
+                    help="with --interleaved: also genai on fuselm's q4 graph with a 4-bit lm_head/embedding "
+                         "(`convert --lm-head q4`: the builder's int4 precision), lowered alike")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
@@ -389,18 +443,28 @@ def main(argv=None) -> int:
     args.run_prompt = run_prompt
     rows = []
     if args.interleaved:
-        result = {}
+        result, nodes = {}, {}
         for shape in shapes:
             ckpt, models = prepare(shape, args.work / shape)
             vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
             models["fuselm-standard"] = models["fuselm"]  # genai on the portable graph (its genai_config.json)
             engines = ["genai", GENAI_ON_FUSELM] + (["fuselm-standard"] if args.standard else [])
-            result[shape] = interleaved(models, engines, vocab, args.contexts[0], args.steps[0], args.runs,
-                                        args.threads)
+            if args.q4_head:
+                models[GENAI_ON_FUSELM_Q4HEAD] = prepare_q4_head(ckpt, args.work / shape)
+                engines.append(GENAI_ON_FUSELM_Q4HEAD)
+            result[shape] = interleaved(models, engines, vocab, tuple(args.contexts), tuple(args.steps),
+                                        tuple(args.prefills), args.runs, args.threads)
+            nodes[shape] = {e: round(statistics.mean(compute_nodes_per_layer(models[e])), 1) for e in engines}
+            result[shape]["summary"] = {f"{k} {e}/genai": round(result[shape][e][k] / result[shape]["genai"][k], 2)
+                                        for e in engines if e != "genai"
+                                        for k in result[shape]["genai"] if k.endswith(("_tok_s", "_ms"))}
             print(json.dumps(result[shape]), flush=True)
         out = args.out or RESULTS / "cpu-peer-interleaved.json"
-        out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "runs": args.runs,
-                                   "load_after": os.getloadavg()[0], "rows": result}, indent=2) + "\n")
+        command = "python bench/cpu_peer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        out.write_text(json.dumps({"command": command, "machine": machine(), "threads": args.threads,
+                                   "runs": args.runs, "contexts": args.contexts, "steps": args.steps,
+                                   "prefills": args.prefills, "load_after": round(os.getloadavg()[0], 2),
+                                   "rows": result, "nodes_per_layer": nodes}, indent=2) + "\n")
         print(f"wrote {out}")
         return 0
     for shape in shapes:

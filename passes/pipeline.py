@@ -32,6 +32,7 @@ from .fuse_swiglu import FuseSwiGLU
 from .ort_gather_quantized import OrtGatherBlockQuantized
 from .ort_gqa import DEFAULT_MAX_LENGTH, OrtGroupQueryAttention
 from .ort_matmul_nbits import DEFAULT_ACCURACY_LEVEL, OrtMatMulNBits
+from .ort_packed_qkv import OrtPackedQKV
 from .ort_skip_norm import OrtSkipRMSNorm
 from .remove_dead_shape_ops import RemoveDeadShapeOp
 from .reorder_qkv import ReorderQKVProjections
@@ -66,7 +67,7 @@ def target_passes(target: str | None, accuracy_level: int = DEFAULT_ACCURACY_LEV
         return []
     if target != "onnxruntime":
         raise FuselmError(f"--target {target!r}: no such target; valid targets: {', '.join(TARGETS)}")
-    return [OrtGroupQueryAttention(max_length), OrtSkipRMSNorm(), OrtMatMulNBits(accuracy_level),
+    return [OrtGroupQueryAttention(max_length), OrtPackedQKV(), OrtSkipRMSNorm(), OrtMatMulNBits(accuracy_level),
             OrtGatherBlockQuantized()]
 
 

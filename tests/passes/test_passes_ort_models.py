@@ -48,6 +48,8 @@ def test_lowered_graph_matches_the_standard_one(lowered, optimized, family, quan
     check_graph_file(out / "model.onnx")
     assert not {"Attention", "RMSNormalization", "FusedRoPE", "DequantizeLinear"} & set(ops), ops
     assert ops["GroupQueryAttention"] == 2 and ops["SkipSimplifiedLayerNormalization"] == 4
+    # qwen2's fused qkv goes into GQA packed (OrtPackedQKV); qwen3's q/k norms keep its Split
+    assert ops["Split"] == (2 if family == "qwen3" else 0), ops
     if quant == "q4":  # qkv, o, gate_up, down per layer and the lm_head; qwen3's tied q8 embedding too
         assert ops["MatMulNBits"] == 9 and ops["GatherBlockQuantized"] == (family == "qwen3")
     before = run_steps(optimized(family, quant) / "model.onnx")
@@ -87,6 +89,7 @@ def test_diff_shows_each_lowering_with_its_drift(exported, tmp_path):
         assert r["changed"] and r["checker"] == "ok", (name, r.get("checker"))
         assert r["drift"]["decode"]["logits_rel"] <= 1e-5, (name, r["drift"])
     assert "OrtMatMulNBits" not in {r["pass"] for r in fuselm.diff(exported("qwen3", "q4"), quiet=True)["passes"]}
+    assert not records["OrtPackedQKV"]["changed"]  # qwen3's q/k norms sit between the Split and GQA
 
 
 def test_cli_target_flag_and_skip(exported, tmp_path, capsys):

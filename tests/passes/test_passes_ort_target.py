@@ -10,6 +10,7 @@ import pytest
 from fuselm.passes.ort_gather_quantized import OrtGatherBlockQuantized
 from fuselm.passes.ort_gqa import OrtGroupQueryAttention
 from fuselm.passes.ort_matmul_nbits import OrtMatMulNBits
+from fuselm.passes.ort_packed_qkv import OrtPackedQKV
 from fuselm.passes.ort_skip_norm import OrtSkipRMSNorm
 from onnx import TensorProto
 from onnx import helper as oh
@@ -136,15 +137,25 @@ INV = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
 
 
 def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, head_dim: int = D,
-              rotary: int | None = None) -> G:
+              rotary: int | None = None, packed: str = "no") -> G:
     """One 3-D Attention-23 over a past, q/k rotated by FusedRoPE after a Reshape to heads, the mask
-    computed from attention_mask as fuselm's exporter does (causal and padding, or variants)."""
+    computed from attention_mask as fuselm's exporter does (causal and padding, or variants). `packed`
+    "yes": q, k, v are one Split of a fused qkv input (FuseQKV's form); "shared": k is also a graph output."""
     g = G()
     s, p = 3, 4
     hd = head_dim
-    g.inp("q", [1, "seq", H * hd], value=g.rng.standard_normal((1, s, H * hd)).astype(np.float32))
-    g.inp("k", [1, "seq", KV * hd], value=g.rng.standard_normal((1, s, KV * hd)).astype(np.float32))
-    g.inp("v", [1, "seq", KV * hd], value=g.rng.standard_normal((1, s, KV * hd)).astype(np.float32))
+    if packed == "no":
+        g.inp("q", [1, "seq", H * hd], value=g.rng.standard_normal((1, s, H * hd)).astype(np.float32))
+        g.inp("k", [1, "seq", KV * hd], value=g.rng.standard_normal((1, s, KV * hd)).astype(np.float32))
+        g.inp("v", [1, "seq", KV * hd], value=g.rng.standard_normal((1, s, KV * hd)).astype(np.float32))
+    else:
+        width = (H + 2 * KV) * hd
+        g.inp("qkv", [1, "seq", width], value=g.rng.standard_normal((1, s, width)).astype(np.float32))
+        sizes = g.init("qkv_sizes", np.array([H * hd, KV * hd, KV * hd], np.int64))
+        g.nodes.append(oh.make_node("Split", ["qkv", sizes], ["q", "k", "v"], name="/model/layers.0/attn/qkv_proj/Split",
+                                    axis=-1))
+        if packed == "shared":
+            g.out("k", "k_out")
     g.inp("attention_mask", [1, "total"], TensorProto.INT64, np.ones((1, p + s), np.int64))
     g.inp("position_ids", [1, "seq"], TensorProto.INT64, np.arange(p, p + s)[None])
     for kind in ("key", "value"):
@@ -215,6 +226,36 @@ def test_gqa_fires_and_matches_prefill_and_decode(interleaved, head_dim, rotary,
 def test_gqa_must_not_fire(kw, why, tmp_path):
     _, modified, stats = lower(OrtGroupQueryAttention(), model_of(attention(**kw)), tmp_path)
     assert not modified and why in reasons(stats), reasons(stats)
+
+
+@pytest.mark.parametrize("rope", ["both", "none"])
+def test_packed_qkv_fires_and_matches(rope, tmp_path):
+    """GQA reads the fused projection's output as packed QKV (rotated inside GQA, or not rotated): the
+    Split goes, the numbers stay (prefill-like and decode-like chunks)."""
+    g = attention(rope=rope, packed="yes")
+    before = model_of(g)
+    mid, modified, stats = lower(OrtGroupQueryAttention(max_length=64), before, tmp_path)
+    assert modified and "Split" in ops(mid), reasons(stats)
+    after, modified, stats = lower(OrtPackedQKV(), mid, tmp_path)
+    assert modified and "Split" not in ops(after), reasons(stats)
+    gqa = next(n for n in after.graph.node if n.op_type == "GroupQueryAttention")
+    assert list(gqa.input[:3]) == ["qkv", "", ""]
+    assert_same(before, after, g.feeds, rtol=1e-5)
+    prefill = dict(g.feeds, attention_mask=np.ones((1, 3), np.int64), position_ids=np.arange(3)[None],
+                   input_ids=np.zeros((1, 3), np.int64),
+                   **{f"past_key_values.0.{k}": np.zeros((1, KV, 0, D), np.float32) for k in ("key", "value")})
+    assert_same(before, after, prefill, rtol=1e-5)
+
+
+def test_packed_qkv_must_not_fire(tmp_path):
+    """A Split output read elsewhere; q/k through their own Reshape -> norm -> Reshape (Qwen3's q/k norms:
+    GQA's query is no Split output)."""
+    mid, _, _ = lower(OrtGroupQueryAttention(max_length=64), model_of(attention(packed="shared")), tmp_path)
+    _, modified, stats = lower(OrtPackedQKV(), mid, tmp_path)
+    assert not modified and "is read outside the attention" in reasons(stats), reasons(stats)
+    mid, _, _ = lower(OrtGroupQueryAttention(max_length=64), model_of(attention()), tmp_path)
+    _, modified, stats = lower(OrtPackedQKV(), mid, tmp_path)
+    assert not modified and "are not outputs of one Split" in reasons(stats), reasons(stats)
 
 
 # ---- GatherBlockQuantized ------------------------------------------------------------------
