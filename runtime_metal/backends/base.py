@@ -290,14 +290,24 @@ class Backend:
         -> [T, k, N] with out[t, j] = x[t(, j)] @ w[experts[t, j]]^T."""
         raise NotImplementedError
 
-    def expert_mlp(self, x, gate_up, down, experts, act):
+    def select_experts(self, scores, k: int):
+        """(values, indices) of each row's k largest `scores` [T, E], in any order (the order of the
+        chosen experts does not change a weighted sum); indices in the dtype `expert_matmul` takes."""
+        return self.topk(scores, k, -1, True, False)
+
+    def expert_mlp(self, x, gate_up, down, experts, act, weights=None):
         """The selected experts' MLPs: x [T, K], gate_up [E, 2I, K], down [E, K, I], experts [T, k] ->
-        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays.
+        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays;
+        with `weights` [T, k]: [T, K] = sum over the slots of down(weights * act(gate, up)).
         Two `expert_matmul`s here; a backend may keep its own order between them (MLX sorts once)."""
         gu = self.expert_matmul(x, gate_up, experts)
         inter = self.shape(gu)[-1] // 2
         gate, up = (self.slice(gu, (slice(None), slice(None), part)) for part in (slice(0, inter), slice(inter, None)))
-        return self.expert_matmul(act(gate, up), down, experts)
+        h = act(gate, up)
+        if weights is None:
+            return self.expert_matmul(h, down, experts)
+        w = self.cast(self.reshape(weights, tuple(self.shape(weights)) + (1,)), self.dtype(h))
+        return self.reduce("sum", self.expert_matmul(self.binary("mul", h, w), down, experts), (1,), False)
 
     # --- prepared weights kept beside the model (runtime_metal/prepared.py) -------------------
     def prepared_format(self) -> str | None:
