@@ -114,3 +114,25 @@ def test_moe_experts_are_kept_and_read_memory_mapped(moe_q4, tmp_path, monkeypat
     third, got = _logits(model)
     assert third.graph.prepared.startswith("written to") and len(calls) == 2 * len(moes)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_file_without_the_experts_gets_them(moe_q4, tmp_path, monkeypatch):
+    """A prepared file an older fuselm wrote (its dense weights only) is read for those, and rewritten with the
+    experts once they are prepared; the load after reads everything."""
+    from fuselm.runtime_metal import ops_moe
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    shutil.copytree(moe_q4, model)
+    fold = ops_moe.fold_experts
+    monkeypatch.setattr(ops_moe, "fold_experts", lambda g, b, release, store=None: fold(g, b, release))
+    _, want = _logits(model)  # as before the experts were kept
+    monkeypatch.setattr(ops_moe, "fold_experts", fold)
+    sess, got = _logits(model)
+    assert sess.graph.prepared.startswith("written to")
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.setattr(MLXBackend, "prepare_experts", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    monkeypatch.setattr(MLXBackend, "prepare_quantized", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    sess, got = _logits(model)
+    assert sess.graph.prepared.startswith("read from")
+    np.testing.assert_array_equal(got, want)
