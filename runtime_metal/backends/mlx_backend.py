@@ -560,12 +560,13 @@ class MLXBackend(Backend):
         flat = flat if flat.dtype == mx.uint32 else flat.astype(mx.uint32)
         order = mx.argsort(flat)
         idx = flat[order]
-        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True)  # [T*k, 1, 2I]
+        rows = mx.arange(t * k, dtype=mx.uint32)  # (MLX's default lhs rows, made once for both matmuls)
+        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True, rows)  # [T*k, 1, 2I]
         inter = gu.shape[-1] // 2
         h = act(gu[..., :inter], gu[..., inter:])
         if weights is not None:
             h = h * weights.reshape(-1)[order].reshape(-1, 1, 1).astype(h.dtype)
-        y = self._gather_matmul(h, down, idx, True)
+        y = self._gather_matmul(h, down, idx, True, rows)
         y = y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
         return y if weights is None else y.sum(axis=1)
 
