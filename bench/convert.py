@@ -51,6 +51,7 @@ _QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048
                   vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
                   rope_theta=1e6)
 SHAPES.update({
+    "0.6b-8l": {**SHAPES["0.6b"], "num_hidden_layers": 8},  # (MLX CPU memory probes: the 0.6B's layers, fewer)
     "olmoe-1b-7b": _OLMOE, "olmoe-1b-7b-4l": {**_OLMOE, "num_hidden_layers": 4},
     "olmoe-1b-7b-2l": {**_OLMOE, "num_hidden_layers": 2},  # (a local estimate of the full shape's preparation)
     "qwen3-30b-a3b-8l": {**_QWEN3_MOE, "num_hidden_layers": 8}, "qwen3-30b-a3b-4l": {**_QWEN3_MOE, "num_hidden_layers": 4},

@@ -5,6 +5,9 @@
 # call carries at most 64 MiB, so the ~90 MB mlx-cuda wheel comes in two halves over two calls:
 #   bash bench/h200_mlx.sh stash  SHAPES   # carry .mlxcuda/p1 .mlxcuda/w: keep half 1; write checkpoints, convert
 #   bash bench/h200_mlx.sh bench  SHAPES   # carry .mlxcuda/p2 (within 30 s): install MLX, run the benchmark
+#   bash bench/h200_mlx.sh probe  SHAPES   # after bench: where the prefill's peak memory goes (mlx_memory_probe.py),
+#                                          # fuselm with its prefill queued whole (FUSELM_INFLIGHT=0) and 2 layers ahead
+#   bash bench/h200_mlx.sh kv8    SHAPES   # after bench: the 8-bit KV cache at 8k and 32k (bench/mlx_kv8.py)
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
 # Results land in $OUT (the device tool brings them back): mlx-peer-gpu.json and the logs.
@@ -30,10 +33,28 @@ stash)
     python3 "$repo/bench/mlx_peer.py" --stash --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \
         2>&1 | tee "${OUT:-/tmp/out}/stash.log" || exit 1
     ;;
-bench)
+bench|probe|kv8)
     if ! python3 -c "import mlx.core" 2>/dev/null; then
         cat "$stash/part00" .mlxcuda/p2/part01 > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
         python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/*.whl || exit 1
+    fi
+    if [ "$phase" = kv8 ]; then
+        cd /root && python3 "$repo/bench/mlx_kv8.py" --shapes $shapes --contexts 8192 32768 --runs ${KV8_RUNS:-2} \
+            --decode 32 --work "$work" --out "$OUT/mlx-kv8-gpu.json" 2>&1 | tail -30
+        exit 0
+    fi
+    if [ "$phase" = probe ]; then
+        cd /root
+        for s in $shapes; do
+            for g in ${QGROUPS:-32}; do
+                for d in 0 2; do
+                    FUSELM_INFLIGHT=$d python3 "$repo/bench/mlx_memory_probe.py" "$work/qwen3-$s-q4-g$g" --dtype bf16 \
+                        --lengths 512 2048 --decode 8 --mlx-lm "$work/qwen3-$s-mlxlm-g$g-bf16" \
+                        --out "$OUT/mlx-memory-gpu-$s-g$g-inflight$d.json" 2>&1 | tail -40
+                done
+            done
+        done
+        exit 0
     fi
     python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device())"
     cd /root && python3 "$repo/bench/mlx_peer.py" --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \

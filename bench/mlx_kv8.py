@@ -7,7 +7,10 @@ Same checkpoints and graphs as bench/mlx_peer.py (4-bit weights at --group for e
 `prepare`); each engine in its own process, interleaved run by run: C prompt tokens, then --decode
 greedy tokens; decode tokens/s is the median interval between tokens, and each engine reports its
 peak device memory. Both caches are affine 8-bit, groups of 64 channels, half-precision scales and
-biases (mlx-lm's QuantizedKVCache; fuselm's kvcache.py). Writes bench/results/mlx-kv8-<device>.json.
+biases (mlx-lm's QuantizedKVCache; fuselm's kvcache.py). For reference each engine runs with its own
+half-precision cache too (`mlx-lm-kv16`, `fuselm-kv16`): where a device's MLX has no kernel for mlx-lm's
+8-bit attention (MLX's CUDA backend), its row records the error and fuselm's 8-bit cache is compared with
+mlx-lm's default cache. Writes bench/results/mlx-kv8-<device>.json.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ GROUP = 64
 def child(engine: str, model: Path, dtype: str, contexts: list[int], decode: int, runs: int) -> dict:
     import mlx.core as mx
 
-    if engine == "mlx-lm":
+    kv8 = not engine.endswith("-kv16")  # "-kv16": the engine's own half-precision cache, for reference
+    if engine.startswith("mlx-lm"):
         from mlx_lm import load
         from mlx_lm.generate import generate_step
 
@@ -40,14 +44,14 @@ def child(engine: str, model: Path, dtype: str, contexts: list[int], decode: int
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
 
         def tokens(prompt, n):
-            return (t for t, _ in generate_step(mx.array(prompt), lm, max_tokens=n, kv_bits=8, kv_group_size=GROUP,
-                                                quantized_kv_start=0))
-        what = "mlx-lm generate_step, kv_bits=8"
+            q = {"kv_bits": 8, "kv_group_size": GROUP, "quantized_kv_start": 0} if kv8 else {}
+            return (t for t, _ in generate_step(mx.array(prompt), lm, max_tokens=n, **q))
+        what = "mlx-lm generate_step" + (", kv_bits=8" if kv8 else "")
     else:
         from fuselm.runtime_metal.sampling import Sampler
         from fuselm.runtime_metal.session import Session
 
-        sess = Session(model, backend="mlx", dtype=dtype, kv_bits=8, kv_group_size=GROUP)
+        sess = Session(model, backend="mlx", dtype=dtype, **({"kv_bits": 8, "kv_group_size": GROUP} if kv8 else {}))
         vocab, sampler = sess.meta["dims"]["vocab"], Sampler()
 
         def tokens(prompt, n):
@@ -94,7 +98,8 @@ def main(argv=None) -> int:
     rows = []
     for shape in args.shapes:
         paths = peer.prepare(shape, args.group, args.work, dtype)
-        for engine, model in (("mlx-lm", paths["mlx-lm"]), ("fuselm", paths["fuselm"])):
+        for engine in ("mlx-lm", "fuselm", "mlx-lm-kv16", "fuselm-kv16"):
+            model = paths["mlx-lm" if engine.startswith("mlx-lm") else "fuselm"]
             cmd = [sys.executable, __file__, "--child", engine, "--model", str(model), "--dtype", dtype, "--decode",
                    str(args.decode), "--runs", str(args.runs), "--contexts", *map(str, args.contexts)]
             res = subprocess.run(cmd, capture_output=True, text=True)
@@ -108,12 +113,16 @@ def main(argv=None) -> int:
     summary = {}
     for shape in args.shapes:
         got = {r["engine"]: r for r in rows if r["shape"] == shape and "decode_tok_s" in r}
-        if len(got) == 2:
+        for ours, theirs in (("fuselm", "mlx-lm-kv16"), ("fuselm-kv16", "mlx-lm-kv16")):
+            if ours in got and theirs in got:
+                for c in map(str, args.contexts):
+                    summary[f"{shape} {ours}/{theirs} decode@{c}"] = round(
+                        got[ours]["decode_tok_s"][c]["median"] / got[theirs]["decode_tok_s"][c]["median"], 2)
+        summary[f"{shape} peak memory GB"] = {e: round(r["peak_memory_gb"], 2) for e, r in got.items()}
+        if "fuselm" in got and "mlx-lm" in got:
             for c in map(str, args.contexts):
                 summary[f"{shape} fuselm/mlx-lm kv8 decode@{c}"] = round(
                     got["fuselm"]["decode_tok_s"][c]["median"] / got["mlx-lm"]["decode_tok_s"][c]["median"], 2)
-            summary[f"{shape} kv8 peak memory GB (fuselm, mlx-lm)"] = [round(got[e]["peak_memory_gb"], 2)
-                                                                       for e in ("fuselm", "mlx-lm")]
     print(json.dumps(summary, indent=1))
     out = args.out or HERE / "results" / f"mlx-kv8-{'gpu' if gpu else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,16 +53,21 @@ def run(model_dir, **kwargs):
     """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
     per process under `mlx.launch` (runtime_metal/pipeline_run.py). `--backend auto` picks the engine by
     fuselm/auto_backend.py's rule; the run's header says which and why."""
-    from .runtime_metal import pipeline_run
+    from . import contract
 
-    if pipeline_run.is_split(model_dir):
-        return pipeline_run.run(model_dir, **kwargs)
+    here = Path(model_dir)
+    if (here / contract.SPLIT_NAME).is_file() or (here.parent / contract.SPLIT_NAME).is_file():
+        from .runtime_metal import pipeline_run  # imported only here: it loads the runtime's whole stack
+
+        if pipeline_run.is_split(model_dir):
+            return pipeline_run.run(model_dir, **kwargs)
     kwargs.pop("pipe_timeout", None)
     backend, why, path = _backend_for(model_dir, kwargs)
     if backend == "onnxruntime":
         from .ort_run import run as _ort_run
 
-        return _ort_run(path, why=why, **kwargs)
+        # auto's prepared copy was checked when it was written; its stamp says it is unchanged
+        return _ort_run(path, why=why, checked=Path(path) != Path(model_dir), **kwargs)
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, backend=backend, why=why, **kwargs)

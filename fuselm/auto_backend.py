@@ -26,8 +26,6 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-
 from . import contract
 
 ONNXRUNTIME, RUNTIME = "onnxruntime", "auto"  # RUNTIME: runtime_metal's make_backend("auto") decides
@@ -84,6 +82,8 @@ def gpu() -> str | None:
 def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
     """(lowered, weight bits) of a model directory's graph, read without its weights; (False, {}) for a path
     that holds no readable graph (the backend's own checks name the problem)."""
+    import onnx
+
     from .graphcheck import ORT_DOMAIN
 
     path = Path(model_dir)
@@ -111,28 +111,42 @@ def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None, Pa
     path = Path(model_dir)
     if backend != "auto":
         return backend, None, path
-    lowered, bits = graph_facts(model_dir)
     device = options.get("device")
+    flags = tuple(f for f in unhonoured(options) if f != "--device")
+    lowerable = path.is_dir() and enabled() and importlib.util.find_spec("onnxruntime") is not None
+    machine = gpu() if device is None else None
+    if device in (None, "cpu") and machine is None and lowerable and not flags:
+        from .ort_prepared import existing
+
+        if found := existing(path):  # a copy lowered from the model as it is now: the graph need not be read
+            copy, kept = found
+            backend, why = choose(Facts(gpu=None, lowered=False, weight_bits=frozenset(kept.get("weight_bits", ())),
+                                        lowerable=True))
+            if backend == LOWER:
+                return ONNXRUNTIME, _said(copy, "read", why), copy
+    lowered, bits = graph_facts(model_dir)
     if device not in (None, "cpu") and not lowered:
         return RUNTIME, None, path  # a device was named: runtime_metal's backends take it
-    facts = Facts(gpu=None if device == "cpu" else gpu(), lowered=lowered, weight_bits=bits,
-                  flags=tuple(f for f in unhonoured(options) if f != "--device"),
-                  lowerable=path.is_dir() and enabled() and importlib.util.find_spec("onnxruntime") is not None)
+    facts = Facts(gpu=machine, lowered=lowered, weight_bits=bits, flags=flags, lowerable=lowerable)
     backend, why = choose(facts)
     if backend != LOWER:
         return backend, why, path
-    return _lowered(path, why)
+    return _lowered(path, why, bits)
 
 
-def _lowered(path: Path, why: str) -> tuple[str, str, Path]:
+def _lowered(path: Path, why: str, bits: frozenset[int]) -> tuple[str, str, Path]:
     """onnxruntime on the prepared lowered copy of `path`, or the torch backend with the reason it failed."""
     from .ort_prepared import lowered_copy
     from .runtime_metal.prepared import CannotPrepare
 
     try:
-        out, how = lowered_copy(path)
+        out, how = lowered_copy(path, {"weight_bits": sorted(bits)})
     except Exception as e:  # noqa: BLE001 - a graph that cannot be lowered (or a store that cannot be written) runs on torch
         reason = str(e) if isinstance(e, CannotPrepare) else f"{type(e).__name__}: {e}"
         return RUNTIME, f"auto: the torch backend: lowering the graph for onnxruntime failed ({reason})", path
+    return ONNXRUNTIME, _said(out, how, why), out
+
+
+def _said(out: Path, how: str, why: str) -> str:
     when = "" if how == "read" else f" ({how.replace('written', 'lowered now', 1)})"
-    return ONNXRUNTIME, f"auto: onnxruntime on the graph lowered for it, prepared once in {out}{when}, because {why}", out
+    return f"auto: onnxruntime on the graph lowered for it, prepared once in {out}{when}, because {why}"

@@ -10,25 +10,46 @@ other module spells these names.
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto
-from onnx import helper as oh
 
 from .errors import FuselmError
+
+
+class _Lazy:
+    """A module (or one of its attributes) imported on first use: the names and cache parsing below are all
+    a run on onnxruntime's prepared copy reads, and importing onnx costs a fresh process a large share of its
+    first-token time (bench/first_token.py)."""
+
+    def __init__(self, module: str, attr: str | None = None):
+        self._where = (module, attr)
+
+    def __getattr__(self, name: str):
+        module, attr = self._where
+        target = importlib.import_module(module)
+        return getattr(getattr(target, attr) if attr else target, name)
+
+
+onnx = _Lazy("onnx")
+oh = _Lazy("onnx.helper")
+TensorProto = _Lazy("onnx", "TensorProto")
 
 # --- the model directory -----------------------------------------------------------------------
 MODEL_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 META_NAME = "fuselm.json"
+SPLIT_NAME = "split.json"  # `fuselm split`'s output: its stages and how they connect
 
 # --- versions ------------------------------------------------------------------------------------
 OPSET = 23  # default domain, every graph fuselm writes
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
+# `--target onnxruntime`: MatMulNBits' default accuracy_level, as onnxruntime-genai's builder writes CPU int4
+# (4: int8 activations); also in the key of the copy `--backend auto` lowers (fuselm/ort_prepared.py)
+ORT_ACCURACY_LEVEL = 4
 
 # --- inputs and outputs --------------------------------------------------------------------------
 INPUT_IDS = "input_ids"
@@ -349,58 +370,84 @@ def functions_for(nodes) -> list[onnx.FunctionProto]:
         out.append(swiglu_function())
     moe = moe_form(nodes)
     if moe is not None:
-        out.append(moe_function(*moe))
+        out.append(moe_function(moe.activation, moe.scoring, moe.biased))
     return out
 
 
 # --- fuselm::MoE ---------------------------------------------------------------------------------
 MOE_OP = "MoE"
-MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # act(gate) * up, the expert MLP's gate activation
+# the expert MLP's gated activation: act(gate) * up; clamped_swiglu is gpt-oss's
+# min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clip(up, -limit, limit) + 1)
+MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 MOE_SCORINGS = ("softmax", "sigmoid")  # the router's probabilities: softmax over experts, or each expert's sigmoid
+MOE_INPUTS = ("X", "router", "gate_up", "down", "bias", "router_bias", "gate_up_bias", "down_bias")
+MOE_BIASES = MOE_INPUTS[5:]  # optional, all three or none: gpt-oss's router and expert biases
+
+
+@dataclass(frozen=True)
+class MoeForm:
+    """What selects MoE's function body: the gate activation, the router scoring, and whether the node
+    carries the router and expert biases (inputs 5-7)."""
+
+    activation: str = "silu"
+    scoring: str = "softmax"
+    biased: bool = False
+
+
+def moe_forms() -> list[MoeForm]:
+    """Every form fuselm::MoE has a function body for."""
+    return [MoeForm(a, s, b) for a in MOE_ACTIVATIONS for s in MOE_SCORINGS for b in (False, True)]
 
 
 def moe_node(x: str, router: str, gate_up: str, down: str, y: str, name: str, top_k: int, normalize: int,
              activation: str = "silu", scoring: str = "softmax", scaling: float = 1.0,
-             bias: str | None = None) -> onnx.NodeProto:
+             bias: str | None = None, biases: tuple[str, str, str] | None = None, alpha: float = 1.0,
+             limit: float = float("inf")) -> onnx.NodeProto:
     """One `fuselm::MoE` node: x [..., H], router [E, H], gate_up [E, 2I, H], down [E, H, I](, bias [E])
-    -> y [..., H]."""
-    return oh.make_node(MOE_OP, [x, router, gate_up, down] + ([bias] if bias else []), [y], name=name, domain=DOMAIN,
-                        top_k=int(top_k), normalize=int(normalize), activation=activation, scoring=scoring,
-                        scaling=float(scaling))
+    (, router_bias [E], gate_up_bias [E, 2I], down_bias [E, H]: `biases`) -> y [..., H]."""
+    inputs = [x, router, gate_up, down] + ([bias or ""] if bias or biases else []) + list(biases or ())
+    extra = dict(alpha=float(alpha), limit=float(limit)) if activation == "clamped_swiglu" else {}
+    return oh.make_node(MOE_OP, inputs, [y], name=name, domain=DOMAIN, top_k=int(top_k), normalize=int(normalize),
+                        activation=activation, scoring=scoring, scaling=float(scaling), **extra)
 
 
 def moe_schema():
     """MoE's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
     from onnx.defs import OpSchema
 
+    optional = OpSchema.FormalParameterOption.Optional
     return OpSchema(
         MOE_OP, DOMAIN, DOMAIN_VERSION,
-        inputs=[*(OpSchema.FormalParameter(n, "T") for n in ("X", "router", "gate_up", "down")),
-                OpSchema.FormalParameter("bias", "T", param_option=OpSchema.FormalParameterOption.Optional)],
+        inputs=[*(OpSchema.FormalParameter(n, "T") for n in MOE_INPUTS[:4]),
+                *(OpSchema.FormalParameter(n, "T", param_option=optional) for n in MOE_INPUTS[4:])],
         outputs=[OpSchema.FormalParameter("Y", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute("top_k", OpSchema.AttrType.INT, ""),
                     OpSchema.Attribute("normalize", oh.make_attribute("normalize", 0), ""),
                     OpSchema.Attribute("activation", oh.make_attribute("activation", "silu"), ""),
                     OpSchema.Attribute("scoring", oh.make_attribute("scoring", "softmax"), ""),
-                    OpSchema.Attribute("scaling", oh.make_attribute("scaling", 1.0), "")])
+                    OpSchema.Attribute("scaling", oh.make_attribute("scaling", 1.0), ""),
+                    OpSchema.Attribute("alpha", oh.make_attribute("alpha", 1.0), ""),
+                    OpSchema.Attribute("limit", oh.make_attribute("limit", float("inf")), "")])
 
 
-def moe_function(activation: str = "silu", scoring: str = "softmax") -> onnx.FunctionProto:
-    """The FunctionProto of fuselm::MoE (domain fuselm, v1) for one gate activation and router scoring,
-    opset-23 ops only.
+def moe_function(activation: str = "silu", scoring: str = "softmax", biased: bool = False) -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::MoE (domain fuselm, v1) for one gate activation, router scoring and
+    bias form (MoeForm), opset-23 ops only.
 
     The reference semantics, every expert computed densely (a runtime that knows the op runs only
     the top_k experts of each token):
-    x2 = x flattened to [T, H]; logits = x2 @ router^T [T, E]
+    x2 = x flattened to [T, H]; logits = x2 @ router^T (+ router_bias) [T, E]
     scoring softmax: probs = softmax(logits); experts = TopK(probs, top_k)
     scoring sigmoid: probs = sigmoid(logits); experts = TopK(probs + bias, top_k) (bias [E] chooses only:
                      DeepSeek-V3's e_score_correction_bias; GLM-4.5, MiniMax-M2)
     values = probs at experts; values /= sum(values) where normalize = 1; values *= scaling
     weights = values scattered into zeros [T, E] (0 outside each token's top_k)
-    gate, up = split(x2 @ gate_up^T) per expert [E, T, I]; h = act(gate) * up
-    y = sum_e weights[:, e] * (h_e @ down_e^T), reshaped to x's shape.
-    normalize = 1 with softmax equals softmax over the top_k logits (Granite-MoE's routing order).
+    gate, up = split(x2 @ gate_up^T (+ gate_up_bias)) per expert [E, T, I]; h = act(gate, up)
+    (silu / gelu: act(gate) * up; clamped_swiglu: g = min(gate, limit), g * sigmoid(alpha * g) *
+    (clip(up, -limit, limit) + 1))
+    y = sum_e weights[:, e] * (h_e @ down_e^T (+ down_bias_e)), reshaped to x's shape.
+    normalize = 1 with softmax equals softmax over the top_k logits (Granite-MoE's, gpt-oss's routing order).
     """
     if activation not in MOE_ACTIVATIONS or scoring not in MOE_SCORINGS:
         raise FuselmError(f"fuselm::MoE activation {activation!r} / scoring {scoring!r} is not one of "
@@ -410,9 +457,22 @@ def moe_function(activation: str = "silu", scoring: str = "softmax") -> onnx.Fun
         return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
 
     if activation == "silu":
-        act = [oh.make_node("Sigmoid", ["gate"], ["gate_sig"]), oh.make_node("Mul", ["gate", "gate_sig"], ["gate_act"])]
+        act = [oh.make_node("Sigmoid", ["gate"], ["gate_sig"]), oh.make_node("Mul", ["gate", "gate_sig"], ["gate_act"]),
+               oh.make_node("Mul", ["gate_act", "up"], ["h"])]
+    elif activation == "clamped_swiglu":
+        act = [_attr_constant("alpha", "value_float", "alpha", onnx.AttributeProto.FLOAT),
+               _attr_constant("limit", "value_float", "limit", onnx.AttributeProto.FLOAT),
+               oh.make_node("Neg", ["limit"], ["neg_limit"]),
+               oh.make_node("Min", ["gate", "limit"], ["gate_c"]),
+               oh.make_node("Clip", ["up", "neg_limit", "limit"], ["up_c"]),
+               oh.make_node("Mul", ["gate_c", "alpha"], ["gate_a"]),
+               oh.make_node("Sigmoid", ["gate_a"], ["gate_sig"]),
+               oh.make_node("Mul", ["gate_c", "gate_sig"], ["gate_act"]),
+               oh.make_node("Add", ["up_c", "one_f"], ["up_1"]),
+               oh.make_node("Mul", ["gate_act", "up_1"], ["h"])]
     else:
-        act = [oh.make_node("Gelu", ["gate"], ["gate_act"], approximate="tanh" if activation == "gelu_tanh" else "none")]
+        act = [oh.make_node("Gelu", ["gate"], ["gate_act"], approximate="tanh" if activation == "gelu_tanh" else "none"),
+               oh.make_node("Mul", ["gate_act", "up"], ["h"])]
     if scoring == "softmax":
         route = [oh.make_node("Softmax", ["logits"], ["probs"], axis=-1),
                  oh.make_node("TopK", ["probs", "k"], ["top_v", "top_i"], axis=-1)]
@@ -421,19 +481,31 @@ def moe_function(activation: str = "silu", scoring: str = "softmax") -> onnx.Fun
                  oh.make_node("Add", ["probs", "bias"], ["choice"]),
                  oh.make_node("TopK", ["choice", "k"], ["_choice_v", "top_i"], axis=-1),
                  oh.make_node("GatherElements", ["probs", "top_i"], ["top_v"], axis=1)]
+
+    def biased_or_not(op, inputs, out, bias, unsqueeze=False):
+        """`op(inputs) -> out`, plus the bias input where the form has biases ([E, N] as [E, 1, N])."""
+        if not biased:
+            return [oh.make_node(op, inputs, [out])]
+        pre = [oh.make_node(op, inputs, [f"{out}_nobias"])]
+        b = bias
+        if unsqueeze:
+            pre.append(oh.make_node("Unsqueeze", [bias, "axis1"], [f"{bias}_3d"]))
+            b = f"{bias}_3d"
+        return pre + [oh.make_node("Add", [f"{out}_nobias", b], [out])]
+
     nodes = [
         _attr_constant("k0", "value_int", "top_k", onnx.AttributeProto.INT),
         _attr_constant("norm_i", "value_int", "normalize", onnx.AttributeProto.INT),
         _attr_constant("scale", "value_float", "scaling", onnx.AttributeProto.FLOAT),
         oh.make_node("Constant", [], ["one_f"], value_float=1.0),
         oh.make_node("Constant", [], ["zero_f"], value_float=0.0),
-        c64("one_d", [1]), c64("minus1", [-1]), c64("axis0", [0]),
+        c64("one_d", [1]), c64("minus1", [-1]), c64("axis0", [0]), *([c64("axis1", [1])] if biased else []),
         oh.make_node("Reshape", ["k0", "one_d"], ["k"]),
         oh.make_node("Cast", ["norm_i"], ["norm_f"], to=TensorProto.FLOAT),
         oh.make_node("Shape", ["X"], ["x_shape"]),
         oh.make_node("Flatten", ["X"], ["x2"], axis=-1),  # [T, H]
         oh.make_node("Transpose", ["router"], ["router_t"], perm=[1, 0]),
-        oh.make_node("MatMul", ["x2", "router_t"], ["logits"]),  # [T, E]
+        *biased_or_not("MatMul", ["x2", "router_t"], "logits", "router_bias"),  # [T, E]
         *route,
         oh.make_node("ReduceSum", ["top_v", "minus1"], ["top_sum"], keepdims=1),
         # denominator: the sum where normalize = 1, else 1 (no `If` on the attribute)
@@ -447,38 +519,52 @@ def moe_function(activation: str = "silu", scoring: str = "softmax") -> onnx.Fun
         oh.make_node("Transpose", ["dense_w"], ["dense_wt"], perm=[1, 0]),
         oh.make_node("Unsqueeze", ["dense_wt", "minus1"], ["w3"]),  # [E, T, 1]
         oh.make_node("Transpose", ["gate_up"], ["gate_up_t"], perm=[0, 2, 1]),  # [E, H, 2I]
-        oh.make_node("MatMul", ["x2", "gate_up_t"], ["gu"]),  # [E, T, 2I]
+        *biased_or_not("MatMul", ["x2", "gate_up_t"], "gu", "gate_up_bias", unsqueeze=True),  # [E, T, 2I]
         oh.make_node("Split", ["gu"], ["gate", "up"], axis=-1, num_outputs=2),
         *act,
-        oh.make_node("Mul", ["gate_act", "up"], ["h"]),
         oh.make_node("Transpose", ["down"], ["down_t"], perm=[0, 2, 1]),  # [E, I, H]
-        oh.make_node("MatMul", ["h", "down_t"], ["per_expert"]),  # [E, T, H]
+        *biased_or_not("MatMul", ["h", "down_t"], "per_expert", "down_bias", unsqueeze=True),  # [E, T, H]
         oh.make_node("Mul", ["per_expert", "w3"], ["weighted"]),
         oh.make_node("ReduceSum", ["weighted", "axis0"], ["y2"], keepdims=0),  # [T, H]
         oh.make_node("Reshape", ["y2", "x_shape"], ["Y"]),
     ]
+    # the forms without biases or clamping keep the body they had before those existed (graphs written then still check)
+    clamp = [oh.make_attribute("alpha", 1.0), oh.make_attribute("limit", float("inf"))] if activation == "clamped_swiglu" else []
     return oh.make_function(
-        DOMAIN, MOE_OP, ["X", "router", "gate_up", "down", "bias"], ["Y"], nodes,
+        DOMAIN, MOE_OP, list(MOE_INPUTS if biased else MOE_INPUTS[:5]), ["Y"], nodes,
         opset_imports=[oh.make_opsetid("", OPSET)],
         attributes=["top_k"],
         attribute_protos=[oh.make_attribute("normalize", 0), oh.make_attribute("activation", activation),
-                          oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0)],
+                          oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0), *clamp],
         doc_string=moe_function.__doc__,
     )
 
 
-def moe_form(nodes) -> tuple[str, str] | None:
-    """The one (activation, scoring) the MoE nodes of a graph use (None: no MoE node); one function body
-    per model, as FusedRoPE has one per rotary form."""
+def moe_biased(n) -> bool:
+    """Whether a MoE node (NodeProto or onnx_ir node) carries the router and expert biases (inputs 5-7);
+    some of them without the others is refused."""
+    inputs = list(n.input) if isinstance(n, onnx.NodeProto) else [v.name if v is not None else "" for v in n.inputs]
+    given = [bool(x) for x in inputs[5:8]]
+    if any(given) and not all(given):
+        raise FuselmError(f"MoE node {n.name}: it has some of {', '.join(MOE_BIASES)} but not all; fuselm::MoE takes "
+                          "the three together or none")
+    return all(given) and len(given) == 3
+
+
+def moe_form(nodes) -> MoeForm | None:
+    """The one form (activation, scoring, biases) the MoE nodes of a graph use (None: no MoE node); one
+    function body per model, as FusedRoPE has one per rotary form."""
     forms = set()
     for n in nodes:
         if n.domain == DOMAIN and n.op_type == MOE_OP:
-            forms.add(tuple(_str_attr(n, name, default) for name, default in (("activation", "silu"),
-                                                                            ("scoring", "softmax"))))
+            forms.add(MoeForm(*(_str_attr(n, name, default) for name, default in (("activation", "silu"),
+                                                                                 ("scoring", "softmax"))),
+                              moe_biased(n)))
     if len(forms) > 1:
-        raise FuselmError(f"the graph's MoE nodes use several forms ({', '.join('/'.join(f) for f in sorted(forms))}); "
-                          "fuselm::MoE has one function body per model, so one expert activation and router scoring "
-                          "per graph is supported")
+        shown_forms = ", ".join(f"{f.activation}/{f.scoring}{'/biased' if f.biased else ''}"
+                                for f in sorted(forms, key=str))
+        raise FuselmError(f"the graph's MoE nodes use several forms ({shown_forms}); fuselm::MoE has one function body "
+                          "per model, so one expert activation, router scoring and bias form per graph is supported")
     return forms.pop() if forms else None
 
 

@@ -17,8 +17,6 @@ import json
 import os
 from pathlib import Path
 
-import onnx
-
 from . import contract
 
 NAME = "genai_config.json"
@@ -78,6 +76,8 @@ def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
     path = Path(model_dir) / contract.MODEL_NAME
     if not path.is_file():
         return None
+    import onnx
+
     graph = onnx.load(str(path), load_external_data=False).graph
     config = genai_config(meta, [i.name for i in graph.input], shares_buffer(graph))
     if config is None:
@@ -87,7 +87,7 @@ def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
     return out
 
 
-def shares_buffer(graph: onnx.GraphProto) -> bool:
+def shares_buffer(graph) -> bool:
     """Whether past and present can share one max_length buffer: every past input is read only by
     com.microsoft GroupQueryAttention (which reads the valid length from seqlens_k, not the past's)."""
     past = {i.name for i in graph.input if contract.is_past(i.name)}

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from . import contract
 from .errors import FuselmError
@@ -24,6 +23,8 @@ from .genai_config import shares_buffer
 def lowered_for_onnxruntime(model_dir) -> bool:
     """Whether the directory is fuselm's and its graph holds onnxruntime contrib ops (`fuselm optimize
     --target onnxruntime`; read without weights). onnxruntime-genai's own directories are not."""
+    import onnx
+
     from .graphcheck import ORT_DOMAIN
 
     path = Path(model_dir)
@@ -78,12 +79,15 @@ class BoundLoop:
     with a GroupQueryAttention cache, one [1, KV, max_length, D] buffer per cache is past and present."""
 
     def __init__(self, model_dir: Path, threads: int | None):
+        import onnx
         import onnxruntime as ort
 
         path = model_dir / contract.MODEL_NAME
         graph = onnx.load(str(path), load_external_data=False).graph
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        if _graph_optimization(model_dir) == "ORT_DISABLE_ALL":  # genai_config.json's choice (fuselm/ort_prepared.py)
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
         self.ort = ort
@@ -170,14 +174,27 @@ def genai_installed() -> bool:
     return True
 
 
-def make_loop(path: Path, engine: str = "auto", threads: int | None = None):
+def _graph_optimization(model_dir: Path) -> str | None:
+    """genai_config.json's decoder session option graph_optimization_level, if it sets one."""
+    import json
+
+    try:
+        options = json.loads((model_dir / GENAI_CONFIG).read_text())["model"]["decoder"]["session_options"]
+        return options.get("graph_optimization_level")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def make_loop(path: Path, engine: str = "auto", threads: int | None = None, checked: bool = False):
     """The generation loop: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
-    installed and the directory has its genai_config.json)."""
+    installed and the directory has its genai_config.json). `checked`: the graph was checked when it was
+    written and is known unchanged (auto's prepared copy, its stamp verified), so it is not checked again."""
     if not (path / contract.MODEL_NAME).is_file():
         raise FuselmError(f"{path} has no {contract.MODEL_NAME}; pass a model directory from `fuselm optimize`")
-    from .graphcheck import check_graph_file
+    if not checked:
+        from .graphcheck import check_graph_file
 
-    check_graph_file(path / contract.MODEL_NAME)
+        check_graph_file(path / contract.MODEL_NAME)
     if engine == "auto":
         engine = "genai" if genai_installed() and (path / GENAI_CONFIG).is_file() else "ort"
     if engine == "genai" and not genai_installed():
@@ -187,20 +204,20 @@ def make_loop(path: Path, engine: str = "auto", threads: int | None = None):
 
 def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
         top_k=0, top_p=1.0, seed=None, threads=None, stream=None, quiet=False, engine: str = "auto", why=None,
-        **ignored) -> dict:
+        checked: bool = False, **ignored) -> dict:
     """Generate on onnxruntime: `engine` "genai" (onnxruntime-genai), "ort" (IO binding) or "auto" (genai when
     installed and the directory has its genai_config.json). Options of the other backends are refused. `why`:
-    why this backend runs (`--backend auto`'s reason), printed in the header."""
+    why this backend runs (`--backend auto`'s reason), printed in the header; `checked`: see `make_loop`."""
     from rich.console import Console
 
-    from .runtime_metal.generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
+    from .tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
     refuse_options(ignored)
     if max_tokens < 1:
         raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
     path = Path(model_dir)
-    loop = make_loop(path, engine, threads)
-    tok = load_tokenizer(path, required=prompt is not None)
+    loop = make_loop(path, engine, threads, checked)
+    tok = load_tokenizer(path, required=prompt is not None, chat=chat)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     meta = {}
     if (path / contract.META_NAME).is_file():
@@ -210,7 +227,7 @@ def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     stops = set() if ignore_eos else eos_ids(path, meta, tok)
     out, console = stream or sys.stdout, Console(stderr=True, quiet=quiet)
     console.print(f"[dim]fuselm run: {loop.what}{f' · {why}' if why else ''}[/dim]")
-    detok, tokens = _Detokenizer(tok), []
+    detok, tokens = Detokenizer(tok), []
     t0 = time.perf_counter()
     t_first = None
     for token in loop.generate(ids, max_tokens, temperature, top_k, top_p, seed, ignore_eos):

@@ -77,7 +77,6 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
     `standard`: the un-lowered model directory (default: DIR, or made again from the reference: `standard_graph`)."""
     from rich.console import Console
 
-    from .runtime_metal.generate import load_tokenizer
     from .runtime_metal.validate import (
         DEFAULT_PROMPT,
         _first_diff,
@@ -86,6 +85,7 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
         check_int8,
         step_table,
     )
+    from .tokenizer import load_tokenizer
 
     refuse_options(options)
     if tokens < 1:

@@ -53,6 +53,18 @@ class AttentionMatch:
     is_causal: int = 0
 
 
+def _sink_column(x: ir.Value) -> bool:
+    """Whether the Softmax input x is Concat(scores, sink, axis=-1), maybe through Cast and the
+    x - ReduceMax(x) shift (gpt-oss's eager attention): the attention-with-sinks form."""
+    for _ in range(3):
+        node = producer(x, "Cast", "Sub")
+        if node is None:
+            break
+        x = node.inputs[0]
+    cat = producer(x, "Concat")
+    return cat is not None and len(cat.inputs) == 2 and attr(cat, "axis", 0) in (-1, 3)
+
+
 def _cache(t: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
     """(new, past, present) for t = Concat(past, new) along the sequence axis, else (t, None, None)."""
     cat = producer(t, "Concat")
@@ -124,7 +136,10 @@ class FuseAttention(Fusion):
     torch's SDPA decomposition (opsets < 23): sqrt(scale) multiplied into Q and into Kᵀ, Kᵀ as
     Reshape(Transpose(Reshape(K, [-1, T, D]), [0, 2, 1]), [B, H, D, T]), and
     Where(IsNaN(p), 0, p) after Softmax.
-    Must not fire (and says why): Softmax not over the last axis; scores not MatMul(Q, Kᵀ);
+    Must not fire (and says why): attention sinks (gpt-oss: a learned per-head logit Concat-ed to the
+    scores as one more column before Softmax, maybe through the x - ReduceMax(x) shift, and sliced off
+    after it; DESIGN.md's attention-with-sinks form): Attention-23 has no sinks, so that graph keeps
+    its standard ops; Softmax not over the last axis; scores not MatMul(Q, Kᵀ);
     the scale not a constant; K and V caches from different layers or a past that is not a graph
     input; an expansion that is not repeat_kv; head counts that do not divide; an intermediate
     (scores, probabilities) read elsewhere.
@@ -170,6 +185,8 @@ class FuseAttention(Fusion):
     def _match_eager(self, softmax: ir.Node) -> AttentionMatch:
         if attr(softmax, "axis", -1) not in (-1, 3):
             fail(f"Softmax over axis {attr(softmax, 'axis')}, not the last")
+        if _sink_column(softmax.inputs[0]):
+            fail("attention sinks: a column is concatenated to the scores before Softmax; Attention-23 has no sinks")
         probs = _nan_guard(softmax.outputs[0])
         softmax_f32 = False
         cast_out = only_user(probs, "Cast")

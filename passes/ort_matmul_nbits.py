@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from fuselm import contract
 from fuselm.graphcheck import ORT_DOMAIN
 
 from .base import Fusion, attr, fail, initializer, new_node, producer, take_over
 
-# onnxruntime-genai's builder writes CPU int4 MatMulNBits with accuracy_level 4 (int8 activations).
-DEFAULT_ACCURACY_LEVEL = 4
+DEFAULT_ACCURACY_LEVEL = contract.ORT_ACCURACY_LEVEL  # as onnxruntime-genai's builder writes CPU int4
 _UNSIGNED = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
 _SIGNED = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}
 
@@ -66,22 +66,27 @@ def blocked_weight(dq: ir.Node, rows_first: bool) -> Blocked:
     return Blocked(q, scale, zero, bits, dtype in _SIGNED, block, n, k, rows_first)
 
 
-def _pack(a: np.ndarray, bits: int) -> np.ndarray:
-    """[rows, L] values in 0..2^bits-1 -> [rows, ceil(L·bits/8)] uint8, low nibble first."""
-    a = a.astype(np.uint8)
-    if bits == 8:
-        return a
-    if a.shape[1] % 2:
-        a = np.pad(a, ((0, 0), (0, 1)))
-    return (a[:, 0::2] | (a[:, 1::2] << 4)).astype(np.uint8)
-
-
-def _rows(w: Blocked, v: ir.Value) -> np.ndarray:
-    """Data or zero points as unsigned [N, L] values (signed ones shifted by 2^(bits-1))."""
+def _unsigned(w: Blocked, v: ir.Value) -> np.ndarray:
+    """Data or zero points as uint8 values 0..2^bits-1 in their own layout (signed ones shifted by 2^(bits-1)).
+    4-bit arrays hold one value per byte, its two's-complement nibble in the low bits: read as bytes, no cast."""
     a = v.const_value.numpy()
-    a = a.astype(np.int16) if w.signed else a.astype(np.uint8).astype(np.int16)
-    if w.signed:
-        a = a + (1 << (w.bits - 1))
+    b = a.view(np.uint8) if a.dtype.itemsize == 1 else a.astype(np.int16).astype(np.uint8)
+    if w.bits == 4:
+        b = b & 0x0F
+    return b ^ np.uint8(1 << (w.bits - 1)) if w.signed else b
+
+
+def _packed_rows(w: Blocked, v: ir.Value, length: int) -> np.ndarray:
+    """[N, ceil(length·bits/8)] uint8: v's values per output row, padded with zeros to `length` along K and
+    packed two 4-bit values a byte (low nibble first). A [K, N] weight is packed along K before it is
+    transposed, so the (slow, strided) transpose moves bytes, half as many as there are values."""
+    a = _unsigned(w, v)
+    axis = 1 if w.rows_first else 0
+    pad = length + (length % 2 if w.bits == 4 else 0) - a.shape[axis]
+    if pad:
+        a = np.pad(a, ((0, 0), (0, pad)) if w.rows_first else ((0, pad), (0, 0)))
+    if w.bits == 4:
+        a = a[:, 0::2] | (a[:, 1::2] << 4) if w.rows_first else a[0::2] | (a[1::2] << 4)
     return a if w.rows_first else np.ascontiguousarray(a.T)
 
 
@@ -102,9 +107,7 @@ def nbits_tensors(graph: ir.Graph, w: Blocked) -> tuple[ir.Value, ir.Value, ir.V
     base = w.q.name.removesuffix(".qweight")
 
     def data() -> np.ndarray:
-        a = _rows(w, w.q)
-        a = np.pad(a, ((0, 0), (0, blocks * w.block - w.k)))
-        return _pack(a, w.bits).reshape(w.n, blocks, blob)
+        return _packed_rows(w, w.q, blocks * w.block).reshape(w.n, blocks, blob)
 
     def scales() -> np.ndarray:
         s = w.scale.const_value.numpy()
@@ -112,10 +115,12 @@ def nbits_tensors(graph: ir.Graph, w: Blocked) -> tuple[ir.Value, ir.Value, ir.V
 
     def zeros() -> np.ndarray:
         if w.zero is None:  # DequantizeLinear's default zero point is 0 (the middle, for signed data)
-            z = np.full((w.n, blocks), (1 << (w.bits - 1)) if w.signed else 0, dtype=np.int16)
-        else:
-            z = _rows(w, w.zero)
-        return _pack(z, w.bits).reshape(-1)
+            z = np.full((w.n, blocks), (1 << (w.bits - 1)) if w.signed else 0, dtype=np.uint8)
+            if w.bits == 4:
+                z = np.pad(z, ((0, 0), (0, blocks % 2)))
+                z = z[:, 0::2] | (z[:, 1::2] << 4)
+            return z.reshape(-1)
+        return _packed_rows(w, w.zero, blocks).reshape(-1)
 
     zlen = w.n * -(-blocks * w.bits // 8)
     return (_lazy(graph, f"{base}.nbits", ir.DataType.UINT8, [w.n, blocks, blob], data),

@@ -41,7 +41,7 @@ from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 from . import graphio
 from .base import attach_functions, node_layer
 
-SPLIT_NAME = "split.json"
+SPLIT_NAME = contract.SPLIT_NAME
 
 
 @dataclass

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from .backends.numpy_backend import NumpyBackend
@@ -61,6 +62,7 @@ class Executor:
         limit = os.environ.get("FUSELM_LIMIT", "")
         self.limit = int(limit) if limit.strip().isdigit() else None
         self.profiler = None  # set to a Profiler to time every step
+        self.layer_marks = _layer_marks(graph.nodes)  # where a long lazy run may wait (InFlight)
 
     # --- public -----------------------------------------------------------------------------
     def run(self, feeds: dict, outputs: list[str] | None = None) -> dict:
@@ -77,9 +79,11 @@ class Executor:
                     raise
                 at = getattr(self, "_at", None)
                 where = f"node {at.name!r} ({at.op_type})" if at is not None else "the graph"
-                raise FuselmError(f"{where} failed on this input ({type(e).__name__}: {str(e)[:300]}); "
-                                  "the graph is invalid, or uses the op in a form the runtime does not support "
-                                  "(FUSELM_DEBUG=1 shows every node)") from e
+                raise FuselmError(
+                    f"{where} failed on this input ({type(e).__name__}: {str(e)[:300]}); "
+                    "the graph is invalid, or uses the op in a form the runtime does not support "
+                    "(FUSELM_DEBUG=1 shows every node)"
+                ) from e
             if plan.reusable and not self.debug and self.limit is None:
                 self.plans[sig] = plan
                 if len(self.plans) > _MAX_PLANS:
@@ -138,7 +142,11 @@ class Executor:
                 continue
             spec = OPS[node.key]
             present = [x for x in node.inputs if x]
-            if all(x in static for x in present) and not spec.wants_context and node.domain != "fuselm.runtime":
+            if (
+                all(x in static for x in present)
+                and not spec.wants_context
+                and node.domain != "fuselm.runtime"
+            ):
                 try:
                     outs = call(spec, self.host, node, [static[x] if x else None for x in node.inputs])
                     for name, v in zip(node.outputs, outs, strict=False):
@@ -157,7 +165,9 @@ class Executor:
                     args.append(static[x] if host else self._to_device(x, static[x]))
                 else:
                     if x not in env:
-                        raise FuselmError(f"node {node.name!r}: input {x!r} is never produced; the graph is invalid")
+                        raise FuselmError(
+                            f"node {node.name!r}: input {x!r} is never produced; the graph is invalid"
+                        )
                     args.append(None)
                     slots.append((pos, x, host))
             run_args = list(args)
@@ -173,6 +183,8 @@ class Executor:
                     if name:
                         env[name] = v
                 steps.append(Step(node, spec, args, slots))
+                if self.ctx.get("inflight") is not None and node.name in self.layer_marks:
+                    self.ctx["inflight"].mark(outs)
             self._debug(node, run_args, outs, self.b.name)
 
     def _trace_if(self, node, env, static, steps, state) -> None:
@@ -190,8 +202,14 @@ class Executor:
                 static[out] = static[src]
             else:
                 env[out] = env[src]
-                steps.append(Step(Node("Identity", "", node.name, [src], [out]), OPS[("", "Identity")], [None],
-                                  [(0, src, False)]))
+                steps.append(
+                    Step(
+                        Node("Identity", "", node.name, [src], [out]),
+                        OPS[("", "Identity")],
+                        [None],
+                        [(0, src, False)],
+                    )
+                )
 
     def _to_device(self, name: str, value: np.ndarray):
         if name in self.graph.constants:  # weights: converted once for every plan
@@ -211,6 +229,7 @@ class Executor:
     def run_steps(self, steps: list[Step], env: dict) -> None:
         """Run plan steps on the values in `env`, which they update (compiled.py runs a plan in pieces)."""
         b, ctx, prof = self.b, self.ctx, self.profiler
+        inflight = ctx.get("inflight")
         for step in steps:
             args = list(step.args)
             for pos, x, host in step.slots:
@@ -225,13 +244,48 @@ class Executor:
                     env[name] = v
             for name in step.free:
                 env.pop(name, None)
+            if inflight is not None and step.node.name in self.layer_marks:
+                inflight.mark(outs)
 
     def _debug(self, node: Node, ins, outs, where: str) -> None:
         if not self.debug:
             return
         desc = lambda vs: ", ".join(_describe(self.b, v) for v in vs)  # noqa: E731
-        print(f"[fuselm] {node.op_type:<18} {node.name}  ({where})\n    in:  {desc(ins)}\n    out: {desc(outs)}",
-              file=sys.stderr)
+        print(
+            f"[fuselm] {node.op_type:<18} {node.name}  ({where})\n    in:  {desc(ins)}\n    out: {desc(outs)}",
+            file=sys.stderr,
+        )
+
+
+class InFlight:
+    """A long run on a lazy backend, queued at most `depth` layers ahead of the device: after each layer's
+    attention its output starts computing (async_eval) and the host waits for the layer `depth` back. A
+    GPU holds the buffers of every kernel queued until it has run it, so a prompt queued whole keeps all
+    its layers' activations alive at once; bounded, the peak is a few layers' worth while the device never
+    waits for the host (the next layers are queued while it runs these)."""
+
+    def __init__(self, b, depth: int):
+        self.b, self.depth, self.queued = b, depth, deque()
+
+    def mark(self, outs) -> None:
+        outs = [o for o in outs if o is not None and not isinstance(o, (np.ndarray, CacheView))]
+        self.b.async_eval(*outs)
+        self.queued.append(outs)
+        if len(self.queued) > self.depth:
+            self.b.sync(self.queued.popleft())
+
+
+def _layer_marks(nodes: list[Node]) -> set[str]:
+    """The node that first reads each layer's past key (its attention, or the append into its cache): one
+    per decoder layer, after that layer's input is made."""
+    seen, out = set(), set()
+    for n in nodes:
+        for x in n.inputs:
+            c = contract.parse_cache(x)
+            if c is not None and c.role == "past" and c.kind == "key" and c.layer not in seen:
+                seen.add(c.layer)
+                out.add(n.name)
+    return out
 
 
 def _release_before(nodes: list[Node], keep: list[str]) -> dict[int, list[str]]:

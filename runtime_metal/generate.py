@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -11,94 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuselm.errors import FuselmError
+from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
 from .sampling import Sampler
 from .session import Session, kv_options
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
-
-
-def load_tokenizer(model_dir: Path, required: bool):
-    """The checkpoint's tokenizer, copied into the model directory by convert/optimize (offline)."""
-    directory = model_dir if model_dir.is_dir() else model_dir.parent
-    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        if required:
-            raise FuselmError(f"{directory} has no tokenizer files; pass --prompt-ids, or use a model directory "
-                              "written by `fuselm convert` (it copies the tokenizer)")
-        return None
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
-
-    try:
-        # trust_remote_code=False: an auto_map in tokenizer_config.json is refused, never prompted for
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for broken tokenizer files
-        if required:
-            raise FuselmError(f"cannot load the tokenizer in {directory} ({type(e).__name__}: {e}); "
-                              "pass --prompt-ids instead") from None
-        return None
-
-
-def eos_ids(model_dir: Path, meta: dict, tok) -> set[int]:
-    """Every eos id the checkpoint names: generation_config.json, fuselm.json, the tokenizer."""
-    ids: set[int] = set()
-
-    def add(v):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, list):
-            ids.update(int(i) for i in v if isinstance(i, int))
-
-    directory = model_dir if model_dir.is_dir() else model_dir.parent
-    gen = directory / "generation_config.json"
-    if gen.is_file():
-        try:
-            add(json.loads(gen.read_text()).get("eos_token_id"))
-        except (ValueError, RecursionError, AttributeError):  # broken, deeply nested or not an object: as HF, ignore
-            pass
-    add((meta.get("special_tokens") or {}).get("eos_token_id"))
-    if tok is not None:
-        add(tok.eos_token_id)
-    return ids
-
-
-def encode_prompt(tok, prompt: str | None, prompt_ids: list[int] | None, chat: bool) -> list[int]:
-    if prompt_ids is not None:
-        if chat:
-            raise FuselmError("--chat applies the chat template to --prompt text; it cannot be used with --prompt-ids")
-        return [int(i) for i in prompt_ids]
-    if prompt is None:
-        raise FuselmError("pass --prompt TEXT or --prompt-ids 1,2,3")
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise FuselmError("this checkpoint has no chat template; run without --chat")
-        try:  # transformers renders it in jinja2's ImmutableSandboxedEnvironment; it refuses unsafe templates
-            out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True)
-        except Exception as e:  # noqa: BLE001 - SecurityError, TemplateError, and whatever a template raises
-            raise FuselmError(f"the checkpoint's chat template failed ({type(e).__name__}: {str(e)[:200]}); it is "
-                              "broken or tried something the sandbox forbids. Run without --chat") from None
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(i) for i in ids]
-    return [int(i) for i in tok.encode(prompt)]
-
-
-class _Detokenizer:
-    """The text each new token adds; holds back an incomplete UTF-8 sequence. Without a tokenizer, the ids."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], ""
-
-    def add(self, token: int) -> str:
-        if self.tok is None:
-            return f"{token} "
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
-        if text.endswith("\ufffd"):
-            return ""
-        new = text[len(self.shown):] if text.startswith(self.shown) else text
-        self.shown = text
-        return new
 
 
 @dataclass
@@ -131,13 +47,13 @@ def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_e
         path = Path(model)
         sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
                        threads=threads, dtype=dtype, **kv_options(**kv))
-    tok = load_tokenizer(path, required=prompt is not None)
+    tok = load_tokenizer(path, required=prompt is not None, chat=chat)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     vocab = sess.meta.get("dims", {}).get("vocab")
     if vocab and any(not 0 <= i < vocab for i in ids):
         raise FuselmError(f"prompt ids must lie in [0, {vocab}); got {[i for i in ids if not 0 <= i < vocab][:5]}")
     stops = set() if ignore_eos else eos_ids(path, sess.meta, tok)
-    detok = _Detokenizer(tok)
+    detok = Detokenizer(tok)
     sess.reset(len(ids) + max_tokens)
     t0 = time.perf_counter()
     t_first = None

@@ -1,10 +1,12 @@
 """fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
 
-    x2 = x as [T, H]; logits = x2 @ router^T in the router's dtype (the graph's)
+    x2 = x as [T, H]; logits = x2 @ router^T (+ router_bias), in the router's dtype (the graph's)
     softmax, normalize: (top, experts) = select_experts(logits, k); w = softmax(top) (= the renormalised top_k)
     softmax:            (w, experts) = select_experts(softmax(logits), k)
     sigmoid:            experts chosen on sigmoid(logits) (+ `bias`), w = their sigmoids (renormalised: normalize)
-    w *= scaling; y = sum_k expert_mlp(x2, gate_up, down, experts, w * act(gate) * up)   [T, k, H] -> [T, H]
+    w *= scaling; y = sum_k (down(w * act(gate, up)) + w * down_bias[experts])   [T, k, H] -> [T, H]
+    gate, up = the slot's gate/up projection (+ gate_up_bias[experts]); act: act(gate) * up, or gpt-oss's
+    clamped SwiGLU (alpha, limit)
 
 `select_experts` is the backend's top_k in no particular order (MLX: mx.argpartition, as mlx-lm), and the
 weights multiply the activation before the down projection (linear, so the same sum; the multiply joins
@@ -28,22 +30,28 @@ from .ops_nn import RUNTIME
 
 
 @op(contract.MOE_OP, domain=contract.DOMAIN, fused=True)
-def MoE(b, x, router, gate_up, down, bias=None, *, top_k, normalize=0, activation="silu", scoring="softmax",
-        scaling=1.0):
-    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+def MoE(b, x, router, gate_up, down, bias=None, router_bias=None, gate_up_bias=None, down_bias=None, *, top_k,
+        normalize=0, activation="silu", scoring="softmax", scaling=1.0, alpha=1.0, limit=float("inf")):
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling,
+                (router_bias, gate_up_bias, down_bias), alpha, limit)
 
 
 @op("QMoE", domain=RUNTIME)
-def QMoE(b, x, router, bias=None, *, gate_up, down, top_k, normalize=0, activation="silu", scoring="softmax",
-         scaling=1.0, source=""):
+def QMoE(b, x, router, bias=None, router_bias=None, gate_up_bias=None, down_bias=None, *, gate_up, down, top_k,
+         normalize=0, activation="silu", scoring="softmax", scaling=1.0, alpha=1.0, limit=float("inf"), source=""):
     """fuselm::MoE whose stacked expert weights were prepared at load (`fold_experts`)."""
-    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling)
+    return _moe(b, x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling,
+                (router_bias, gate_up_bias, down_bias), alpha, limit)
 
 
-def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float):
+def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activation: str, scoring: str, scaling: float,
+         biases=(None, None, None), alpha: float = 1.0, limit: float = float("inf")):
+    router_bias, gate_up_bias, down_bias = biases
     shape = b.shape(x)
     x2 = b.reshape(x, (-1, shape[-1]))
-    logits = b.matmul(x2, b.transpose(router, (1, 0)))  # in the router's dtype: the graph's (the activations')
+    logits = b.matmul(x2, b.transpose(router, (1, 0)))
+    if router_bias is not None:
+        logits = b.binary("add", logits, router_bias)
     k = int(top_k)
     if scoring == "softmax" and normalize:  # softmax renormalised over the top_k = softmax of the top_k logits
         top, experts = b.select_experts(logits, k)
@@ -60,11 +68,18 @@ def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activati
         weights = b.binary("mul", weights, _scalar(b, weights, float(scaling)))
 
     def act(gate, up):
+        if activation == "clamped_swiglu":  # gpt-oss: min(gate, limit) * sigmoid(alpha * ...) * (clip(up) + 1)
+            lim = _scalar(b, gate, float(limit))
+            gate = b.binary("min", gate, lim)
+            up = b.binary("max", b.binary("min", up, lim), _scalar(b, up, -float(limit)))
+            g = b.binary("mul", gate, b.unary("sigmoid", b.binary("mul", gate, _scalar(b, gate, float(alpha)))))
+            return b.binary("mul", g, b.binary("add", up, _scalar(b, up, 1.0)))
         if activation == "silu":
             return b.silu_gate(gate, up)  # (MLX: one compiled kernel, as mlx-lm's swiglu)
         return b.binary("mul", Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none"), up)
 
-    y = b.expert_mlp(x2, gate_up, down, experts, act, weights)  # [T, H]: the weighted sum over the k experts
+    # [T, H]: the weighted sum over the k experts
+    y = b.expert_mlp(x2, gate_up, down, experts, act, weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
     return b.reshape(y, tuple(shape))
 
 
@@ -81,7 +96,7 @@ def fold_experts(graph, backend, release=lambda: None, store=None) -> None:
     prepared: dict[str, object] = {}
     replace = {}
     for n in graph.nodes:
-        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5):
+        if n.key != (contract.DOMAIN, contract.MOE_OP) or len(n.inputs) not in (4, 5, 8):
             continue
         dqs = [producers.get(w) for w in n.inputs[2:4]]
         if not all(_foldable(dq, consts, graph) for dq in dqs):

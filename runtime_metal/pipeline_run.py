@@ -41,13 +41,13 @@ from onnx import TensorProto
 from fuselm import contract
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
+from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
 from . import kvcache
-from .generate import _Detokenizer, encode_prompt, eos_ids, load_tokenizer
 from .sampling import Sampler
 from .session import Session, kv_options
 
-SPLIT_NAME = "split.json"
+SPLIT_NAME = contract.SPLIT_NAME
 DTYPES = {TensorProto.FLOAT: (0, np.float32), TensorProto.FLOAT16: (1, np.float16), TensorProto.BFLOAT16: (2, None)}
 HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "split id")
 
@@ -330,7 +330,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                 {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
                  "dtype": dtype, **kv_options(**kv)})
     sess, b = pipe.sess, pipe.sess.backend
-    tok = load_tokenizer(pipe.dir, required=prompt is not None)
+    tok = load_tokenizer(pipe.dir, required=prompt is not None, chat=chat)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
     pipe.handshake(split_id(split_dir))
@@ -368,7 +368,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             else:
                 pipe.send_hidden(y)
             b.sync(list(sess.buffers.values()))
-        detok, queued = _Detokenizer(tok), Queued(pipe.mx)
+        detok, queued = Detokenizer(tok), Queued(pipe.mx)
         stop_ids = pipe.mx.array(sorted(stops) or [-1], dtype=pipe.mx.int32)
         for n in range(max_tokens):
             with pipe.waiting(f"decode step {n} from rank {rank - 1}", rank - 1):

@@ -21,6 +21,10 @@ that file (memory-mapped by the backend's loader) instead of the graph's weights
 onnxruntime: fuselm/ort_prepared.py): built into a temporary directory and renamed into place under the
 lock, stamped with its key and every file's size (and the sha256 of the files under 64 MB), checked on
 every read; a build that finds the model cannot be prepared is remembered under the key (`<format>-<key>.failed`).
+The stamp also records the source's fingerprint (size, mtime, ctime and inode of model.onnx and its data
+file, fuselm's version and the tag): `find_prepared_dir` finds the copy by it without reading the graph, so
+a fresh process that runs the copy never parses the source; any change to those files misses it, and
+`prepared_dir` then checks the key (rebuilding when it changed, re-stamping when only the stat did).
 """
 
 from __future__ import annotations
@@ -180,18 +184,55 @@ class CannotPrepare(Exception):
     """`prepared_dir`'s build found that this model cannot be prepared in this format (remembered under the key)."""
 
 
-def prepared_dir(model_path, fmt: str, tag: str, build) -> tuple[Path, str]:
+def fingerprint(model: Path, tag: str) -> str:
+    """The source as the file system sees it: size, mtime, ctime and inode of model.onnx and its data file,
+    fuselm's version and `tag` (no byte is read; ctime changes on every write, and cannot be set back)."""
+    parts = [f"{__version__}", tag]
+    for p in (model, model.with_name(contract.DATA_NAME)):
+        try:
+            st = p.stat()
+            parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}")
+        except OSError:
+            parts.append(f"{p.name}:-")
+    return "|".join(parts)
+
+
+def find_prepared_dir(model_path, fmt: str, tag: str) -> tuple[Path, dict] | None:
+    """(path, facts) of the `<fmt>-*` copy whose stamp records the source's current `fingerprint` and whose
+    files are intact, else None (then `prepared_dir` decides). `facts`: what `prepared_dir`'s caller recorded."""
+    if not enabled():
+        return None
+    model = Path(model_path)
+    model = model / contract.MODEL_NAME if model.is_dir() else model
+    folder = _folder(model.parent)
+    if not folder.is_dir():
+        return None
+    want = fingerprint(model, tag)
+    for path in sorted(folder.glob(f"{fmt}-*")):
+        try:
+            stamp = json.loads((path / STAMP).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(stamp, dict) and stamp.get("source") == want and _check_dir(path, stamp.get("key")) == "read":
+            return path, stamp.get("facts") or {}
+    return None
+
+
+def prepared_dir(model_path, fmt: str, tag: str, build, facts: dict | None = None) -> tuple[Path, str]:
     """(path, how) of `<store>/<fmt>-<key>/`, the key covering the graph, its data file's size and mtime,
     fuselm's version and `tag`; how: "read", "written" or "written; the copy there was damaged (...)". `build(tmp)` writes the directory's files into
     the new directory `tmp`; CannotPrepare from it is remembered (later calls raise it at once), any other
-    exception leaves nothing behind. Four processes at once build it once: the others wait and read it."""
+    exception leaves nothing behind. Four processes at once build it once: the others wait and read it.
+    `facts` (JSON) are kept in the stamp for `find_prepared_dir`."""
     model = Path(model_path)
     model = model / contract.MODEL_NAME if model.is_dir() else model
+    source = fingerprint(model, tag)
     key = _key(model, tag)
     folder = _folder(model.parent)
     path, failed = folder / f"{fmt}-{key[:24]}", folder / f"{fmt}-{key[:24]}.failed"
     state = _check_dir(path, key)
     if state == "read":
+        _restamp(path, source)
         return path, "read"
     _raise_failed(failed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -199,13 +240,14 @@ def prepared_dir(model_path, fmt: str, tag: str, build) -> tuple[Path, str]:
     try:
         state = _check_dir(path, key)  # again under the lock: a process that built it meanwhile was waited for
         if state == "read":
+            _restamp(path, source)
             return path, "read"
         _raise_failed(failed)
         tmp = folder / f".{path.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             build(tmp)
-            _stamp(tmp, key)
+            _stamp(tmp, key, source, facts or {})
             shutil.rmtree(path, ignore_errors=True)  # a damaged copy of this key
             os.replace(tmp, path)
         except CannotPrepare as e:
@@ -229,10 +271,25 @@ def _raise_failed(failed: Path) -> None:
         raise CannotPrepare(failed.read_text().strip())
 
 
-def _stamp(folder: Path, key: str) -> None:
+def _stamp(folder: Path, key: str, source: str, facts: dict) -> None:
     files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
     table = {name: [p.stat().st_size, _sha(p) if p.stat().st_size <= _HASHED else None] for name, p in files.items()}
-    (folder / STAMP).write_text(json.dumps({"key": key, "files": table}, indent=1))
+    (folder / STAMP).write_text(json.dumps({"key": key, "source": source, "facts": facts, "files": table}, indent=1))
+
+
+def _restamp(folder: Path, source: str) -> None:
+    """Record `source` as the fingerprint of a copy whose key still matches (the source was touched, not
+    changed), atomically; a store that cannot be written keeps the old stamp (the key is checked again)."""
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+        if stamp.get("source") == source:
+            return
+        stamp["source"] = source
+        tmp = folder / f".{STAMP}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(stamp, indent=1))
+        os.replace(tmp, folder / STAMP)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _check_dir(folder: Path, key: str) -> str:

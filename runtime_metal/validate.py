@@ -18,8 +18,8 @@ import numpy as np
 
 from fuselm.errors import CheckFailed, FuselmError
 from fuselm.reference import OrtRunner, Trace, hf_model, hf_steps
+from fuselm.tokenizer import load_tokenizer
 
-from .generate import load_tokenizer
 from .session import Session, kv_options
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"

@@ -80,3 +80,34 @@ def optimized(exported, tmp_path_factory):
 
     return _stage_factory(tmp_path_factory, "opt", lambda family, quant, overrides, out: fuselm.optimize(
         exported(family, quant, **overrides), out, quiet=True))
+
+
+# gpt-oss at the tiny size (tests/test_convert_moe.py, tests/test_runtime_moe.py): a sliding-window layer (window 4,
+# shorter than the tests' prompts) then a full one, yarn rope, attention sinks; experts stored [in, out] with gate/up
+# interleaved and biases, a router with a bias (transformers' GptOss*, no quantization_config: plain tensors).
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=4, head_dim=16,
+               layer_types=["sliding_attention", "full_attention"],
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    """Factory: gpt_oss(stage) -> the tiny gpt-oss checkpoint ("hf") or its traced convert ("f32", "q4"), or the
+    f32 one optimized ("opt"); each built once per session (the q4 convert reuses the f32 one's trace)."""
+    import fuselm
+    from fuselm import synth
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    made: dict[str, Path] = {}
+    build = {"hf": lambda: synth.make_checkpoint(root / "hf", "gpt_oss", generic=True, **GPT_OSS),
+             "f32": lambda: fuselm.convert(get("hf"), root / "f32", exporter="torch", quiet=True),
+             "q4": lambda: fuselm.convert(get("hf"), root / "q4", exporter="torch", quant="q4", quiet=True),
+             "opt": lambda: fuselm.optimize(get("f32"), root / "opt", quiet=True)}
+
+    def get(stage: str) -> Path:
+        if stage not in made:
+            made[stage] = Path(build[stage]())
+        return made[stage]
+
+    return get

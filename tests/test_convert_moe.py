@@ -108,53 +108,147 @@ def test_moe_q4_experts_are_blocked_dequantize(tmp_path):
     assert check(out, hf, quiet=True)["max_abs_logit_diff"] < 1.0  # q4 noise, not a wrong graph
 
 
-@pytest.mark.parametrize("scoring,normalize", [("softmax", 0), ("softmax", 1), ("sigmoid", 1)])
-def test_moe_function_body_is_the_sparse_reference(scoring, normalize):
-    """The op's FunctionProto (dense, in onnxruntime) against a per-token loop over the top-k experts."""
-    n_exp, inter, hidden, k, scaling = 4, 6, 8, 2, 1.5
+@pytest.mark.parametrize("scoring,normalize,clamped", [("softmax", 0, False), ("softmax", 1, False),
+                                                      ("sigmoid", 1, False), ("softmax", 1, True)])
+def test_moe_function_body_is_the_sparse_reference(scoring, normalize, clamped):
+    """The op's FunctionProto (dense, in onnxruntime) against a per-token loop over the top-k experts; gpt-oss's
+    form adds the router and expert biases and the clamped SwiGLU (inputs scaled so the clamp at 7 bites)."""
+    n_exp, inter, hidden, k, scaling, alpha, limit = 4, 6, 8, 2, 1.5, 1.702, 7.0
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 3, hidden)).astype(np.float32)
+    x = rng.standard_normal((2, 3, hidden)).astype(np.float32) * (3 if clamped else 1)
     r = rng.standard_normal((n_exp, hidden)).astype(np.float32)
     gu = rng.standard_normal((n_exp, 2 * inter, hidden)).astype(np.float32)
     dn = rng.standard_normal((n_exp, hidden, inter)).astype(np.float32)
     bias = rng.random(n_exp).astype(np.float32)
+    rb, gub, dnb = (rng.standard_normal(s).astype(np.float32) for s in ((n_exp,), (n_exp, 2 * inter), (n_exp, hidden)))
     sig = scoring == "sigmoid"
     node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, normalize, scoring=scoring, scaling=scaling,
-                             bias="b" if sig else None)
-    names, ranks = ("x", "r", "gu", "dn", "b")[:4 + sig], (3, 2, 3, 3, 1)[:4 + sig]
+                             bias="b" if sig else None, biases=("rb", "gub", "dnb") if clamped else None,
+                             activation="clamped_swiglu" if clamped else "silu", alpha=alpha, limit=limit)
+    names, ranks, values = ["x", "r", "gu", "dn"], [3, 2, 3, 3], [x, r, gu, dn]
+    if sig:
+        names, ranks, values = names + ["b"], ranks + [1], values + [bias]
+    if clamped:
+        names, ranks, values = names + ["rb", "gub", "dnb"], ranks + [1, 2, 2], values + [rb, gub, dnb]
+        assert list(node.input) == ["x", "r", "gu", "dn", "", "rb", "gub", "dnb"]
     info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * rank) for n, rank in zip(names, ranks, strict=True)]
     graph = oh.make_graph([node], "g", info, [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None] * 3)])
     model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
                           opset_imports=[oh.make_opsetid("", contract.OPSET), oh.make_opsetid(contract.DOMAIN, 1)])
     onnx.checker.check_model(model, full_check=True)
-    feeds = dict(zip(names, (x, r, gu, dn, bias), strict=False))
-    y = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0].reshape(-1, hidden)
+    y = ort.InferenceSession(model.SerializeToString()).run(None, dict(zip(names, values, strict=True)))[0]
+    y = y.reshape(-1, hidden)
     x2 = x.reshape(-1, hidden)
-    logits = x2 @ r.T
+    logits = x2 @ r.T + (rb if clamped else 0)
     if sig:
         p = 1 / (1 + np.exp(-logits))
     else:
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
     want = np.zeros_like(x2)
+    bites = 0
     for t in range(len(x2)):
         top = np.argsort(-(p[t] + bias if sig else p[t]))[:k]
         w = p[t, top] / (p[t, top].sum() if normalize else 1.0) * scaling
         for e, we in zip(top, w, strict=True):
-            gate, up = np.split(gu[e] @ x2[t], 2)
-            want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
-    np.testing.assert_allclose(y, want, atol=1e-4)
+            if clamped:  # gpt-oss's GptOssExperts._apply_gate, written out
+                gate, up = np.split(gu[e] @ x2[t] + gub[e], 2)
+                bites += int((gate > limit).sum() + (np.abs(up) > limit).sum())
+                gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+                h = gate / (1 + np.exp(-alpha * gate)) * (up + 1)
+                want[t] += we * (dn[e] @ h + dnb[e])
+            else:
+                gate, up = np.split(gu[e] @ x2[t], 2)
+                want[t] += we * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
+    assert bites > 0 or not clamped  # the clamp is exercised
+    np.testing.assert_allclose(y, want, atol=1e-4, rtol=1e-5)
 
 
-def test_moe_from_the_trace_cache_is_the_same_model(tmp_path, monkeypatch):
+def test_gpt_oss_converts_as_hf(gpt_oss):
+    """gpt-oss: each sparse block one fuselm::MoE with its three biases and the clamped SwiGLU (alpha, limit read
+    back from the experts module), experts in the op's layout; attention sinks traced as transformers' eager
+    attention (the sink logit Concat-ed to the scores before Softmax, sliced off after: DESIGN.md's form);
+    onnxruntime == HF (prefill past the window of 4 + a decode step)."""
+    out = gpt_oss("f32")
+    moe = json.loads((out / "fuselm.json").read_text())["moe"]
+    assert (moe["activation"], moe["alpha"], moe["limit"], moe["biases"]) == ("clamped_swiglu", 1.702, 7.0, True)
+    assert (moe["experts"], moe["top_k"], moe["normalize"], moe["expert_intermediate"]) == (4, 2, 1, 32)
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    moes = [n for n in graph.node if n.op_type == contract.MOE_OP]
+    assert len(moes) == 2 and all(list(n.input)[4:] == [""] + [f"model.layers.{i}.mlp.{t}" for t in (
+        "router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias")] for i, n in enumerate(moes))
+    inits = {t.name: list(t.dims) for t in graph.initializer}
+    assert inits["model.layers.0.mlp.experts.gate_up_proj"] == [4, 64, 64]  # [E, 2I, H]: the op's layout
+    assert inits["model.layers.0.mlp.experts.down_proj"] == [4, 64, 32]  # [E, H, I]
+    assert sum(n.op_type == "Softmax" and "self_attn" in n.name for n in graph.node) == 2  # the sinks' Softmax
+    r = check(out, gpt_oss("hf"), quiet=True)
+    assert r["positions"] > 4 and r["max_abs_logit_diff"] <= 1e-4  # past the sliding window
+
+
+def test_gpt_oss_optimized_keeps_sinks_unfused(gpt_oss):
+    """FuseAttention leaves attention with sinks unfused and says why (Attention-23 has no sinks); the other
+    fusions apply; onnxruntime == HF after optimize; the MoE body is the biased form."""
+    opt = gpt_oss("opt")
+    assert check(opt, gpt_oss("hf"), quiet=True)["max_abs_logit_diff"] <= 1e-4
+    passes = {p["pass"]: p for p in json.loads((opt / "fuselm.json").read_text())["passes"]}
+    skipped = [s["reason"] for s in passes["FuseAttention"]["skipped"]]
+    assert len(skipped) == 2 and all(s.startswith("attention sinks") for s in skipped)
+    optimized = onnx.load(opt / "model.onnx", load_external_data=False)
+    ops = {n.op_type for n in optimized.graph.node}
+    assert "Attention" not in ops and {"MoE", "FusedRoPE", "RMSNormalization"} <= ops
+    assert [list(f.input) for f in optimized.functions if f.name == "MoE"] == [list(contract.MOE_INPUTS)]
+
+
+def test_gpt_oss_q4_experts_are_blocked_dequantize(gpt_oss):
+    """q4: the relaid-out experts quantized along their input dim (axis 2), the biases float32."""
+    out = gpt_oss("q4")
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    for moe in (n for n in model.graph.node if n.op_type == "MoE"):
+        for w in moe.input[2:4]:
+            dq = producers[w]
+            assert dq.op_type == "DequantizeLinear" and inits[dq.input[0]].data_type == onnx.TensorProto.UINT4
+        assert all(inits[b].data_type == onnx.TensorProto.FLOAT for b in moe.input[5:])
+    assert check(out, gpt_oss("hf"), quiet=True)["max_abs_logit_diff"] < 1.0  # q4 noise, not a wrong graph
+
+
+def test_gpt_oss_mxfp4_experts_are_refused(gpt_oss, tmp_path, capsys):
+    """gpt-oss as released (experts as MXFP4 `_blocks` / `_scales`): exit 2 naming the format and the fix,
+    nothing written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fuselm import cli
+
+    hf = shutil.copytree(gpt_oss("hf"), tmp_path / "hf")
+    tensors = {}
+    for k, v in load_file(hf / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, rows, cols = v.shape
+            tensors[k + "_blocks"] = torch.zeros(e, cols, rows // 32, 16, dtype=torch.uint8)
+            tensors[k + "_scales"] = torch.zeros(e, cols, rows // 32, dtype=torch.uint8)
+        else:
+            tensors[k] = v
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    assert cli.main(["convert", str(hf), "-o", str(tmp_path / "out"), "--quiet", "--exporter", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "MXFP4-quantized" in err and "Mxfp4Config(dequantize=True)" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss"])
+def test_moe_from_the_trace_cache_is_the_same_model(model_type, tmp_path, monkeypatch, request):
     """A second convert stamps the cached trace (exporter/traced/cache.py) and stacks the per-expert tensors
-    from the parts the entry recorded: the same bytes, without tracing."""
+    from the parts the entry recorded (gpt-oss: its stacks' layout, transposed and interleaved): the same
+    bytes, without tracing."""
     from fuselm.exporter import traced as traced_pkg
 
     monkeypatch.setenv("FUSELM_TRACE_CACHE", "1")
     monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(traced_pkg, "_TRACED", {})
-    hf = make(tmp_path, "qwen2_moe")
+    hf = make(tmp_path, model_type) if model_type != "gpt_oss" else request.getfixturevalue("gpt_oss")("hf")
     first = fuselm.convert(hf, tmp_path / "first", exporter="torch", quant="q4", quiet=True)
     monkeypatch.setattr(traced_pkg, "_TRACED", {})
     monkeypatch.setattr(traced_pkg, "_traced", lambda *a: pytest.fail("traced again"))

@@ -144,3 +144,18 @@ def test_bad_kv_options_exit_2(optimized, args, capsys):
 def test_bad_kv_bits_python_api(optimized):
     with pytest.raises(FuselmError, match="--kv-bits 3"):
         Session(optimized("qwen3"), backend="torch", kv_bits=3)
+
+
+@pytest.mark.parametrize("form", ["contiguous", "dequantize"])
+def test_mlx_int8_cache_forms_agree(optimized, form, monkeypatch):
+    """The 8-bit cache's products in the forms a device's MLX may lack a kernel for (mlx_backend._kv_form:
+    on a row-contiguous copy, or dequantized then multiplied) give the quantized matmuls' logits."""
+    if not _have_mlx():
+        pytest.skip("mlx not installed")
+    from fuselm.runtime_metal.backends import mlx_backend
+
+    path = optimized("qwen3")
+    ref = _logits(path, "mlx", steps=3, kv_bits=8)
+    monkeypatch.setattr(mlx_backend, "_kv_form", lambda transpose: form)
+    got = _logits(path, "mlx", steps=3, kv_bits=8)
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))

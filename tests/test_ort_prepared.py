@@ -129,3 +129,67 @@ def test_four_loaders_at_once_build_it_once(tmp_path, monkeypatch):
     assert outs == [("read", "made")] * 3 + [("written", "made")] and builds == [1]
     assert sorted(p.name for p in (model / DIR_NAME).iterdir()) == [".fmt.lock", *(p.name for p in
                                                                       (model / DIR_NAME).glob("fmt-*"))]
+
+
+CHILD = """
+import io, json, sys
+import fuselm
+r = fuselm.run(sys.argv[1], prompt_ids=[100, 200, 300, 50], max_tokens=8, ignore_eos=True, quiet=True,
+               stream=io.StringIO())
+heavy = sorted(m for m in ("torch", "transformers", "onnx", "onnx_ir") if m in sys.modules)
+print(json.dumps({"tokens": r["tokens"], "why": r["why"], "heavy": heavy}))
+"""
+
+
+def test_a_fresh_process_runs_the_copy_without_torch_transformers_or_onnx(cpu, optimized, tmp_path):
+    """Once the copy exists, a new interpreter finds it by the stat fingerprint and runs it on onnxruntime
+    without importing torch, transformers (the tokenizer is read by `tokenizers`) or onnx (no graph is read)."""
+    import json
+    import subprocess
+    import sys
+
+    model = _copy(optimized("qwen3", "q4"), tmp_path)
+    want = _run(model)["tokens"]  # lowers it
+    (lowered,) = _lowered_dirs(model)
+    assert json.loads((lowered / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
+        "graph_optimization_level"] == "ORT_DISABLE_ALL"
+    env = {**os.environ, "FUSELM_PREPARED": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model)], env=env, check=True, capture_output=True, text=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["heavy"] == [] and got["tokens"] == want and str(lowered) in got["why"], got
+
+
+def test_the_fingerprint_finds_the_copy_and_misses_when_the_source_changes(tmp_path, monkeypatch):
+    """runtime_metal/prepared.py: `find_prepared_dir` finds a copy by the source's stat fingerprint only; a
+    touched but unchanged graph is read again under its key and re-stamped, a changed one rebuilt."""
+    from fuselm.runtime_metal.prepared import find_prepared_dir, prepared_dir
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    model.mkdir()
+    graph, data = model / "model.onnx", model / "model.onnx.data"
+    graph.write_bytes(b"graph")
+    data.write_bytes(b"weights")
+    builds = []
+
+    def build(tmp):
+        tmp.mkdir()
+        (tmp / "x").write_text(graph.read_text())
+        builds.append(1)
+
+    assert find_prepared_dir(model, "fmt", "tag") is None
+    path, how = prepared_dir(model, "fmt", "tag", build, {"weight_bits": [4]})
+    assert how == "written" and find_prepared_dir(model, "fmt", "tag") == (path, {"weight_bits": [4]})
+    assert find_prepared_dir(model, "fmt", "other tag") is None
+    os.utime(graph, ns=(graph.stat().st_atime_ns, graph.stat().st_mtime_ns + 10**9))  # touched, same bytes
+    assert find_prepared_dir(model, "fmt", "tag") is None
+    assert prepared_dir(model, "fmt", "tag", build) == (path, "read") and builds == [1]
+    assert find_prepared_dir(model, "fmt", "tag") == (path, {"weight_bits": [4]})  # re-stamped
+    graph.write_bytes(b"GRAPH")  # same size, new bytes
+    assert find_prepared_dir(model, "fmt", "tag") is None
+    new, how = prepared_dir(model, "fmt", "tag", build)
+    assert how == "written" and new != path and (new / "x").read_text() == "GRAPH" and builds == [1, 1]
+    data.write_bytes(b"weights!")  # the weights changed: the key (their size and mtime) changes too
+    assert find_prepared_dir(model, "fmt", "tag") is None
+    (new / "x").write_text("damaged")  # a damaged copy is never found
+    assert find_prepared_dir(model, "fmt", "tag") is None

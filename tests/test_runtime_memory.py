@@ -78,7 +78,12 @@ def test_packed_rows_gather_the_stored_values(shared_q4):
     q = np.stack([raw & 15, raw >> 4], axis=1).reshape(vocab, hidden).astype(np.float32)
     scale = onnx.numpy_helper.to_array(stored["model.embed_tokens.weight.scales"])
     zraw = np.frombuffer(stored["model.embed_tokens.weight.zero_points"].raw_data, np.uint8)
-    zp = np.stack([zraw & 15, zraw >> 4], axis=1).reshape(-1)[: scale.size].reshape(scale.shape).astype(np.float32)
+    zp = (
+        np.stack([zraw & 15, zraw >> 4], axis=1)
+        .reshape(-1)[: scale.size]
+        .reshape(scale.shape)
+        .astype(np.float32)
+    )
     block = gather.attrs["block_size"]
     want = (q - np.repeat(zp, block, 1)) * np.repeat(scale, block, 1)
     ids = np.array([[3, 0, vocab - 1, 7]])
@@ -125,9 +130,12 @@ def test_logits_of_the_last_position_only(exported):
     for every in (False, True):
         sess.reset(32)
         sess.executor.ctx["all_logits"] = every
-        feeds = {"input_ids": sess._ids(ids), "attention_mask": sess._ids(np.ones(16)),
-                 "position_ids": sess._ids(np.arange(16)),
-                 **{c.name: sess.backend.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in sess.caches}}
+        feeds = {
+            "input_ids": sess._ids(ids),
+            "attention_mask": sess._ids(np.ones(16)),
+            "position_ids": sess._ids(np.arange(16)),
+            **{c.name: sess.backend.full((1, c.heads, 0, c.head_dim), 0, c.dtype) for c in sess.caches},
+        }
         outs[every] = np.asarray(sess.backend.to_numpy(sess.executor.run(feeds)["logits"]))
     vocab = sess.meta["dims"]["vocab"]
     assert outs[False].shape == (1, 1, vocab) and outs[True].shape == (1, 16, vocab)
@@ -161,3 +169,25 @@ def test_wide_weight_packed_in_slices():
     assert (sliced.kind, sliced.in_features, sliced.out_features) == (whole.kind, k, n)
     x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
     np.testing.assert_array_equal(b.quantized_matmul(x, sliced).numpy(), b.quantized_matmul(x, whole).numpy())
+
+
+def test_long_lazy_prefill_waits_layer_by_layer(shared_q4, monkeypatch):
+    """A long prefill on MLX is queued a few layers ahead (executor.InFlight): the host waits once per layer
+    past the depth, and the logits are the ones of the run queued whole."""
+    mlx = pytest.importorskip("mlx.core")
+    ids = list(range(3, 3 + 80))  # >= session._LONG_RUN rows
+    whole = Session(shared_q4, backend="mlx", device="cpu")
+    whole.backend.inflight_layers = None
+    whole.reset(len(ids) + 1)
+    ref = np.array(whole.prefill(ids))
+    sess = Session(shared_q4, backend="mlx", device="cpu")
+    sess.backend.inflight_layers = 1
+    waits = []
+    sync = sess.backend.sync
+    monkeypatch.setattr(sess.backend, "sync", lambda x: (waits.append(x), sync(x))[1])
+    sess.reset(len(ids) + 1)
+    got = np.array(sess.prefill(ids))
+    layers = sess.meta["dims"]["layers"]
+    assert len(waits) == layers - 1, (len(waits), layers)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert mlx.get_active_memory() > 0

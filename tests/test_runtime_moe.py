@@ -114,3 +114,38 @@ def test_mlx_moe_decode_kernels_at_most_mlx_lms(tmp_path):
     assert ours["kernels"] <= theirs["kernels"], (ours["top"], theirs["top"])
     assert top.get("ArgPartition") == 1 and "ArgSort" not in top and top.get("Sum") == 1 and "Arange" not in top
     assert top.get("GatherQMM") == 2  # gate and up as one matmul, then down
+
+
+# --- gpt-oss (tests/conftest.py's gpt_oss): router and expert biases, clamped SwiGLU, attention sinks, a sliding
+# window of 4 shorter than the prompts
+@pytest.mark.parametrize("backend", ["numpy", "torch", "mlx"])
+def test_gpt_oss_greedy_matches_hf(gpt_oss, backend):
+    """The sparse kernel with the biases and the clamped SwiGLU, and the sinks' standard ops, on each backend: HF's
+    greedy tokens from the optimized f32 graph."""
+    want = hf_steps(hf_model(gpt_oss("hf")), PROMPT, 6).tokens
+    sess = Session(gpt_oss("opt"), backend=backend)
+    assert sum(n.op_type == "MoE" for n in sess.graph.nodes) == 2
+    assert _greedy(sess, PROMPT, 6) == want
+    if backend == "torch":  # the biased, clamped function body (every expert, dense) gives the same tokens
+        plain = Session(gpt_oss("opt"), backend=backend, fused=False)
+        assert not any(n.op_type == "MoE" for n in plain.graph.nodes)
+        assert _greedy(plain, PROMPT, 6) == want
+
+
+def test_gpt_oss_q4_experts_mlx_equals_torch(gpt_oss):
+    """The q4 graph: experts folded into QMoE (MLX: 4-bit `mx.gather_qmm`, its sorted path for 40 tokens x top-2
+    with the gate/up bias gathered in that order), the same greedy tokens on MLX, torch and numpy; and
+    `fuselm validate` passes on torch and MLX (runtime tokens == onnxruntime's)."""
+    prompt = list(range(3, 43))
+    runs = {}
+    for backend in ("torch", "mlx", "numpy"):
+        sess = Session(gpt_oss("q4"), backend=backend)
+        moes = [n for n in sess.graph.nodes if n.op_type == "QMoE"]
+        assert len(moes) == 2 and all(isinstance(n.attrs["gate_up"], QuantizedWeight) for n in moes)
+        if backend == "mlx":
+            assert moes[0].attrs["gate_up"].kind == "mlx" and moes[0].attrs["gate_up"].bits == 4
+        runs[backend] = _greedy(sess, prompt, 6)
+    assert runs["mlx"] == runs["torch"] == runs["numpy"]
+    for backend in ("torch", "mlx"):
+        r = fuselm.validate(gpt_oss("q4"), gpt_oss("hf"), tokens=6, backend=backend, quiet=True)
+        assert r["quantized"] and r["tokens"] == r["onnxruntime"], backend

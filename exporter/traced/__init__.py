@@ -73,7 +73,7 @@ def _traced(hf_dir: Path, config: dict):
     names = {stored: skel.model_name(stored) for stored in ckpt.tensors}
     ckpt.rename(names.__getitem__)
     ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
-    expected = skel.expected_tensors()
+    expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
     tied = skel.tied_names()
     ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
     with _unsupported():

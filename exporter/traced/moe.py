@@ -1,13 +1,18 @@
 """Sparse mixture-of-experts blocks, found by structure and traced as one `fuselm::MoE` op.
 
-A block is a module with two children: a router holding one weight [E, H] and an experts module
-holding the stacked expert weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj`
-[E, H, I] (transformers 5's layout for Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, ...). Anything
-else in the block (Qwen2-MoE's shared expert and its sigmoid gate) is traced as plain nodes beside
-the op. Nothing is per family: what the router computes (renormalised top-k or not) and the expert
-activation are read back by running the model's own router and experts modules on random tensors
-and matching them against the op's reference (`reference`), as rope_op.py does for the rotary;
-a block that matches no form is refused instead of exported wrong.
+A block is a module with two children: a router holding one weight [E, H] (and a bias [E]: gpt-oss)
+and an experts module holding the stacked expert weights `gate_up_proj` [E, 2I, H] (gate rows first)
+and `down_proj` [E, H, I] (transformers 5's layout for Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, ...),
+or gpt-oss's: [in, out] per expert (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], told apart by
+shape), gate and up interleaved, with `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H].
+Such experts are streamed into the op's layout (transposed, gate rows first: `Layout`), so the op
+and its runtime kernels see one layout. Anything else in the block (Qwen2-MoE's shared expert and
+its sigmoid gate) is traced as plain nodes beside the op. Nothing is per family: what the router
+computes (renormalised top-k or not) and the expert activation (silu, gelu, gpt-oss's clamped
+SwiGLU with its alpha and limit taken from the experts module's float settings) are read back by
+running the model's own router and experts modules on random tensors and matching them against the
+op's reference (`reference`), as rope_op.py does for the rotary; a block that matches no form is
+refused instead of exported wrong.
 
 While a layer is traced, the router's forward returns placeholders and the experts' forward calls
 `fuselm_trace::moe`, so the data-dependent expert loop is never traced.
@@ -36,6 +41,28 @@ from ..quant import _QTYPE, quantize
 from ..weights import Checkpoint
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")  # [E, 2I], [E, H] (gpt-oss)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a module's stacked expert tensor differs from the op's: stored [E, in, out] (`transposed`),
+    gate and up interleaved along the output dim (`interleaved`: gate = [0::2], up = [1::2])."""
+
+    transposed: bool = False
+    interleaved: bool = False
+
+    def canonical(self, w):
+        """The tensor (torch or numpy, experts first) in the op's layout: [E, out, in], gate rows first."""
+        if self.transposed and w.ndim == 3:
+            w = w.transpose(1, 2) if isinstance(w, torch.Tensor) else w.transpose(0, 2, 1)
+        if self.interleaved:
+            axis = 1 if w.ndim == 3 else w.ndim - 1  # the output dim: rows of [E, 2I, H], the last of a bias [E, 2I]
+            idx = np.r_[0:w.shape[axis]:2, 1:w.shape[axis]:2]
+            if isinstance(w, torch.Tensor):
+                return w.index_select(axis, torch.as_tensor(idx, device=w.device))
+            return np.take(w, idx, axis=axis)
+        return w
 
 
 @dataclass
@@ -46,17 +73,39 @@ class Block:
     module: nn.Module
     router: nn.Module
     experts: nn.Module
-    weight_at: tuple[nn.Module, str] = (None, "weight")  # the router's one parameter: (owner, name)
+    weight_at: tuple[nn.Module, str] = (None, "weight")  # the router's weight: (owner, name)
     bias_at: tuple[nn.Module, str] | None = None  # a selection bias buffer [E] (e_score_correction_bias)
+    router_bias_at: tuple[nn.Module, str] | None = None  # the router Linear's bias [E], added to its logits
     top_k: int = 0
     normalize: int = 0
     activation: str = "silu"
     scoring: str = "softmax"
     scaling: float = 1.0
+    alpha: float = 1.0  # clamped_swiglu's sigmoid gain and clamp
+    limit: float = float("inf")
+    gate_up_layout: Layout = Layout()
+    down_layout: Layout = Layout()
+
+    @property
+    def biased(self) -> bool:
+        """Router and expert biases (all three: the op takes them together)."""
+        return self.router_bias_at is not None
 
     @property
     def num_experts(self) -> int:
         return self.experts.gate_up_proj.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.experts.down_proj.shape[2 if self.down_layout.transposed else 1]
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.experts.down_proj.shape[1 if self.down_layout.transposed else 2]
+
+    @property
+    def router_bias(self) -> torch.Tensor | None:
+        return getattr(*self.router_bias_at) if self.router_bias_at else None
 
     @property
     def router_weight(self) -> torch.Tensor:
@@ -70,14 +119,22 @@ class Block:
 # --- the op --------------------------------------------------------------------------------------
 @torch.library.custom_op("fuselm_trace::moe", mutates_args=())
 def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor | None,
-        top_k: int, normalize: int, activation: str, scoring: str, scaling: float) -> torch.Tensor:
-    """x [..., H] -> y [..., H]: fuselm::MoE (contract.moe_function's semantics)."""
-    return reference(x, router, gate_up, down, top_k, normalize, activation,
-                     routed=routing(x.reshape(-1, x.shape[-1]), router, top_k, normalize, scoring, bias, scaling))
+        router_bias: torch.Tensor | None, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+        top_k: int, normalize: int, activation: str, scoring: str, scaling: float, alpha: float, limit: float,
+        layouts: list[int]) -> torch.Tensor:
+    """x [..., H] -> y [..., H]: fuselm::MoE (contract.moe_function's semantics). `layouts` (gate_up's transposed,
+    interleaved, down's transposed): the module's layout, which the graph's weights no longer have."""
+    gu_layout, down_layout = Layout(bool(layouts[0]), bool(layouts[1])), Layout(bool(layouts[2]))
+    gate_up, down = gu_layout.canonical(gate_up), down_layout.canonical(down)
+    gate_up_bias = gu_layout.canonical(gate_up_bias) if gate_up_bias is not None else None
+    routed = routing(x.reshape(-1, x.shape[-1]), router, top_k, normalize, scoring, bias, scaling, router_bias)
+    return reference(x, router, gate_up, down, top_k, normalize, activation, routed=routed,
+                     biases=(gate_up_bias, down_bias), alpha=alpha, limit=limit)
 
 
 @moe.register_fake
-def _(x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling):
+def _(x, router, gate_up, down, bias, router_bias, gate_up_bias, down_bias, top_k, normalize, activation, scoring,
+      scaling, alpha, limit, layouts):
     return torch.empty_like(x)
 
 
@@ -85,11 +142,22 @@ _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
                 "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
+def _act(activation: str, gate, up, alpha: float, limit: float):
+    """The expert MLP's gated activation (contract.MOE_ACTIVATIONS)."""
+    if activation == "clamped_swiglu":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return _ACTIVATIONS[activation](gate) * up
+
+
 def routing(x2: torch.Tensor, router: torch.Tensor, top_k: int, normalize: int, scoring: str = "softmax",
-            bias: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], experts [T, k]): softmax over the experts (or each one's sigmoid, chosen with `bias`
-    added), the top_k, renormalised if asked, times `scaling`."""
+            bias: torch.Tensor | None = None, scaling: float = 1.0,
+            router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], experts [T, k]): softmax over the experts of x2 @ router^T (+ router_bias) (or each
+    one's sigmoid, chosen with `bias` added), the top_k, renormalised if asked, times `scaling`."""
     logits = x2.float() @ router.float().T
+    if router_bias is not None:
+        logits = logits + router_bias.float()
     probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     choice = probs + bias.float() if bias is not None and scoring == "sigmoid" else probs
     index = torch.topk(choice, top_k, dim=-1).indices
@@ -100,16 +168,19 @@ def routing(x2: torch.Tensor, router: torch.Tensor, top_k: int, normalize: int, 
 
 
 def reference(x, router, gate_up, down, top_k: int, normalize: int, activation: str,
-              routed: tuple | None = None) -> torch.Tensor:
-    """The op in torch, sparse: each token through its top_k experts."""
+              routed: tuple | None = None, biases: tuple = (None, None), alpha: float = 1.0,
+              limit: float = float("inf")) -> torch.Tensor:
+    """The op in torch, sparse: each token through its top_k experts (weights in the op's layout)."""
     x2 = x.reshape(-1, x.shape[-1])
     weights, index = routed if routed is not None else routing(x2, router, top_k, normalize)
+    gate_up_bias, down_bias = biases
     out = torch.zeros_like(x2)
-    act = _ACTIVATIONS[activation]
     for e in index.unique().tolist():
         tok, slot = torch.where(index == e)
-        gate, up = (x2[tok] @ gate_up[e].T).chunk(2, dim=-1)
-        out.index_add_(0, tok, (act(gate) * up) @ down[e].T * weights[tok, slot, None].to(x2.dtype))
+        gu = x2[tok] @ gate_up[e].T + (gate_up_bias[e] if gate_up_bias is not None else 0)
+        gate, up = gu.chunk(2, dim=-1)
+        y = _act(activation, gate, up, alpha, limit) @ down[e].T + (down_bias[e] if down_bias is not None else 0)
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(x2.dtype))
     return out.reshape(x.shape)
 
 
@@ -119,10 +190,14 @@ def translation():
 
     op = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.MOE_OP, contract.moe_schema())
 
-    def to_onnx(x, router, gate_up, down, bias, top_k, normalize, activation, scoring, scaling):
-        inputs = (x, router, gate_up, down) + ((bias,) if bias is not None else ())
+    def to_onnx(x, router, gate_up, down, bias, router_bias, gate_up_bias, down_bias, top_k, normalize, activation,
+                scoring, scaling, alpha, limit, layouts):
+        biases = (router_bias, gate_up_bias, down_bias)
+        inputs = (x, router, gate_up, down) + ((bias,) if bias is not None or biases[0] is not None else ())
+        inputs += biases if biases[0] is not None else ()
+        clamp = dict(alpha=float(alpha), limit=float(limit)) if activation == "clamped_swiglu" else {}
         return op(*inputs, top_k=int(top_k), normalize=int(normalize), activation=str(activation), scoring=str(scoring),
-                  scaling=float(scaling))
+                  scaling=float(scaling), **clamp)
 
     return {torch.ops.fuselm_trace.moe.default: to_onnx}
 
@@ -131,6 +206,17 @@ def translation():
 def _expert_params(m: nn.Module) -> bool:
     p = dict(m.named_parameters(recurse=False))
     return all(k in p and p[k].dim() == 3 for k in EXPERT_PARAMS)
+
+
+def _layouts(ex: nn.Module) -> tuple[Layout, Layout] | None:
+    """(gate_up's, down's) transposition, from their shapes: [E, 2I, H] and [E, H, I], or [E, H, 2I] and
+    [E, I, H] (never both: that needs I = 0); None for neither. Interleaving is read back later (_checked)."""
+    (_, a1, a2), (_, b1, b2) = ex.gate_up_proj.shape, ex.down_proj.shape
+    if a2 == b1 and a1 == 2 * b2:
+        return Layout(), Layout()
+    if a1 == b2 and a2 == 2 * b1:
+        return Layout(transposed=True), Layout(transposed=True)
+    return None
 
 
 def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
@@ -142,27 +228,51 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
             continue
         where = f"{name}.{next(n for n, c in m.named_children() if c is experts[0])}"
         ex = experts[0]
-        extra = sorted(set(dict(ex.named_parameters()).keys()) - set(EXPERT_PARAMS))
-        if len(experts) != 1 or extra:
-            raise FuselmError(f"model_type {model_type!r}: its experts at {where} carry {', '.join(extra) or 'two stacks'} "
-                              "beside gate_up_proj/down_proj (expert biases); fuselm::MoE has no expert biases yet")
-        n_exp, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[2]
-        routers = [(c, at) for c in m.children() if c is not ex and (at := _one_weight(c, (n_exp, hidden)))]
+        params = dict(ex.named_parameters())
+        extra = sorted(set(params) - set(EXPERT_PARAMS) - set(EXPERT_BIASES))
+        biases = [k for k in EXPERT_BIASES if k in params]
+        if len(experts) != 1 or extra or len(biases) not in (0, 2):
+            raise FuselmError(f"model_type {model_type!r}: its experts at {where} carry "
+                              f"{', '.join(extra or biases) or 'two stacks'} beside gate_up_proj/down_proj; fuselm::MoE "
+                              f"takes stacked expert weights and, optionally, both {' and '.join(EXPERT_BIASES)}")
+        layouts = _layouts(ex)
+        if layouts is None:
+            raise FuselmError(f"model_type {model_type!r}: its experts at {where} have gate_up_proj "
+                              f"{list(ex.gate_up_proj.shape)} and down_proj {list(ex.down_proj.shape)}, neither "
+                              "[E, 2I, H] / [E, H, I] nor [E, H, 2I] / [E, I, H]; fuselm::MoE cannot read them")
+        n_exp = ex.gate_up_proj.shape[0]
+        hidden = ex.down_proj.shape[2 if layouts[1].transposed else 1]
+        routers = [(c, at) for c in m.children() if c is not ex and (at := _router_params(c, (n_exp, hidden)))]
         if len(routers) != 1:
             raise FuselmError(f"model_type {model_type!r}: the experts at {where} have no router of one weight "
-                              f"[{n_exp}, {hidden}] beside them (a router with a bias or its own layout); not supported")
-        blocks.append(_checked(Block(name, m, routers[0][0], ex, routers[0][1]), model_type))
+                              f"[{n_exp}, {hidden}] (and a bias [{n_exp}]) beside them (a router of its own layout); "
+                              "not supported")
+        router, (weight_at, router_bias_at) = routers[0]
+        if (router_bias_at is None) != (not biases):
+            raise FuselmError(f"model_type {model_type!r}: the block at {name} has "
+                              f"{'expert biases but a router without one' if biases else 'a router bias but experts without biases'}; "
+                              "fuselm::MoE takes the router and expert biases together or none")
+        block = Block(name, m, router, ex, weight_at, router_bias_at=router_bias_at, gate_up_layout=layouts[0],
+                      down_layout=layouts[1])
+        blocks.append(_checked(block, model_type))
     return blocks
 
 
-def _one_weight(module: nn.Module, shape: tuple[int, int]) -> tuple[nn.Module, str] | None:
-    """(owner, name) of the module's only parameter when it has `shape` (its own `weight`, or a Linear
-    inside it: HunYuan's `gate.wg`); None otherwise (a bias, a second tensor, another shape)."""
+def _router_params(module: nn.Module, shape: tuple[int, int]):
+    """((owner, name) of the router's weight, that of its bias or None) when the module's parameters are one
+    weight of `shape` (its own `weight`, or a Linear inside it: HunYuan's `gate.wg`) and at most a bias
+    [E] beside it (gpt-oss); None otherwise (a second tensor, another shape)."""
     params = list(module.named_parameters())
-    if len(params) != 1 or tuple(params[0][1].shape) != shape:
+    weights = [n for n, p in params if tuple(p.shape) == shape]
+    bias = [n for n, p in params if tuple(p.shape) == shape[:1]]
+    if len(weights) != 1 or len(bias) > 1 or len(params) != 1 + len(bias):
         return None
-    owner, _, name = params[0][0].rpartition(".")
-    return (module.get_submodule(owner) if owner else module), name
+
+    def at(path):
+        owner, _, name = path.rpartition(".")
+        return (module.get_submodule(owner) if owner else module), name
+
+    return at(weights[0]), (at(bias[0]) if bias else None)
 
 
 def covered(model: nn.Module, blocks: list[Block]) -> set[int]:
@@ -174,12 +284,17 @@ def _checked(block: Block, model_type: str) -> Block:
     """Read top_k, the routing (scoring, normalize, scaling, selection bias) and the activation back from the
     model's own router and experts."""
     gen = torch.Generator().manual_seed(0)
-    n_exp, hidden = block.num_experts, block.experts.gate_up_proj.shape[2]
+    n_exp, hidden = block.num_experts, block.hidden
     x2 = torch.randn(7, hidden, generator=gen)
     block.bias_at = _selection_bias(block)
     owner, pname = block.weight_at
-    with _swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)}), torch.no_grad(), \
-            _buffer_swapped(block.bias_at, torch.rand(n_exp, generator=gen)):
+    stand_ins = [_swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)})]
+    if block.router_bias_at is not None:
+        stand_ins.append(_swapped(block.router_bias_at[0], **{block.router_bias_at[1]: torch.randn(n_exp, generator=gen)}))
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for cm in stand_ins:
+            stack.enter_context(cm)
+        stack.enter_context(_buffer_swapped(block.bias_at, torch.rand(n_exp, generator=gen)))
         router = block.router
         try:
             try:
@@ -200,30 +315,66 @@ def _checked(block: Block, model_type: str) -> Block:
         top_k = index.shape[-1]
         if not _routing_form(block, x2, index, weights, top_k):
             raise FuselmError(f"model_type {model_type!r}: its router at {block.name} is neither softmax-top-k nor "
-                              "sigmoid-top-k with a selection bias, renormalised or not (grouped top-k, a router bias, "
-                              "sparsemixer); fuselm::MoE cannot express it")
-        # the experts on tiny stand-in weights (the real expert count, small widths)
-        inter, h = 4, 8
-        small = {"gate_up_proj": torch.randn(n_exp, 2 * inter, h, generator=gen) * 0.5,
-                 "down_proj": torch.randn(n_exp, h, inter, generator=gen) * 0.5}
-        xs = torch.randn(5, h, generator=gen)
-        w_small, i_small = routing(xs, torch.randn(n_exp, h, generator=gen), top_k, 1)
-        with _swapped(block.experts, **small) as experts:
-            try:
-                got = experts(xs, i_small, w_small)
-            except Exception as e:
-                raise FuselmError(f"model_type {model_type!r}: its experts at {block.name} do not run as "
-                                  f"experts(hidden, top_k_index, top_k_weights) ({type(e).__name__}: {str(e)[:120]}); "
-                                  "not supported") from None
-        for activation in contract.MOE_ACTIVATIONS:
-            want = reference(xs, None, small["gate_up_proj"], small["down_proj"], top_k, 1, activation,
-                             routed=(w_small, i_small))
-            if got.shape == want.shape and torch.allclose(got, want, atol=1e-5):
+                              "sigmoid-top-k with a selection bias, renormalised or not (grouped top-k, sparsemixer); "
+                              "fuselm::MoE cannot express it")
+    if _experts_form(block, top_k, gen):
+        return block
+    raise FuselmError(f"model_type {model_type!r}: its experts at {block.name} are not act(gate, up) -> down over "
+                      "gate_up_proj = [gate; up] (or gate/up interleaved) with silu, gelu or a clamped SwiGLU; "
+                      "fuselm::MoE cannot express them")
+
+
+def _experts_form(block: Block, top_k: int, gen) -> bool:
+    """Set the block's activation (alpha, limit) and gate/up interleaving from its experts run on tiny stand-in
+    weights (the real expert count, small widths, the module's own layout and biases); False if none matches.
+    silu / gelu are told apart on unit inputs (gelu and its tanh form differ by ~1e-4 there); a clamped SwiGLU
+    is checked on inputs large enough that its clamp bites."""
+    n_exp, inter, h = block.num_experts, 4, 16  # widths of 16-byte multiples (torch._grouped_mm)
+    gu_layout, down_layout = block.gate_up_layout, block.down_layout
+    gate_up = torch.randn(n_exp, 2 * inter, h, generator=gen) * 0.5  # the op's layout
+    down = torch.randn(n_exp, h, inter, generator=gen) * 0.5
+    biases = (None, None)
+    if "gate_up_proj_bias" in dict(block.experts.named_parameters()):
+        biases = (torch.randn(n_exp, 2 * inter, generator=gen), torch.randn(n_exp, h, generator=gen))
+    xs = torch.randn(6, h, generator=gen)
+    w_small, i_small = routing(xs, torch.randn(n_exp, h, generator=gen), top_k, 1)
+    floats = [v for k, v in vars(block.experts).items() if not k.startswith("_") and isinstance(v, float)]
+    # (activation, settings, input scale, atol)
+    candidates = [(a, {}, 1.0, 1e-5) for a in contract.MOE_ACTIVATIONS if a != "clamped_swiglu"]
+    candidates += [("clamped_swiglu", dict(alpha=al, limit=li), 8.0, 1e-4) for al in floats for li in floats
+                   if al != li or len(floats) == 1]
+    for interleaved in (False, True):
+        # the module's tensors hold gate_up's rows interleaved: the same experts if it reads them so
+        gu = _interleaved(gate_up) if interleaved else gate_up
+        small = {"gate_up_proj": gu.transpose(1, 2) if gu_layout.transposed else gu,
+                 "down_proj": down.transpose(1, 2) if down_layout.transposed else down}
+        if biases[0] is not None:
+            small.update(gate_up_proj_bias=_interleaved(biases[0]) if interleaved else biases[0], down_proj_bias=biases[1])
+        got = {}
+        with _swapped(block.experts, **small) as experts, torch.no_grad():
+            for scale in (1.0, 8.0):
+                try:
+                    got[scale] = experts(xs * scale, i_small, w_small)
+                except Exception as e:
+                    raise FuselmError(f"{block.name}: its experts do not run as experts(hidden, top_k_index, "
+                                      f"top_k_weights) ({type(e).__name__}: {str(e)[:120]}); not supported") from None
+        for activation, clamp, scale, atol in candidates:
+            want = reference(xs * scale, None, gate_up, down, top_k, 1, activation, routed=(w_small, i_small),
+                             biases=biases, **clamp)
+            if got[scale].shape == want.shape and torch.allclose(got[scale], want, atol=atol, rtol=atol):
                 block.activation = activation
-                return block
-    raise FuselmError(f"model_type {model_type!r}: its experts at {block.name} are not act(gate) * up -> down over "
-                      "gate_up_proj = [gate; up] with silu or gelu (an interleaved or clamped GLU); fuselm::MoE "
-                      "cannot express them")
+                block.alpha, block.limit = clamp.get("alpha", 1.0), clamp.get("limit", float("inf"))
+                block.gate_up_layout = Layout(gu_layout.transposed, interleaved)
+                return True
+    return False
+
+
+def _interleaved(w: torch.Tensor) -> torch.Tensor:
+    """[gate; up] along the output dim (rows of [E, 2I, H], the last dim of [E, 2I]) -> gate/up interleaved
+    (Layout.canonical's inverse)."""
+    axis = 1 if w.dim() == 3 else w.dim() - 1
+    gate, up = w.chunk(2, dim=axis)
+    return torch.stack((gate, up), dim=axis + 1).flatten(axis, axis + 1)
 
 
 def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
@@ -236,7 +387,7 @@ def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
     index, weights = index.gather(1, order), weights.float().gather(1, order)
     for scoring in contract.MOE_SCORINGS:
         for normalize in (1, 0):
-            w, i = routing(x2, block.router_weight, top_k, normalize, scoring, block.bias)
+            w, i = routing(x2, block.router_weight, top_k, normalize, scoring, block.bias, router_bias=block.router_bias)
             mine = i.argsort(-1)
             w, i = w.gather(1, mine), i.gather(1, mine)
             scaling = float((weights / w).mean())
@@ -310,9 +461,12 @@ def installed(layer: nn.Module, blocks: list[Block]):
                                                               and routed[0].hidden.numel() == hidden.numel()))
             if not same:  # the router saw other tokens (or another tensor) than the experts get
                 raise FuselmError(f"{b.name}: the experts get other hidden states than their router; not supported")
-            return torch.ops.fuselm_trace.moe(hidden, b.router_weight, b.experts.gate_up_proj, b.experts.down_proj,
-                                              b.bias if b.scoring == "sigmoid" else None, b.top_k, b.normalize,
-                                              b.activation, b.scoring, b.scaling)
+            ex = b.experts
+            biases = (b.router_bias, ex.gate_up_proj_bias, ex.down_proj_bias) if b.biased else (None, None, None)
+            layouts = [int(b.gate_up_layout.transposed), int(b.gate_up_layout.interleaved), int(b.down_layout.transposed)]
+            return torch.ops.fuselm_trace.moe(hidden, b.router_weight, ex.gate_up_proj, ex.down_proj,
+                                              b.bias if b.scoring == "sigmoid" else None, *biases, b.top_k, b.normalize,
+                                              b.activation, b.scoring, b.scaling, b.alpha, b.limit, layouts)
         return run
 
     biases = [b.bias_at for b in inside if b.bias_at]
@@ -367,17 +521,21 @@ class ExpertCheckpoint(Checkpoint):
     """A Checkpoint whose stacked expert parameters are virtual tensors made of the stored ones.
 
     `tensors` lists each stacked parameter [E, R, C] as [E, R * C], so exporter/weights.py reads
-    it a few experts at a time; `read_rows` returns those experts as [n, R, C] float32. Validation
-    sees the parameters' own shapes and not the per-expert parts they are made of."""
+    it a few experts at a time; `read_rows` returns those experts as [n, R, C] float32, in the op's
+    layout (a stack stored in another `Layout`, gpt-oss's, is transposed / de-interleaved as it is
+    read; its gate/up bias [E, 2I] too). Validation sees the parameters in the op's layout and not the
+    per-expert parts they are made of."""
 
-    def __init__(self, base: Checkpoint, stacks: dict[str, tuple[tuple, list[list[str]]]]):
+    def __init__(self, base: Checkpoint, stacks: dict[str, tuple]):
         self.__dict__.update(base.__dict__)
         self.tensors = dict(base.tensors)
-        self.stacks = stacks  # name -> (shape [E, R, C], per expert the stored parts concatenated along R)
-        self.parts = {p for _, experts in stacks.values() for e in experts for p in e} - set(stacks)
-        for name, (shape, experts) in stacks.items():
+        # name -> (shape [E, R, C] or [E, N] in the op's layout, per expert the stored parts concatenated along R,
+        # and the stored Layout as [transposed, interleaved] where it is not the op's)
+        self.stacks = stacks
+        self.parts = {p for entry in stacks.values() for e in entry[1] for p in e} - set(stacks)
+        for name, (shape, experts, *_) in stacks.items():
             path, dtype, _ = self.tensors[experts[0][0]]
-            self.tensors[name] = (path, dtype, (shape[0], shape[1] * shape[2]))
+            self.tensors[name] = (path, dtype, (shape[0], int(np.prod(shape[1:]))))
 
     def validate(self, expected, ignorable) -> None:
         flat = self.tensors
@@ -391,9 +549,10 @@ class ExpertCheckpoint(Checkpoint):
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         if name not in self.stacks:
             return super().read_rows(name, start, stop)
-        shape, experts = self.stacks[name]
+        shape, experts, *layout = self.stacks[name]
         if experts[0] == [name]:  # stored stacked: its first dim is the experts
-            return super().read_rows(name, start, stop).reshape(-1, shape[1], shape[2])
+            rows = super().read_rows(name, start, stop)
+            return Layout(*map(bool, layout[0])).canonical(rows) if layout else rows.reshape(-1, *shape[1:])
         return np.stack([np.concatenate([super(ExpertCheckpoint, self).read_rows(p, 0, self.tensors[p][2][0])
                                          for p in experts[e]]) for e in range(start, stop)])
 
@@ -407,11 +566,31 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
 
     converters = [c for c in get_model_conversion_mapping(skel.model) if isinstance(c, WeightConverter)]
     names = {id(p): n for n, p in skel.model.named_parameters()}
-    stacks: dict[str, tuple[tuple, list[list[str]]]] = {}
+    stacks: dict[str, tuple] = {}
     for b in blocks:
-        for attr in EXPERT_PARAMS:
+        relayout = {"gate_up_proj": b.gate_up_layout, "down_proj": b.down_layout,
+                    "gate_up_proj_bias": Layout(interleaved=b.gate_up_layout.interleaved)}
+        for attr in EXPERT_PARAMS + (("gate_up_proj_bias",) if b.biased else ()):
             param = getattr(b.experts, attr)
             name, shape = names[id(param)], tuple(param.shape)
+            layout = relayout[attr]
+            if name not in ckpt.tensors and f"{name}_blocks" in ckpt.tensors:
+                raise FuselmError(f"checkpoint {ckpt.dir}: its experts are MXFP4-quantized ({name}_blocks / _scales, "
+                                  "gpt-oss's released format); fuselm reads float experts: convert a bf16 copy, or "
+                                  "dequantize it first (transformers: from_pretrained(..., quantization_config="
+                                  "Mxfp4Config(dequantize=True)), then save_pretrained)")
+            if layout != Layout():  # stored in another layout than the op's (gpt-oss): stored stacked only
+                stored = ckpt.tensors.get(name)
+                if stored is None:
+                    continue  # validate reports it missing
+                if tuple(stored[2]) != shape:
+                    raise FuselmError(f"checkpoint {ckpt.dir}: {name} has shape {list(stored[2])}, expected "
+                                      f"{list(shape)}; re-download the checkpoint")
+                canonical = tuple(layout.canonical(torch.empty(shape, device="meta")).shape)
+                stacks[name] = (canonical, [[name]], [int(layout.transposed), int(layout.interleaved)])
+                continue
+            if attr not in EXPERT_PARAMS:
+                continue
             if name in ckpt.tensors:  # stored stacked (Granite-MoE's input_linear after transformers' rename)
                 stacks[name] = (shape, [[name]])
                 continue
@@ -437,7 +616,12 @@ def cached_stacks(ckpt: Checkpoint, stacks: dict) -> Checkpoint:
     JSON, so shapes come back as lists)."""
     if not stacks:
         return ckpt
-    return ExpertCheckpoint(ckpt, {name: (tuple(shape), parts) for name, (shape, parts) in stacks.items()})
+    return ExpertCheckpoint(ckpt, {name: (tuple(shape), *rest) for name, (shape, *rest) in stacks.items()})
+
+
+def stacked_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The stacked expert tensors' shapes as the graph stores them (the op's layout), for the expected tensors."""
+    return {name: tuple(entry[0]) for name, entry in getattr(ckpt, "stacks", {}).items()}
 
 
 def metadata(blocks: list[Block]) -> dict | None:
@@ -445,7 +629,10 @@ def metadata(blocks: list[Block]) -> dict | None:
     if not blocks:
         return None
     b = blocks[0]
-    return {"experts": b.num_experts, "top_k": b.top_k, "normalize": b.normalize, "activation": b.activation,
+    meta = {"experts": b.num_experts, "top_k": b.top_k, "normalize": b.normalize, "activation": b.activation,
             "scoring": b.scoring, "scaling": b.scaling, "selection_bias": b.bias_at is not None,
-            "expert_intermediate": b.experts.down_proj.shape[2], "blocks": len(blocks),
-            "shared_expert": any(len(list(x.module.children())) > 2 for x in blocks)}
+            "expert_intermediate": b.expert_intermediate, "blocks": len(blocks),
+            "shared_expert": any(len(list(x.module.children())) > 2 for x in blocks), "biases": b.biased}
+    if b.activation == "clamped_swiglu":
+        meta.update(alpha=b.alpha, limit=b.limit)
+    return meta

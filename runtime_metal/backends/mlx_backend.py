@@ -7,6 +7,8 @@ Only MLX's own ops are used, so what runs here in CI is what runs on the Apple G
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from functools import partial
 
 import mlx.core as mx
@@ -173,6 +175,9 @@ class MLXBackend(Backend):
     compile_default = True
     quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
+    # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
+    # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
+    inflight_layers = int(os.environ.get("FUSELM_INFLIGHT", "2")) or None
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
         from fuselm.errors import FuselmError
@@ -549,26 +554,30 @@ class MLXBackend(Backend):
             self._freqs[key] = (None, rows)
         return rows
 
-    def expert_mlp(self, x, gate_up, down, experts, act, weights=None):
+    def expert_mlp(self, x, gate_up, down, experts, act, weights=None, gate_up_bias=None, down_bias=None):
         """mlx-lm's SwitchGLU: for long prompts the (token, slot) rows are sorted by expert once
         (`_gather_sort`), both projections read each expert's weights contiguously (sorted_indices), then
-        unsorted; `weights` multiply the activation (in the sorted order) and the slots are summed."""
+        unsorted; `weights` multiply the activation (and the down bias) in the sorted order, the slots summed."""
         t, k = experts.shape
         if experts.size < 64:
-            return super().expert_mlp(x, gate_up, down, experts, act, weights)
+            return super().expert_mlp(x, gate_up, down, experts, act, weights, gate_up_bias, down_bias)
         flat = experts.reshape(-1)
         flat = flat if flat.dtype == mx.uint32 else flat.astype(mx.uint32)
         order = mx.argsort(flat)
         idx = flat[order]
         rows = mx.arange(t * k, dtype=mx.uint32)  # (MLX's default lhs rows, made once for both matmuls)
         gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True, rows)  # [T*k, 1, 2I]
+        if gate_up_bias is not None:
+            gu = gu + mx.expand_dims(gate_up_bias[idx], -2)
         inter = gu.shape[-1] // 2
         h = act(gu[..., :inter], gu[..., inter:])
-        if weights is not None:
-            h = h * weights.reshape(-1)[order].reshape(-1, 1, 1).astype(h.dtype)
-        y = self._gather_matmul(h, down, idx, True, rows)
+        w = None if weights is None else weights.reshape(-1)[order].reshape(-1, 1, 1).astype(h.dtype)
+        y = self._gather_matmul(h if w is None else h * w, down, idx, True, rows)
+        if down_bias is not None:
+            db = mx.expand_dims(down_bias[idx], -2)
+            y = y + (db if w is None else db * w)
         y = y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
-        return y if weights is None else y.sum(axis=1)
+        return y if w is None else y.sum(axis=1)
 
     @staticmethod
     def _gather_matmul(xs, w, idx, sorted_indices: bool, rows=None):
@@ -616,14 +625,26 @@ class MLXBackend(Backend):
         return x.astype(MX_DTYPES[to])
 
     def kv_scores(self, q, block):
-        kq, ks, kz = block
-        return mx.quantized_matmul(_kv_operand(q, ks), kq, ks, kz, transpose=True,
-                                   group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+        return self._kv_matmul(q, block, transpose=True)
 
     def kv_values(self, p, block):
-        vq, vs, vz = block
-        return mx.quantized_matmul(_kv_operand(p, vs), vq, vs, vz, transpose=False,
-                                   group_size=kv_quant.group_of(self, block), bits=kv_quant.BITS)
+        return self._kv_matmul(p, block, transpose=False)
+
+    def _kv_matmul(self, x, block, transpose: bool):
+        """x · blockᵀ (scores) or x · block (values) on the stored 8-bit rows: one quantized matmul where this
+        device's MLX implements that form (Metal, the CPU); else the block dequantized, then a plain matmul
+        (MLX's CUDA backend has quantized kernels for x · Wᵀ over row-contiguous operands only)."""
+        wq, s, z = block
+        group = kv_quant.group_of(self, block)
+        x = _kv_operand(x, s)
+        form = _kv_form(transpose)
+        if form == "contiguous":
+            wq, s, z = (mx.contiguous(a) for a in (wq, s, z))
+        if form == "dequantize":
+            w = mx.dequantize(wq, s.astype(mx.float32), z.astype(mx.float32), group_size=group,
+                              bits=kv_quant.BITS).astype(x.dtype)
+            return mx.matmul(x, mx.swapaxes(w, -1, -2) if transpose else w)
+        return mx.quantized_matmul(x, wq, s, z, transpose=transpose, group_size=group, bits=kv_quant.BITS)
 
 
 @partial(mx.compile, shapeless=True)
@@ -642,6 +663,24 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps):
     n = x if eps is None else mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(x.shape)
     rotated = (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype)
     return mx.where(rotates, rotated, x).reshape(bsz, s, h, d)
+
+
+@functools.cache
+def _kv_form(transpose: bool) -> str:
+    """How this device's MLX runs an 8-bit cache block product, found once by running one (a capability probe,
+    not a device check): "quantized" (mx.quantized_matmul on the block as it is held: a slice of the cache),
+    "contiguous" (the same on a row-contiguous copy), or "dequantize" (no quantized kernel for the form)."""
+    rows = mx.random.normal((1, 2, 64, 64)).astype(mx.float16)
+    q, s, z = mx.quantize(rows, group_size=32, bits=kv_quant.BITS)
+    view = tuple(a[:, :, 1:33] for a in (q, s, z))  # a slice of the held buffer, as the cache hands it
+    x = mx.ones((1, 2, 3, 64 if transpose else 32), mx.float16)
+    for form, args in (("quantized", view), ("contiguous", tuple(mx.contiguous(a) for a in view))):
+        try:
+            mx.eval(mx.quantized_matmul(x, *args, transpose=transpose, group_size=32, bits=kv_quant.BITS))
+            return form
+        except RuntimeError:
+            continue
+    return "dequantize"
 
 
 def _kv_operand(x, scales):
