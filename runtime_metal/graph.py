@@ -175,7 +175,7 @@ def build(lm: LoadedModel, backend, fused: bool = True) -> Graph:
     store = PreparedStore(backend, lm.path)
     try:
         _fold_dequantize(graph, backend, lm.release_pages, store)
-        ops_moe.fold_experts(graph, backend, lm.release_pages)
+        ops_moe.fold_experts(graph, backend, lm.release_pages, store)
         store.commit()
     finally:
         store.close()

@@ -1,16 +1,22 @@
 """fuselm::MoE in the op table: each token through its top_k experts only (the function body runs all).
 
-    x2 = x as [T, H]; probs = softmax(x2 @ router^T (+ router_bias)) (or sigmoid, experts chosen with `bias` added)
-    (w, experts) = top_k(probs) (renormalised: normalize; times `scaling`)
-    y = sum_k w * (expert_mlp(x2, gate_up, down, experts, act(gate, up), gate_up_bias) + down_bias[experts])
-        [T, k, H] -> [T, H]; act: act(gate) * up, or gpt-oss's clamped SwiGLU (alpha, limit)
+    x2 = x as [T, H]; logits = x2 @ router^T (+ router_bias), in the router's dtype (the graph's)
+    softmax, normalize: (top, experts) = select_experts(logits, k); w = softmax(top) (= the renormalised top_k)
+    softmax:            (w, experts) = select_experts(softmax(logits), k)
+    sigmoid:            experts chosen on sigmoid(logits) (+ `bias`), w = their sigmoids (renormalised: normalize)
+    w *= scaling; y = sum_k (down(w * act(gate, up)) + w * down_bias[experts])   [T, k, H] -> [T, H]
+    gate, up = the slot's gate/up projection (+ gate_up_bias[experts]); act: act(gate) * up, or gpt-oss's
+    clamped SwiGLU (alpha, limit)
 
-`expert_mlp` / `expert_matmul` are the backend's (backends/base.py): MLX `mx.gather_mm` /
-`mx.gather_qmm` with mlx-lm's SwitchGLU sort for long prompts, torch and numpy the selected
-experts' matmuls grouped by expert. At load
-(`fold_experts`), a MoE whose stacked weights are blocked DequantizeLinears of constants becomes
-`QMoE` with the weights prepared once by `backend.prepare_experts` (MLX: its affine 4/8-bit format,
-so a 4-bit expert stays 4-bit in memory).
+`select_experts` is the backend's top_k in no particular order (MLX: mx.argpartition, as mlx-lm), and the
+weights multiply the activation before the down projection (linear, so the same sum; the multiply joins
+the activation's elementwise kernel and the combine is one Sum). `expert_mlp` / `expert_matmul` are the
+backend's (backends/base.py): MLX `mx.gather_mm` / `mx.gather_qmm` with mlx-lm's SwitchGLU sort for long
+prompts, torch and numpy the selected experts' matmuls grouped by expert. At load (`fold_experts`), a MoE
+whose stacked weights are blocked DequantizeLinears of constants becomes `QMoE` with the weights prepared
+once by `backend.prepare_experts` (MLX: its affine 4/8-bit format, so a 4-bit expert stays 4-bit in
+memory), kept in the prepared-weights store beside the model (runtime_metal/prepared.py) so a second load
+reads them memory-mapped instead of packing them again.
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activati
     logits = b.matmul(x2, b.transpose(router, (1, 0)))
     if router_bias is not None:
         logits = b.binary("add", logits, router_bias)
-    if scoring == "softmax":
-        weights, experts = b.topk(b.softmax(logits, -1), int(top_k), -1, True, True)
+    k = int(top_k)
+    if scoring == "softmax" and normalize:  # softmax renormalised over the top_k = softmax of the top_k logits
+        top, experts = b.select_experts(logits, k)
+        weights = b.softmax(top, -1)
+    elif scoring == "softmax":
+        weights, experts = b.select_experts(b.softmax(logits, -1), k)
     else:  # each expert's sigmoid, chosen with the selection bias added, weighted without it
         probs = b.unary("sigmoid", logits)
-        choice = b.binary("add", probs, bias) if bias is not None else probs
-        experts = b.topk(choice, int(top_k), -1, True, True)[1]
+        experts = b.select_experts(b.binary("add", probs, bias) if bias is not None else probs, k)[1]
         weights = b.gather_elements(probs, experts, 1)
-    if normalize:
-        weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
+        if normalize:
+            weights = b.binary("div", weights, b.reduce("sum", weights, (-1,), True))
     if scaling != 1.0:
         weights = b.binary("mul", weights, _scalar(b, weights, float(scaling)))
 
@@ -66,23 +75,20 @@ def _moe(b, x, router, gate_up, down, bias, top_k: int, normalize: int, activati
             g = b.binary("mul", gate, b.unary("sigmoid", b.binary("mul", gate, _scalar(b, gate, float(alpha)))))
             return b.binary("mul", g, b.binary("add", up, _scalar(b, up, 1.0)))
         if activation == "silu":
-            g = b.binary("mul", gate, b.unary("sigmoid", gate))
-        else:
-            g = Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
-        return b.binary("mul", g, up)
+            return b.silu_gate(gate, up)  # (MLX: one compiled kernel, as mlx-lm's swiglu)
+        return b.binary("mul", Gelu(b, gate, approximate="tanh" if activation == "gelu_tanh" else "none"), up)
 
-    y = b.expert_mlp(x2, gate_up, down, experts, act, gate_up_bias)  # [T, k, H]
-    if down_bias is not None:
-        y = b.binary("add", y, b.gather(down_bias, experts, 0))
-    w = b.cast(b.reshape(weights, tuple(b.shape(weights)) + (1,)), b.dtype(y))
-    y = b.reduce("sum", b.binary("mul", y, w), (1,), False)
+    # [T, H]: the weighted sum over the k experts
+    y = b.expert_mlp(x2, gate_up, down, experts, act, weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
     return b.reshape(y, tuple(shape))
 
 
-def fold_experts(graph, backend, release=lambda: None) -> None:
+def fold_experts(graph, backend, release=lambda: None, store=None) -> None:
     """MoE(x, router, DQ(q, s, z), DQ(q, s, z)) with constant 3-D blocked DQs along the input dim (axis 2)
     -> QMoE(x, router) with the experts prepared once; the DQs and their constants are dropped after, and
-    `release()` drops the mapped pages read for each weight once the backend holds its copy."""
+    `release()` drops the mapped pages read for each weight once the backend holds its copy. Experts the
+    `store` holds from an earlier load (runtime_metal/prepared.py, keyed `<weight>#experts`) are taken as
+    they are, unread; the ones prepared here are put in it."""
     from .graph import Node, _drop_unread, _values
 
     producers = {o: n for n in graph.nodes for o in n.outputs}
@@ -96,11 +102,16 @@ def fold_experts(graph, backend, release=lambda: None) -> None:
         if not all(_foldable(dq, consts, graph) for dq in dqs):
             continue
         for w, dq in zip(n.inputs[2:4], dqs, strict=True):
+            key = f"{w}#experts"
+            if w not in prepared and store is not None and store.get(key) is not None:
+                prepared[w] = store.get(key)
             if w not in prepared:
                 q, scale = _values(consts[dq.inputs[0]]), consts[dq.inputs[1]]
                 zp = _values(consts[dq.inputs[2]]) if len(dq.inputs) > 2 and dq.inputs[2] else None
                 bits = 4 if graph.elem_types.get(dq.inputs[0]) in (TensorProto.UINT4, TensorProto.INT4) else 8
                 prepared[w] = backend.prepare_experts(q, scale, zp, int(dq.attrs["block_size"]), bits)
+                if store is not None:
+                    store.put(key, prepared[w])
                 del q, scale, zp
                 release()
         replace[id(n)] = Node("QMoE", RUNTIME, n.name, n.inputs[:2] + n.inputs[4:], n.outputs,

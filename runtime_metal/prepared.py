@@ -9,7 +9,9 @@ that file (memory-mapped by the backend's loader) instead of the graph's weights
   and modification time, fuselm's version and the backend's format tag (MLX's version and the compute
   dtype). It is stored in the file's metadata and checked on read, with every entry's shape and dtype.
 - A stale, truncated or damaged file is never used: the weights are prepared again and the file
-  rewritten. Older keys' files of the same backend format are removed.
+  rewritten. Older keys' files of the same backend format are removed. A file that holds only some of
+  the weights (one an older fuselm wrote before it kept the MoE experts) is used for those, and
+  rewritten with the others once they are prepared.
 - Written atomically (a temporary file renamed into place) under an exclusive lock, so four processes
   that load the same model at once for the first time prepare it once; the others wait and read it.
 - A model directory that cannot be written (read-only) falls back to $FUSELM_PREPARED_DIR or
@@ -102,8 +104,13 @@ class PreparedStore:
     def commit(self) -> None:
         """Write every weight (read or new) when anything was new, atomically, then release the lock."""
         try:
-            if self.state == "off" or not self.new or self._held is None:
+            if self.state == "off" or not self.new:
                 return
+            if self._held is None:  # a file that lacks some weights (an older fuselm kept no experts): add them
+                try:
+                    self._held = _lock(self.path.parent / ".lock")
+                except OSError:
+                    return
             arrays, table = {}, {}
             for name, w in {**self.loaded, **self.new}.items():
                 parts = w.data if isinstance(w.data, tuple) else (w.data,)

@@ -63,7 +63,7 @@ def test_moe_sigmoid_router_with_selection_bias(tmp_path):
     checkpoint's e_score_correction_bias added, weighted without it, renormalised, times
     routed_scaling_factor; its shared experts beside the op. The bias is made random in the checkpoint
     (save_pretrained writes zeros), so choosing with it is what the comparison with HF checks; the
-    runtime's sparse kernel (numpy) gives HF's greedy tokens."""
+    runtime's sparse kernel (numpy, MLX) gives HF's greedy tokens."""
     from fuselm.runtime_metal.sampling import Sampler
     from fuselm.runtime_metal.session import Session
     from safetensors.torch import load_file, save_file
@@ -85,9 +85,10 @@ def test_moe_sigmoid_router_with_selection_bias(tmp_path):
     opt = fuselm.optimize(out, tmp_path / "opt", quiet=True)
     assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
     want = hf_steps(hf_model(hf), [5, 9, 2, 7, 11], 5).tokens
-    sess = Session(opt, backend="numpy")
-    sess.reset(10)
-    assert list(sess.generate([5, 9, 2, 7, 11], 5, Sampler())) == want
+    for backend in ("numpy", "mlx"):  # (MLX: the experts chosen by mx.argpartition, in no order)
+        sess = Session(opt, backend=backend)
+        sess.reset(10)
+        assert list(sess.generate([5, 9, 2, 7, 11], 5, Sampler())) == want, backend
 
 
 def test_moe_q4_experts_are_blocked_dequantize(tmp_path):

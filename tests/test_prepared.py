@@ -73,3 +73,66 @@ def test_four_processes_loading_at_once_prepare_it_once(model):
     assert sorted(r[0] for r in results) == ["read", "read", "read", "written"]
     assert all(r[1] == results[0][1] for r in results)
     assert len(list((model / DIR_NAME).glob("*.safetensors"))) == 1 and not list((model / DIR_NAME).glob("*.tmp*"))
+
+
+@pytest.fixture(scope="module")
+def moe_q4(tmp_path_factory):
+    """A tiny OLMoE checkpoint, q4 (its experts: stacked blocked DequantizeLinears -> QMoE at load)."""
+    import fuselm
+    from fuselm import synth
+
+    root = tmp_path_factory.mktemp("moe")
+    hf = synth.make_checkpoint(root / "hf", "olmoe", generic=True, num_experts=4, num_experts_per_tok=2,
+                               intermediate_size=64)
+    return fuselm.convert(hf, root / "q4", exporter="torch", quant="q4", quiet=True)
+
+
+def test_moe_experts_are_kept_and_read_memory_mapped(moe_q4, tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    shutil.copytree(moe_q4, model)
+    calls = []
+    prepare = MLXBackend.prepare_experts
+    monkeypatch.setattr(MLXBackend, "prepare_experts", lambda self, *a: calls.append(1) or prepare(self, *a))
+    first, want = _logits(model)
+    moes = [n for n in first.graph.nodes if n.op_type == "QMoE"]
+    assert moes and first.graph.prepared.startswith("written to") and len(calls) == 2 * len(moes)
+    (stored,) = (model / DIR_NAME).glob("*.safetensors")
+    import mlx.core as mx
+
+    names = mx.load(str(stored)).keys()
+    assert sum(n.endswith("#experts::0") for n in names) == 2 * len(moes)  # gate_up and down of every layer
+
+    calls.clear()
+    second, got = _logits(model)
+    assert second.graph.prepared.startswith("read from") and not calls  # read, not packed again
+    assert second.graph.nodes[[n.op_type for n in second.graph.nodes].index("QMoE")].attrs["gate_up"].kind == "mlx"
+    np.testing.assert_array_equal(got, want)
+
+    data = model / "model.onnx.data"
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # stale: prepared again
+    third, got = _logits(model)
+    assert third.graph.prepared.startswith("written to") and len(calls) == 2 * len(moes)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_file_without_the_experts_gets_them(moe_q4, tmp_path, monkeypatch):
+    """A prepared file an older fuselm wrote (its dense weights only) is read for those, and rewritten with the
+    experts once they are prepared; the load after reads everything."""
+    from fuselm.runtime_metal import ops_moe
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    model = tmp_path / "m"
+    shutil.copytree(moe_q4, model)
+    fold = ops_moe.fold_experts
+    monkeypatch.setattr(ops_moe, "fold_experts", lambda g, b, release, store=None: fold(g, b, release))
+    _, want = _logits(model)  # as before the experts were kept
+    monkeypatch.setattr(ops_moe, "fold_experts", fold)
+    sess, got = _logits(model)
+    assert sess.graph.prepared.startswith("written to")
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.setattr(MLXBackend, "prepare_experts", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    monkeypatch.setattr(MLXBackend, "prepare_quantized", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    sess, got = _logits(model)
+    assert sess.graph.prepared.startswith("read from")
+    np.testing.assert_array_equal(got, want)

@@ -87,6 +87,35 @@ def test_expert_matmul_backends(tokens):
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=name)
 
 
+def test_mlx_moe_decode_kernels_at_most_mlx_lms(tmp_path):
+    """One q4 MoE layer at a decode token launches no more MLX kernels than mlx-lm's OLMoE block of the same
+    shape (quantized as mlx-lm converts it): argpartition for the top_k (no sort), the weights folded into
+    the activation, one Sum for the combine, no arange in the step (bench/mlx_moe_layer.py counts both)."""
+    import importlib.util
+    from pathlib import Path
+
+    import mlx.nn as nn
+    from mlx_lm.models import olmoe
+
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", Path(__file__).parent.parent / "bench" /
+                                                  "mlx_moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hf = synth.make_checkpoint(tmp_path / "hf", "olmoe", generic=True, **MOE)
+    out = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)
+    ours = bench.fuselm_moe_kernels(Session(out, backend="mlx", device="cpu"), 1)
+    cfg = synth.make_config("olmoe", generic=True, **MOE)
+    args = olmoe.ModelArgs.from_dict({**cfg.to_dict(), "model_type": "olmoe"})
+    block = olmoe.OlmoeSparseMoeBlock(args)
+    nn.quantize(block, group_size=32, bits=4)
+    theirs = bench.mlx_lm_moe_kernels(block, args.hidden_size, block.gate.scales.dtype, 1)
+    assert ours["op"] == "QMoE" and theirs["op"] == "OlmoeSparseMoeBlock"
+    top = dict(ours["top"])
+    assert ours["kernels"] <= theirs["kernels"], (ours["top"], theirs["top"])
+    assert top.get("ArgPartition") == 1 and "ArgSort" not in top and top.get("Sum") == 1 and "Arange" not in top
+    assert top.get("GatherQMM") == 2  # gate and up as one matmul, then down
+
+
 # --- gpt-oss (tests/conftest.py's gpt_oss): router and expert biases, clamped SwiGLU, attention sinks, a sliding
 # window of 4 shorter than the prompts
 @pytest.mark.parametrize("backend", ["numpy", "torch", "mlx"])

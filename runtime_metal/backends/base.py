@@ -293,17 +293,30 @@ class Backend:
         -> [T, k, N] with out[t, j] = x[t(, j)] @ w[experts[t, j]]^T."""
         raise NotImplementedError
 
-    def expert_mlp(self, x, gate_up, down, experts, act, gate_up_bias=None):
+    def select_experts(self, scores, k: int):
+        """(values, indices) of each row's k largest `scores` [T, E], in any order (the order of the
+        chosen experts does not change a weighted sum); indices in the dtype `expert_matmul` takes."""
+        return self.topk(scores, k, -1, True, False)
+
+    def expert_mlp(self, x, gate_up, down, experts, act, weights=None, gate_up_bias=None, down_bias=None):
         """The selected experts' MLPs: x [T, K], gate_up [E, 2I, K], down [E, K, I], experts [T, k] ->
-        [T, k, K] = down(act(gate, up)) per (token, slot), `act` an op-table function of two arrays,
-        gate_up_bias [E, 2I] (gpt-oss) added to each slot's gate/up projection.
+        [T, k, K] = down(act(gate, up)) (+ down_bias [E, K]) per (token, slot), `act` an op-table function
+        of two arrays, gate_up_bias [E, 2I] (gpt-oss) added to each slot's gate/up projection; with
+        `weights` [T, k]: [T, K] = sum over the slots of down(weights * act(gate, up)) + weights * down_bias.
         Two `expert_matmul`s here; a backend may keep its own order between them (MLX sorts once)."""
         gu = self.expert_matmul(x, gate_up, experts)
         if gate_up_bias is not None:
             gu = self.binary("add", gu, self.gather(gate_up_bias, experts, 0))
         inter = self.shape(gu)[-1] // 2
         gate, up = (self.slice(gu, (slice(None), slice(None), part)) for part in (slice(0, inter), slice(inter, None)))
-        return self.expert_matmul(act(gate, up), down, experts)
+        h = act(gate, up)
+        w = None if weights is None else self.cast(self.reshape(weights, tuple(self.shape(weights)) + (1,)),
+                                                   self.dtype(h))
+        y = self.expert_matmul(h if w is None else self.binary("mul", h, w), down, experts)
+        if down_bias is not None:
+            db = self.gather(down_bias, experts, 0)
+            y = self.binary("add", y, db if w is None else self.binary("mul", db, w))
+        return y if w is None else self.reduce("sum", y, (1,), False)
 
     # --- prepared weights kept beside the model (runtime_metal/prepared.py) -------------------
     def prepared_format(self) -> str | None:

@@ -521,41 +521,73 @@ class MLXBackend(Backend):
         packed = mx.contiguous(qb).view(mx.uint32)
         s = scale.astype(np.float32)
         zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        return QuantizedWeight((packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s))), k, n, bits, block,
-                               "mlx")
+        data = (packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s)))
+        mx.eval(data)  # now, as prepare_quantized: a lazy weight would hold its unpacked uint8 source until the first step
+        return QuantizedWeight(data, k, n, bits, block, "mlx")
+
+    def select_experts(self, scores, k):
+        """mlx-lm's top_k: mx.argpartition (no sort), the k largest at the end (no negation); uint32 indices,
+        as mx.gather_qmm takes them."""
+        e = scores.shape[-1]
+        idx = mx.argpartition(scores, kth=e - k, axis=-1)[..., e - k:]
+        return mx.take_along_axis(scores, idx, axis=-1), idx
 
     def expert_matmul(self, x, w, experts):
-        """mlx-lm's SwitchLinear: x as [T, 1, 1, K] (or [T, k, 1, K]) against the experts' weights gathered
-        by `experts` [T, k] -> [T, k, N]."""
+        """mlx-lm's SwitchLinear: x [T, K] (or [T, k, K]) as rows [T(, k), 1, K] against the experts' weights
+        gathered by `experts` [T, k] -> [T, k, N]; which row each (token, slot) reads is a constant made once
+        per shape (`_rows`), so the step has no arange of its own."""
         t, k = experts.shape
-        xs = mx.expand_dims(x, (-2, -3)) if x.ndim == 2 else mx.expand_dims(x, -2)
-        return self._gather_matmul(xs, w, experts.astype(mx.uint32), False).reshape(t, k, -1)
+        shared = x.ndim == 2
+        idx = experts if experts.dtype == mx.uint32 else experts.astype(mx.uint32)
+        rows = self._rows(t, 1 if shared else k)
+        return self._gather_matmul(mx.expand_dims(x, -2), w, idx, False, rows).reshape(t, k, -1)
 
-    def expert_mlp(self, x, gate_up, down, experts, act, gate_up_bias=None):
+    def _rows(self, t: int, k: int):
+        """arange(t * k) as [t, k] uint32: the lhs rows of mx.gather_qmm / gather_mm (kept for the small decode
+        shapes, t * k < 64, where the step's count of kernels matters; made each time otherwise)."""
+        key = ("rows", t, k)
+        if key in self._freqs:
+            return self._freqs[key][1]
+        rows = mx.arange(t * k, dtype=mx.uint32).reshape(t, k)
+        if t * k < 64:
+            mx.eval(rows)
+            self._freqs[key] = (None, rows)
+        return rows
+
+    def expert_mlp(self, x, gate_up, down, experts, act, weights=None, gate_up_bias=None, down_bias=None):
         """mlx-lm's SwitchGLU: for long prompts the (token, slot) rows are sorted by expert once
-        (`_gather_sort`), both projections read each expert's weights contiguously, then unsorted."""
+        (`_gather_sort`), both projections read each expert's weights contiguously (sorted_indices), then
+        unsorted; `weights` multiply the activation (and the down bias) in the sorted order, the slots summed."""
         t, k = experts.shape
         if experts.size < 64:
-            return super().expert_mlp(x, gate_up, down, experts, act, gate_up_bias)
-        flat = experts.reshape(-1).astype(mx.uint32)
+            return super().expert_mlp(x, gate_up, down, experts, act, weights, gate_up_bias, down_bias)
+        flat = experts.reshape(-1)
+        flat = flat if flat.dtype == mx.uint32 else flat.astype(mx.uint32)
         order = mx.argsort(flat)
         idx = flat[order]
-        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True)  # [T*k, 1, 2I]
+        rows = mx.arange(t * k, dtype=mx.uint32)  # (MLX's default lhs rows, made once for both matmuls)
+        gu = self._gather_matmul(mx.expand_dims(x, -2)[order // k], gate_up, idx, True, rows)  # [T*k, 1, 2I]
         if gate_up_bias is not None:
             gu = gu + mx.expand_dims(gate_up_bias[idx], -2)
         inter = gu.shape[-1] // 2
-        y = self._gather_matmul(act(gu[..., :inter], gu[..., inter:]), down, idx, True)
-        return y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
+        h = act(gu[..., :inter], gu[..., inter:])
+        w = None if weights is None else weights.reshape(-1)[order].reshape(-1, 1, 1).astype(h.dtype)
+        y = self._gather_matmul(h if w is None else h * w, down, idx, True, rows)
+        if down_bias is not None:
+            db = mx.expand_dims(down_bias[idx], -2)
+            y = y + (db if w is None else db * w)
+        y = y.reshape(t * k, -1)[mx.argsort(order)].reshape(t, k, -1)
+        return y if w is None else y.sum(axis=1)
 
     @staticmethod
-    def _gather_matmul(xs, w, idx, sorted_indices: bool):
+    def _gather_matmul(xs, w, idx, sorted_indices: bool, rows=None):
         if isinstance(w, QuantizedWeight) and w.kind == "mlx":
             wq, s, bias = w.data
-            return mx.gather_qmm(xs, wq, s, bias, rhs_indices=idx, transpose=True, group_size=w.block, bits=w.bits,
-                                 sorted_indices=sorted_indices)
+            return mx.gather_qmm(xs, wq, s, bias, lhs_indices=rows, rhs_indices=idx, transpose=True,
+                                 group_size=w.block, bits=w.bits, sorted_indices=sorted_indices)
         data = w.data if isinstance(w, QuantizedWeight) else w
-        return mx.gather_mm(xs, mx.swapaxes(data, -1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
-
+        return mx.gather_mm(xs, mx.swapaxes(data, -1, -2), lhs_indices=rows, rhs_indices=idx,
+                            sorted_indices=sorted_indices)
 
     def cache_write(self, buffer, new, pos, heads: tuple[int, int] | None = None):
         """`heads`: the head range written, in a buffer that holds K and V (kvcache.packed_pairs; host `pos`)."""
