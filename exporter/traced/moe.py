@@ -385,6 +385,7 @@ def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
         return False
     order = index.argsort(-1)
     index, weights = index.gather(1, order), weights.float().gather(1, order)
+    found = []
     for scoring in contract.MOE_SCORINGS:
         for normalize in (1, 0):
             w, i = routing(x2, block.router_weight, top_k, normalize, scoring, block.bias, router_bias=block.router_bias)
@@ -392,12 +393,17 @@ def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
             w, i = w.gather(1, mine), i.gather(1, mine)
             scaling = float((weights / w).mean())
             if torch.equal(i, index) and torch.allclose(w * scaling, weights, atol=1e-5, rtol=1e-4):
-                block.top_k, block.scoring, block.normalize = int(top_k), scoring, normalize
-                block.scaling = 1.0 if abs(scaling - 1.0) < 1e-6 else scaling
-                if scoring == "softmax":
-                    block.bias_at = None  # a softmax router chose without it
-                return True
-    return False
+                found.append((abs(scaling - 1.0), scoring, normalize, scaling))
+    if not found:
+        return False
+    # a near-uniform router (random weights) makes the top-k sums nearly equal, so a normalized form with a
+    # scaling matches an unnormalized one too: the form needing no scaling is the router's own
+    _, scoring, normalize, scaling = min(found, key=lambda f: f[0])
+    block.top_k, block.scoring, block.normalize = int(top_k), scoring, normalize
+    block.scaling = 1.0 if abs(scaling - 1.0) < 1e-6 else scaling
+    if scoring == "softmax":
+        block.bias_at = None  # a softmax router chose without it
+    return True
 
 
 def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
