@@ -45,19 +45,24 @@ def test_moe_greedy_matches_hf(olmoe, backend):
         assert _greedy(plain, PROMPT, 6) == want
 
 
-def test_moe_q4_experts_mlx_equals_torch(tmp_path):
-    hf = synth.make_checkpoint(tmp_path / "hf", "qwen2_moe", generic=True, **MOE)  # with a shared expert
-    out = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)
-    prompt = list(range(3, 43))  # 40 tokens x top-2: MLX sorts by expert (mlx-lm's _gather_sort)
+def _q4_tokens_agree(model) -> None:
+    """A q4 MoE graph's experts folded into two QMoE nodes (MLX: 4-bit, its own packing), and the same greedy
+    tokens after a 40-token prompt on torch, MLX and numpy."""
     runs = {}
     for backend in ("torch", "mlx", "numpy"):
-        sess = Session(out, backend=backend)
+        sess = Session(model, backend=backend)
         moes = [n for n in sess.graph.nodes if n.op_type == "QMoE"]
         assert len(moes) == 2 and all(isinstance(n.attrs["gate_up"], QuantizedWeight) for n in moes)
         if backend == "mlx":
             assert moes[0].attrs["gate_up"].kind == "mlx" and moes[0].attrs["gate_up"].bits == 4
-        runs[backend] = _greedy(sess, prompt, 6)
+        runs[backend] = _greedy(sess, list(range(3, 43)), 6)
     assert runs["mlx"] == runs["torch"] == runs["numpy"]
+
+
+def test_moe_q4_experts_mlx_equals_torch(tmp_path):
+    hf = synth.make_checkpoint(tmp_path / "hf", "qwen2_moe", generic=True, **MOE)  # with a shared expert
+    out = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)
+    _q4_tokens_agree(out)  # 40 tokens x top-2: MLX sorts by expert (mlx-lm's _gather_sort)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
@@ -136,16 +141,7 @@ def test_gpt_oss_q4_experts_mlx_equals_torch(gpt_oss):
     """The q4 graph: experts folded into QMoE (MLX: 4-bit `mx.gather_qmm`, its sorted path for 40 tokens x top-2
     with the gate/up bias gathered in that order), the same greedy tokens on MLX, torch and numpy; and
     `fuselm validate` passes on torch and MLX (runtime tokens == onnxruntime's)."""
-    prompt = list(range(3, 43))
-    runs = {}
-    for backend in ("torch", "mlx", "numpy"):
-        sess = Session(gpt_oss("q4"), backend=backend)
-        moes = [n for n in sess.graph.nodes if n.op_type == "QMoE"]
-        assert len(moes) == 2 and all(isinstance(n.attrs["gate_up"], QuantizedWeight) for n in moes)
-        if backend == "mlx":
-            assert moes[0].attrs["gate_up"].kind == "mlx" and moes[0].attrs["gate_up"].bits == 4
-        runs[backend] = _greedy(sess, prompt, 6)
-    assert runs["mlx"] == runs["torch"] == runs["numpy"]
+    _q4_tokens_agree(gpt_oss("q4"))
     for backend in ("torch", "mlx"):
         r = fuselm.validate(gpt_oss("q4"), gpt_oss("hf"), tokens=6, backend=backend, quiet=True)
         assert r["quantized"] and r["tokens"] == r["onnxruntime"], backend

@@ -366,17 +366,17 @@ class Backend:
         raise NotImplementedError
 
 
-def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
-    """Host reference of a blocked DequantizeLinear along axis 0 ([K, N] weights)."""
-    k = q.shape[0]
-    s = np.repeat(scale.astype(np.float32), block, axis=0)[:k]
-    z = np.repeat(zero_point.astype(np.float32), block, axis=0)[:k] if zero_point is not None else 0.0
+def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int,
+                       axis: int = 0) -> np.ndarray:
+    """Host reference of a blocked DequantizeLinear along `axis` (0: [K, N] weights; -1: stacked [E, N, K]
+    experts)."""
+    k = q.shape[axis]
+    cut = (slice(None),) * (axis % q.ndim) + (slice(0, k),)
+    s = np.repeat(scale.astype(np.float32), block, axis=axis)[cut]
+    z = np.repeat(zero_point.astype(np.float32), block, axis=axis)[cut] if zero_point is not None else 0.0
     return (q.astype(np.float32) - z) * s
 
 
 def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
     """Host reference of a stacked blocked DequantizeLinear along the last axis ([E, N, K] experts)."""
-    k = q.shape[-1]
-    s = np.repeat(scale.astype(np.float32), block, axis=-1)[..., :k]
-    z = np.repeat(zero_point.astype(np.float32), block, axis=-1)[..., :k] if zero_point is not None else 0.0
-    return (q.astype(np.float32) - z) * s
+    return dequantize_blocked(q, scale, zero_point, block, axis=-1)

@@ -619,10 +619,13 @@ class MLXBackend(Backend):
         return int(stored[0].shape[-1]) * 4
 
     def kv_dequantize(self, stored, to):
+        return self._kv_rows(stored, MX_DTYPES[to])
+
+    def _kv_rows(self, stored, dtype):
+        """The stored 8-bit rows as `dtype` (float32 scales and biases: one rounding, at the end)."""
         q, s, z = stored
-        x = mx.dequantize(q, s.astype(mx.float32), z.astype(mx.float32), group_size=kv_quant.group_of(self, stored),
-                          bits=kv_quant.BITS)
-        return x.astype(MX_DTYPES[to])
+        return mx.dequantize(q, s.astype(mx.float32), z.astype(mx.float32), group_size=kv_quant.group_of(self, stored),
+                             bits=kv_quant.BITS).astype(dtype)
 
     def kv_scores(self, q, block):
         return self._kv_matmul(q, block, transpose=True)
@@ -641,8 +644,7 @@ class MLXBackend(Backend):
         if form == "contiguous":
             wq, s, z = (mx.contiguous(a) for a in (wq, s, z))
         if form == "dequantize":
-            w = mx.dequantize(wq, s.astype(mx.float32), z.astype(mx.float32), group_size=group,
-                              bits=kv_quant.BITS).astype(x.dtype)
+            w = self._kv_rows(block, x.dtype)
             return mx.matmul(x, mx.swapaxes(w, -1, -2) if transpose else w)
         return mx.quantized_matmul(x, wq, s, z, transpose=transpose, group_size=group, bits=kv_quant.BITS)
 
