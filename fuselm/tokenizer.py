@@ -130,18 +130,24 @@ def encode_prompt(tok, prompt: str | None, prompt_ids: list[int] | None, chat: b
 
 
 class Detokenizer:
-    """The text each new token adds; holds back an incomplete UTF-8 sequence. Without a tokenizer, the ids."""
+    """The text each new token adds; holds back an incomplete UTF-8 sequence. Without a tokenizer, the ids.
+
+    Decodes a window (the tokens since the last text shown, plus the few before them for context: a
+    sentencepiece tokenizer drops a word's leading space when the word starts a decode), not the whole
+    output, so a token costs the same at the 10th and the 10,000th (the incremental decode of
+    text-generation-inference and vLLM)."""
 
     def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], ""
+        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
 
     def add(self, token: int) -> str:
         if self.tok is None:
             return f"{token} "
         self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
-        if text.endswith("\ufffd"):
+        shown = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if text.endswith("\ufffd") or text == shown:
             return ""
-        new = text[len(self.shown):] if text.startswith(self.shown) else text
-        self.shown = text
+        new = text[len(shown):] if text.startswith(shown) else text
+        self.prefix, self.read = max(0, self.read - 4), len(self.ids)
         return new
