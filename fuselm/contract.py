@@ -337,15 +337,6 @@ def _interleaved_body() -> list[onnx.NodeProto]:
 SWIGLU_OP = "SwiGLU"
 
 
-def swiglu_schema():
-    """SwiGLU's OpSchema: X [..., 2·I] (gate then up) -> Y [..., I]."""
-    from onnx.defs import OpSchema
-
-    return OpSchema(SWIGLU_OP, DOMAIN, DOMAIN_VERSION, inputs=[OpSchema.FormalParameter("X", "T")],
-                    outputs=[OpSchema.FormalParameter("Y", "T")],
-                    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")])
-
-
 def swiglu_function() -> onnx.FunctionProto:
     """The FunctionProto of fuselm::SwiGLU (domain fuselm, v1): the gated SiLU of a fused gate/up projection.
 
