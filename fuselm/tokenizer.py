@@ -137,6 +137,8 @@ class Detokenizer:
     output, so a token costs the same at the 10th and the 10,000th (the incremental decode of
     text-generation-inference and vLLM)."""
 
+    CONTEXT = 4  # tokens kept before the ones not yet shown
+
     def __init__(self, tok):
         self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
 
@@ -149,5 +151,5 @@ class Detokenizer:
         if text.endswith("\ufffd") or text == shown:
             return ""
         new = text[len(shown):] if text.startswith(shown) else text
-        self.prefix, self.read = max(0, self.read - 4), len(self.ids)
+        self.prefix, self.read = max(0, self.read - self.CONTEXT), len(self.ids)
         return new
