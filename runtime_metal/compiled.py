@@ -17,7 +17,7 @@ The first compiled step is checked against the eager step (same inputs) before i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 import numpy as np
@@ -181,7 +181,13 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
         return None
     hq, hk, window = int(a["q_num_heads"]), int(a["kv_num_heads"]), a["causal_rows"]
     k3, v3 = ins[1], ins[2]  # the 3-D K and V: read only where the executor runs the op (rebuilt from kv there)
-    before.heads_out.update({qn: hq, kvn: 0})
+    made = [j for j, s in enumerate(before.steps) if s.node.op_type == "QKVHeads" and s.node.outputs == [qn, k3, v3, kvn]]
+    if made and not any(o in others or o in sess.graph.outputs for o in (k3, v3)):
+        # QKVHeads hands them over heads first (qkv_heads.py): no merge in it and no split after it
+        qkv = before.steps[made[0]]
+        before.steps[made[0]] = replace(qkv, node=replace(qkv.node, attrs={**qkv.node.attrs, "heads_first": 1}))
+    else:
+        before.heads_out.update({qn: hq, kvn: 0})
     before.outputs = [o for o in before.outputs if o not in (k3, v3) or o in others or o in sess.graph.outputs]
     after.heads_in.add(yn)
     d = next(c.head_dim for c in sess.caches if c.name == kn)  # q's head size is k's

@@ -39,7 +39,14 @@ def RoPETable(b, position_ids, *, inv_freq, attention_scaling=1.0):
 
 
 @op("QKVHeads", domain=RUNTIME)
-def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=None):
+def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=None, heads_first=0):
+    """Q, K, V [B, S, H·D] and the K and V rows [B, S, 2Hkv, D]; `heads_first` (a decode piece handing them to
+    its attention, compiled.py): Q, K, V and the rows as [B, H, S, D], no merge and split between."""
+    if heads_first:
+        out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon, heads_first=True)
+        return tuple(b.slice(out, (slice(None), slice(h0, h1))) for h0, h1 in
+                     ((0, heads), (heads, heads + kv_heads), (heads + kv_heads, heads + 2 * kv_heads),
+                      (heads, heads + 2 * kv_heads)))
     out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon)
     bsz, s, _, d = b.shape(out)
 

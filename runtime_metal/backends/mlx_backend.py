@@ -444,17 +444,19 @@ class MLXBackend(Backend):
         cos, sin = mx.cos(ang), mx.sin(ang)
         return (cos, sin) if scaling == 1.0 else (cos * scaling, sin * scaling)
 
-    def qkv_heads(self, qkv, cos, sin, weight, weight_rot, heads, kv_heads, eps):
+    def qkv_heads(self, qkv, cos, sin, weight, weight_rot, heads, kv_heads, eps, heads_first=False):
         """The fused QKV output [B, S, (Hq + 2Hkv)·D] as heads [B, S, Hq + 2Hkv, D]: q and k RMS-normalized
         (eps None: not normalized) and rotated (full, non-interleaved), v as it came. `weight` [H, 2, D/2] is the norm weight and
         `weight_rot` its rotate_half twin (halves swapped, the first negated), so the rotation reads the
         normalized heads through a negative-stride view: one rms_norm over every head (v's result is
-        dropped) and one elementwise expression of kernel outputs and constants, which mx.compile fuses."""
+        dropped) and one elementwise expression of kernel outputs and constants, which mx.compile fuses.
+        `heads_first`: as [B, Hq + 2Hkv, S, D] (one reshape for one token), as a decode attention reads them."""
         h = heads + 2 * kv_heads
-        key = ("qk", h, heads + kv_heads, eps)
+        key = ("qk", h, heads + kv_heads, eps, heads_first)
         if key not in self._freqs:  # which heads rotate (q and k), and the expression compiled once per layout
             rotates = mx.array((np.arange(h) < heads + kv_heads).reshape(h, 1, 1))
-            self._freqs[key] = (None, mx.compile(partial(_qkv_heads, rotates=rotates, eps=eps)))
+            self._freqs[key] = (None, mx.compile(partial(_qkv_heads, rotates=rotates, eps=eps,
+                                                         heads_first=heads_first)))
         return self._freqs[key][1](qkv, cos, sin, weight, weight_rot)
 
     def sdpa(self, q, k, v, mask, scale):
@@ -655,7 +657,7 @@ def _silu_gate(gate, up):
     return gate * mx.sigmoid(gate) * up
 
 
-def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps):
+def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps, heads_first=False):
     """MLXBackend.qkv_heads, compiled (mx.compile) so that a prompt chunk's rotation is one fused kernel too:
     uncompiled, each product of the expression would be its own [S, H, D] float32 array (cos and sin are float32)."""
     bsz, s, width = qkv.shape
@@ -663,8 +665,11 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps):
     d = width // h
     x = qkv.reshape(bsz, s, h, 2, d // 2)
     n = x if eps is None else mx.fast.rms_norm(qkv.reshape(bsz, s, h, d), None, eps).reshape(x.shape)
-    rotated = (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype)
-    return mx.where(rotates, rotated, x).reshape(bsz, s, h, d)
+    rotated = mx.where(rotates, (n * weight * cos + n[..., ::-1, :] * weight_rot * sin).astype(x.dtype), x)
+    if heads_first and s == 1:  # [B, 1, H, D] and [B, H, 1, D] hold their elements in the same order
+        return rotated.reshape(bsz, h, 1, d)
+    out = rotated.reshape(bsz, s, h, d)
+    return out.transpose(0, 2, 1, 3) if heads_first else out
 
 
 @functools.cache
