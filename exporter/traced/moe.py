@@ -14,7 +14,8 @@ chosen with a selection bias or not, renormalised or not) and the expert activat
 clamped SwiGLU with its alpha and limit taken from the experts module's float settings) are read back by
 running the model's own router and experts modules on random tensors and matching them against the
 op's reference (`reference`), as rope_op.py does for the rotary; a block that matches no form is
-refused instead of exported wrong.
+refused instead of exported wrong. Expert stacks outside any block (JetMoE's) are refused by `unrecognised`,
+which says where they are and why.
 
 While a layer is traced, the router's forward returns placeholders and the experts' forward calls
 `fuselm_trace::moe`, so the data-dependent expert loop is never traced.
@@ -300,6 +301,42 @@ def _router_params(module: nn.Module, shape: tuple[int, int]):
         return (module.get_submodule(owner) if owner else module), name
 
     return at(weights[0]), (at(bias[0]) if bias else None)
+
+
+def unrecognised(model: nn.Module, blocks: list[Block]) -> str | None:
+    """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
+    (None: no 3-D expert stacks outside the blocks). Experts inside an attention module (JetMoE's MoA: each
+    token's top-k query and output projections) are a mixture of attention experts, which no fuselm op expresses;
+    others are stacks fuselm::MoE does not read (JetMoE's MLP: `input_linear` / `output_linear` experts beside a
+    router that returns tokens sorted by expert)."""
+    inside = covered(model, blocks)
+    owners: dict[str, tuple[nn.Module, list[str]]] = {}
+    for name, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.dim() == 3:
+                parent = name.rpartition(".")[0]
+                owners.setdefault(parent, (model.get_submodule(parent), []))[1].append(
+                    f"{name[len(parent) + 1:]}.{pname} {list(p.shape)}")
+    if not owners:
+        return None
+    seen, attention, other = set(), [], []
+    for where, (module, tensors) in owners.items():
+        if type(module).__name__ in seen:
+            continue  # the next layers' copies
+        seen.add(type(module).__name__)
+        chain = [model.get_submodule(".".join(where.split(".")[:i])) for i in range(1, where.count(".") + 2)]
+        in_attention = any("attention" in type(c).__name__.lower() for c in chain)
+        (attention if in_attention else other).append(f"{where} ({type(module).__name__}: {', '.join(tensors)})")
+    parts = []
+    if attention:
+        parts.append(f"attention experts at {', '.join(attention)}: each token's top-k query and output "
+                     "projections (a mixture of attention heads), which no fuselm op expresses")
+    if other:
+        parts.append(f"experts at {', '.join(other)} that fuselm::MoE does not read (it takes transformers' stacked "
+                     "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H])")
+    return "; and ".join(parts)
 
 
 def covered(model: nn.Module, blocks: list[Block]) -> set[int]:
