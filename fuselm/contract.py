@@ -361,7 +361,7 @@ def functions_for(nodes) -> list[onnx.FunctionProto]:
         out.append(swiglu_function())
     moe = moe_form(nodes)
     if moe is not None:
-        out.append(moe_function(moe.activation, moe.scoring, moe.biased))
+        out.append(moe_function(moe.activation, moe.scoring, moe.biased, moe.selection_bias))
     return out
 
 
@@ -370,34 +370,41 @@ MOE_OP = "MoE"
 # the expert MLP's gated activation: act(gate) * up; clamped_swiglu is gpt-oss's
 # min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clip(up, -limit, limit) + 1)
 MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
-MOE_SCORINGS = ("softmax", "sigmoid")  # the router's probabilities: softmax over experts, or each expert's sigmoid
+# the router's probabilities: softmax over experts, each expert's sigmoid, or PhiMoE's sparsemixer (each slot a
+# softmax over the experts within a relative distance 2·jitter_eps of that slot's logit)
+MOE_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 MOE_INPUTS = ("X", "router", "gate_up", "down", "bias", "router_bias", "gate_up_bias", "down_bias")
 MOE_BIASES = MOE_INPUTS[5:]  # optional, all three or none: gpt-oss's router and expert biases
 
 
 @dataclass(frozen=True)
 class MoeForm:
-    """What selects MoE's function body: the gate activation, the router scoring, and whether the node
-    carries the router and expert biases (inputs 5-7)."""
+    """What selects MoE's function body: the gate activation, the router scoring, whether the node
+    carries the router and expert biases (inputs 5-7), and whether a softmax router chooses with a
+    selection bias (input 4: Ernie-4.5-MoE; a sigmoid router's body always reads it)."""
 
     activation: str = "silu"
     scoring: str = "softmax"
     biased: bool = False
+    selection_bias: bool = False
 
 
 def moe_forms() -> list[MoeForm]:
     """Every form fuselm::MoE has a function body for."""
-    return [MoeForm(a, s, b) for a in MOE_ACTIVATIONS for s in MOE_SCORINGS for b in (False, True)]
+    return [MoeForm(a, s, b, sb) for a in MOE_ACTIVATIONS for s in MOE_SCORINGS for b in (False, True)
+            for sb in ((False, True) if s == "softmax" else (False,))]
 
 
 def moe_node(x: str, router: str, gate_up: str, down: str, y: str, name: str, top_k: int, normalize: int,
              activation: str = "silu", scoring: str = "softmax", scaling: float = 1.0,
              bias: str | None = None, biases: tuple[str, str, str] | None = None, alpha: float = 1.0,
-             limit: float = float("inf")) -> onnx.NodeProto:
+             limit: float = float("inf"), jitter_eps: float = 0.01) -> onnx.NodeProto:
     """One `fuselm::MoE` node: x [..., H], router [E, H], gate_up [E, 2I, H], down [E, H, I](, bias [E])
     (, router_bias [E], gate_up_bias [E, 2I], down_bias [E, H]: `biases`) -> y [..., H]."""
     inputs = [x, router, gate_up, down] + ([bias or ""] if bias or biases else []) + list(biases or ())
     extra = dict(alpha=float(alpha), limit=float(limit)) if activation == "clamped_swiglu" else {}
+    if scoring == "sparsemixer":
+        extra["jitter_eps"] = float(jitter_eps)
     return oh.make_node(MOE_OP, inputs, [y], name=name, domain=DOMAIN, top_k=int(top_k), normalize=int(normalize),
                         activation=activation, scoring=scoring, scaling=float(scaling), **extra)
 
@@ -419,10 +426,12 @@ def moe_schema():
                     OpSchema.Attribute("scoring", oh.make_attribute("scoring", "softmax"), ""),
                     OpSchema.Attribute("scaling", oh.make_attribute("scaling", 1.0), ""),
                     OpSchema.Attribute("alpha", oh.make_attribute("alpha", 1.0), ""),
-                    OpSchema.Attribute("limit", oh.make_attribute("limit", float("inf")), "")])
+                    OpSchema.Attribute("limit", oh.make_attribute("limit", float("inf")), ""),
+                    OpSchema.Attribute("jitter_eps", oh.make_attribute("jitter_eps", 0.01), "")])
 
 
-def moe_function(activation: str = "silu", scoring: str = "softmax", biased: bool = False) -> onnx.FunctionProto:
+def moe_function(activation: str = "silu", scoring: str = "softmax", biased: bool = False,
+                 selection_bias: bool = False) -> onnx.FunctionProto:
     """The FunctionProto of fuselm::MoE (domain fuselm, v1) for one gate activation, router scoring and
     bias form (MoeForm), opset-23 ops only.
 
@@ -432,6 +441,10 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     scoring softmax: probs = softmax(logits); experts = TopK(probs, top_k)
     scoring sigmoid: probs = sigmoid(logits); experts = TopK(probs + bias, top_k) (bias [E] chooses only:
                      DeepSeek-V3's e_score_correction_bias; GLM-4.5, MiniMax-M2)
+    softmax with a selection bias (MoeForm.selection_bias: Ernie-4.5-MoE): experts = TopK(probs + bias, top_k)
+    scoring sparsemixer (PhiMoE): (v, experts) = TopK(logits, top_k), sorted; slot j's value is
+                     softmax over the experts e not chosen before slot j with
+                     (v_j - logits_e) / max(|logits_e|, v_j) <= 2 · jitter_eps, taken at experts_j
     values = probs at experts; values /= sum(values) where normalize = 1; values *= scaling
     weights = values scattered into zeros [T, E] (0 outside each token's top_k)
     gate, up = split(x2 @ gate_up^T (+ gate_up_bias)) per expert [E, T, I]; h = act(gate, up)
@@ -440,9 +453,9 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     y = sum_e weights[:, e] * (h_e @ down_e^T (+ down_bias_e)), reshaped to x's shape.
     normalize = 1 with softmax equals softmax over the top_k logits (Granite-MoE's, gpt-oss's routing order).
     """
-    if activation not in MOE_ACTIVATIONS or scoring not in MOE_SCORINGS:
+    if activation not in MOE_ACTIVATIONS or scoring not in MOE_SCORINGS or (selection_bias and scoring != "softmax"):
         raise FuselmError(f"fuselm::MoE activation {activation!r} / scoring {scoring!r} is not one of "
-                          f"{', '.join(MOE_ACTIVATIONS)} / {', '.join(MOE_SCORINGS)}")
+                          f"{', '.join(MOE_ACTIVATIONS)} / {', '.join(MOE_SCORINGS)} (a selection bias: softmax only)")
 
     def c64(name, values):
         return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
@@ -464,9 +477,16 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     else:
         act = [oh.make_node("Gelu", ["gate"], ["gate_act"], approximate="tanh" if activation == "gelu_tanh" else "none"),
                oh.make_node("Mul", ["gate_act", "up"], ["h"])]
-    if scoring == "softmax":
+    if scoring == "softmax" and not selection_bias:
         route = [oh.make_node("Softmax", ["logits"], ["probs"], axis=-1),
                  oh.make_node("TopK", ["probs", "k"], ["top_v", "top_i"], axis=-1)]
+    elif scoring == "softmax":
+        route = [oh.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+                 oh.make_node("Add", ["probs", "bias"], ["choice"]),
+                 oh.make_node("TopK", ["choice", "k"], ["_choice_v", "top_i"], axis=-1),
+                 oh.make_node("GatherElements", ["probs", "top_i"], ["top_v"], axis=1)]
+    elif scoring == "sparsemixer":
+        route = _sparsemixer_body()
     else:
         route = [oh.make_node("Sigmoid", ["logits"], ["probs"]),
                  oh.make_node("Add", ["probs", "bias"], ["choice"]),
@@ -521,6 +541,8 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     ]
     # the forms without biases or clamping keep the body they had before those existed (graphs written then still check)
     clamp = [oh.make_attribute("alpha", 1.0), oh.make_attribute("limit", float("inf"))] if activation == "clamped_swiglu" else []
+    if scoring == "sparsemixer":
+        clamp.append(oh.make_attribute("jitter_eps", 0.01))
     return oh.make_function(
         DOMAIN, MOE_OP, list(MOE_INPUTS if biased else MOE_INPUTS[:5]), ["Y"], nodes,
         opset_imports=[oh.make_opsetid("", OPSET)],
@@ -529,6 +551,47 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
                           oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0), *clamp],
         doc_string=moe_function.__doc__,
     )
+
+
+def _sparsemixer_body() -> list[onnx.NodeProto]:
+    """PhiMoE's sparsemixer at inference (transformers' `sparsemixer`, top_k slots at once): logits [T, E] ->
+    probs (the logits: only their shape is read after), top_v [T, k], top_i [T, k]. Slot j keeps expert e where
+    (v_j - s_e) / max(|s_e|, v_j) <= 2·jitter_eps (NaN keeps, as torch's `>` mask does) and e's rank in the
+    TopK order is not below j (the experts chosen before are masked, as sparsemixer's scatter of -inf)."""
+    def c(name, **value):
+        return oh.make_node("Constant", [], [name], **value)
+
+    return [
+        _attr_constant("eps", "value_float", "jitter_eps", onnx.AttributeProto.FLOAT),
+        c("two_f", value_float=2.0), c("neg_inf", value_float=float("-inf")), c("zero_i", value_int=0),
+        c("one_i", value_int=1), c("axis2", value_ints=[2]), c("axis_m1", value_ints=[-1]),
+        oh.make_node("Identity", ["logits"], ["probs"]),
+        oh.make_node("TopK", ["logits", "k"], ["top_l", "top_i"], axis=-1),  # sorted, largest first
+        oh.make_node("Unsqueeze", ["top_l", "axis_m1"], ["v3"]),  # [T, k, 1]
+        oh.make_node("Unsqueeze", ["logits", "one_d"], ["s3"]),  # [T, 1, E]
+        oh.make_node("Abs", ["s3"], ["s3_abs"]),
+        oh.make_node("Max", ["s3_abs", "v3"], ["factor"]),
+        oh.make_node("Sub", ["v3", "s3"], ["gap"]),
+        oh.make_node("Div", ["gap", "factor"], ["rel"]),  # [T, k, E]
+        oh.make_node("Mul", ["eps", "two_f"], ["eps2"]),
+        oh.make_node("Greater", ["rel", "eps2"], ["far"]),
+        # each expert's rank in the TopK order (k for the unchosen), against the slot index j
+        oh.make_node("Range", ["zero_i", "k0", "one_i"], ["slots"]),  # [k]
+        oh.make_node("Shape", ["top_i"], ["top_shape"]),
+        oh.make_node("Expand", ["slots", "top_shape"], ["slot_rows"]),  # [T, k]
+        oh.make_node("Shape", ["logits"], ["logit_shape"]),
+        oh.make_node("Expand", ["k0", "logit_shape"], ["unranked"]),  # [T, E] filled with k
+        oh.make_node("ScatterElements", ["unranked", "top_i", "slot_rows"], ["rank"], axis=1),
+        oh.make_node("Unsqueeze", ["rank", "one_d"], ["rank3"]),  # [T, 1, E]
+        oh.make_node("Unsqueeze", ["slots", "one_d"], ["slots3"]),  # [k, 1]
+        oh.make_node("Less", ["rank3", "slots3"], ["before"]),  # [T, k, E]
+        oh.make_node("Or", ["far", "before"], ["dropped"]),
+        oh.make_node("Where", ["dropped", "neg_inf", "s3"], ["gates"]),
+        oh.make_node("Softmax", ["gates"], ["gates_p"], axis=-1),
+        oh.make_node("Unsqueeze", ["top_i", "axis_m1"], ["top_i3"]),
+        oh.make_node("GatherElements", ["gates_p", "top_i3"], ["top_v3"], axis=2),
+        oh.make_node("Squeeze", ["top_v3", "axis2"], ["top_v"]),
+    ]
 
 
 def moe_biased(n) -> bool:
@@ -548,11 +611,14 @@ def moe_form(nodes) -> MoeForm | None:
     forms = set()
     for n in nodes:
         if n.domain == DOMAIN and n.op_type == MOE_OP:
-            forms.add(MoeForm(*(_str_attr(n, name, default) for name, default in (("activation", "silu"),
-                                                                                 ("scoring", "softmax"))),
-                              moe_biased(n)))
+            activation, scoring = (_str_attr(n, name, default) for name, default in (("activation", "silu"),
+                                                                                      ("scoring", "softmax")))
+            inputs = list(n.input) if isinstance(n, onnx.NodeProto) else [v.name if v is not None else "" for v in n.inputs]
+            chooses = scoring == "softmax" and len(inputs) > 4 and bool(inputs[4])
+            forms.add(MoeForm(activation, scoring, moe_biased(n), chooses))
     if len(forms) > 1:
         shown_forms = ", ".join(f"{f.activation}/{f.scoring}{'/biased' if f.biased else ''}"
+                                f"{'/selection bias' if f.selection_bias else ''}"
                                 for f in sorted(forms, key=str))
         raise FuselmError(f"the graph's MoE nodes use several forms ({shown_forms}); fuselm::MoE has one function body "
                           "per model, so one expert activation, router scoring and bias form per graph is supported")

@@ -111,3 +111,53 @@ def gpt_oss(tmp_path_factory):
         return made[stage]
 
     return get
+
+
+# Routers that are not plain top-k (tests/test_convert_moe.py, tests/test_runtime_moe.py), made to show their
+# difference in the checkpoint itself (save_pretrained writes zeros or near-uniform logits for them):
+# PhiMoE's sparsemixer with router rows that share one direction, so each token's logits lie within a few
+# percent of each other and sparsemixer's window (2 * router_jitter_noise, relative) keeps or drops experts;
+# Ernie-4.5-MoE (a dense layer 0, then experts with a shared expert) with a random selection bias.
+MOE_ROUTERS = {"phimoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+               "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, intermediate_size=64,
+                                    moe_num_shared_experts=1)}
+
+
+def _doctor_router(hf: Path, model_type: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for k, v in tensors.items():
+        if model_type == "phimoe" and k.endswith(("block_sparse_moe.gate.weight", "mlp.router.weight")):
+            tensors[k] = 0.3 * torch.randn(1, v.shape[1], generator=gen) + 0.006 * torch.randn(v.shape, generator=gen)
+        if model_type == "ernie4_5_moe" and k.endswith("e_score_correction_bias"):
+            tensors[k] = torch.rand(v.shape, generator=gen)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def moe_router(tmp_path_factory):
+    """Factory: moe_router(model_type, stage) -> the tiny checkpoint ("hf", MOE_ROUTERS' routers doctored) or its
+    traced f32 convert ("f32"), optimized ("opt"); each built once per session."""
+    import fuselm
+    from fuselm import synth
+
+    made: dict[tuple, Path] = {}
+
+    def get(model_type: str, stage: str) -> Path:
+        key = (model_type, stage)
+        if key not in made:
+            root = tmp_path_factory.mktemp(model_type) if stage == "hf" else get(model_type, "hf").parent
+            if stage == "hf":
+                hf = Path(synth.make_checkpoint(root / "hf", model_type, generic=True, **MOE_ROUTERS[model_type]))
+                _doctor_router(hf, model_type)
+                made[key] = hf
+            elif stage == "f32":
+                made[key] = Path(fuselm.convert(get(model_type, "hf"), root / "f32", exporter="torch", quiet=True))
+            else:
+                made[key] = Path(fuselm.optimize(get(model_type, "f32"), root / "opt", quiet=True))
+        return made[key]
+
+    return get

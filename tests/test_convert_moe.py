@@ -255,3 +255,97 @@ def test_moe_from_the_trace_cache_is_the_same_model(model_type, tmp_path, monkey
     second = fuselm.convert(hf, tmp_path / "second", exporter="torch", quant="q4", quiet=True)
     for name in ("model.onnx", "model.onnx.data", "fuselm.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "ernie4_5_moe"])
+def test_moe_router_forms_match_hf(moe_router, model_type):
+    """Routers that are not plain top-k, read back from the model's own router and checked against HF (f32,
+    prefill + decode) before and after optimize, on checkpoints that make the difference show (conftest):
+    PhiMoE's sparsemixer (scoring="sparsemixer", its window router_jitter_noise = 0.01 read back as jitter_eps);
+    Ernie-4.5-MoE's softmax router choosing with moe_statics.e_score_correction_bias ([1, E], given to the op as
+    [E]), renormalised, its shared expert beside the op and its dense layer 0 a second layer kind."""
+    hf, out = moe_router(model_type, "hf"), moe_router(model_type, "f32")
+    meta = json.loads((out / "fuselm.json").read_text())
+    moe = meta["moe"]
+    if model_type == "phimoe":
+        assert (moe["scoring"], moe["jitter_eps"], moe["normalize"], moe["blocks"]) == ("sparsemixer", 0.01, 0, 2)
+    else:
+        assert (moe["scoring"], moe["selection_bias"], moe["normalize"], moe["shared_expert"], moe["blocks"]) == (
+            "softmax", True, 1, True, 1)
+        assert meta["traced"]["layer_kinds"] == 2
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    opt = moe_router(model_type, "opt")
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    model = onnx.load(opt / "model.onnx", load_external_data=False)
+    moes = [n for n in model.graph.node if n.op_type == contract.MOE_OP]
+    assert moes and all(bool(n.input[4:5] and n.input[4]) == (model_type == "ernie4_5_moe") for n in moes)
+    form = contract.moe_form(model.graph.node)
+    assert (form.scoring, form.selection_bias) == (("sparsemixer", False) if model_type == "phimoe" else ("softmax", True))
+
+
+def _ort_moe(node, names, values):
+    info = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [None] * v.ndim) for n, v in zip(names, values, strict=True)]
+    graph = oh.make_graph([node], "g", info, [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None] * 3)])
+    model = oh.make_model(graph, ir_version=11, functions=contract.functions_for([node]),
+                          opset_imports=[oh.make_opsetid("", contract.OPSET), oh.make_opsetid(contract.DOMAIN, 1)])
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString()).run(None, dict(zip(names, values, strict=True)))[0]
+
+
+@pytest.mark.parametrize("scoring", ["sparsemixer", "softmax_bias"])
+def test_moe_router_bodies_are_transformers_routers(scoring):
+    """The op's function body (onnxruntime) and the runtime's sparse kernel (numpy backend) against transformers'
+    own routers run as the experts' weights: `sparsemixer` (PhiMoE, eval mode) on logits within a few percent
+    of each other, so its window both keeps and drops experts; Ernie-4.5-MoE's TopKRouter with a random bias."""
+    from fuselm.runtime_metal.backends import make_backend
+    from fuselm.runtime_metal.ops_moe import MoE
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    n_exp, inter, hidden, k = 4, 6, 8, 2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, hidden)).astype(np.float32)
+    base = rng.standard_normal((1, hidden)).astype(np.float32)
+    r = (base + 0.01 * rng.standard_normal((n_exp, hidden)) if scoring == "sparsemixer"
+         else rng.standard_normal((n_exp, hidden))).astype(np.float32)
+    gu = rng.standard_normal((n_exp, 2 * inter, hidden)).astype(np.float32)
+    dn = rng.standard_normal((n_exp, hidden, inter)).astype(np.float32)
+    bias = rng.random(n_exp).astype(np.float32)
+    logits = torch.from_numpy(x.reshape(-1, hidden) @ r.T)
+    if scoring == "sparsemixer":
+        weights, index = sparsemixer(logits, jitter_eps=0.01, training=False, top_k=k)
+        assert (weights[:, 0] > 0.999).any() and (weights[:, 0] < 0.9).any()  # the window drops and keeps experts
+        node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, 0, scoring="sparsemixer", jitter_eps=0.01)
+        names, values = ["x", "r", "gu", "dn"], [x, r, gu, dn]
+    else:
+        probs = torch.softmax(logits, -1)
+        index = torch.topk(probs + torch.from_numpy(bias), k, -1).indices  # Ernie4_5_MoeTopKRouter.forward's steps
+        weights = probs.gather(1, index)
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-12)
+        assert not torch.equal(index.sort(-1).values, torch.topk(probs, k, -1).indices.sort(-1).values)  # it steers
+        node = contract.moe_node("x", "r", "gu", "dn", "y", "moe", k, 1, bias="b")
+        names, values = ["x", "r", "gu", "dn", "b"], [x, r, gu, dn, bias]
+    x2 = x.reshape(-1, hidden)
+    want = np.zeros_like(x2)
+    for t in range(len(x2)):
+        for e, w in zip(index[t].tolist(), weights[t].tolist(), strict=True):
+            gate, up = np.split(gu[e] @ x2[t], 2)
+            want[t] += w * (dn[e] @ (gate / (1 + np.exp(-gate)) * up))
+    np.testing.assert_allclose(_ort_moe(node, names, values).reshape(-1, hidden), want, atol=1e-4, rtol=1e-5)
+    b = make_backend("numpy")
+    attrs = {a.name: oh.get_attribute_value(a) for a in node.attribute}
+    attrs = {k_: v.decode() if isinstance(v, bytes) else v for k_, v in attrs.items()}
+    got = MoE(b, *values, **attrs)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1, hidden), want, atol=1e-4, rtol=1e-5)
+
+
+def test_jetmoe_refusal_names_its_attention_experts(tmp_path, capsys):
+    """JetMoE: a mixture of attention experts (per-token top-k query / output projections) beside MLP experts of
+    its own layout: exit 2 naming both, where they are and why, no traceback, nothing written."""
+    from fuselm import cli
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "jetmoe", generic=True, num_local_experts=4, num_experts_per_tok=2)
+    assert cli.main(["convert", str(hf), "-o", str(tmp_path / "out"), "--quiet", "--exporter", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "attention experts at model.layers.0.self_attention.experts (JetMoeMoA" in err
+    assert "no fuselm op expresses" in err and "model.layers.0.mlp (JetMoeMoE" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

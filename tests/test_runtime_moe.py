@@ -145,3 +145,29 @@ def test_gpt_oss_q4_experts_mlx_equals_torch(gpt_oss):
     for backend in ("torch", "mlx"):
         r = fuselm.validate(gpt_oss("q4"), gpt_oss("hf"), tokens=6, backend=backend, quiet=True)
         assert r["quantized"] and r["tokens"] == r["onnxruntime"], backend
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "ernie4_5_moe"])
+def test_moe_router_forms_validate(moe_router, model_type):
+    """`fuselm validate` on the optimized graphs of PhiMoE (sparsemixer) and Ernie-4.5-MoE (a softmax router with
+    a selection bias): each backend's greedy tokens equal onnxruntime's and HF's, its logits within 1e-4 of HF's."""
+    hf, opt = moe_router(model_type, "hf"), moe_router(model_type, "opt")
+    for backend in ("numpy", "torch", "mlx"):
+        r = fuselm.validate(opt, hf, tokens=6, backend=backend, quiet=True)
+        assert r["tokens"] == r["hf"] == r["onnxruntime"], backend
+        assert max(r["max_logit_diff_hf"]) <= 1e-4, backend
+
+
+def test_moe_unknown_scoring_is_refused():
+    """A MoE node whose router scoring this runtime does not know is an error naming it and the fix, never another
+    router run in its place."""
+    from fuselm.runtime_metal.backends import make_backend
+    from fuselm.runtime_metal.ops_moe import MoE
+
+    from fuselm.errors import FuselmError
+
+    rng = np.random.default_rng(0)
+    x, r = rng.standard_normal((1, 3, 8)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32)
+    gu, dn = rng.standard_normal((4, 12, 8)).astype(np.float32), rng.standard_normal((4, 8, 6)).astype(np.float32)
+    with pytest.raises(FuselmError, match="scoring 'grouped' is not one of softmax, sigmoid, sparsemixer.*convert"):
+        MoE(make_backend("numpy"), x, r, gu, dn, top_k=2, scoring="grouped")

@@ -1,18 +1,21 @@
 """Sparse mixture-of-experts blocks, found by structure and traced as one `fuselm::MoE` op.
 
-A block is a module with two children: a router holding one weight [E, H] (and a bias [E]: gpt-oss)
-and an experts module holding the stacked expert weights `gate_up_proj` [E, 2I, H] (gate rows first)
+A block is a module with two children: a router holding one weight [E, H] (and one tensor of E values:
+gpt-oss's bias on its logits where the experts have biases too, else a selection bias: Ernie-4.5-MoE's
+[1, E]) and an experts module holding the stacked expert weights `gate_up_proj` [E, 2I, H] (gate rows first)
 and `down_proj` [E, H, I] (transformers 5's layout for Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, ...),
 or gpt-oss's: [in, out] per expert (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], told apart by
 shape), gate and up interleaved, with `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H].
 Such experts are streamed into the op's layout (transposed, gate rows first: `Layout`), so the op
 and its runtime kernels see one layout. Anything else in the block (Qwen2-MoE's shared expert and
 its sigmoid gate) is traced as plain nodes beside the op. Nothing is per family: what the router
-computes (renormalised top-k or not) and the expert activation (silu, gelu, gpt-oss's clamped
-SwiGLU with its alpha and limit taken from the experts module's float settings) are read back by
+computes (softmax, sigmoid or PhiMoE's sparsemixer with its window from the router's float settings,
+chosen with a selection bias or not, renormalised or not) and the expert activation (silu, gelu, gpt-oss's
+clamped SwiGLU with its alpha and limit taken from the experts module's float settings) are read back by
 running the model's own router and experts modules on random tensors and matching them against the
 op's reference (`reference`), as rope_op.py does for the rotary; a block that matches no form is
-refused instead of exported wrong.
+refused instead of exported wrong. Expert stacks outside any block (JetMoE's) are refused by `unrecognised`,
+which says where they are and why.
 
 While a layer is traced, the router's forward returns placeholders and the experts' forward calls
 `fuselm_trace::moe`, so the data-dependent expert loop is never traced.
@@ -83,6 +86,7 @@ class Block:
     scaling: float = 1.0
     alpha: float = 1.0  # clamped_swiglu's sigmoid gain and clamp
     limit: float = float("inf")
+    jitter_eps: float = 0.01  # sparsemixer's relative window (PhiMoE's router_jitter_noise)
     gate_up_layout: Layout = Layout()
     down_layout: Layout = Layout()
 
@@ -121,20 +125,20 @@ class Block:
 def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor | None,
         router_bias: torch.Tensor | None, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
         top_k: int, normalize: int, activation: str, scoring: str, scaling: float, alpha: float, limit: float,
-        layouts: list[int]) -> torch.Tensor:
+        jitter_eps: float, layouts: list[int]) -> torch.Tensor:
     """x [..., H] -> y [..., H]: fuselm::MoE (contract.moe_function's semantics). `layouts` (gate_up's transposed,
     interleaved, down's transposed): the module's layout, which the graph's weights no longer have."""
     gu_layout, down_layout = Layout(bool(layouts[0]), bool(layouts[1])), Layout(bool(layouts[2]))
     gate_up, down = gu_layout.canonical(gate_up), down_layout.canonical(down)
     gate_up_bias = gu_layout.canonical(gate_up_bias) if gate_up_bias is not None else None
-    routed = routing(x.reshape(-1, x.shape[-1]), router, top_k, normalize, scoring, bias, scaling, router_bias)
+    routed = routing(x.reshape(-1, x.shape[-1]), router, top_k, normalize, scoring, bias, scaling, router_bias, jitter_eps)
     return reference(x, router, gate_up, down, top_k, normalize, activation, routed=routed,
                      biases=(gate_up_bias, down_bias), alpha=alpha, limit=limit)
 
 
 @moe.register_fake
 def _(x, router, gate_up, down, bias, router_bias, gate_up_bias, down_bias, top_k, normalize, activation, scoring,
-      scaling, alpha, limit, layouts):
+      scaling, alpha, limit, jitter_eps, layouts):
     return torch.empty_like(x)
 
 
@@ -152,19 +156,39 @@ def _act(activation: str, gate, up, alpha: float, limit: float):
 
 def routing(x2: torch.Tensor, router: torch.Tensor, top_k: int, normalize: int, scoring: str = "softmax",
             bias: torch.Tensor | None = None, scaling: float = 1.0,
-            router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            router_bias: torch.Tensor | None = None, jitter_eps: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], experts [T, k]): softmax over the experts of x2 @ router^T (+ router_bias) (or each
-    one's sigmoid, chosen with `bias` added), the top_k, renormalised if asked, times `scaling`."""
+    one's sigmoid), chosen with `bias` added where given, the top_k, renormalised if asked, times `scaling`;
+    or PhiMoE's sparsemixer (`_sparsemixer`)."""
     logits = x2.float() @ router.float().T
     if router_bias is not None:
         logits = logits + router_bias.float()
-    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    choice = probs + bias.float() if bias is not None and scoring == "sigmoid" else probs
-    index = torch.topk(choice, top_k, dim=-1).indices
-    values = probs.gather(1, index)
+    if scoring == "sparsemixer":
+        values, index = _sparsemixer(logits, top_k, jitter_eps)
+    else:
+        probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+        choice = probs + bias.float().reshape(-1) if bias is not None else probs
+        index = torch.topk(choice, top_k, dim=-1).indices
+        values = probs.gather(1, index)
     if normalize:
         values = values / values.sum(dim=-1, keepdim=True)
     return values * scaling, index
+
+
+def _sparsemixer(logits: torch.Tensor, top_k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's sparsemixer at inference, for any top_k (transformers' is top-2): slot j takes the j-th largest
+    logit v_j; its weight is the softmax, at that expert, over the experts e not chosen before with
+    (v_j - s_e) / max(|s_e|, v_j) <= 2 * jitter_eps (contract.moe_function)."""
+    values, index = [], []
+    masked = logits
+    for _ in range(top_k):
+        top, at = masked.max(dim=-1, keepdim=True)
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * jitter_eps
+        gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)
+        values.append(gates.gather(-1, at))
+        index.append(at)
+        masked = masked.scatter(-1, at, float("-inf"))
+    return torch.cat(values, dim=-1), torch.cat(index, dim=-1)
 
 
 def reference(x, router, gate_up, down, top_k: int, normalize: int, activation: str,
@@ -191,11 +215,13 @@ def translation():
     op = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.MOE_OP, contract.moe_schema())
 
     def to_onnx(x, router, gate_up, down, bias, router_bias, gate_up_bias, down_bias, top_k, normalize, activation,
-                scoring, scaling, alpha, limit, layouts):
+                scoring, scaling, alpha, limit, jitter_eps, layouts):
         biases = (router_bias, gate_up_bias, down_bias)
         inputs = (x, router, gate_up, down) + ((bias,) if bias is not None or biases[0] is not None else ())
         inputs += biases if biases[0] is not None else ()
         clamp = dict(alpha=float(alpha), limit=float(limit)) if activation == "clamped_swiglu" else {}
+        if scoring == "sparsemixer":
+            clamp["jitter_eps"] = float(jitter_eps)
         return op(*inputs, top_k=int(top_k), normalize=int(normalize), activation=str(activation), scoring=str(scoring),
                   scaling=float(scaling), **clamp)
 
@@ -247,24 +273,26 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
             raise FuselmError(f"model_type {model_type!r}: the experts at {where} have no router of one weight "
                               f"[{n_exp}, {hidden}] (and a bias [{n_exp}]) beside them (a router of its own layout); "
                               "not supported")
-        router, (weight_at, router_bias_at) = routers[0]
-        if (router_bias_at is None) != (not biases):
-            raise FuselmError(f"model_type {model_type!r}: the block at {name} has "
-                              f"{'expert biases but a router without one' if biases else 'a router bias but experts without biases'}; "
-                              "fuselm::MoE takes the router and expert biases together or none")
-        block = Block(name, m, router, ex, weight_at, router_bias_at=router_bias_at, gate_up_layout=layouts[0],
-                      down_layout=layouts[1])
+        router, (weight_at, extra_at) = routers[0]
+        if biases and extra_at is None:
+            raise FuselmError(f"model_type {model_type!r}: the block at {name} has expert biases but a router without "
+                              "one; fuselm::MoE takes the router and expert biases together or none")
+        # a router's own [E] tensor is its logits' bias where the experts have biases too (gpt-oss), else a
+        # candidate selection bias (Ernie-4.5-MoE's moe_statics.e_score_correction_bias): _checked tells
+        block = Block(name, m, router, ex, weight_at, bias_at=None if biases else extra_at,
+                      router_bias_at=extra_at if biases else None, gate_up_layout=layouts[0], down_layout=layouts[1])
         blocks.append(_checked(block, model_type))
     return blocks
 
 
 def _router_params(module: nn.Module, shape: tuple[int, int]):
     """((owner, name) of the router's weight, that of its bias or None) when the module's parameters are one
-    weight of `shape` (its own `weight`, or a Linear inside it: HunYuan's `gate.wg`) and at most a bias
-    [E] beside it (gpt-oss); None otherwise (a second tensor, another shape)."""
+    weight of `shape` (its own `weight`, or a Linear inside it: HunYuan's `gate.wg`) and at most one tensor
+    of E values beside it ([E] or [1, E]: gpt-oss's bias, Ernie-4.5-MoE's selection bias); None otherwise
+    (a second tensor, another shape)."""
     params = list(module.named_parameters())
     weights = [n for n, p in params if tuple(p.shape) == shape]
-    bias = [n for n, p in params if tuple(p.shape) == shape[:1]]
+    bias = [n for n, p in params if tuple(p.shape) in (shape[:1], (1, shape[0]))]
     if len(weights) != 1 or len(bias) > 1 or len(params) != 1 + len(bias):
         return None
 
@@ -273,6 +301,42 @@ def _router_params(module: nn.Module, shape: tuple[int, int]):
         return (module.get_submodule(owner) if owner else module), name
 
     return at(weights[0]), (at(bias[0]) if bias else None)
+
+
+def unrecognised(model: nn.Module, blocks: list[Block]) -> str | None:
+    """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
+    (None: no 3-D expert stacks outside the blocks). Experts inside an attention module (JetMoE's MoA: each
+    token's top-k query and output projections) are a mixture of attention experts, which no fuselm op expresses;
+    others are stacks fuselm::MoE does not read (JetMoE's MLP: `input_linear` / `output_linear` experts beside a
+    router that returns tokens sorted by expert)."""
+    inside = covered(model, blocks)
+    owners: dict[str, tuple[nn.Module, list[str]]] = {}
+    for name, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.dim() == 3:
+                parent = name.rpartition(".")[0]
+                owners.setdefault(parent, (model.get_submodule(parent), []))[1].append(
+                    f"{name[len(parent) + 1:]}.{pname} {list(p.shape)}")
+    if not owners:
+        return None
+    seen, attention, other = set(), [], []
+    for where, (module, tensors) in owners.items():
+        if type(module).__name__ in seen:
+            continue  # the next layers' copies
+        seen.add(type(module).__name__)
+        chain = [model.get_submodule(".".join(where.split(".")[:i])) for i in range(1, where.count(".") + 2)]
+        in_attention = any("attention" in type(c).__name__.lower() for c in chain)
+        (attention if in_attention else other).append(f"{where} ({type(module).__name__}: {', '.join(tensors)})")
+    parts = []
+    if attention:
+        parts.append(f"attention experts at {', '.join(attention)}: each token's top-k query and output "
+                     "projections (a mixture of attention heads), which no fuselm op expresses")
+    if other:
+        parts.append(f"experts at {', '.join(other)} that fuselm::MoE does not read (it takes transformers' stacked "
+                     "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H])")
+    return "; and ".join(parts)
 
 
 def covered(model: nn.Module, blocks: list[Block]) -> set[int]:
@@ -285,16 +349,19 @@ def _checked(block: Block, model_type: str) -> Block:
     model's own router and experts."""
     gen = torch.Generator().manual_seed(0)
     n_exp, hidden = block.num_experts, block.hidden
-    x2 = torch.randn(7, hidden, generator=gen)
-    block.bias_at = _selection_bias(block)
+    block.bias_at = block.bias_at or _selection_bias(block)
     owner, pname = block.weight_at
-    stand_ins = [_swapped(owner, **{pname: torch.randn(n_exp, hidden, generator=gen)})]
+    stand_in = torch.randn(n_exp, hidden, generator=gen)
+    x2 = torch.cat([torch.randn(7, hidden, generator=gen), _near_ties(stand_in, gen)])
+    stand_ins = [_swapped(owner, **{pname: stand_in})]
     if block.router_bias_at is not None:
         stand_ins.append(_swapped(block.router_bias_at[0], **{block.router_bias_at[1]: torch.randn(n_exp, generator=gen)}))
     with contextlib.ExitStack() as stack, torch.no_grad():
         for cm in stand_ins:
             stack.enter_context(cm)
-        stack.enter_context(_buffer_swapped(block.bias_at, torch.rand(n_exp, generator=gen)))
+        if block.bias_at is not None:
+            shape = getattr(*block.bias_at).shape
+            stack.enter_context(_tensor_swapped(block.bias_at, torch.rand(shape, generator=gen)))
         router = block.router
         try:
             try:
@@ -315,8 +382,8 @@ def _checked(block: Block, model_type: str) -> Block:
         top_k = index.shape[-1]
         if not _routing_form(block, x2, index, weights, top_k):
             raise FuselmError(f"model_type {model_type!r}: its router at {block.name} is neither softmax-top-k nor "
-                              "sigmoid-top-k with a selection bias, renormalised or not (grouped top-k, sparsemixer); "
-                              "fuselm::MoE cannot express it")
+                              "sigmoid-top-k, with or without a selection bias, renormalised or not, nor PhiMoE's "
+                              "sparsemixer (grouped top-k, for one); fuselm::MoE cannot express it")
     if _experts_form(block, top_k, gen):
         return block
     raise FuselmError(f"model_type {model_type!r}: its experts at {block.name} are not act(gate, up) -> down over "
@@ -385,25 +452,41 @@ def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
         return False
     order = index.argsort(-1)
     index, weights = index.gather(1, order), weights.float().gather(1, order)
+    # sparsemixer's window is one of the router's float settings (PhiMoE: router_jitter_noise)
+    windows = sorted({v for v in vars(block.router).values() if isinstance(v, float) and not isinstance(v, bool)})
     found = []
     for scoring in contract.MOE_SCORINGS:
-        for normalize in (1, 0):
-            w, i = routing(x2, block.router_weight, top_k, normalize, scoring, block.bias, router_bias=block.router_bias)
-            mine = i.argsort(-1)
-            w, i = w.gather(1, mine), i.gather(1, mine)
-            scaling = float((weights / w).mean())
-            if torch.equal(i, index) and torch.allclose(w * scaling, weights, atol=1e-5, rtol=1e-4):
-                found.append((abs(scaling - 1.0), scoring, normalize, scaling))
+        for eps in (windows if scoring == "sparsemixer" else [0.01]):
+            for chooses in ((True, False) if block.bias is not None and scoring == "softmax" else (scoring == "sigmoid",)):
+                bias = block.bias if chooses else None
+                for normalize in ((0,) if scoring == "sparsemixer" else (1, 0)):
+                    w, i = routing(x2, block.router_weight, top_k, normalize, scoring, bias,
+                                   router_bias=block.router_bias, jitter_eps=eps)
+                    mine = i.argsort(-1)
+                    w, i = w.gather(1, mine), i.gather(1, mine)
+                    scaling = float((weights / w).mean())
+                    if torch.equal(i, index) and torch.allclose(w * scaling, weights, atol=1e-5, rtol=1e-4):
+                        found.append((abs(scaling - 1.0), scoring, normalize, scaling, chooses, eps))
     if not found:
         return False
     # a near-uniform router (random weights) makes the top-k sums nearly equal, so a normalized form with a
     # scaling matches an unnormalized one too: the form needing no scaling is the router's own
-    _, scoring, normalize, scaling = min(found, key=lambda f: f[0])
-    block.top_k, block.scoring, block.normalize = int(top_k), scoring, normalize
+    _, scoring, normalize, scaling, chooses, eps = min(found, key=lambda f: f[0])
+    block.top_k, block.scoring, block.normalize, block.jitter_eps = int(top_k), scoring, normalize, float(eps)
     block.scaling = 1.0 if abs(scaling - 1.0) < 1e-6 else scaling
-    if scoring == "softmax":
-        block.bias_at = None  # a softmax router chose without it
+    if not chooses:
+        block.bias_at = None  # the router chose without it
     return True
+
+
+def _near_ties(router: torch.Tensor, gen) -> torch.Tensor:
+    """Tokens [8, H] whose logits under `router` [E, H] lie within a few percent of each other (positive and
+    negative), so a router that keeps only the experts near the best one (sparsemixer's window) shows it."""
+    n_exp = router.shape[0]
+    spread = torch.tensor([0.005, 0.01, 0.02, 0.04]).repeat(2)[:, None]
+    sign = torch.tensor([1.0] * 4 + [-1.0] * 4)[:, None]
+    target = 4.0 * sign * (1 + spread * torch.randn(8, n_exp, generator=gen))
+    return (torch.linalg.pinv(router) @ target.T).T  # x with x @ router^T = target (E <= H)
 
 
 def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
@@ -417,12 +500,14 @@ def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
 
 
 @contextlib.contextmanager
-def _buffer_swapped(at: tuple[nn.Module, str] | None, value: torch.Tensor):
-    """A buffer replaced by `value` (random: the check sees whether it steers the choice), put back afterwards."""
-    if at is None:
-        yield
-        return
+def _tensor_swapped(at: tuple[nn.Module, str], value: torch.Tensor):
+    """A buffer or parameter replaced by `value` (random: the check sees whether it steers the choice), put
+    back afterwards."""
     module, name = at
+    if name in module._parameters:
+        with _swapped(module, **{name: value}):
+            yield
+        return
     old = module._buffers[name]
     module._buffers[name] = value
     try:
@@ -470,12 +555,13 @@ def installed(layer: nn.Module, blocks: list[Block]):
             ex = b.experts
             biases = (b.router_bias, ex.gate_up_proj_bias, ex.down_proj_bias) if b.biased else (None, None, None)
             layouts = [int(b.gate_up_layout.transposed), int(b.gate_up_layout.interleaved), int(b.down_layout.transposed)]
-            return torch.ops.fuselm_trace.moe(hidden, b.router_weight, ex.gate_up_proj, ex.down_proj,
-                                              b.bias if b.scoring == "sigmoid" else None, *biases, b.top_k, b.normalize,
-                                              b.activation, b.scoring, b.scaling, b.alpha, b.limit, layouts)
+            bias = b.bias.reshape(-1) if b.bias is not None else None  # [E] ([1, E] stored: Ernie-4.5-MoE)
+            return torch.ops.fuselm_trace.moe(hidden, b.router_weight, ex.gate_up_proj, ex.down_proj, bias, *biases,
+                                              b.top_k, b.normalize, b.activation, b.scoring, b.scaling, b.alpha, b.limit,
+                                              b.jitter_eps, layouts)
         return run
 
-    biases = [b.bias_at for b in inside if b.bias_at]
+    biases = [b.bias_at for b in inside if b.bias_at and b.bias_at[1] in b.bias_at[0]._buffers]
     try:
         for b in inside:
             b.router.forward = route
@@ -641,4 +727,6 @@ def metadata(blocks: list[Block]) -> dict | None:
             "shared_expert": any(len(list(x.module.children())) > 2 for x in blocks), "biases": b.biased}
     if b.activation == "clamped_swiglu":
         meta.update(alpha=b.alpha, limit=b.limit)
+    if b.scoring == "sparsemixer":
+        meta.update(jitter_eps=b.jitter_eps)
     return meta

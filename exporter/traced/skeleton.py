@@ -146,6 +146,9 @@ class Skeleton:
                 if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
                 if part.lower() in type(module).__name__.lower():
+                    if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks)):
+                        raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
+                                          f"experts model with {why_not}")
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__}{f' at {name}' if name else ''})")
         self.layers_name, self.layers = self._find_layers()
