@@ -59,6 +59,7 @@ def test_lowered_graph_matches_the_standard_one(lowered, optimized, family, quan
         assert d["logits_rel"] <= tol and d["all_outputs_rel"] <= 10 * tol, (step, d)
     config = json.loads((out / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is True and config["model"]["type"] == "decoder"
+    assert config["model"]["decoder"]["session_options"]["graph_optimization_level"] == "ORT_DISABLE_ALL"
     assert config["search"]["max_length"] == config["model"]["context_length"] == 256
     cos = next(t for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer
                if t.name.endswith("cos_cache"))
