@@ -8,7 +8,10 @@ and `past_present_share_buffer: false` (with true, genai passes a max-length pas
 rejects the mask length). A graph lowered by `fuselm optimize --target onnxruntime`, whose past
 inputs only GroupQueryAttention reads, gets `past_present_share_buffer: true`: GQA takes the
 valid length from attention_mask, so past and present can be one max_length buffer (GQA's cos/sin
-caches cover the same max_length, the context length).
+caches cover the same max_length, the context length). A lowered graph (com.microsoft ops) also runs
+with onnxruntime's graph optimizations off (`LOWERED_GRAPH_OPTIMIZATION`): the passes already lowered it,
+and onnxruntime's optimizer only folds the tied embedding's Reshape into a second copy of the table
+(fuselm/ort_prepared.py has the figures).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from . import contract
 
 NAME = "genai_config.json"
+LOWERED_GRAPH_OPTIMIZATION = "ORT_DISABLE_ALL"  # a lowered graph's session option (see above)
 # The graph contract (DESIGN.md) in genai's %d form.
 _INPUTS = {**{n: n for n in contract.STEP_INPUTS},
            "past_key_names": contract.past_name("%d", "key"), "past_value_names": contract.past_name("%d", "value")}
@@ -28,10 +32,11 @@ _OUTPUTS = {contract.LOGITS: contract.LOGITS, "present_key_names": contract.pres
 _NEEDED = ("layers", "heads", "kv_heads", "head_dim")
 
 
-def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False) -> dict | None:
+def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False, lowered: bool = False) -> dict | None:
     """The config for a model directory's fuselm.json contents and graph input names; None when
     the graph is not a decoder of the contract or the dims genai needs are unknown. `share_buffer`:
-    the graph's cache is GroupQueryAttention's (see `shares_buffer`)."""
+    the graph's cache is GroupQueryAttention's (see `shares_buffer`); `lowered`: the graph holds
+    onnxruntime contrib ops (`fuselm optimize --target onnxruntime`)."""
     dims = meta.get("dims") or {}
     if any(not dims.get(k) for k in _NEEDED) or contract.INPUT_IDS not in graph_inputs \
             or contract.past_name(0, "key") not in graph_inputs:
@@ -53,7 +58,8 @@ def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False
         "pad_token_id": pad if pad is not None else first_eos,
         "decoder": {
             "filename": "model.onnx",
-            "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+            "session_options": {"log_id": "onnxruntime-genai", "provider_options": [],
+                                **({"graph_optimization_level": LOWERED_GRAPH_OPTIMIZATION} if lowered else {})},
             "head_size": dims["head_dim"],
             "hidden_size": dims.get("hidden") or dims["heads"] * dims["head_dim"],
             "num_attention_heads": dims["heads"],
@@ -79,7 +85,8 @@ def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
-    config = genai_config(meta, [i.name for i in graph.input], shares_buffer(graph))
+    lowered = any(n.domain == "com.microsoft" for n in graph.node)
+    config = genai_config(meta, [i.name for i in graph.input], shares_buffer(graph), lowered)
     if config is None:
         return None
     out = Path(model_dir) / NAME

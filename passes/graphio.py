@@ -54,9 +54,14 @@ def load(onnx_path: str | os.PathLike) -> ir.Model:
 
 
 def save(model: ir.Model, out_dir: str | os.PathLike) -> Path:
-    """Write `model.onnx` + `model.onnx.data` into `out_dir` (weights > 256 bytes external)."""
+    """Write `model.onnx` + `model.onnx.data` into `out_dir` (weights > 256 bytes external); a GatherBlockQuantized
+    sharing its table with the lm_head gets initializers of its own over the same bytes (`map_tables_apart`)."""
     path = Path(out_dir) / MODEL_NAME
     ir.save(model, path, external_data=DATA_NAME)
+    if any(n.domain == ORT_DOMAIN and n.op_type == "GatherBlockQuantized" for n in model.graph):
+        from .ort_gather_quantized import map_tables_apart
+
+        map_tables_apart(path)  # a tied table: the embedding maps its own view of the head's bytes
     return path
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from fuselm.graphcheck import ORT_DOMAIN
@@ -41,8 +44,9 @@ class OrtGatherBlockQuantized(Fusion):
     blocked along the last axis (fuselm's exporter), or Gather(DequantizeLinear(q [V, H] blocked
     along axis 1), ids) (as FromGenAI maps the builder's op back). q uint4/int4/uint8/int8 [V, H],
     float32 scales [V, blocks]: data, scales and zero points in MatMulNBits' packed layout (a
-    Reshape to [V, ·] of the same initializers, so a tied lm_head and the embedding share one copy,
-    as onnxruntime-genai's builder does), gather_axis 0, quantize_axis 1.
+    Reshape to [V, ·] of the same initializers, so a tied lm_head and the embedding share one copy
+    on disk, as onnxruntime-genai's builder does; `map_tables_apart` gives the embedding its own
+    initializers over those bytes when the graph is written), gather_axis 0, quantize_axis 1.
     Must not fire (and says why): the Gathers read different indices or another axis; a table that
     is not blocked along its rows' last axis, or whose block size GatherBlockQuantized does not take
     (a power of two >= 16); non-float32 scales; a table of another rank or type.
@@ -102,3 +106,44 @@ class OrtGatherBlockQuantized(Fusion):
         take_over(m.out, gbq.outputs[0])
         graph.opset_imports.setdefault(ORT_DOMAIN, 1)
         return scope
+
+
+def map_tables_apart(path: str | Path) -> int:
+    """Give GatherBlockQuantized its own initializers over the same bytes of the data file where it shares
+    them with another reader (the tied lm_head's MatMulNBits); returns how many were added.
+
+    onnxruntime maps each external initializer by itself: the head's copy is prepacked and its mapping
+    dropped, the embedding's stays mapped and only the rows looked up are read. One initializer read by
+    both keeps the whole table resident beside the packed copy (the 0.6B q8 table: 148 MB of peak RSS).
+    Rewrites model.onnx only; the data file keeps one copy of the table."""
+    from fuselm.graphcheck import ORT_DOMAIN
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = defaultdict(int)
+    for n in graph.node:
+        for name in n.input:
+            readers[name] += 1
+    added = 0
+    for gbq in [n for n in graph.node if n.domain == ORT_DOMAIN and n.op_type == "GatherBlockQuantized"]:
+        for i, name in enumerate(gbq.input):
+            node, slot = gbq, i
+            if (reshape := made_by.get(name)) is not None and reshape.op_type == "Reshape":
+                node, slot, name = reshape, 0, reshape.input[0]  # the data and zero points come through a Reshape
+            t = inits.get(name)
+            if t is None or t.data_location != onnx.TensorProto.EXTERNAL or readers[name] < 2 \
+                    or f"{name}.gather" in inits:
+                continue
+            own = onnx.TensorProto()
+            own.CopyFrom(t)
+            own.name = f"{name}.gather"
+            graph.initializer.append(own)
+            inits[own.name] = own
+            node.input[slot] = own.name
+            readers[name] -= 1
+            added += 1
+    if added:
+        onnx.save(model, str(path))
+    return added

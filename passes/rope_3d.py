@@ -43,7 +43,10 @@ class RoPETo3D(Fusion):
 
     def apply(self, model: ir.Model, stats) -> bool:
         self._ranks = value_ranks(model.graph)
-        modified = super().apply(model, stats)
+        try:
+            modified = super().apply(model, stats)
+        finally:
+            self._ranks = None  # this instance lives in PIPELINE: holding the graph's values would keep its weights
         if modified:
             attach_functions(model)
         return modified

@@ -12,6 +12,7 @@ import pytest
 from fuselm.passes.check import drift, run_steps
 
 import fuselm
+from fuselm import contract
 from fuselm.cli import main
 from fuselm.graphcheck import check_graph_file
 from fuselm.reference import OrtRunner
@@ -58,10 +59,32 @@ def test_lowered_graph_matches_the_standard_one(lowered, optimized, family, quan
         assert d["logits_rel"] <= tol and d["all_outputs_rel"] <= 10 * tol, (step, d)
     config = json.loads((out / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is True and config["model"]["type"] == "decoder"
+    assert config["model"]["decoder"]["session_options"]["graph_optimization_level"] == "ORT_DISABLE_ALL"
     assert config["search"]["max_length"] == config["model"]["context_length"] == 256
     cos = next(t for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer
                if t.name.endswith("cos_cache"))
     assert cos.dims[0] == 256  # GQA's caches cover genai's max_length
+
+
+def test_tied_table_is_one_copy_on_disk_that_each_reader_maps_by_itself(lowered):
+    """qwen3's tied q8 table: GatherBlockQuantized reads initializers of its own over the lm_head's bytes
+    (passes/ort_gather_quantized.py's map_tables_apart), so onnxruntime drops the head's mapping once it has
+    prepacked it and pages in only the embedding rows looked up; the data file keeps one copy."""
+    out = lowered("qwen3", "q4")
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    readers = Counter(i for n in graph.node for i in n.input)
+    head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == contract.LOGITS)
+    gbq = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    own = [made_by[i].input[0] if i in made_by else i for i in (gbq.input[0], gbq.input[2], gbq.input[3])]
+
+    def place(name: str) -> dict:
+        return {e.key: e.value for e in inits[name].external_data}
+
+    for mine, shared in zip(own, head.input[1:4], strict=True):
+        assert mine != shared and readers[mine] == readers[shared] == 1, (mine, shared)
+        assert place(mine) == place(shared) and place(mine)["location"] == "model.onnx.data"
 
 
 @pytest.mark.parametrize("quant,level", [("f32", 4), ("q4", 1), ("q4", 4)])
