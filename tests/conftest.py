@@ -29,6 +29,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 sys.path.insert(0, str(Path(__file__).parent / "reliability"))
 pytest_plugins = ["reliability_report"]
 
+# scripts/test.sh's `--dist loadfile` sends each test file to one worker (module fixtures built once); these
+# files go to one worker together: tests/test_runtime_moe.py converts the olmoe, qwen2_moe and gpt_oss configs
+# tests/test_convert_moe.py traced, and a trace is kept in-process (exporter/traced/__init__.py's _TRACED).
+# (`--dist loadgroup` and xdist_group marks would say the same, but xdist 3.8 sets item._nodeid, which pytest 9
+# no longer reads: the marks have no effect there.)
+SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files of SAME_WORKER as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SAME_WORKER.get(path, path)
+
+    return Scheduling(config, log)
+
+
 FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
 
 

@@ -9,6 +9,8 @@ below, each with its reason; a test checks that every exclusion still matches a 
 """
 
 import re
+import sys
+import types
 import warnings
 
 import numpy as np
@@ -39,15 +41,28 @@ def _excluded(name: str) -> str | None:
     return next((reason for pattern, reason in EXCLUDED if re.search(pattern, name)), None)
 
 
+# ONNX's case modules of ops the table does not claim whose cases are slow to make (their numpy references
+# are ~3/4 of collect_testcases' time) and never enter `cases`: not imported (stand-ins in sys.modules).
+UNCLAIMED_MODULES = {"averagepool": "AveragePool", "lppool": "LpPool", "maxpool": "MaxPool"}
+
+
 @pytest.fixture(scope="module")
 def cases():
     """Node test cases whose every node is an op the table claims, keyed by the op under test."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from onnx.backend.test.case.node import collect_testcases
-
-        all_cases = collect_testcases()
     claimed = {name for domain, name in OPS if domain == ""} | {"If"}
+    assert not claimed & set(UNCLAIMED_MODULES.values()), "the table claims an op of UNCLAIMED_MODULES: remove it there"
+    stand_ins = {f"onnx.backend.test.case.node.{m}": types.ModuleType(m) for m in UNCLAIMED_MODULES}
+    assert not stand_ins.keys() & sys.modules.keys()
+    sys.modules.update(stand_ins)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from onnx.backend.test.case.node import collect_testcases
+
+            all_cases = collect_testcases()
+    finally:
+        for name in stand_ins:
+            del sys.modules[name]
     by_name = {c.name: c for c in all_cases}
     grouped: dict[str, list] = {}
     for c in all_cases:
