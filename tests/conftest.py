@@ -35,11 +35,22 @@ pytest_plugins = ["reliability_report"]
 # (`--dist loadgroup` and xdist_group marks would say the same, but xdist 3.8 sets item._nodeid, which pytest 9
 # no longer reads: the marks have no effect there.)
 SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py"}
+# xdist hands out files with the most tests first, so a long file of one test (a bench's smoke test) starts
+# last and the other worker idles while it runs. The longest files go first instead (longest processing time
+# first), by their seconds in a whole-suite run (2026-12-02, 2 workers, AMD EPYC; order only: a file not listed
+# follows them in xdist's order).
+LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_convert_traced.py": 178,
+                 "tests/reliability/test_interrupt.py": 132, "tests/test_convert_traced_families.py": 117,
+                 "tests/passes/test_passes_models.py": 112, "tests/reliability/test_fuzz_graph.py": 80,
+                 "tests/test_bench_cpu_peer.py": 76, "tests/test_pipeline_run.py": 74,
+                 "tests/test_runtime_generate.py": 62, "tests/test_runtime_validate_compiled.py": 52,
+                 "tests/reliability/test_trust.py": 46, "tests/test_bench_mlx_peer.py": 45, "tests/test_split.py": 36,
+                 "tests/passes/test_upgrade_opset.py": 30, "tests/reliability/test_determinism.py": 27}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the files of SAME_WORKER as one unit of work."""
+    """`--dist loadfile`, with the files of SAME_WORKER as one unit of work, the LONGEST_FIRST ones first."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -48,6 +59,13 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return SAME_WORKER.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            # the longest listed file still waiting goes next; with none listed, xdist's next one
+            if self.workqueue:
+                longest = max(self.workqueue, key=lambda scope: LONGEST_FIRST.get(scope, 0))
+                self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return Scheduling(config, log)
 
