@@ -33,13 +33,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def _engine(engine: str, model: Path, dtype: str):
+    """bench/mlx_peer.py's engine in this process: mlx-lm, fuselm, or fuselm without compiled pieces."""
+    import mlx_peer
+
+    return mlx_peer.MlxLmEngine(model) if engine == "mlx-lm" else \
+        mlx_peer.FuselmEngine(model, dtype, compile_=engine != "fuselm-eager")
+
+
 def profile(engine: str, model: Path, context: int, tokens: int, dtype: str) -> dict:
     import mlx_peer
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    e = mlx_peer.MlxLmEngine(model) if engine == "mlx-lm" else mlx_peer.FuselmEngine(model, dtype, compile_=True)
+    e = _engine(engine, model, dtype)
     prompt = mlx_peer._ids(context, e.vocab, 3)
     for _ in e.tokens(prompt, 8):  # warm-up: compile, the checked step
         pass
@@ -90,8 +98,7 @@ def _host_split(engine: str, model: Path, context: int, tokens: int, dtype: str)
     import mlx.core as mx
     import mlx_peer
 
-    e = mlx_peer.MlxLmEngine(model) if engine == "mlx-lm" else \
-        mlx_peer.FuselmEngine(model, dtype, compile_=engine != "fuselm-eager")
+    e = _engine(engine, model, dtype)
     prompt = mlx_peer._ids(context, e.vocab, 3)
     if engine == "mlx-lm":
         from mlx_lm.models.cache import make_prompt_cache

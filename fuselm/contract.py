@@ -594,11 +594,15 @@ def _sparsemixer_body() -> list[onnx.NodeProto]:
     ]
 
 
+def _input_names(n) -> list[str]:
+    """A NodeProto's or onnx_ir node's input names ("" for an omitted one)."""
+    return list(n.input) if isinstance(n, onnx.NodeProto) else [v.name if v is not None else "" for v in n.inputs]
+
+
 def moe_biased(n) -> bool:
     """Whether a MoE node (NodeProto or onnx_ir node) carries the router and expert biases (inputs 5-7);
     some of them without the others is refused."""
-    inputs = list(n.input) if isinstance(n, onnx.NodeProto) else [v.name if v is not None else "" for v in n.inputs]
-    given = [bool(x) for x in inputs[5:8]]
+    given = [bool(x) for x in _input_names(n)[5:8]]
     if any(given) and not all(given):
         raise FuselmError(f"MoE node {n.name}: it has some of {', '.join(MOE_BIASES)} but not all; fuselm::MoE takes "
                           "the three together or none")
@@ -613,7 +617,7 @@ def moe_form(nodes) -> MoeForm | None:
         if n.domain == DOMAIN and n.op_type == MOE_OP:
             activation, scoring = (_str_attr(n, name, default) for name, default in (("activation", "silu"),
                                                                                       ("scoring", "softmax")))
-            inputs = list(n.input) if isinstance(n, onnx.NodeProto) else [v.name if v is not None else "" for v in n.inputs]
+            inputs = _input_names(n)
             chooses = scoring == "softmax" and len(inputs) > 4 and bool(inputs[4])
             forms.add(MoeForm(activation, scoring, moe_biased(n), chooses))
     if len(forms) > 1:

@@ -141,11 +141,8 @@ class AttentionTo3D(Fusion):
 
     def apply(self, model: ir.Model, stats) -> bool:
         # One sweep is enough: a rewrite gives Y the rank (3) of the Reshape output it takes over.
-        self._ranks = value_ranks(model.graph)
-        try:
-            return super().apply(model, stats)
-        finally:
-            self._ranks = None  # this instance lives in PIPELINE: holding the graph's values would keep its weights
+        self._ranks = value_ranks(model.graph)  # (dropped after the run: Pass.__call__)
+        return super().apply(model, stats)
 
     def match(self, node: ir.Node) -> Match:
         if len(node.outputs) > 3 and node.outputs[3].uses():

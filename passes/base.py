@@ -68,7 +68,12 @@ class Pass:
     def __call__(self, model: ir.Model) -> tuple[ir.Model, bool, Stats]:
         stats = Stats()
         forget_names(model.graph)
-        modified = self.apply(model, stats)
+        before = set(vars(self))
+        try:
+            modified = self.apply(model, stats)
+        finally:  # what a run kept on the pass is the run's: PIPELINE's instances live as long as the process,
+            for name in set(vars(self)) - before:  # and a value of the graph held here would keep its weights
+                delattr(self, name)
         if modified:
             remove_unused(model)
         forget_names(model.graph)

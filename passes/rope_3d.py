@@ -42,11 +42,8 @@ class RoPETo3D(Fusion):
                 and not attr(n, "num_heads", 0)]
 
     def apply(self, model: ir.Model, stats) -> bool:
-        self._ranks = value_ranks(model.graph)
-        try:
-            modified = super().apply(model, stats)
-        finally:
-            self._ranks = None  # this instance lives in PIPELINE: holding the graph's values would keep its weights
+        self._ranks = value_ranks(model.graph)  # (dropped after the run: Pass.__call__)
+        modified = super().apply(model, stats)
         if modified:
             attach_functions(model)
         return modified
