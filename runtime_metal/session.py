@@ -208,21 +208,27 @@ class Session:
         this token is read (mx.async_eval), so the host builds step n+1 while the device runs step n.
         The cache must have room: reset(len(ids) + max_new) first."""
         b = self.backend
-        y = b.pick_token(self.prefill(ids), sampler)
-        b.async_eval(y)
-        for n in range(max_new):
-            nxt = None
-            if n + 1 < max_new:
-                nxt = b.pick_token(self.decode(y), sampler)
-                b.async_eval(nxt)
-            token = b.item(y)
-            if token < 0:
-                raise FuselmError(
-                    f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
-                    "broken (`fuselm validate` compares it with the checkpoint)"
-                )
-            yield token
-            y = nxt
+        steps = b.step_queue()  # (MLX on a GPU: a second host thread encodes step n while step n+1 is built)
+        try:
+            with steps.build():
+                y = b.pick_token(self.prefill(ids), sampler)
+            ticket = steps.put(y)
+            for n in range(max_new):
+                if n + 1 < max_new:
+                    with steps.build():
+                        y = b.pick_token(self.decode(y), sampler)
+                    ticket, now = steps.put(y), ticket
+                else:
+                    now = ticket
+                token = steps.read(now)
+                if token < 0:
+                    raise FuselmError(
+                        f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
+                        "broken (`fuselm validate` compares it with the checkpoint)"
+                    )
+                yield token
+        finally:
+            steps.close()
 
     def logits_to_numpy(self, logits) -> np.ndarray:
         return np.asarray(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
@@ -239,6 +245,9 @@ class Session:
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
         if self.packed:
             mode += ", K and V in one buffer per layer"
+        queued = b.step_queue().what
+        if queued:
+            mode += f", {queued}"
         kv = (
             kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim)
             if self.caches

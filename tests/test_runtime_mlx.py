@@ -35,6 +35,30 @@ def test_generate_picks_on_device_as_the_host_loop(optimized, backend):
         assert sess.mode is Decode.COMPILED and sess.compiled is not None
 
 
+@pytest.mark.parametrize("precision,kv", [("q4", {}), ("f32", {"kv_bits": 8})])
+def test_encode_thread_gives_the_same_tokens(optimized, monkeypatch, precision, kv):
+    """Steps encoded by the second host thread (mlx_backend.EncodeThread, a GPU's default; forced on here, on
+    MLX's CPU backend): the same greedy and seeded tokens as the one-thread loop, host reads in between too."""
+    model = optimized("mistral", precision, sliding_window=5, head_dim=32)  # 16 tokens: past the window
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FUSELM_ENCODE_THREAD", flag)
+        sess = Session(model, backend="mlx", **kv)
+        assert ("second host thread" in sess.describe()) == (flag == "1")
+        ids, got = [5, 9, 2, 7], []
+        for sampler in (Sampler(), Sampler(temperature=1.2, top_p=0.9, seed=4)):
+            sess.reset(len(ids) + 12)
+            got.append(list(sess.generate(ids, 12, sampler)))
+        sess.reset(len(ids) + 12)
+        it = sess.generate(ids, 12, Sampler())
+        got.append([next(it), next(it)])  # left early: the queued step is waited for, the next run is clean
+        it.close()
+        got.append(_host_greedy(sess, ids, 6))
+        runs[flag] = got
+    assert runs["1"] == runs["0"]
+    assert runs["1"][0][:6] == runs["1"][3]
+
+
 def test_device_sampling(optimized):
     sess = Session(optimized("qwen2", "f32"), backend="mlx")
     ids = [3, 4, 5]

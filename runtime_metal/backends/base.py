@@ -11,6 +11,7 @@ ops have, so the op table hands tensors over without copies.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,10 @@ class Backend:
     def item(self, x) -> int:
         """A one-element integer array as a Python int (waits for it)."""
         return int(self.to_numpy(x).reshape(-1)[0])
+
+    def step_queue(self) -> StepQueue:
+        """How generation queues its steps on this backend (generate's loop; see StepQueue)."""
+        return StepQueue(self)
 
     def set_threads(self, decode: bool) -> None:
         """Size the backend's CPU thread pools for a decode step (True) or a prefill chunk (False)."""
@@ -380,3 +385,31 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
 def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
     """Host reference of a stacked blocked DequantizeLinear along the last axis ([E, N, K] experts)."""
     return dequantize_blocked(q, scale, zero_point, block, axis=-1)
+
+
+class StepQueue:
+    """The decode steps of one generation, queued on the device ahead of the token the host reads.
+
+    The loop (Session.generate) builds a step inside `build()`, hands its picked token to `put` (the step
+    starts computing: async_eval on a lazy backend, already computed on an eager one) and later reads the
+    token with `read(ticket)`; the next step is put before this one is read, so the host builds step n+1
+    while the device runs step n. `close()` waits for whatever is still queued. A backend whose host can
+    also overlap building with queuing (MLX: mlx_backend.EncodeThread) returns its own."""
+
+    what = ""  # how the steps are queued, when describe() should say so
+
+    def __init__(self, backend: Backend):
+        self.b = backend
+
+    def build(self):
+        return contextlib.nullcontext()
+
+    def put(self, token):
+        self.b.async_eval(token)
+        return token
+
+    def read(self, ticket) -> int:
+        return self.b.item(ticket)
+
+    def close(self) -> None:
+        pass

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import queue
+import threading
+from collections import deque
 from functools import partial
 
 import mlx.core as mx
@@ -16,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import kv_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -75,6 +78,112 @@ def gpu_kind() -> str | None:
         return "CUDA" if cuda is not None and cuda.is_available() else None
     except Exception:  # noqa: BLE001 - a build without the CUDA backend
         return None
+
+
+class EncodeThread:
+    """A host thread that hands MLX the decode steps to encode, so Python builds step n+1 meanwhile.
+
+    A host-bound decode token costs the Python build of its graph plus MLX's encode of it inside
+    `mx.async_eval` (~5 µs per kernel; bench/mlx_kernel_profile.py --host); async_eval releases the GIL,
+    so with the encode on this thread a token costs the larger of the two instead of their sum. Steps are
+    built on a stream any thread may evaluate (mx.new_thread_unsafe_stream: MLX's default streams belong
+    to one thread); evaluations on it must never overlap, so the thread runs one at a time and every
+    evaluation the host makes itself waits for it to be idle first (`drain`). One per process."""
+
+    class Job:
+        def __init__(self, arrays):
+            self.arrays, self.error = arrays, None
+            self.started, self.done = threading.Event(), threading.Event()
+
+    def __init__(self):
+        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque = deque()  # touched by the host thread only
+        threading.Thread(target=self._run, name="fuselm-mlx-encode", daemon=True).start()
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            job.started.set()
+            try:
+                mx.async_eval(*job.arrays)
+            except BaseException as e:  # noqa: BLE001 - handed to the host thread, raised there
+                job.error = e
+            job.arrays = None
+            job.done.set()
+
+    def submit(self, arrays: list) -> Job:
+        job = self.Job(arrays)
+        self._pending.append(job)
+        self._jobs.put(job)
+        job.started.wait()  # the GIL goes over now, not at the next 5 ms switch: the thread is inside MLX
+        return job
+
+    def wait(self, job: Job | None = None) -> None:
+        """Until `job` (None: every queued job) is encoded; an error of the thread's is raised here."""
+        while self._pending:
+            j = self._pending.popleft()
+            j.done.wait()
+            if j.error is not None:
+                raise j.error
+            if j is job:
+                return
+
+
+_ENCODERS: dict[str, EncodeThread] = {}
+
+
+def encode_thread() -> EncodeThread:
+    """The default device's encode thread (made on first use)."""
+    key = str(mx.default_device())
+    if key not in _ENCODERS:
+        _ENCODERS[key] = EncodeThread()
+    return _ENCODERS[key]
+
+
+class ThreadedSteps(StepQueue):
+    """Generation's steps built on the encode thread's stream and encoded by it (EncodeThread).
+
+    The host reads each token through a view made for it alone (`mx.stop_gradient`): the next step's
+    graph reads the token itself, and waiting on an array the thread may be encoding a reader of would
+    race it. The prefill is evaluated on the host's own thread: it meets whatever the load left lazy on
+    the host's streams (weights read from disk)."""
+
+    what = "steps encoded by a second host thread"
+
+    def __init__(self, backend: Backend, encoder: EncodeThread):
+        super().__init__(backend)
+        self.enc, self.first = encoder, True
+
+    def build(self):
+        return mx.stream(self.enc.stream)
+
+    def put(self, token):
+        with mx.stream(self.enc.stream):
+            seen = mx.stop_gradient(token)
+        if self.first:
+            self.first = False
+            self.enc.wait()
+            mx.async_eval(token, seen)
+            return None, seen
+        return self.enc.submit([token, seen]), seen
+
+    def read(self, ticket) -> int:
+        job, seen = ticket
+        if job is not None:
+            self.enc.wait(job)
+        return int(seen.item())
+
+    def close(self) -> None:
+        self.enc.wait()
+
+
+def _encode_thread_wanted(device: str) -> bool:
+    """FUSELM_ENCODE_THREAD=1 / 0 forces it on / off; by default on a GPU (a CPU's decode is compute-bound)."""
+    if not hasattr(mx, "new_thread_unsafe_stream"):
+        return False
+    flag = os.environ.get("FUSELM_ENCODE_THREAD", "")
+    return flag == "1" if flag in ("0", "1") else device.startswith("gpu")
 
 
 # MLX primitives that only make a view of their input (no kernel of their own)
@@ -202,6 +311,7 @@ class MLXBackend(Backend):
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
+        self._encoder = encode_thread() if _encode_thread_wanted(self.device) else None
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
@@ -214,7 +324,16 @@ class MLXBackend(Backend):
             return mx.array(value).astype(self._float)
         return mx.array(value)
 
+    def _idle(self) -> None:
+        """Before the host evaluates anything itself: the encode thread has nothing in hand (EncodeThread)."""
+        if self._encoder is not None:
+            self._encoder.wait()
+
+    def step_queue(self) -> StepQueue:
+        return ThreadedSteps(self, self._encoder) if self._encoder is not None else StepQueue(self)
+
     def to_numpy(self, x):
+        self._idle()
         if x.dtype == mx.bfloat16:
             import ml_dtypes
 
@@ -237,12 +356,15 @@ class MLXBackend(Backend):
         return mx.arange(start, limit, delta, dtype=dt)
 
     def sync(self, x):
+        self._idle()
         mx.eval(x)
 
     def async_eval(self, *xs):
+        self._idle()
         mx.async_eval(*xs)
 
     def item(self, x):
+        self._idle()
         return int(x.item()) if x.size == 1 else int(np.array(x).reshape(-1)[0])
 
     def compile_step(self, fn, args, n_inputs):
@@ -353,7 +475,7 @@ class MLXBackend(Backend):
 
     def pad(self, x, pads, mode, value):
         if mode not in ("constant", "edge"):
-            return self.asarray(np.pad(np.array(x), pads, mode={"reflect": "reflect", "wrap": "wrap"}[mode]))
+            return self.asarray(np.pad(self.to_numpy(x), pads, mode={"reflect": "reflect", "wrap": "wrap"}[mode]))
         return mx.pad(x, [tuple(p) for p in pads], constant_values=value, mode=mode)
 
     def gather(self, x, idx, axis):
@@ -367,7 +489,7 @@ class MLXBackend(Backend):
             return mx.put_along_axis(x, idx, updates, axis=axis)
         from .numpy_backend import NumpyBackend
 
-        out = NumpyBackend().scatter_elements(np.array(x), np.array(idx), np.array(updates), axis, reduction)
+        out = NumpyBackend().scatter_elements(self.to_numpy(x), self.to_numpy(idx), self.to_numpy(updates), axis, reduction)
         return mx.array(out)
 
     def gather_nd(self, x, idx, batch_dims):
@@ -375,7 +497,7 @@ class MLXBackend(Backend):
 
         if batch_dims == 0:
             return x[tuple(idx[..., i] for i in range(idx.shape[-1]))]
-        return mx.array(NumpyBackend().gather_nd(np.array(x), np.array(idx), batch_dims))
+        return mx.array(NumpyBackend().gather_nd(self.to_numpy(x), self.to_numpy(idx), batch_dims))
 
     def scatter_nd(self, x, idx, updates, reduction):
         key = tuple(idx[..., i] for i in range(idx.shape[-1]))
