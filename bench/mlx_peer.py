@@ -269,6 +269,8 @@ def child(args) -> None:
     def make():
         if engine == "mlx-lm":
             return MlxLmEngine(Path(args.model))
+        if engine == "fuselm-1thread":
+            os.environ["FUSELM_ENCODE_THREAD"] = "0"
         return FuselmEngine(Path(args.model), args.dtype, compile_=engine != "fuselm-eager")
 
     e = make()
@@ -436,7 +438,8 @@ def parse_args(argv=None):
     ap.add_argument("--runs", type=int, default=5, help="measured runs per point, the engines interleaved")
     ap.add_argument("--decode", type=int, default=DECODE, help="greedy tokens timed per context")
     ap.add_argument("--engines", nargs="*", default=["mlx-lm", "fuselm"],
-                    help="mlx-lm, fuselm (optimized, compiled), fuselm-exported (no passes), fuselm-eager (not compiled)")
+                    help="mlx-lm, fuselm (optimized, compiled), fuselm-exported (no passes), fuselm-eager (not compiled), "
+                         "fuselm-1thread (fuselm with its steps encoded on the host's own thread: FUSELM_ENCODE_THREAD=0)")
     ap.add_argument("--dtype", default="auto", help="fuselm's --dtype (auto: bf16 on a GPU, as mlx-lm runs)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-mlx")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/mlx-peer-<device>.json)")
@@ -564,6 +567,8 @@ def report(rows: list[dict]) -> dict:
         key = f"{r['shape']} g{r['group']} {r['engine']}/mlx-lm"
         for k, v in r["decode_tok_s"].items():
             summary[f"{key} decode@{k}"] = round(v / peer["decode_tok_s"][k], 2)
+            pairs = [a / b for a, b in zip(r["decode_runs"][k], peer["decode_runs"][k])]  # run i of each, minutes apart
+            summary[f"{key} decode@{k} paired (median of run-by-run ratios)"] = round(statistics.median(pairs), 2)
         for k, v in r["prefill_tok_s"].items():
             summary[f"{key} prefill@{k}"] = round(v / peer["prefill_tok_s"][k], 2)
         summary[f"{key} load s"] = [round(r["load_s"], 2), round(peer["load_s"], 2)]
