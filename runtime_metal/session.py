@@ -208,27 +208,16 @@ class Session:
         this token is read (mx.async_eval), so the host builds step n+1 while the device runs step n.
         The cache must have room: reset(len(ids) + max_new) first."""
         b = self.backend
-        steps = b.step_queue()  # (MLX on a GPU: a second host thread encodes step n while step n+1 is built)
-        try:
-            with steps.build():
-                y = b.pick_token(self.prefill(ids), sampler)
-            ticket = steps.put(y)
-            for n in range(max_new):
-                if n + 1 < max_new:
-                    with steps.build():
-                        y = b.pick_token(self.decode(y), sampler)
-                    ticket, now = steps.put(y), ticket
-                else:
-                    now = ticket
-                token = steps.read(now)
-                if token < 0:
-                    raise FuselmError(
-                        f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
-                        "broken (`fuselm validate` compares it with the checkpoint)"
-                    )
-                yield token
-        finally:
-            steps.close()
+        first = b.pick_token(self.prefill(ids), sampler)
+        steady = lambda: self.decoding.choose().mode is Decode.COMPILED  # noqa: E731 - (no host reads)
+        steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, max_new)
+        for n, token in enumerate(steps):
+            if token < 0:
+                raise FuselmError(
+                    f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
+                    "broken (`fuselm validate` compares it with the checkpoint)"
+                )
+            yield token
 
     def logits_to_numpy(self, logits) -> np.ndarray:
         return np.asarray(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)

@@ -36,13 +36,21 @@ def test_generate_picks_on_device_as_the_host_loop(optimized, backend):
 
 
 @pytest.mark.parametrize("precision,kv", [("q4", {}), ("f32", {"kv_bits": 8})])
-def test_encode_thread_gives_the_same_tokens(optimized, monkeypatch, precision, kv):
-    """Steps encoded by the second host thread (mlx_backend.EncodeThread, a GPU's default; forced on here, on
+def test_build_thread_gives_the_same_tokens(optimized, monkeypatch, precision, kv):
+    """Steps built by the second host thread (mlx_backend.ThreadedSteps, a GPU's default; forced on here, on
     MLX's CPU backend): the same greedy and seeded tokens as the one-thread loop, host reads in between too."""
+    import threading
+
+    from fuselm.runtime_metal.backends import mlx_backend
+
     model = optimized("mistral", precision, sliding_window=5, head_dim=32)  # 16 tokens: past the window
+    built_on = []
+    build = mlx_backend.ThreadedSteps._build
+    monkeypatch.setattr(mlx_backend.ThreadedSteps, "_build",
+                        lambda self, step, y: built_on.append(threading.current_thread().name) or build(self, step, y))
     runs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("FUSELM_ENCODE_THREAD", flag)
+        monkeypatch.setenv("FUSELM_BUILD_THREAD", flag)
         sess = Session(model, backend="mlx", **kv)
         assert ("second host thread" in sess.describe()) == (flag == "1")
         ids, got = [5, 9, 2, 7], []
@@ -57,6 +65,7 @@ def test_encode_thread_gives_the_same_tokens(optimized, monkeypatch, precision, 
         runs[flag] = got
     assert runs["1"] == runs["0"]
     assert runs["1"][0][:6] == runs["1"][3]
+    assert len(built_on) >= 16 and all(name.startswith("fuselm-mlx-build") for name in built_on)  # the compiled steps
 
 
 def test_device_sampling(optimized):

@@ -11,7 +11,6 @@ ops have, so the op table hands tensors over without copies.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -388,28 +387,26 @@ def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
 
 
 class StepQueue:
-    """The decode steps of one generation, queued on the device ahead of the token the host reads.
+    """How generation queues its decode steps on the device (Session.generate).
 
-    The loop (Session.generate) builds a step inside `build()`, hands its picked token to `put` (the step
-    starts computing: async_eval on a lazy backend, already computed on an eager one) and later reads the
-    token with `read(ticket)`; the next step is put before this one is read, so the host builds step n+1
-    while the device runs step n. `close()` waits for whatever is still queued. A backend whose host can
-    also overlap building with queuing (MLX: mlx_backend.EncodeThread) returns its own."""
+    `run(y, step, steady, n)` yields the n tokens whose first is `y` (the prefill's pick, not yet computed):
+    `step(y)` builds the next token's step from the token before, `steady()` says whether the next step to
+    build reads nothing back to the host. Here (one thread) each step is queued before the token before it
+    is read (async_eval on a lazy backend), so the host builds step n+1 while the device runs step n; a
+    backend whose host can also build while it queues returns its own (MLX: mlx_backend.ThreadedSteps)."""
 
     what = ""  # how the steps are queued, when describe() should say so
 
     def __init__(self, backend: Backend):
         self.b = backend
 
-    def build(self):
-        return contextlib.nullcontext()
-
-    def put(self, token):
-        self.b.async_eval(token)
-        return token
-
-    def read(self, ticket) -> int:
-        return self.b.item(ticket)
-
-    def close(self) -> None:
-        pass
+    def run(self, y, step, steady, n: int):
+        b = self.b
+        b.async_eval(y)
+        for i in range(n):
+            nxt = None
+            if i + 1 < n:
+                nxt = step(y)
+                b.async_eval(nxt)
+            yield b.item(y)
+            y = nxt

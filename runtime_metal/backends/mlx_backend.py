@@ -9,9 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import queue
-import threading
-from collections import deque
 from functools import partial
 
 import mlx.core as mx
@@ -80,109 +77,54 @@ def gpu_kind() -> str | None:
         return None
 
 
-class EncodeThread:
-    """A host thread that hands MLX the decode steps to encode, so Python builds step n+1 meanwhile.
+class ThreadedSteps(StepQueue):
+    """Generation with the step after next built by a second host thread while this one encodes the next.
 
     A host-bound decode token costs the Python build of its graph plus MLX's encode of it inside
-    `mx.async_eval` (~5 µs per kernel; bench/mlx_kernel_profile.py --host); async_eval releases the GIL,
-    so with the encode on this thread a token costs the larger of the two instead of their sum. Steps are
-    built on a stream any thread may evaluate (mx.new_thread_unsafe_stream: MLX's default streams belong
-    to one thread); evaluations on it must never overlap, so the thread runs one at a time and every
-    evaluation the host makes itself waits for it to be idle first (`drain`). One per process."""
+    `mx.async_eval` (~5 µs per kernel; bench/mlx_kernel_profile.py --host). async_eval releases the GIL,
+    so while this thread encodes step n+1 the build thread builds step n+2 (Python), and a token costs
+    the larger of the two instead of their sum. Every evaluation stays on this thread and its default
+    stream (MLX's streams belong to one thread; the build thread's ops name this thread's stream); the
+    build thread only builds steps that read nothing back to the host: `steady()` (the compiled
+    decode), else this thread builds the step itself, after queuing the one before."""
 
-    class Job:
-        def __init__(self, arrays):
-            self.arrays, self.error = arrays, None
-            self.started, self.done = threading.Event(), threading.Event()
+    what = "the next step built by a second host thread"
 
-    def __init__(self):
-        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: deque = deque()  # touched by the host thread only
-        threading.Thread(target=self._run, name="fuselm-mlx-encode", daemon=True).start()
-
-    def _run(self):
-        while True:
-            job = self._jobs.get()
-            job.started.set()
-            try:
-                mx.async_eval(*job.arrays)
-            except BaseException as e:  # noqa: BLE001 - handed to the host thread, raised there
-                job.error = e
-            job.arrays = None
-            job.done.set()
-
-    def submit(self, arrays: list) -> Job:
-        job = self.Job(arrays)
-        self._pending.append(job)
-        self._jobs.put(job)
-        job.started.wait()  # the GIL goes over now, not at the next 5 ms switch: the thread is inside MLX
-        return job
-
-    def wait(self, job: Job | None = None) -> None:
-        """Until `job` (None: every queued job) is encoded; an error of the thread's is raised here."""
-        while self._pending:
-            j = self._pending.popleft()
-            j.done.wait()
-            if j.error is not None:
-                raise j.error
-            if j is job:
-                return
-
-
-_ENCODERS: dict[str, EncodeThread] = {}
-
-
-def encode_thread() -> EncodeThread:
-    """The default device's encode thread (made on first use)."""
-    key = str(mx.default_device())
-    if key not in _ENCODERS:
-        _ENCODERS[key] = EncodeThread()
-    return _ENCODERS[key]
-
-
-class ThreadedSteps(StepQueue):
-    """Generation's steps built on the encode thread's stream and encoded by it (EncodeThread).
-
-    The host reads each token through a view made for it alone (`mx.stop_gradient`): the next step's
-    graph reads the token itself, and waiting on an array the thread may be encoding a reader of would
-    race it. The prefill is evaluated on the host's own thread: it meets whatever the load left lazy on
-    the host's streams (weights read from disk)."""
-
-    what = "steps encoded by a second host thread"
-
-    def __init__(self, backend: Backend, encoder: EncodeThread):
+    def __init__(self, backend: Backend):
         super().__init__(backend)
-        self.enc, self.first = encoder, True
+        self.stream = mx.default_stream(mx.default_device())
 
-    def build(self):
-        return mx.stream(self.enc.stream)
+    def _build(self, step, y):
+        with mx.stream(self.stream):
+            return step(y)
 
-    def put(self, token):
-        with mx.stream(self.enc.stream):
-            seen = mx.stop_gradient(token)
-        if self.first:
-            self.first = False
-            self.enc.wait()
-            mx.async_eval(token, seen)
-            return None, seen
-        return self.enc.submit([token, seen]), seen
-
-    def read(self, ticket) -> int:
-        job, seen = ticket
-        if job is not None:
-            self.enc.wait(job)
-        return int(seen.item())
-
-    def close(self) -> None:
-        self.enc.wait()
+    def run(self, y, step, steady, n: int):
+        pool = _build_pool()
+        mx.async_eval(y)
+        nxt = step(y) if n > 1 else None
+        for i in range(n):
+            ahead, after = i + 2 < n, None
+            job = pool.submit(self._build, step, nxt) if ahead and steady() else None
+            if nxt is not None:
+                mx.async_eval(nxt)  # (the build thread builds the step after it meanwhile)
+            if job is not None:
+                after = job.result()
+            elif ahead:
+                after = step(nxt)
+            yield int(y.item())
+            y, nxt = nxt, after
 
 
-def _encode_thread_wanted(device: str) -> bool:
-    """FUSELM_ENCODE_THREAD=1 / 0 forces it on / off; by default on a GPU (a CPU's decode is compute-bound)."""
-    if not hasattr(mx, "new_thread_unsafe_stream"):
-        return False
-    flag = os.environ.get("FUSELM_ENCODE_THREAD", "")
+@functools.cache
+def _build_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="fuselm-mlx-build")
+
+
+def _build_thread_wanted(device: str) -> bool:
+    """FUSELM_BUILD_THREAD=1 / 0 forces it on / off; by default on a GPU (a CPU's decode is compute-bound)."""
+    flag = os.environ.get("FUSELM_BUILD_THREAD", "")
     return flag == "1" if flag in ("0", "1") else device.startswith("gpu")
 
 
@@ -311,7 +253,7 @@ class MLXBackend(Backend):
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
-        self._encoder = encode_thread() if _encode_thread_wanted(self.device) else None
+        self.build_thread = _build_thread_wanted(self.device)
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value):
@@ -324,16 +266,10 @@ class MLXBackend(Backend):
             return mx.array(value).astype(self._float)
         return mx.array(value)
 
-    def _idle(self) -> None:
-        """Before the host evaluates anything itself: the encode thread has nothing in hand (EncodeThread)."""
-        if self._encoder is not None:
-            self._encoder.wait()
-
     def step_queue(self) -> StepQueue:
-        return ThreadedSteps(self, self._encoder) if self._encoder is not None else StepQueue(self)
+        return ThreadedSteps(self) if self.build_thread else StepQueue(self)
 
     def to_numpy(self, x):
-        self._idle()
         if x.dtype == mx.bfloat16:
             import ml_dtypes
 
@@ -356,15 +292,12 @@ class MLXBackend(Backend):
         return mx.arange(start, limit, delta, dtype=dt)
 
     def sync(self, x):
-        self._idle()
         mx.eval(x)
 
     def async_eval(self, *xs):
-        self._idle()
         mx.async_eval(*xs)
 
     def item(self, x):
-        self._idle()
         return int(x.item()) if x.size == 1 else int(np.array(x).reshape(-1)[0])
 
     def compile_step(self, fn, args, n_inputs):
