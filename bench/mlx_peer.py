@@ -567,7 +567,7 @@ def report(rows: list[dict]) -> dict:
         key = f"{r['shape']} g{r['group']} {r['engine']}/mlx-lm"
         for k, v in r["decode_tok_s"].items():
             summary[f"{key} decode@{k}"] = round(v / peer["decode_tok_s"][k], 2)
-            pairs = [a / b for a, b in zip(r["decode_runs"][k], peer["decode_runs"][k])]  # run i of each, minutes apart
+            pairs = [a / b for a, b in zip(r["decode_runs"][k], peer["decode_runs"][k], strict=False)]  # run i of each
             summary[f"{key} decode@{k} paired (median of run-by-run ratios)"] = round(statistics.median(pairs), 2)
         for k, v in r["prefill_tok_s"].items():
             summary[f"{key} prefill@{k}"] = round(v / peer["prefill_tok_s"][k], 2)
