@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import sys
@@ -262,6 +263,13 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the protocol
     proto.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     proto.flush()
+    try:
+        _serve(work, proto)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # (the cases' files are gone already: the folder itself)
+
+
+def _serve(work: str, proto) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if "group" in req:
