@@ -66,8 +66,12 @@ def run(model_dir, **kwargs):
     if backend == "onnxruntime":
         from .ort_run import run as _ort_run
 
-        # auto's prepared copy was checked when it was written; its stamp says it is unchanged
-        return _ort_run(path, why=why, checked=Path(path) != Path(model_dir), **kwargs)
+        # auto's prepared copy was checked when it was written (its stamp says it is unchanged), and its
+        # logits are the last position's: onnxruntime's IO-binding loop runs it (fuselm/ort_prepared.py)
+        copy = Path(path) != Path(model_dir)
+        if copy:
+            kwargs.setdefault("engine", "ort")
+        return _ort_run(path, why=why, checked=copy, **kwargs)
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, backend=backend, why=why, **kwargs)
@@ -104,6 +108,7 @@ def validate(model_dir, reference, **kwargs):
 
         if path != Path(model_dir):  # auto's lowered copy: held against the standard graph it was made from
             kwargs["standard"] = kwargs.get("standard") or model_dir
+            kwargs.setdefault("engine", "ort")  # (its logits are the last position's: fuselm/ort_prepared.py)
         return _ort_validate(path, reference, why=why, **kwargs)
     if kwargs.pop("standard", None) is not None:
         raise FuselmError(f"--standard compares the onnxruntime path with a standard graph; --backend {backend} "

@@ -79,11 +79,9 @@ class BoundLoop:
     with a GroupQueryAttention cache, one [1, KV, max_length, D] buffer per cache is past and present."""
 
     def __init__(self, model_dir: Path, threads: int | None):
-        import onnx
         import onnxruntime as ort
 
         path = model_dir / contract.MODEL_NAME
-        graph = onnx.load(str(path), load_external_data=False).graph
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if _graph_optimization(model_dir) == "ORT_DISABLE_ALL":  # genai_config.json's choice (fuselm/ort_prepared.py)
@@ -94,7 +92,7 @@ class BoundLoop:
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
         self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
-        self.shared = shares_buffer(graph)
+        self.shared = _shares_buffer(model_dir)
         self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
 
     def _value(self, a: np.ndarray):
@@ -183,6 +181,19 @@ def _graph_optimization(model_dir: Path) -> str | None:
         return options.get("graph_optimization_level")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _shares_buffer(model_dir: Path) -> bool:
+    """genai_config.json's past_present_share_buffer (written from the graph: genai_config.shares_buffer),
+    else the graph's own answer (read without weights)."""
+    import json
+
+    try:
+        return bool(json.loads((model_dir / GENAI_CONFIG).read_text())["search"]["past_present_share_buffer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        import onnx
+
+        return shares_buffer(onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph)
 
 
 def make_loop(path: Path, engine: str = "auto", threads: int | None = None, checked: bool = False):

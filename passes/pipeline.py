@@ -29,6 +29,7 @@ from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rope import FuseRoPE
 from .fuse_rope_norm import FuseRoPENorm
 from .fuse_swiglu import FuseSwiGLU
+from .last_logits import LastPositionLogits
 from .ort_gather_quantized import OrtGatherBlockQuantized
 from .ort_gqa import DEFAULT_MAX_LENGTH, OrtGroupQueryAttention
 from .ort_matmul_nbits import DEFAULT_ACCURACY_LEVEL, OrtMatMulNBits
@@ -189,14 +190,16 @@ def _careful(p: Pass, model: ir.Model, backup: ir.Model, reason: str) -> tuple[b
 
 
 def optimize(in_path, out, skip=(), force: bool = False, quiet: bool = False, target: str | None = None,
-             accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> Path:
+             accuracy_level: int = DEFAULT_ACCURACY_LEVEL, last_logits: bool = False) -> Path:
     """Run the pipeline on a model directory or .onnx file; write a model directory at `out`.
 
     `target="onnxruntime"` then lowers the graph to onnxruntime's contrib ops (`target_passes`);
-    `accuracy_level` is MatMulNBits' (4: int8 activations, onnxruntime-genai's CPU default)."""
+    `accuracy_level` is MatMulNBits' (4: int8 activations, onnxruntime-genai's CPU default);
+    `last_logits`: a graph for generation only, the head on the last position (LastPositionLogits)."""
     onnx_path, meta = graphio.resolve(in_path)
     skipped = resolve_skip(skip, target)
     lowering = target_passes(target, accuracy_level, context_length(meta, in_path))
+    lowering += [LastPositionLogits()] if last_logits else []
     t0 = time.perf_counter()
     model = graphio.load(onnx_path)
     records = run_pipeline(model, skipped, target=lowering)

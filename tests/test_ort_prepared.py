@@ -45,6 +45,7 @@ def test_auto_lowers_once_and_equals_the_optimize_target_graph(cpu, optimized, e
     assert first["backend"].startswith("onnxruntime") and "lowered now)" in first["why"], first["why"]
     (lowered,) = _lowered_dirs(model)
     mtime = lowered.stat().st_mtime_ns
+    assert "IO binding" in first["what"]  # its logits are the last position's (passes/last_logits.py): not genai's
 
     def refuse(*a, **k):
         raise AssertionError("lowered again")

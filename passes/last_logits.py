@@ -1,0 +1,66 @@
+"""LastPositionLogits (generation-only graphs): the head runs on the last position, logits [B, 1, vocab]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from fuselm import contract
+
+from .base import Fusion, fail, new_node, rank, small_constant
+
+HEADS = ("MatMul", "MatMulNBits")
+
+
+class LastPositionLogits(Fusion):
+    """head(x [B, S, H]) -> logits  ->  head(Slice(x, -1:, axis 1)) -> logits [B, 1, vocab].
+
+    A generation loop reads the logits of a prompt's last position only; a graph that computes every
+    position's pays the vocabulary-wide head S times per prompt (the 0.6B's q8 head at a 512-token
+    prompt: 80 G multiply-adds and a 311 MB output). The pattern: the node writing the graph output
+    `logits` is a matmul (MatMul, com.microsoft MatMulNBits) whose activation (or output) has rank 3; a Slice
+    of its last position along axis 1 goes in front of it and the output's sequence dimension becomes 1.
+    Numbers are unchanged for the last position; the other positions are gone, so this is not part of
+    `fuselm optimize`: the graph no longer scores a text. `--backend auto`'s prepared copy, which only
+    generates, runs it (fuselm/ort_prepared.py), on onnxruntime with IO binding (onnxruntime-genai 0.18
+    binds a [B, S, vocab] logits buffer and rejects it).
+    Must not fire (and says why): no `logits` output; logits written by another op (a Cast, a softcap, a
+    Reshape: the head is not the last node); an activation whose rank is not 3; a head that reads
+    the slice already (it is idempotent).
+    """
+
+    aliases = ("last-logits", "last-position-logits")
+    needs_opset = None
+
+    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
+        return [o.producer() for o in graph.outputs if o.name == contract.LOGITS and o.producer() is not None]
+
+    def match(self, head: ir.Node):
+        if head.op_type not in HEADS:
+            fail(f"logits are written by {head.op_type}, not by the head's matmul")
+        x = head.inputs[0]
+        if x is None or 3 not in (rank(x), rank(head.outputs[0])):
+            fail("the head's activation is not [batch, sequence, hidden]")  # (a matmul keeps the leading axes)
+        made = x.producer()
+        if made is not None and made.op_type == "Slice" and made.name.endswith("LastPosition"):
+            fail("the head reads the last position already")
+        return head
+
+    def rewrite(self, graph: ir.Graph, head: ir.Node) -> str:
+        x = head.inputs[0]
+        start = small_constant(graph, "last_position/start", np.array([-1], np.int64))
+        end = small_constant(graph, "last_position/end", np.array([np.iinfo(np.int64).max], np.int64))
+        axis = small_constant(graph, "last_position/axis", np.array([1], np.int64))
+        name = (head.name or "lm_head").rsplit("/", 1)[0] + "/LastPosition"
+        sl = new_node(graph, "Slice", [x, start, end, axis], name)
+        if x.shape is not None:
+            sl.outputs[0].shape = ir.Shape([x.shape[0], 1, x.shape[2]])
+        sl.outputs[0].type = x.type
+        graph.insert_before(head, sl)
+        head.replace_input_with(0, sl.outputs[0])
+        out = head.outputs[0]
+        if out.shape is not None and out.shape.rank() == 3:
+            out.shape = ir.Shape([out.shape[0], 1, out.shape[2]])
+        return head.name or "lm_head"
