@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,17 +45,22 @@ stages = {"load": rss()}
 params = og.GeneratorParams(model)
 params.set_search_options(max_length=prompt + new, min_length=prompt + new, do_sample=False)
 gen = og.Generator(model, params)
+t = time.perf_counter()
 gen.append_tokens(np.random.default_rng(8).integers(10, 50000, (1, prompt)).astype(np.int32))
+gen.generate_next_token()  # (genai 0.18 runs the prompt here: its first token)
+first = time.perf_counter() - t
 stages["prompt"] = rss()
-tokens, cpu = [], []
-for _ in range(new):
-    c = time.process_time()
+tokens, cpu, wall = [int(gen.get_next_tokens()[0])], [], []
+for _ in range(new - 1):
+    c, w = time.process_time(), time.perf_counter()
     gen.generate_next_token()
     cpu.append(time.process_time() - c)
+    wall.append(time.perf_counter() - w)
     tokens.append(int(gen.get_next_tokens()[0]))
 stages["end"] = rss()
-median = round(statistics.median(cpu[1:]) * 1e3, 2) if new > 2 else None
-print(json.dumps({"stages_mb": stages, "decode_cpu_ms": median, "tokens": tokens[:8]}))
+median = round(statistics.median(cpu) * 1e3, 2) if new > 2 else None
+print(json.dumps({"stages_mb": stages, "decode_cpu_ms": median, "tokens": tokens[:8], "prefill_tok_s": prompt / first,
+                  "decode_tok_s": (new - 1) / sum(wall) if wall else None}))
 """
 
 SESSION_CHILD = r"""
@@ -88,13 +94,17 @@ def timed(cmd: list[str]) -> dict:
         row.update(json.loads(last))
     except ValueError:
         pass
+    if said := re.search(r"prefill \d+ tokens: ([\d.]+) tok/s · decode \d+ tokens: ([\d.]+) tok/s", p.stderr):
+        row.update(prefill_tok_s=float(said[1]), decode_tok_s=float(said[2]))  # (`fuselm run`'s own report)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", help="NAME=DIR onnxruntime-genai model directories")
-    ap.add_argument("--fuselm-run", type=Path, default=None, help="also `fuselm run MODEL_DIR` (default backend)")
+    ap.add_argument("--fuselm-run", nargs="*", default=[], metavar="[NAME=][PYTHON@]MODEL_DIR",
+                    help="also `fuselm run MODEL_DIR` (default backend), by PYTHON's fuselm when given (e.g. another "
+                         "checkout's venv, for a before/after in one interleaved run); prefill and decode tok/s from its log")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
@@ -111,8 +121,12 @@ def main() -> None:
 
         # the genai child's prompt: which embedding rows are read moves the RSS (contiguous ids share pages)
         ids = ",".join(str(i) for i in np.random.default_rng(8).integers(10, 50000, args.prompt))
-        engines["fuselm run"] = [sys.executable, "-m", "fuselm.cli", "run", str(args.fuselm_run), "--prompt-ids", ids,
-                                 "--max-tokens", str(args.tokens), "--ignore-eos", "--threads", str(args.threads)]
+        for item in args.fuselm_run:
+            name, _, spec = item.rpartition("=")
+            python, _, model = spec.rpartition("@")
+            engines[name or "fuselm run"] = [python or sys.executable, "-m", "fuselm.cli", "run", model, "--prompt-ids",
+                                             ids, "--max-tokens", str(args.tokens), "--ignore-eos", "--threads",
+                                             str(args.threads)]
     rows: dict[str, list] = {name: [] for name in engines}
     names = list(engines)
     for r in range(args.rounds):
@@ -123,9 +137,10 @@ def main() -> None:
     for name, runs in rows.items():
         ok = [x for x in runs if "error" not in x]
         summary[name] = {"peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in ok) if ok else None}
-        cpu = [x["decode_cpu_ms"] for x in ok if x.get("decode_cpu_ms") is not None]
-        if cpu:
-            summary[name]["decode_cpu_ms"] = statistics.median(cpu)
+        for key in ("decode_cpu_ms", "prefill_tok_s", "decode_tok_s"):
+            values = [x[key] for x in ok if x.get(key) is not None]
+            if values:
+                summary[name][key] = statistics.median(values)
     sessions = {}
     if args.sessions:
         for item in args.dirs:
