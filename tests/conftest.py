@@ -19,9 +19,10 @@ os.environ.setdefault("FUSELM_PREPARED", "0")
 os.environ.setdefault("FUSELM_TRACE_CACHE", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # scripts/test.sh runs one xdist worker per core: one torch / OpenMP thread each (set before torch
-    # is imported), so that two workers do not fight over the cores with two threads each.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    # scripts/test.sh runs one xdist worker per core: one torch / OpenMP / onnxruntime thread each (set before
+    # torch is imported), so that two workers do not fight over the cores with two threads each (onnxruntime's
+    # default pool spins a thread per core between runs; a session that asks for its threads keeps them).
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ORT_INTRA_OP_NUM_THREADS"):
         os.environ.setdefault(var, "1")
 
 # The reliability tally's report runs in every pytest process, an xdist controller included (it never

@@ -71,6 +71,19 @@ def test_entry_without_a_tensor_name_is_not_used(first, store, tmp_path, monkeyp
         fuselm.convert(first[0], tmp_path / "out", exporter="torch", quiet=True)
 
 
+def test_a_second_writer_leaves_the_stored_entry_in_place(store):
+    """Two processes that traced one architecture at once both store it: the later one keeps the entry the
+    other wrote (a reader may be in it); an entry without one of its tensor names is still replaced, whole."""
+    entry = cache.load(store.name)
+    manifest = (store / "traced.json").stat().st_ino
+    cache.store(store.name, entry)
+    assert (store / "traced.json").stat().st_ino == manifest
+    entry.names["model.extra.weight"] = "model.extra.weight"
+    cache.store(store.name, entry)
+    assert "model.extra.weight" in cache.load(store.name).names
+    assert [p.name for p in store.parent.iterdir()] == [store.name]  # nothing left aside
+
+
 def test_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSELM_TRACE_CACHE", "0")
     monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "cache"))

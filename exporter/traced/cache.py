@@ -13,8 +13,10 @@ same architecture) costs only its weights.
 - One directory per key under $FUSELM_TRACE_CACHE_DIR, else ~/.cache/fuselm/traced
   (XDG_CACHE_HOME); FUSELM_TRACE_CACHE=0 turns it off. JSON and ONNX protobufs only, no pickles.
 - Written atomically (a temporary directory renamed into place): a crashed or concurrent writer
-  leaves no partial entry. A damaged or mismatched entry is never used (traced again, rewritten);
-  a cache that cannot be written (read-only home) only costs the trace next time.
+  leaves no partial entry, and a writer that finds the entry stored meanwhile (another process
+  traced the same architecture at once) leaves it in place. A damaged or mismatched entry is never
+  used (traced again, rewritten); a cache that cannot be written (read-only home) only costs the
+  trace next time.
 - The checkpoint's tensor names are part of what is stored (transformers renames some at load):
   a checkpoint of the same config with a name the entry has not seen is traced again.
 """
@@ -116,6 +118,9 @@ def store(k: str, t: Traced) -> None:
     base = folder()
     if base is None:
         return
+    current = load(k)
+    if current is not None and set(t.names) <= set(current.names):
+        return  # another process traced it too and stored it first: its entry stays (a reader may be in it)
     try:
         base.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{k}-", dir=base))
@@ -128,8 +133,10 @@ def store(k: str, t: Traced) -> None:
                         "outer_params": t.outer.params}
             (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: its presence marks a whole entry
             target = base / k
-            if target.exists():  # a damaged entry (load refused it): replace it
-                shutil.rmtree(target, ignore_errors=True)
+            if target.exists():  # damaged, or without one of these tensor names: moved aside whole, replaced
+                aside = tmp.with_name(tmp.name + "-old")
+                os.rename(target, aside)
+                shutil.rmtree(aside, ignore_errors=True)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
