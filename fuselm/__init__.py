@@ -66,12 +66,8 @@ def run(model_dir, **kwargs):
     if backend == "onnxruntime":
         from .ort_run import run as _ort_run
 
-        # auto's prepared copy was checked when it was written (its stamp says it is unchanged), and its
-        # logits are the last position's: onnxruntime's IO-binding loop runs it (fuselm/ort_prepared.py)
-        copy = Path(path) != Path(model_dir)
-        if copy:
-            kwargs.setdefault("engine", "ort")
-        return _ort_run(path, why=why, checked=copy, **kwargs)
+        # auto's prepared copy was checked when it was written (its stamp says it is unchanged)
+        return _ort_run(path, why=why, checked=_on_prepared_copy(path, model_dir, kwargs), **kwargs)
     from .runtime_metal.generate import run as _run
 
     return _run(model_dir, backend=backend, why=why, **kwargs)
@@ -91,6 +87,15 @@ def _backend_for(model_dir, kwargs: dict) -> tuple[str, str | None, object]:
     return resolve(model_dir, asked, kwargs)
 
 
+def _on_prepared_copy(path, model_dir, kwargs: dict) -> bool:
+    """Whether onnxruntime runs auto's prepared copy of `model_dir` (`path` is another directory); its logits
+    are the last position's, so it runs on the IO-binding loop (fuselm/ort_prepared.py), set in `kwargs`."""
+    copy = Path(path) != Path(model_dir)
+    if copy:
+        kwargs.setdefault("engine", "ort")
+    return copy
+
+
 def stream_generate(model, **kwargs):
     """Yield one Response (token, text, speeds, finish_reason) per generated token; `model` is a model
     directory, an .onnx file or a loaded runtime Session (mlx-lm's stream_generate shape)."""
@@ -106,9 +111,8 @@ def validate(model_dir, reference, **kwargs):
     if backend == "onnxruntime":
         from .ort_validate import validate as _ort_validate
 
-        if path != Path(model_dir):  # auto's lowered copy: held against the standard graph it was made from
+        if _on_prepared_copy(path, model_dir, kwargs):  # held against the standard graph it was made from
             kwargs["standard"] = kwargs.get("standard") or model_dir
-            kwargs.setdefault("engine", "ort")  # (its logits are the last position's: fuselm/ort_prepared.py)
         return _ort_validate(path, reference, why=why, **kwargs)
     if kwargs.pop("standard", None) is not None:
         raise FuselmError(f"--standard compares the onnxruntime path with a standard graph; --backend {backend} "

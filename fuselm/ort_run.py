@@ -16,8 +16,8 @@ import numpy as np
 
 from . import contract
 from .errors import FuselmError
+from .genai_config import LOWERED_GRAPH_OPTIMIZATION, shares_buffer
 from .genai_config import NAME as GENAI_CONFIG
-from .genai_config import shares_buffer
 
 
 def lowered_for_onnxruntime(model_dir) -> bool:
@@ -82,9 +82,10 @@ class BoundLoop:
         import onnxruntime as ort
 
         path = model_dir / contract.MODEL_NAME
+        config = _genai_config(model_dir)
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        if _graph_optimization(model_dir) == "ORT_DISABLE_ALL":  # genai_config.json's choice (fuselm/ort_prepared.py)
+        if _graph_optimization(config) == LOWERED_GRAPH_OPTIMIZATION:  # genai_config.json's choice (a lowered graph)
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
@@ -92,7 +93,7 @@ class BoundLoop:
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
         self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
-        self.shared = _shares_buffer(model_dir)
+        self.shared = _shares_buffer(config, model_dir)
         self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
 
     def _value(self, a: np.ndarray):
@@ -172,25 +173,31 @@ def genai_installed() -> bool:
     return True
 
 
-def _graph_optimization(model_dir: Path) -> str | None:
-    """genai_config.json's decoder session option graph_optimization_level, if it sets one."""
+def _genai_config(model_dir: Path) -> dict:
+    """The directory's genai_config.json, {} when it has none (or none that parses)."""
     import json
 
     try:
-        options = json.loads((model_dir / GENAI_CONFIG).read_text())["model"]["decoder"]["session_options"]
-        return options.get("graph_optimization_level")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        data = json.loads((model_dir / GENAI_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _graph_optimization(config: dict) -> str | None:
+    """genai_config.json's decoder session option graph_optimization_level, if it sets one."""
+    try:
+        return config["model"]["decoder"]["session_options"].get("graph_optimization_level")
+    except (KeyError, TypeError, AttributeError):
         return None
 
 
-def _shares_buffer(model_dir: Path) -> bool:
+def _shares_buffer(config: dict, model_dir: Path) -> bool:
     """genai_config.json's past_present_share_buffer (written from the graph: genai_config.shares_buffer),
     else the graph's own answer (read without weights)."""
-    import json
-
     try:
-        return bool(json.loads((model_dir / GENAI_CONFIG).read_text())["search"]["past_present_share_buffer"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return bool(config["search"]["past_present_share_buffer"])
+    except (KeyError, TypeError):
         import onnx
 
         return shares_buffer(onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph)

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from fuselm import contract
 
-from .base import Fusion, fail, new_node, rank, small_constant
+from .base import Fusion, const, fail, new_node, producer, rank, small_constant
 
 HEADS = ("MatMul", "MatMulNBits")
 
@@ -43,8 +43,7 @@ class LastPositionLogits(Fusion):
         x = head.inputs[0]
         if x is None or 3 not in (rank(x), rank(head.outputs[0])):
             fail("the head's activation is not [batch, sequence, hidden]")  # (a matmul keeps the leading axes)
-        made = x.producer()
-        if made is not None and made.op_type == "Slice" and made.name.endswith("LastPosition"):
+        if _last_position(x):
             fail("the head reads the last position already")
         return head
 
@@ -64,3 +63,12 @@ class LastPositionLogits(Fusion):
         if out.shape is not None and out.shape.rank() == 3:
             out.shape = ir.Shape([out.shape[0], 1, out.shape[2]])
         return head.name or "lm_head"
+
+
+def _last_position(x: ir.Value) -> bool:
+    """Whether `x` is a Slice of the last position along axis 1 (what this pass puts in front of the head)."""
+    sl = producer(x, "Slice")
+    if sl is None or len(sl.inputs) < 4:
+        return False
+    start, axes = const(sl.inputs[1]), const(sl.inputs[3])
+    return start is not None and axes is not None and start.tolist() == [-1] and axes.tolist() == [1]
