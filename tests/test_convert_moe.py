@@ -349,3 +349,22 @@ def test_jetmoe_refusal_names_its_attention_experts(tmp_path, capsys):
     assert "attention experts at model.layers.0.self_attention.experts (JetMoeMoA" in err
     assert "no fuselm op expresses" in err and "model.layers.0.mlp (JetMoeMoE" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_moe_routing_form_survives_an_underflowing_softmax():
+    """A wide router (OLMoE-1B-7B: hidden 2048, 64 experts, top 8) on the probe's random tokens makes logits
+    ~45 apart, so a chosen expert's softmax can be exactly 0 in f32; the form is still read (0/0 was nan and
+    refused OLMoE-1B-7B as "neither softmax-top-k nor sigmoid-top-k")."""
+    from types import SimpleNamespace
+
+    from fuselm.exporter.traced import moe as traced_moe
+
+    gen = torch.Generator().manual_seed(0)
+    router = torch.randn(64, 2048, generator=gen)
+    x2 = torch.randn(32, 2048, generator=gen) * torch.tensor([2.0] * 16 + [0.002] * 16)[:, None]  # wide, and spread
+    probs = torch.softmax(x2 @ router.T, dim=-1)  # OlmoeTopKRouter, norm_topk_prob false
+    weights, index = torch.topk(probs, 8, dim=-1)
+    assert bool((weights == 0).any())  # the case: an underflowed weight among the chosen
+    block = SimpleNamespace(router=SimpleNamespace(), bias=None, router_weight=router, router_bias=None, bias_at=None)
+    assert traced_moe._routing_form(block, x2, index, weights, 8)
+    assert (block.top_k, block.scoring, block.normalize, block.scaling) == (8, "softmax", 0, 1.0)

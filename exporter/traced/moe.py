@@ -464,7 +464,8 @@ def _routing_form(block: Block, x2, index, weights, top_k: int) -> bool:
                                    router_bias=block.router_bias, jitter_eps=eps)
                     mine = i.argsort(-1)
                     w, i = w.gather(1, mine), i.gather(1, mine)
-                    scaling = float((weights / w).mean())
+                    seen = w > 0  # a wide random router's softmax underflows to 0 off its top experts (0/0)
+                    scaling = float((weights[seen] / w[seen]).mean()) if bool(seen.any()) else 1.0
                     if torch.equal(i, index) and torch.allclose(w * scaling, weights, atol=1e-5, rtol=1e-4):
                         found.append((abs(scaling - 1.0), scoring, normalize, scaling, chooses, eps))
     if not found:
