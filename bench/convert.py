@@ -32,13 +32,11 @@ SHAPES = {
                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
     "4b": dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
-    # seconds to write, convert and run: for benchmarks' --tiny test modes (kernel-friendly: K % 256 == 0)
-    "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    # tests, benchmarks' --tiny modes and MLX's CPU backend: the same layout, seconds to write, convert and run
+    # (kernel-friendly: K % 256 == 0)
+    "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True),
 }
-# tests and MLX's CPU backend: a Qwen3 of the same layout, small enough to run in seconds
-SHAPES["tiny"] = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True)
 # Mixtures of experts (bench/mlx_peer.py; issue 21): the real configs' shapes, random weights. OLMoE-1B-7B-0924
 # (its experts are `intermediate_size` wide), Qwen3-30B-A3B cut to 8 of its 48 layers; `-Nl`: N layers only.
 _OLMOE = dict(model_type="olmoe", num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
