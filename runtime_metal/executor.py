@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fuselm import contract
+from fuselm import contract, switches
 from fuselm.errors import FuselmError
 
 from .backends.numpy_backend import NumpyBackend
@@ -58,7 +58,7 @@ class Executor:
         self.ctx: dict = {}  # run-wide hints for ops that want them (rope offset)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._device_consts: dict[str, object] = {}
-        self.debug = os.environ.get("FUSELM_DEBUG", "") not in ("", "0")
+        self.debug = switches.on("FUSELM_DEBUG")
         limit = os.environ.get("FUSELM_LIMIT", "")
         self.limit = int(limit) if limit.strip().isdigit() else None
         self.profiler = None  # set to a Profiler to time every step

@@ -37,7 +37,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fuselm import __version__, contract
+from fuselm import __version__, contract, switches
 
 from .backends.base import QuantizedWeight
 
@@ -49,7 +49,7 @@ _HASHED = 64 << 20  # a prepared directory's files up to this size are hashed on
 
 def enabled() -> bool:
     """False when FUSELM_PREPARED=0 (or false/no) turns the store off."""
-    return os.environ.get("FUSELM_PREPARED", "1") not in ("0", "false", "no")
+    return switches.on("FUSELM_PREPARED", default=True)
 
 
 class PreparedStore:

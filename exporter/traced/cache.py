@@ -33,7 +33,7 @@ from pathlib import Path
 
 import onnx
 
-from fuselm import __version__, contract
+from fuselm import __version__, contract, switches
 
 from .trace import Template
 
@@ -88,7 +88,7 @@ def key(config: dict) -> str:
 
 def folder() -> Path | None:
     """The cache's directory, None when FUSELM_TRACE_CACHE=0."""
-    if os.environ.get("FUSELM_TRACE_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not switches.on("FUSELM_TRACE_CACHE", default=True):
         return None
     if os.environ.get("FUSELM_TRACE_CACHE_DIR"):
         return Path(os.environ["FUSELM_TRACE_CACHE_DIR"])

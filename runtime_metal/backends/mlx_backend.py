@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 from onnx import TensorProto
 
+from fuselm import switches
+
 from . import kv_quant
 from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
 
@@ -124,8 +126,8 @@ def _build_pool():
 
 def _build_thread_wanted(device: str) -> bool:
     """FUSELM_BUILD_THREAD=1 / 0 forces it on / off; by default on a GPU (a CPU's decode is compute-bound)."""
-    flag = os.environ.get("FUSELM_BUILD_THREAD", "")
-    return flag == "1" if flag in ("0", "1") else device.startswith("gpu")
+    flag = switches.setting("FUSELM_BUILD_THREAD")
+    return device.startswith("gpu") if flag is None else flag
 
 
 # MLX primitives that only make a view of their input (no kernel of their own)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fuselm import switches
 from fuselm.errors import FuselmError
 
 from . import cuda_kernels, kernel_build
@@ -45,7 +46,7 @@ _DEFAULT_ACTIVATIONS = "int8"
 def cpu_kernels():
     """The compiled CPU kernels (kernel_build: prebuilt at install), or None (FUSELM_NO_CPU_KERNELS=1,
     or neither a prebuilt module nor a compiler: weights are then dequantized to f32 at load)."""
-    if os.environ.get("FUSELM_NO_CPU_KERNELS", "") not in ("", "0"):
+    if switches.on("FUSELM_NO_CPU_KERNELS"):
         return None
     return kernel_build.load()
 

@@ -1,0 +1,33 @@
+"""FUSELM_* on/off switches read one way (fuselm/switches.py): 0/off/false/no are off in any case, unset or empty is
+the default, anything else is on; the sites that read them follow it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuselm import switches
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("False", False), (" no ", False),
+                                             ("1", True), ("yes", True), ("on", True), ("", None)])
+def test_setting(monkeypatch, value, expected):
+    monkeypatch.setenv("FUSELM_X", value)
+    assert switches.setting("FUSELM_X") is expected
+    assert switches.on("FUSELM_X", default=True) is (True if expected is None else expected)
+
+
+def test_sites_read_false_as_off(monkeypatch, tmp_path):
+    from fuselm.exporter.traced import cache
+    from fuselm.runtime_metal import prepared
+
+    monkeypatch.setenv("FUSELM_TRACE_CACHE", "false")
+    monkeypatch.setenv("FUSELM_PREPARED", "no")
+    assert cache.folder() is None
+    assert not prepared.enabled()
+    pytest.importorskip("mlx.core")
+    from fuselm.runtime_metal.backends import mlx_backend
+
+    monkeypatch.setenv("FUSELM_BUILD_THREAD", "off")  # was: only "0" / "1" were read, "off" meant the default
+    assert not mlx_backend._build_thread_wanted("gpu")
+    monkeypatch.setenv("FUSELM_BUILD_THREAD", "yes")
+    assert mlx_backend._build_thread_wanted("cpu")
