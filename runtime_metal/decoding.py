@@ -25,11 +25,10 @@ tried again). `describe()` tells what the last step ran.
 from __future__ import annotations
 
 import enum
-import os
 
 import numpy as np
 
-from fuselm import contract
+from fuselm import contract, switches
 
 from . import kvcache
 from .compiled import CompiledDecode, PiecewiseDecode, agrees, static_feeds
@@ -156,10 +155,9 @@ class Decoding:
     """What the session has learnt about decoding its graph, and the strategy each step runs."""
 
     def __init__(self, sess, static: bool, compile: bool | None):
-        env = os.environ.get("FUSELM_COMPILE", "")
         self.sess = sess
-        self.compile = (env not in ("0", "false", "no") if env else sess.backend.compile_default) \
-            if compile is None else bool(compile)
+        env = switches.setting("FUSELM_COMPILE")
+        self.compile = (sess.backend.compile_default if env is None else env) if compile is None else bool(compile)
         self.static: bool | None = None if static and sess.in_place else False  # None: not checked yet
         self.why = "static-shape decode is off" if not static else \
             "the graph reads its cache with other ops than Attention/KVAppend, so the cache cannot live in place"
