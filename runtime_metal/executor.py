@@ -13,7 +13,6 @@ value statistics; FUSELM_LIMIT=N stops after node N and returns what has been co
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import OrderedDict, deque
@@ -59,8 +58,7 @@ class Executor:
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._device_consts: dict[str, object] = {}
         self.debug = switches.on("FUSELM_DEBUG")
-        limit = os.environ.get("FUSELM_LIMIT", "")
-        self.limit = int(limit) if limit.strip().isdigit() else None
+        self.limit = switches.number("FUSELM_LIMIT")
         self.profiler = None  # set to a Profiler to time every step
         self.layer_marks = _layer_marks(graph.nodes)  # where a long lazy run may wait (InFlight)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from fuselm import contract
+from fuselm import contract, switches
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
 from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
@@ -269,7 +269,7 @@ class Queued:
     not measured."""
 
     def __init__(self, mx, depth: int | None = None):
-        depth = int(os.environ.get("FUSELM_PIPE_QUEUE", "0")) if depth is None else depth
+        depth = switches.number("FUSELM_PIPE_QUEUE", 0) if depth is None else depth
         self.mx, self.depth, self.sends = mx, depth, []
 
     def add(self, send) -> None:

@@ -31,3 +31,33 @@ def test_sites_read_false_as_off(monkeypatch, tmp_path):
     assert not mlx_backend._build_thread_wanted("gpu")
     monkeypatch.setenv("FUSELM_BUILD_THREAD", "yes")
     assert mlx_backend._build_thread_wanted("cpu")
+
+
+def test_counts_name_a_bad_value(monkeypatch):
+    """The value-taking switches (FUSELM_THREADS, FUSELM_INFLIGHT, FUSELM_PIPE_QUEUE, FUSELM_LIMIT) read a
+    whole number, take their default when unset, and name a bad value (was: a bare ValueError traceback,
+    or FUSELM_LIMIT=abc silently ignored)."""
+    from fuselm.errors import FuselmError
+
+    monkeypatch.delenv("FUSELM_X", raising=False)
+    assert switches.number("FUSELM_X", 2) == 2
+    monkeypatch.setenv("FUSELM_X", " 3 ")
+    assert switches.number("FUSELM_X", 2) == 3
+    for bad in ("two", "-1", "1.5"):
+        monkeypatch.setenv("FUSELM_X", bad)
+        with pytest.raises(FuselmError, match=r"FUSELM_X=.* is not a whole number"):
+            switches.number("FUSELM_X")
+
+
+def test_torch_threads_switch(monkeypatch):
+    from fuselm.runtime_metal.backends import torch_quant
+    from fuselm.runtime_metal.backends.torch_backend import TorchBackend
+
+    from fuselm.errors import FuselmError
+
+    monkeypatch.setitem(torch_quant.KERNEL_THREADS, "n", torch_quant.KERNEL_THREADS["n"])  # restored after
+    monkeypatch.setenv("FUSELM_THREADS", "1")
+    assert TorchBackend("cpu").threads == 1
+    monkeypatch.setenv("FUSELM_THREADS", "all")
+    with pytest.raises(FuselmError, match="FUSELM_THREADS"):
+        TorchBackend("cpu")

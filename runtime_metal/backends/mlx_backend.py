@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from functools import partial
 
 import mlx.core as mx
@@ -230,7 +229,7 @@ class MLXBackend(Backend):
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
     # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
     # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
-    inflight_layers = int(os.environ.get("FUSELM_INFLIGHT", "2")) or None
+    inflight_layers = switches.number("FUSELM_INFLIGHT", 2) or None
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
         from fuselm.errors import FuselmError

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto
 
+from fuselm import switches
+
 from . import kv_quant, torch_quant
 from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
 
@@ -118,8 +120,6 @@ class TorchBackend(Backend):
     kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once (4096·Hkv·D f32: 16 MiB at Hkv=8, D=128)
 
     def __init__(self, device: str | None = None, threads: int | None = None):
-        import os
-
         self.device = str(torch.device(device or "cpu"))
         self._dev = torch.device(self.device)
         if self._dev.type == "cpu":
@@ -129,7 +129,7 @@ class TorchBackend(Backend):
         self._inv_freq: dict[int, tuple] = {}
         self.threads = None
         if self._dev.type == "cpu":
-            self.threads = threads or int(os.environ.get("FUSELM_THREADS", "0") or 0) or torch.get_num_threads()
+            self.threads = threads or switches.number("FUSELM_THREADS", 0) or torch.get_num_threads()
             torch_quant.set_kernel_threads(self.threads)
 
     @property
