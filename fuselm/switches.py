@@ -2,7 +2,7 @@
 
 A switch is off when set to 0, off, false or no (any case), on when set to anything else, and its
 default when unset or empty. Switches that take a count (FUSELM_THREADS, FUSELM_INFLIGHT,
-FUSELM_PIPE_QUEUE, FUSELM_LIMIT) are read by `number`, which names a bad value instead of raising a
+FUSELM_LIMIT) are read by `number`, which names a bad value instead of raising a
 bare ValueError; those that take a word or a folder (FUSELM_CPU_ISA, the cache folders) are read
 where they are used.
 """

@@ -9,15 +9,17 @@ hidden state in place of input_ids, returns it in place of logits: Session reads
 gets the same command line, so all know the prompt, its chunks and --max-tokens.
 
 - handshake: rank 0 sends its stage's description [stage, of, first layer, last layer, hidden,
-  dtype, split id] to rank 1, which checks it against its own and passes its own on, around the
+  dtype, split id, doorbell port] to rank 1, which checks it against its own and passes its own on, around the
   ring back to rank 0: stages that are not the same split, not in rank order, or not one per rank
   stop every rank with a message before any work.
 - prefill: rank 0 runs the prompt in chunks and sends each chunk's hidden state on while it runs the
   next, so the stages work on different chunks at once; the last rank keeps the last chunk's logits.
 - decode: one token per step through the pipe: the last rank picks the token (on the device), prints
   it and sends it to rank 0, which embeds it. Each step is built as one lazy graph (receive ->
-  stage -> send); `Queued` can keep some in flight (FUSELM_PIPE_QUEUE; off by default). A
-  hidden-state message is [1, s, hidden] plus one column, a token message [token, stop]:
+  stage -> send) before its message comes; the rank then sleeps on its doorbell (`Bells`: MLX's ring
+  backend polls while a receive is pending, which would spin the core the working rank needs) and
+  runs the step when the sender rings. A hidden-state message is [1, s, hidden] plus one column, a
+  token message [token, stop]:
   the last rank sets stop on the device when it picks an eos token, and the flag travels down the
   pipe with the step queued for it, which every rank ends with.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -38,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from fuselm import contract, switches
+from fuselm import contract
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
 from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
@@ -49,7 +52,7 @@ from .session import Session, kv_options
 
 SPLIT_NAME = contract.SPLIT_NAME
 DTYPES = {TensorProto.FLOAT: (0, np.float32), TensorProto.FLOAT16: (1, np.float16), TensorProto.BFLOAT16: (2, None)}
-HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "split id")
+HANDSHAKE = ("stage", "of", "first layer", "last layer", "hidden", "dtype", "split id", "bell port")
 
 
 def is_split(path) -> bool:
@@ -149,6 +152,62 @@ def init_group(timeout: float):
     return group, group.rank(), group.size()
 
 
+class Bells:
+    """A doorbell beside the ring's connections, from each rank to the next (issue 20's host overhead).
+
+    MLX's ring backend waits for a message by polling its non-blocking socket while a receive is
+    pending (mlx/distributed/ring/ring.cpp, SocketThread::worker): a rank that posts its receive
+    before the message comes keeps a core busy, and where ranks share a host's cores (the test
+    here: 2 and 3 ranks on 2 cores) it is the core the working rank needs (2 ranks took 2.4x one
+    rank's time per token). So a rank sleeps on a blocking socket of its own (`wait`, no CPU) until
+    the rank before it, its send finished, writes one byte (`ring`); the receive it then posts finds
+    its message there. Every message to the next rank is rung once and every one from the rank before
+    waited for once. The data still goes over mx.distributed; a bell carries none. Only for the ring
+    backend, whose hostfile names each rank's address (another backend waits as MLX does)."""
+
+    def __init__(self, rank: int, size: int, hosts: list[str]):
+        self.rank, self.size, self.hosts = rank, size, hosts
+        self.listener = socket.create_server((hosts[rank], 0))
+        self.port = self.listener.getsockname()[1]
+        self.to_next = self.from_prev = None
+
+    @classmethod
+    def open(cls, rank: int, size: int) -> Bells | None:
+        """A listening bell for the ring backend (None for another backend or no hostfile)."""
+        hosts = _ring_hosts()
+        if os.environ.get("FUSELM_MLX_BACKEND", "ring") != "ring" or not hosts or len(hosts) != size:
+            return None
+        return cls(rank, size, hosts)
+
+    def connect(self, prev_port: int, timeout: float) -> None:
+        """Connect to the rank before (its port came in the handshake), then take the next rank's connection."""
+        prev = (self.rank - 1) % self.size
+        self.from_prev = socket.create_connection((self.hosts[prev], prev_port), timeout=timeout)
+        self.listener.settimeout(timeout)
+        self.to_next, _ = self.listener.accept()
+        self.listener.close()
+        for s in (self.from_prev, self.to_next):
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def ring(self) -> None:
+        self.to_next.sendall(b"\1")
+
+    def wait(self) -> None:
+        if not self.from_prev.recv(1):
+            raise RuntimeError("the doorbell's connection was closed")
+
+
+def _ring_hosts() -> list[str] | None:
+    """Each rank's host in the ring hostfile mlx.launch wrote (MLX_HOSTFILE: per rank a list of "ip:port")."""
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        hosts = json.loads(Path(path).read_text()) if path else None
+        return [h[0].rsplit(":", 1)[0].strip("[]") for h in hosts]
+    except (OSError, ValueError, TypeError, IndexError, KeyError, AttributeError):
+        return None
+
+
 class Pipe:
     """One rank's end of the pipe: its stage's Session and its neighbours."""
 
@@ -181,17 +240,28 @@ class Pipe:
         self.width = int(self.info["hidden"])
         zero = np.zeros((1, 1, 1), np_dtype or np.float32)
         self.msg_dtype = self.sess.backend.asarray(zero).dtype if elem != TensorProto.BFLOAT16 else mx.bfloat16
+        self.bells = None  # set up by the handshake
 
     # --- messages -------------------------------------------------------------------------------
     def _send(self, x, dst):
         with self.waiting(f"sending to rank {dst}", dst):
-            self.mx.eval(self.mx.distributed.send(x, dst, group=self.group))
+            self.run(self.mx.distributed.send(x, dst, group=self.group), ring=True)
 
     def _recv(self, shape, dtype, src, what: str):
         with self.waiting(what, src):
             x = self.mx.distributed.recv(shape, dtype, src, group=self.group)
-            self.mx.eval(x)
+            self.run(x, wait=True)
         return x
+
+    def run(self, step, wait: bool = False, ring: bool = False) -> None:
+        """Evaluate a built step (lazy receive -> stage -> send): `wait`, it receives from the rank before,
+        so first sleep until that rank rings (its message is then here); `ring`, it sends to the next rank,
+        so ring it once sent."""
+        if wait and self.bells is not None:
+            self.bells.wait()
+        self.mx.eval(step)
+        if ring and self.bells is not None:
+            self.bells.ring()
 
     @contextlib.contextmanager
     def waiting(self, what: str, peer: int):
@@ -220,16 +290,16 @@ class Pipe:
         return self.send(mx.concatenate([h, flag], axis=-1), self.rank + 1)
 
     def send(self, x, dst):
-        """A lazy send: it runs when evaluated (Queued), after the step that computes x."""
+        """A lazy send: it runs when the step is evaluated (`run`), after the step that computes x."""
         return self.mx.distributed.send(x, dst, group=self.group)
 
     def recv_lazy(self, shape, dtype, src):
-        """A lazy receive: the step built on it is queued before the message comes."""
+        """A lazy receive: the step is built on it before the message comes, and run when it is rung."""
         return self.mx.distributed.recv(shape, dtype, src, group=self.group)
 
     @staticmethod
     def stopped(message) -> bool:
-        """The stop flag of a received message (waits for it: the next step is already queued)."""
+        """The stop flag of a received message (a step already run)."""
         return bool(message.reshape(-1)[-1].item())
 
     def recv_hidden(self, rows: int, what: str):
@@ -237,8 +307,10 @@ class Pipe:
         m = self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)
         return m[..., :self.width], bool(m[0, 0, self.width].item())
 
-    def handshake(self, split_id: int) -> None:
-        mine = [self.rank, self.size, *self.info["layers"], self.width, self.dtype_code, split_id]
+    def handshake(self, split_id: int, timeout: float) -> None:
+        bells = Bells.open(self.rank, self.size)
+        mine = [self.rank, self.size, *self.info["layers"], self.width, self.dtype_code, split_id,
+                bells.port if bells else 0]
         prev = (self.rank - 1) % self.size
         own = self.mx.array(np.asarray(mine, np.int64))
         if self.first:
@@ -256,32 +328,15 @@ class Pipe:
             # this rank exits; the ranks after it see the connection break (or their deadline pass)
             raise FuselmError(f"rank {self.rank}: rank {prev} runs a stage that does not fit: {', '.join(bad)}; every "
                               "rank needs the same `fuselm split` output, stage r on rank r, and the same --dtype")
-
-
-class Queued:
-    """Decode steps queued on the device (mx.async_eval), at most FUSELM_PIPE_QUEUE ahead of the host
-    (default 0: each step is finished before the next is built). Queued ahead, a rank builds step
-    n+1's graph (receive -> stage -> send) while step n still waits for its message, so the host's work
-    overlaps the pipe's; but MLX's ring backend polls its socket while a receive is pending
-    (mlx/distributed/ring/ring.cpp), so a receive posted early spins a core through the rank's own
-    compute. On one 2-core host that made 2 ranks 3.55x one rank's time per token against 2.50x
-    unqueued (bench/pipeline.py, load ~3); with a core to spare per rank (a Mac each) it may pay:
-    not measured."""
-
-    def __init__(self, mx, depth: int | None = None):
-        depth = switches.number("FUSELM_PIPE_QUEUE", 0) if depth is None else depth
-        self.mx, self.depth, self.sends = mx, depth, []
-
-    def add(self, send) -> None:
-        self.mx.async_eval(send)
-        self.sends.append(send)
-        if len(self.sends) > self.depth:
-            self.mx.eval(self.sends.pop(0))
-
-    def finish(self, pipe: Pipe) -> None:
-        with pipe.waiting("the last decode step's exchange", (pipe.rank + 1) % pipe.size):
-            self.mx.eval(self.sends)
-        self.sends = []
+        if bells is not None and theirs["bell port"]:
+            with self.deadline(f"the doorbell connections to ranks {prev} and {(self.rank + 1) % self.size}"):
+                try:
+                    bells.connect(theirs["bell port"], timeout)
+                except OSError as e:
+                    raise FuselmError(f"rank {self.rank}: the doorbell connection to rank {prev} failed ({e}); every "
+                                      "rank needs the same fuselm, and the hosts must reach each other on any TCP "
+                                      "port") from None
+            self.bells = bells
 
 
 def _check_hostfile(n_stages: int) -> None:
@@ -333,7 +388,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     tok = load_tokenizer(pipe.dir, required=prompt is not None, chat=chat)
     ids = encode_prompt(tok, prompt, prompt_ids, chat)
     stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
-    pipe.handshake(split_id(split_dir))
+    pipe.handshake(split_id(split_dir), pipe_timeout)
     sess.reset(len(ids) + max_tokens)
     chunk = prefill_chunk or b.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
@@ -348,16 +403,15 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         for part in chunks:
             pipe.send_hidden(sess._step_dynamic(part))
             b.sync(list(sess.buffers.values()))
-        last, queued = pipe.size - 1, Queued(pipe.mx)
+        last = pipe.size - 1
         for _ in range(max_tokens - 1):
             with pipe.waiting(f"the next token from rank {last}", last):
-                # queue the step before its token arrives: the host builds it while the pipe works
+                # the step is built before its token arrives: the host builds it while the pipe works
                 message = pipe.recv_lazy((2,), pipe.mx.int32, last)  # [token, stop]
                 h = sess.decode(message[:1].astype(pipe.mx.int64))
-                queued.add(pipe.send_hidden(h, stop=message[1:]))
+                pipe.run(pipe.send_hidden(h, stop=message[1:]), wait=True, ring=True)
                 if stops and pipe.stopped(message):
                     break
-        queued.finish(pipe)
     else:
         logits = None
         for k, part in enumerate(chunks):
@@ -368,7 +422,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
             else:
                 pipe.send_hidden(y)
             b.sync(list(sess.buffers.values()))
-        detok, queued = Detokenizer(tok), Queued(pipe.mx)
+        detok = Detokenizer(tok)
         stop_ids = pipe.mx.array(sorted(stops) or [-1], dtype=pipe.mx.int32)
         for n in range(max_tokens):
             with pipe.waiting(f"decode step {n} from rank {rank - 1}", rank - 1):
@@ -376,7 +430,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                     message = pipe.recv_lazy((1, 1, pipe.width + 1), pipe.msg_dtype, rank - 1)
                     y = sess.decode(message[..., :pipe.width])
                     if not pipe.last:
-                        queued.add(pipe.send_hidden(y, stop=message[..., pipe.width:]))
+                        pipe.run(pipe.send_hidden(y, stop=message[..., pipe.width:]), wait=True, ring=True)
                         if stops and pipe.stopped(message):
                             break
                         continue
@@ -384,9 +438,11 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                 elif not pipe.last:
                     continue
                 picked = b.pick_token(logits, sampler).reshape(1).astype(pipe.mx.int32)
+                step = picked
                 if n + 1 < max_tokens:  # rank 0 embeds it while this rank prints it
                     stop = (picked == stop_ids).any().reshape(1).astype(pipe.mx.int32)
-                    queued.add(pipe.send(pipe.mx.concatenate([picked, stop]), 0))
+                    step = [picked, pipe.send(pipe.mx.concatenate([picked, stop]), 0)]
+                pipe.run(step, wait=n > 0, ring=n + 1 < max_tokens)
                 token = b.item(picked)
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
@@ -400,7 +456,6 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
                 if n + 1 < max_tokens:  # the step rank 0 queued for the stop token comes round; end with it
                     pipe._recv((1, 1, pipe.width + 1), pipe.msg_dtype, rank - 1, "the end of the pipe")
                 break
-        queued.finish(pipe)
     now = time.perf_counter()
     import resource
 

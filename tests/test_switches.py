@@ -34,7 +34,7 @@ def test_sites_read_false_as_off(monkeypatch, tmp_path):
 
 
 def test_counts_name_a_bad_value(monkeypatch):
-    """The value-taking switches (FUSELM_THREADS, FUSELM_INFLIGHT, FUSELM_PIPE_QUEUE, FUSELM_LIMIT) read a
+    """The value-taking switches (FUSELM_THREADS, FUSELM_INFLIGHT, FUSELM_LIMIT) read a
     whole number, take their default when unset, and name a bad value (was: a bare ValueError traceback,
     or FUSELM_LIMIT=abc silently ignored)."""
     from fuselm.errors import FuselmError
