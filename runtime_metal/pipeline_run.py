@@ -200,11 +200,18 @@ class Bells:
 
 def _ring_hosts() -> list[str] | None:
     """Each rank's host in the ring hostfile mlx.launch wrote (MLX_HOSTFILE: per rank a list of "ip:port")."""
+    try:
+        return [h[0].rsplit(":", 1)[0].strip("[]") for h in _hostfile()]
+    except (TypeError, IndexError, KeyError, AttributeError):
+        return None
+
+
+def _hostfile():
+    """The parsed MLX_HOSTFILE (None when unset, unreadable or no JSON: mx.distributed.init names that)."""
     path = os.environ.get("MLX_HOSTFILE")
     try:
-        hosts = json.loads(Path(path).read_text()) if path else None
-        return [h[0].rsplit(":", 1)[0].strip("[]") for h in hosts]
-    except (OSError, ValueError, TypeError, IndexError, KeyError, AttributeError):
+        return json.loads(Path(path).read_text() or "[]") if path else None
+    except (OSError, ValueError):
         return None
 
 
@@ -342,13 +349,7 @@ class Pipe:
 def _check_hostfile(n_stages: int) -> None:
     """The ring hostfile mlx.launch wrote (MLX_HOSTFILE: one list of addresses per rank) must have one entry
     per stage; a wrong one would otherwise only show as a wait."""
-    path = os.environ.get("MLX_HOSTFILE")
-    if not path or not os.path.isfile(path):
-        return
-    try:
-        hosts = json.loads(Path(path).read_text() or "[]")
-    except ValueError:
-        return  # mx.distributed.init names the parse error
+    path, hosts = os.environ.get("MLX_HOSTFILE"), _hostfile()
     if isinstance(hosts, list) and hosts and len(hosts) != n_stages:
         raise FuselmError(f"the hostfile (MLX_HOSTFILE={path}) lists {len(hosts)} ranks but the model is split into "
                           f"{n_stages} stages; give mlx.launch one host per stage")
