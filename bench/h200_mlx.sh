@@ -8,6 +8,9 @@
 #   bash bench/h200_mlx.sh probe  SHAPES   # after bench: where the prefill's peak memory goes (mlx_memory_probe.py),
 #                                          # fuselm with its prefill queued whole (FUSELM_INFLIGHT=0) and 2 layers ahead
 #   bash bench/h200_mlx.sh kv8    SHAPES   # after bench: the 8-bit KV cache at 8k and 32k (bench/mlx_kv8.py)
+#   bash bench/h200_mlx.sh wheels          # carry .mlxcuda/p1 .mlxcuda/w: keep half 1 only (no checkpoints)
+#   bash bench/h200_mlx.sh pipeline        # carry .mlxcuda/p2: install MLX; bench/pipeline.py on the GPU (0.6b
+#                                          # layers, q4, 2 and 3 ranks on the one GPU) and on the host's cores (tiny)
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
 # Results land in $OUT (the device tool brings them back): mlx-peer-gpu.json and the logs.
@@ -23,6 +26,10 @@ if [ ! -d /root/fl/fuselm ]; then  # fuselm itself, installed outside the checko
     python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
 fi
 case $phase in
+wheels)
+    cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    ;;
 stash)
     cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -33,7 +40,7 @@ stash)
     python3 "$repo/bench/mlx_peer.py" --stash --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \
         2>&1 | tee "${OUT:-/tmp/out}/stash.log" || exit 1
     ;;
-bench|probe|kv8)
+bench|probe|kv8|pipeline)
     if ! python3 -c "import mlx.core" 2>/dev/null; then
         cat "$stash/part00" .mlxcuda/p2/part01 > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
         python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/*.whl || exit 1
@@ -41,6 +48,14 @@ bench|probe|kv8)
     if [ "$phase" = kv8 ]; then
         cd /root && python3 "$repo/bench/mlx_kv8.py" --shapes $shapes --contexts 8192 32768 --runs ${KV8_RUNS:-2} \
             --decode 32 --work "$work" --out "$OUT/mlx-kv8-gpu.json" 2>&1 | tail -30
+        exit 0
+    fi
+    if [ "$phase" = pipeline ]; then
+        cd /root
+        python3 "$repo/bench/pipeline.py" --device gpu --shape 0.6b --ranks 2 3 --runs ${PIPE_RUNS:-3} --tokens 128 \
+            --json "$OUT/pipeline-gpu-0.6b.json" 2>&1 | grep -v "Writing model" | tail -30
+        python3 "$repo/bench/pipeline.py" --ranks 2 3 --runs ${PIPE_RUNS:-3} --tokens 256 \
+            --json "$OUT/pipeline-host-tiny.json" 2>&1 | grep -v "Writing model" | tail -30
         exit 0
     fi
     if [ "$phase" = probe ]; then

@@ -1,8 +1,11 @@
-"""`fuselm run SPLIT` under `mlx.launch`: one pipeline stage per rank over mx.distributed (issue 20).
+"""`fuselm run SPLIT`: one pipeline stage per rank over mx.distributed (issue 20).
 
     fuselm split MODEL -o SPLIT --stages 2
-    mlx.launch --backend ring -n 2 -- fuselm run SPLIT --prompt "..."                 # one machine
+    fuselm run SPLIT --prompt "..."                                                     # one machine
     mlx.launch --backend ring --hostfile hosts.json -- fuselm run SPLIT --prompt "..."   # two Macs
+
+Started by no launcher, `run` starts one local rank per stage itself (pipeline_launch.py); under
+mlx.launch (or any MLX_RANK + MLX_HOSTFILE) this process is one rank.
 
 Rank r runs SPLIT/stage{r} in runtime_metal's Session on the MLX backend (a stage graph takes the
 hidden state in place of input_ids, returns it in place of logits: Session reads either). Every rank
@@ -16,12 +19,12 @@ gets the same command line, so all know the prompt, its chunks and --max-tokens.
   next, so the stages work on different chunks at once; the last rank keeps the last chunk's logits.
 - decode: one token per step through the pipe: the last rank picks the token (on the device), prints
   it and sends it to rank 0, which embeds it. Each step is built as one lazy graph (receive ->
-  stage -> send) before its message comes; the rank then sleeps on its doorbell (`Bells`: MLX's ring
-  backend polls while a receive is pending, which would spin the core the working rank needs) and
-  runs the step when the sender rings. A hidden-state message is [1, s, hidden] plus one column, a
+  stage -> send) before its message comes and runs when it does. Where the ranks outnumber the
+  host's cores, a rank sleeps on a doorbell (`Bells`) until the sender rings: MLX's ring backend
+  polls while a receive is pending, which would spin the core the working rank needs. A hidden-state message is [1, s, hidden] plus one column, a
   token message [token, stop]:
   the last rank sets stop on the device when it picks an eos token, and the flag travels down the
-  pipe with the step queued for it, which every rank ends with.
+  pipe with the step built for it, which every rank ends with.
 - every exchange has a deadline (--pipe-timeout, default 60 s: a peer that never started, a wrong
   hostfile, a rank that hangs): the waiting rank prints what it waited for and is ended by its
   watchdog process (SIGKILL, status 137), never hangs; mx.distributed.init gets the same deadline. A
@@ -41,12 +44,13 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from fuselm import contract
+from fuselm import contract, switches
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
 from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
 from . import kvcache
+from .pipeline_launch import LAUNCHED
 from .sampling import Sampler
 from .session import Session, kv_options
 
@@ -64,7 +68,7 @@ def is_split(path) -> bool:
         stage = (read_meta(path).get("pipeline") or {}).get("stage")
         if stage is not None:
             raise FuselmError(f"{path} is stage {stage} of the split {path.parent}; one stage cannot generate alone: "
-                              f"run `mlx.launch --backend ring -n N -- fuselm run {path.parent} ...`")
+                              f"run `fuselm run {path.parent} ...`")
     return False
 
 
@@ -173,11 +177,22 @@ class Bells:
 
     @classmethod
     def open(cls, rank: int, size: int) -> Bells | None:
-        """A listening bell for the ring backend (None for another backend or no hostfile)."""
+        """A listening bell for the ring backend when all ranks share this host and, with the launcher,
+        outnumber its cores (None otherwise: a rank with a core of its own waits fastest on MLX's own
+        poll, and a bell costs a round trip per step). mlx.launch spins a core of its own (its output
+        threads select on an always-writable pipe); fuselm's launcher (pipeline_launch.py) does not.
+        Measured on 2 cores (bench/pipeline.py, tiny q4): fuselm's launcher, 2 ranks 1.12x one rank's
+        time per token without bells, 1.56x with; 3 ranks 2.56x without, 1.52x with; mlx.launch, 2
+        ranks 3.31x without, 1.64x with. Every rank decides the same (one hostfile, one host's core
+        count); FUSELM_PIPE_BELLS=on/off, set alike on every rank, overrides the choice."""
         hosts = _ring_hosts()
         if os.environ.get("FUSELM_MLX_BACKEND", "ring") != "ring" or not hosts or len(hosts) != size:
             return None
-        return cls(rank, size, hosts)
+        wanted = switches.setting("FUSELM_PIPE_BELLS")
+        if wanted is None:
+            spinning_launcher = 0 if os.environ.get(LAUNCHED) else 1
+            wanted = len(set(hosts)) == 1 and size + spinning_launcher > (os.cpu_count() or 1)
+        return cls(rank, size, hosts) if wanted else None
 
     def connect(self, prev_port: int, timeout: float) -> None:
         """Connect to the rank before (its port came in the handshake), then take the next rank's connection."""
@@ -366,7 +381,9 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         threads=None, stream=None, quiet=False, dtype="auto", profile=False, pipe_timeout: float = 60.0,
         prefill_chunk: int | None = None, **kv) -> dict:
     """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
+    Started by no launcher, it starts the ranks itself on this machine (pipeline_launch.py).
     `prefill_chunk`: prompt tokens per prefill step (default: the backend's)."""
+    args = {k: v for k, v in locals().items() if k not in ("kv", "stream")} | kv
     if backend not in ("auto", "mlx"):
         raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
     if max_tokens < 1:
@@ -380,8 +397,9 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     _check_hostfile(n_stages)
     group, rank, size = init_group(pipe_timeout)
     if group is None:
-        raise FuselmError(f"{split_dir} is split into {n_stages} stages: start one process per stage with "
-                          f"`mlx.launch --backend ring -n {n_stages} -- fuselm run {split_dir} ...` (or --hostfile)")
+        from . import pipeline_launch
+
+        return pipeline_launch.launch(n_stages, {**args, "split_dir": str(split_dir)}, stream)
     pipe = Pipe(split_dir, group, rank, size, pipe_timeout,
                 {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
                  "dtype": dtype, **kv_options(**kv)})

@@ -126,15 +126,34 @@ def test_pipeline_tokens_equal_single_process(models, tmp_path, n):
         assert json.loads((tmp_path / f"0-rank{r}.json").read_text())["tokens"] == []
 
 
-def test_wrong_process_count_and_no_launcher(models, tmp_path):
+def test_wrong_process_count(models, tmp_path):
     root, _ = models
     p = launch(3, "-m", "fuselm.cli", "run", str(root / "f32-2"), "--prompt-ids", "5,6", "--device", "cpu",
                "--pipe-timeout", "20")
     assert "lists 3 ranks but the model is split into 2 stages" in p.stderr
-    with pytest.raises(FuselmError, match="mlx.launch --backend ring -n 2"):
-        fuselm.run(root / "f32-2", prompt_ids=[5], quiet=True)
     with pytest.raises(FuselmError, match="is stage 1 of the split"):
         fuselm.run(root / "f32-2" / "stage1", prompt_ids=[5], quiet=True)
+
+
+def test_no_launcher_starts_the_ranks_itself(models, tmp_path, monkeypatch):
+    """`fuselm.run(SPLIT)` in a process no launcher started runs one local rank per stage
+    (runtime_metal/pipeline_launch.py): the last rank's tokens stream through, equal to the unsplit
+    run (with the doorbells, whatever this host's core count); a rank that fails ends the others and
+    its error is the caller's."""
+    import io
+
+    root, plain = models
+    monkeypatch.setenv("FUSELM_PIPE_BELLS", "on")
+    stream = io.StringIO()
+    r = fuselm.run(root / "q4-3", prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, device="cpu",
+                   prefill_chunk=4, quiet=True, stream=stream)
+    assert r["tokens"] == single(plain["q4"])
+    assert stream.getvalue().split() == [str(t) for t in r["tokens"]]
+    assert len(r["ranks"]) == 3 and all(m["mlx_peak_bytes"] > 0 for m in r["ranks"])
+    shutil.copytree(root / "f32-2", tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "stage1")
+    with pytest.raises(FuselmError, match=r"^rank 1: .*stage1 is missing"):
+        fuselm.run(tmp_path / "broken", prompt_ids=[5], device="cpu", quiet=True, pipe_timeout=20)
 
 
 def test_missing_peer_times_out_with_a_message(models, tmp_path):
