@@ -22,9 +22,8 @@ stash=/root/stash
 work=/root/work
 export PYTHONPATH=/root/fl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 mkdir -p "$stash" "$work" "${OUT:-/tmp/out}"
-if [ ! -d /root/fl/fuselm ]; then  # fuselm itself, installed outside the checkout
-    python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
-fi
+# fuselm itself, installed outside the checkout, from this call's tree (a warm machine keeps the last call's)
+rm -rf /root/fl && python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
 case $phase in
 wheels)
     cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
@@ -52,9 +51,20 @@ bench|probe|kv8|pipeline)
     fi
     if [ "$phase" = pipeline ]; then
         cd /root
+        # exit status of a plain MLX GPU process, and of `fuselm run` with the build thread off / on
+        python3 -c "import mlx.core as mx; mx.set_default_device(mx.gpu); mx.eval(mx.ones(3) + 1)"; echo "plain MLX GPU process: exit $?"
+        python3 -c "import fuselm; from fuselm.synth import make_checkpoint; c = make_checkpoint('/root/probe/hf', 'qwen3'); fuselm.convert(c, '/root/probe/exp', quant='q4', quiet=True); fuselm.optimize('/root/probe/exp', '/root/probe/opt', quiet=True)" >/dev/null 2>&1
+        for t in 0 1; do
+            FUSELM_BUILD_THREAD=$t python3 -m fuselm.cli run /root/probe/opt --prompt-ids 5,6 --max-tokens 8 --backend mlx \
+                --device gpu >/dev/null 2>/tmp/probe.err
+            echo "fuselm run --backend mlx --device gpu, FUSELM_BUILD_THREAD=$t: exit $? $(tail -c 300 /tmp/probe.err | tr '\n' ' ')"
+        done
+        python3 -c "import fuselm; from fuselm.runtime_metal.backends import mlx_backend as m; list(fuselm.stream_generate('/root/probe/opt', prompt_ids=[5, 6], max_tokens=8, backend='mlx', device='gpu')); m._build_pool().shutdown(wait=True)" 2>/tmp/probe.err
+        echo "stream_generate, then the build pool shut down: exit $? $(tail -c 200 /tmp/probe.err | tr '\n' ' ')"
+        [ "${PIPE_GPU:-1}" = 1 ] || exit 0
         python3 "$repo/bench/pipeline.py" --device gpu --shape 0.6b --ranks 2 3 --runs ${PIPE_RUNS:-3} --tokens 128 \
             --json "$OUT/pipeline-gpu-0.6b.json" 2>&1 | grep -v "Writing model" | tail -30
-        python3 "$repo/bench/pipeline.py" --ranks 2 3 --runs ${PIPE_RUNS:-3} --tokens 256 \
+        [ "${PIPE_HOST:-1}" = 1 ] && python3 "$repo/bench/pipeline.py" --ranks 2 3 --runs ${PIPE_RUNS:-3} --tokens 256 \
             --json "$OUT/pipeline-host-tiny.json" 2>&1 | grep -v "Writing model" | tail -30
         exit 0
     fi

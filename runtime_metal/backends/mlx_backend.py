@@ -116,11 +116,39 @@ class ThreadedSteps(StepQueue):
             y, nxt = nxt, after
 
 
-@functools.cache
-def _build_pool():
-    from concurrent.futures import ThreadPoolExecutor
+class _BuildThread:
+    """ThreadedSteps' one build thread: a daemon thread that runs the steps it is given. Not a
+    ThreadPoolExecutor: its worker is joined at exit, and on MLX's CUDA backend a thread that has built
+    MLX graphs aborts the process when it ends (`terminate called without an active exception`, exit
+    134 after the last token; bench/results/h200/run33.md). A daemon thread is never ended."""
 
-    return ThreadPoolExecutor(1, thread_name_prefix="fuselm-mlx-build")
+    def __init__(self):
+        import queue
+        import threading
+
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="fuselm-mlx-build", daemon=True).start()
+
+    def _work(self):
+        while True:
+            future, fn, args = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, as an executor does
+                    future.set_exception(e)
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+
+@functools.cache
+def _build_pool() -> _BuildThread:
+    return _BuildThread()
 
 
 def _build_thread_wanted(device: str) -> bool:
