@@ -42,21 +42,10 @@ __all__ = ["Decode", "Session", "kv_options"]
 class Session:
     """Loads a model directory or .onnx file onto a backend and runs prefill / decode steps."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        backend: str = "auto",
-        device: str | None = None,
-        fused: bool = True,
-        static_decode: bool = True,
-        compile: bool | None = None,
-        threads: int | None = None,
-        dtype: str = "auto",
-        kv_bits: int | None = None,
-        kv_bits_k: int | None = None,
-        kv_bits_v: int | None = None,
-        kv_group_size: int | None = None,
-    ):
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None, fused: bool = True,
+                 static_decode: bool = True, compile: bool | None = None, threads: int | None = None,
+                 dtype: str = "auto", kv_bits: int | None = None, kv_bits_k: int | None = None,
+                 kv_bits_v: int | None = None, kv_group_size: int | None = None):
         self.kv_formats = kvcache.formats(kv_bits, kv_bits_k, kv_bits_v, kv_group_size)  # (key, value)
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
@@ -65,21 +54,16 @@ class Session:
         self.first_input, self.output, self.caches = io.first, io.output, io.caches
         try:
             self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
-        except (
-            Exception
-        ) as e:  # load-time rewrites on attributes the checker lets through (a negative block size)
-            if isinstance(e, FuselmError):
-                raise
-            raise FuselmError(
-                f"{self.lm.path} cannot be prepared for the runtime ({type(e).__name__}: {str(e)[:300]}); "
-                "the graph is invalid, or uses an op in a form the runtime does not support"
-            ) from e
+        except FuselmError:
+            raise
+        except Exception as e:  # load-time rewrites on attributes the checker lets through (a negative block size)
+            raise FuselmError(f"{self.lm.path} cannot be prepared for the runtime ({type(e).__name__}: {str(e)[:300]}); "
+                              "the graph is invalid, or uses an op in a form the runtime does not support") from e
         self.executor = Executor(self.graph, self.backend)
         self.fused = fused
         self.in_place = kvcache.in_place(self.graph.nodes, {c.name for c in self.caches})
-        kvcache.check_formats(
-            self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place, self.lm.path
-        )
+        kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
+                              self.lm.path)
         self.window = int(self.meta["sliding_window"]) if self.meta.get("sliding_window") else None
         self.causal_reads = mask_kind.causal_reads(self.backend, self.graph, self.in_place, fused)
         self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (mask_kind.py)
@@ -118,9 +102,8 @@ class Session:
     def reset(self, max_len: int) -> None:
         """Empty the cache and preallocate room for `max_len` tokens."""
         self.max_len, self.pos = int(max_len), 0
-        self.buffers = kvcache.allocate(
-            self.backend, self.caches, self.kv_formats, self.packed, self.max_len if self.in_place else 0
-        )
+        self.buffers = kvcache.allocate(self.backend, self.caches, self.kv_formats, self.packed,
+                                        self.max_len if self.in_place else 0)
         self.decoding.reset()
 
     def _ids(self, ids):
@@ -132,20 +115,12 @@ class Session:
         return self.backend.reshape(self.backend.cast(ids, TensorProto.INT64), (1, -1))
 
     def _run(self, ids, pos, mask, positions, views: dict) -> object:
-        feeds = {
-            self.first_input: self._ids(ids),
-            contract.ATTENTION_MASK: mask,
-            contract.POSITION_IDS: positions,
-            **views,
-        }
-        self.executor.ctx["rope_offset"] = pos
-        self.executor.ctx["all_logits"] = False
+        feeds = {self.first_input: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
+                 **views}
+        self.executor.ctx.update(rope_offset=pos, all_logits=False)
         out = self.executor.run(feeds)
-        self.buffers.update(
-            {n: v.buffer for n, v in views.items()}
-            if self.in_place
-            else {c.name: out[c.present] for c in self.caches}
-        )
+        self.buffers.update({n: v.buffer for n, v in views.items()} if self.in_place
+                            else {c.name: out[c.present] for c in self.caches})
         return out[self.output]
 
     def prefill(self, ids: list[int], chunk: int | None = None):
@@ -157,9 +132,7 @@ class Session:
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
         if self.pos + len(ids) > self.max_len:
-            raise FuselmError(
-                f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); call reset with more"
-            )
+            raise FuselmError(f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); call reset with more")
         logits = None
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
@@ -170,17 +143,11 @@ class Session:
 
     def _step_dynamic(self, part):
         b, pos = self.backend, self.pos
-        s = (
-            len(part)
-            if isinstance(part, (list, tuple))
-            else (b.shape(part)[1] if self.first_input == contract.HIDDEN else 1)
-        )
+        hidden = self.first_input == contract.HIDDEN  # a stage's [1, s, hidden]; else ids or one picked token
+        s = len(part) if isinstance(part, (list, tuple)) else (b.shape(part)[1] if hidden else 1)
         mask = b.asarray(np.ones((1, pos + s), np.int64))
         positions = b.asarray(np.arange(pos, pos + s, dtype=np.int64).reshape(1, -1))
-        if self.in_place:
-            views = {c.name: self._view(c, pos, s) for c in self.caches}
-        else:
-            views = dict(self.buffers)
+        views = {c.name: self._view(c, pos, s) for c in self.caches} if self.in_place else dict(self.buffers)
         depth = b.inflight_layers if b.lazy and s >= _LONG_RUN else None
         self.executor.ctx["inflight"] = InFlight(b, depth) if depth else None
         try:
@@ -213,10 +180,8 @@ class Session:
         steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, max_new)
         for n, token in enumerate(steps):
             if token < 0:
-                raise FuselmError(
-                    f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
-                    "broken (`fuselm validate` compares it with the checkpoint)"
-                )
+                raise FuselmError(f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
+                                  "broken (`fuselm validate` compares it with the checkpoint)")
             yield token
 
     def logits_to_numpy(self, logits) -> np.ndarray:
@@ -237,24 +202,13 @@ class Session:
         queued = b.step_queue().what
         if queued:
             mode += f", {queued}"
-        kv = (
-            kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim)
-            if self.caches
-            else "-"
-        )
+        kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         state = self.graph.prepared.split(" ")[0]
         prepared = f", prepared weights {state}" if state in ("read", "written") else ""
-        return (
-            f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, "
-            f"KV cache {kv}{prepared})"
-        )
+        return (f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, "
+                f"KV cache {kv}{prepared})")
 
 
 def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
     """The KV cache keywords run/validate pass on to Session (any other keyword is a TypeError, as before)."""
-    return {
-        "kv_bits": kv_bits,
-        "kv_bits_k": kv_bits_k,
-        "kv_bits_v": kv_bits_v,
-        "kv_group_size": kv_group_size,
-    }
+    return {"kv_bits": kv_bits, "kv_bits_k": kv_bits_k, "kv_bits_v": kv_bits_v, "kv_group_size": kv_group_size}
