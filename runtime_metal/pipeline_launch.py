@@ -101,4 +101,6 @@ def rank_main() -> None:
     except FuselmError as e:
         Path(out).write_text(json.dumps({"error": str(e)}))
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group); the launcher says it once
+        sys.exit(130)
     Path(out).write_text(json.dumps(result))
