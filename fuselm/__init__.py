@@ -51,7 +51,8 @@ def split(in_path, out, **kwargs):
 
 def run(model_dir, **kwargs):
     """Generate text from a model directory (see `fuselm run -h`); a `fuselm split` output runs one stage
-    per process under `mlx.launch` (runtime_metal/pipeline_run.py). `--backend auto` picks the engine by
+    per process: this one under `mlx.launch`, else one local process per stage that fuselm starts
+    (runtime_metal/pipeline_run.py, pipeline_launch.py). `--backend auto` picks the engine by
     fuselm/auto_backend.py's rule; the run's header says which and why."""
     from . import contract
 

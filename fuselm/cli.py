@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--seed", type=int, default=None)
             r.add_argument("--profile", action="store_true", help="per-op time table")
             r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
-                           help="a `fuselm split` output under mlx.launch: seconds a rank waits for its neighbour")
+                           help="a `fuselm split` output: seconds a rank waits for its neighbour")
         else:
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
