@@ -185,3 +185,32 @@ def test_stages_of_different_splits_are_refused(models, tmp_path):
     p = launch(2, "-m", "fuselm.cli", "run", str(tmp_path / "a"), "--prompt-ids", "5,6", "--device", "cpu",
                "--pipe-timeout", "20")
     assert "rank 1: rank 0 runs a stage that does not fit: last layer 0 (expected 2)" in p.stderr, p.stderr[-2000:]
+
+
+def test_doorbells_only_where_ranks_outnumber_the_cores(tmp_path, monkeypatch):
+    """Bells.open's rule: all ranks on one host and more busy processes (ranks, + mlx.launch's spinning
+    launcher unless fuselm started them) than cores; ranks on several hosts never; the switch overrides."""
+    from fuselm.runtime_metal import pipeline_run
+    from fuselm.runtime_metal.pipeline_launch import LAUNCHED
+
+    def opened(hosts, cores, launched=False, switch=None):
+        (tmp_path / "h.json").write_text(json.dumps([[f"{h}:1"] for h in hosts]))
+        monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "h.json"))
+        monkeypatch.setattr(pipeline_run.os, "cpu_count", lambda: cores)
+        for name, value in ((LAUNCHED, "1" if launched else None), ("FUSELM_PIPE_BELLS", switch)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        bells = pipeline_run.Bells.open(0, len(hosts))
+        if bells is not None:
+            bells.listener.close()
+        return bells is not None
+
+    local2 = ["127.0.0.1"] * 2
+    assert not opened(local2, cores=2, launched=True)  # a core per rank: MLX's poll
+    assert opened(local2, cores=2)  # mlx.launch's launcher takes one of them
+    assert opened(["127.0.0.1"] * 3, cores=2, launched=True)
+    assert not opened(local2, cores=16)
+    assert not opened(["127.0.0.1", "127.0.0.2"], cores=1)  # two hosts: each decides alike only by the hostfile
+    assert opened(local2, cores=16, switch="on") and not opened(local2, cores=1, switch="off")
