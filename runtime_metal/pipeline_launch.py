@@ -55,10 +55,15 @@ def launch(n: int, kwargs: dict, stream=None) -> dict:
             ranks.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(tmp / "run.json"),
                                            str(tmp / f"rank{r}.json")], env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE if r == n - 1 else None))
-        failed: list[int] = []  # ranks in the order they failed
+        failed: list[int] = []  # the first rank that failed (the others are ended because of it)
+        lock = threading.Lock()
 
         def watch(r: int) -> None:
-            if ranks[r].wait() != 0 and not failed:
+            if ranks[r].wait() == 0:
+                return
+            with lock:
+                if failed:
+                    return
                 failed.append(r)
                 for p in ranks:
                     if p.poll() is None:

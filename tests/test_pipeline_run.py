@@ -16,6 +16,7 @@ import pytest
 import fuselm
 from fuselm import contract
 from fuselm.errors import FuselmError
+from fuselm.runtime_metal.pipeline_launch import loopback_ports
 
 mx = pytest.importorskip("mlx.core")
 if not mx.distributed.is_available():
@@ -39,7 +40,8 @@ DRIVER = textwrap.dedent("""
 
 
 def free_ports(n: int) -> int:
-    """A base port with n free ports after it (mlx.launch gives rank r the port base + r)."""
+    """A base port with n free ports after it, for mlx.launch's -p (it gives rank r the port base + r;
+    fuselm's launcher and a hostfile take any n ports: pipeline_launch.loopback_ports)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -160,9 +162,8 @@ def test_missing_peer_times_out_with_a_message(models, tmp_path):
     """Rank 0 of 2 started alone (a hostfile naming a peer that never comes): a clear error, not a hang; a
     hostfile that is no JSON, or lists the wrong number of ranks: exit 2 at once."""
     root, _ = models
-    base = free_ports(2)
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in loopback_ports(2)]))
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-m", "fuselm.cli", "run", str(root / "f32-2"), "--prompt-ids", "5",
                         "--device", "cpu", "--pipe-timeout", "3"], capture_output=True, text=True, env=env, timeout=60)

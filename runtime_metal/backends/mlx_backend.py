@@ -100,12 +100,12 @@ class ThreadedSteps(StepQueue):
             return step(y)
 
     def run(self, y, step, steady, n: int):
-        pool = _build_pool()
+        builder = _build_thread()
         mx.async_eval(y)
         nxt = step(y) if n > 1 else None
         for i in range(n):
             ahead, after = i + 2 < n, None
-            job = pool.submit(self._build, step, nxt) if ahead and steady() else None
+            job = builder.submit(self._build, step, nxt) if ahead and steady() else None
             if nxt is not None:
                 mx.async_eval(nxt)  # (the build thread builds the step after it meanwhile)
             if job is not None:
@@ -147,7 +147,7 @@ class _BuildThread:
 
 
 @functools.cache
-def _build_pool() -> _BuildThread:
+def _build_thread() -> _BuildThread:
     return _BuildThread()
 
 
