@@ -12,11 +12,11 @@ import sys
 import textwrap
 
 import pytest
+from fuselm.runtime_metal.pipeline_launch import loopback_ports
 
 import fuselm
 from fuselm import contract
 from fuselm.errors import FuselmError
-from fuselm.runtime_metal.pipeline_launch import loopback_ports
 
 mx = pytest.importorskip("mlx.core")
 if not mx.distributed.is_available():
