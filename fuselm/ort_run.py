@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import contract
+from . import contract, mapped_pages
 from .errors import FuselmError
 from .genai_config import LOWERED_GRAPH_OPTIMIZATION, shares_buffer
 from .genai_config import NAME as GENAI_CONFIG
@@ -36,6 +36,12 @@ def lowered_for_onnxruntime(model_dir) -> bool:
     except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem
         return False
     return any(n.domain == ORT_DOMAIN for n in graph.node)
+
+
+RELEASE_EVERY = 64  # decode steps between two releases of the data file's resident pages
+# prompt tokens per run (bench/cpu_rss.py: a 512-token prompt in one run held 70 MB more of onnxruntime's arena, at the
+# same prefill speed)
+PREFILL_CHUNK = 128
 
 
 class GenaiLoop:
@@ -90,7 +96,9 @@ class BoundLoop:
         if threads:
             so.intra_op_num_threads = threads
         self.ort = ort
-        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.data = model_dir / contract.DATA_NAME
+        with mapped_pages.while_loading(self.data):  # the load's peak, and what MatMulNBits copied (mapped_pages.py)
+            self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
         self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
         self.shared = _shares_buffer(config, model_dir)
@@ -111,38 +119,47 @@ class BoundLoop:
         rng = np.random.default_rng(seed)
         total = len(ids) + max_tokens
         shape = [(self.inputs[n].shape[1], self.inputs[n].shape[3]) for n in self.pasts]
-        cache = {n: self._value(np.zeros((1, kv, total if self.shared else 0, d), np.float32))
-                 for n, (kv, d) in zip(self.pasts, shape, strict=True)}
+        self.cache = {n: self._value(np.zeros((1, kv, total if self.shared else 0, d), np.float32))
+                      for n, (kv, d) in zip(self.pasts, shape, strict=True)}
         done, step = 0, list(ids)
+        while len(step) > PREFILL_CHUNK:  # a long prompt in pieces: the arena holds one piece's activations
+            self._step(step[:PREFILL_CHUNK], done)
+            done, step = done + PREFILL_CHUNK, step[PREFILL_CHUNK:]
         for _ in range(max_tokens):
-            io = self.sess.io_binding()
-            s = len(step)
-            feeds = {contract.INPUT_IDS: np.array([step], np.int64),
-                     contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
-                     contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None]}
-            for name, a in feeds.items():
-                if name in self.inputs:
-                    io.bind_ortvalue_input(name, self._value(a))
-            bound = [contract.LOGITS]
-            io.bind_output(contract.LOGITS, "cpu")
-            for name in self.pasts:
-                io.bind_ortvalue_input(name, cache[name])
-                if self.shared:  # GQA writes the new rows into the same buffer
-                    io.bind_ortvalue_output(contract.present_of(name), cache[name])
-                else:
-                    io.bind_output(contract.present_of(name), "cpu")
-                    bound.append(contract.present_of(name))
-            self.sess.run_with_iobinding(io)
-            outs = dict(zip(bound, io.get_outputs(), strict=False))
-            if not self.shared:
-                cache = {n: outs[contract.present_of(n)] for n in self.pasts}
-            last = outs[contract.LOGITS].numpy()[0, -1]
+            last = self._step(step, done)
             if logits is not None:
                 logits.append(np.array(last, np.float32))
             token = sample(last, temperature, top_k, top_p, rng)
-            done += s
+            if done + len(step) == len(ids) or (done + 1) % RELEASE_EVERY == 0:
+                mapped_pages.release(self.data)  # the embedding rows the gather read, and their neighbours
+            done += len(step)
             step = [token]
             yield token
+
+    def _step(self, step: list[int], done: int) -> np.ndarray:
+        """Run `step`'s tokens after `done` cached ones; the last position's logits. The cache advances."""
+        io = self.sess.io_binding()
+        s = len(step)
+        feeds = {contract.INPUT_IDS: np.array([step], np.int64),
+                 contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
+                 contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None]}
+        for name, a in feeds.items():
+            if name in self.inputs:
+                io.bind_ortvalue_input(name, self._value(a))
+        bound = [contract.LOGITS]
+        io.bind_output(contract.LOGITS, "cpu")
+        for name in self.pasts:
+            io.bind_ortvalue_input(name, self.cache[name])
+            if self.shared:  # GQA writes the new rows into the same buffer
+                io.bind_ortvalue_output(contract.present_of(name), self.cache[name])
+            else:
+                io.bind_output(contract.present_of(name), "cpu")
+                bound.append(contract.present_of(name))
+        self.sess.run_with_iobinding(io)
+        outs = dict(zip(bound, io.get_outputs(), strict=False))
+        if not self.shared:
+            self.cache = {n: outs[contract.present_of(n)] for n in self.pasts}
+        return outs[contract.LOGITS].numpy()[0, -1]
 
 
 # run's / validate's keywords that only runtime_metal's backends honour
