@@ -27,6 +27,8 @@ graph at the builder's precision (`convert --lm-head q4`: one 4-bit table for th
 embedding, where fuselm's default keeps them 8-bit), lowered alike. `--engines ... genai-fuselm` adds onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize
 --target onnxruntime` (MatMulNBits, GroupQueryAttention with one shared past/present buffer); every
 row records the compute nodes per decoder layer of the graph it ran (Constant nodes not counted).
+`--engines fuselm-default ...` runs fuselm's default CPU path, what `fuselm run MODEL` does with no
+--backend: onnxruntime's IO-binding loop on the prepared lowered copy (engine `fuselm` is the torch backend).
 The box may be shared: every row records the 1-minute load average before it started. Prints a
 table with ratios, writes bench/results/cpu-peer.json (--tiny: cpu-peer-tiny.json).
 """
@@ -49,6 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 ENGINES = ("fuselm", "genai")
+DEFAULT = "fuselm-default"  # `fuselm run MODEL` with no --backend: on a CPU, onnxruntime on the lowered copy
 # onnxruntime-genai on fuselm's q4 graph lowered by `fuselm optimize --target onnxruntime` (opt-in)
 GENAI_ON_FUSELM = "genai-fuselm"
 # the same at onnxruntime-genai's builder's precision: `fuselm convert --quant q4 --lm-head q4` (the tied
@@ -92,6 +95,30 @@ class FuselmEngine:
         import numpy as np
 
         return int(np.argmax(self.sess.logits_to_numpy(self.sess.decode(token))))
+
+
+class DefaultEngine:
+    """fuselm's default CPU path, as `fuselm run MODEL` takes it (`--backend auto`): on a standard q4 graph,
+    onnxruntime's IO-binding loop on the prepared lowered copy (fuselm/ort_run.py BoundLoop)."""
+
+    def __init__(self, model: Path, threads: int):
+        from fuselm.auto_backend import resolve
+        from fuselm.ort_run import make_loop
+
+        backend, why, path = resolve(model, "auto", {})
+        if backend != "onnxruntime":
+            raise SystemExit(f"fuselm's default path does not run onnxruntime here: {why}")
+        self.loop = make_loop(Path(path), "ort", threads, checked=True)
+        self.gen = None
+        self.what = f"fuselm run (default: {self.loop.what}; {why})"
+
+    def prefill(self, ids: list[int], room: int) -> int:
+        self.gen = None  # the previous prompt's cache first
+        self.gen = self.loop.generate(ids, room, 0.0, 0, 1.0, None, ignore_eos=True)
+        return next(self.gen)
+
+    def step(self, token: int) -> int:
+        return next(self.gen)  # greedy: the loop feeds back the token it picked, which is `token`
 
 
 class GenaiEngine:
@@ -224,6 +251,8 @@ def child(args) -> None:
         engine = GenaiEngine(model, args.threads)
     elif args.child == "mnn":  # run by .venv-mnn's Python through bench/mnn_safe.py (see bench/mnn_peer.py)
         engine = _bench_module("mnn_peer").MnnEngine(model, args.threads)
+    elif args.child == DEFAULT:
+        engine = DefaultEngine(model, args.threads)
     else:
         engine = FuselmEngine(model, args.threads, True if args.child == "fuselm-compile" else None)
     load = time.perf_counter() - t0
@@ -266,7 +295,9 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
         cmd, env = mnn.fresh_cmd(model, ids_arg, new, threads), mnn.safe_env()
     else:
         cmd = [sys.executable, "-m", "fuselm.cli", "run", str(model), "--prompt-ids", ids_arg, "--max-tokens",
-               str(new), "--ignore-eos", "--threads", str(threads), "--backend", "torch", "--device", "cpu"]
+               str(new), "--ignore-eos", "--threads", str(threads)]
+        if engine != DEFAULT:
+            cmd += ["--backend", "torch", "--device", "cpu"]
         if engine == "fuselm-compile":
             cmd.append("--compile")
     load = os.getloadavg()[0]
@@ -339,7 +370,7 @@ def prepare(shape: str, work: Path, engines=None) -> tuple[Path, dict[str, Path]
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(genai),
                         "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], "genai": genai,
+    return ckpt, {"fuselm": models["q4"][1], "fuselm-compile": models["q4"][1], DEFAULT: models["q4"][1], "genai": genai,
                   GENAI_ON_FUSELM: lowered}
 
 
@@ -412,7 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="*", default=list(ENGINES),
-                    choices=["fuselm", "fuselm-compile", *GENAI_ENGINES, "mnn"])
+                    choices=["fuselm", "fuselm-compile", DEFAULT, *GENAI_ENGINES, "mnn"])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-cpu-peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cpu-peer[-tiny].json)")
     ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process first-token / RSS rows")
