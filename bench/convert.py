@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
+
 SHAPES = {
     "0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
@@ -187,18 +190,12 @@ def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> N
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Run `cmd` as a child; wall time, CPU time (user + sys, less sensitive to other load on a
-    shared box) and the child's peak RSS (ru_maxrss, KiB on Linux)."""
+    shared box) and the child's peak RSS (bench/_child.py)."""
     os.sync()  # start every run without an earlier run's writeback in flight
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    return {"seconds": round(seconds, 2), "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "load_before": round(load, 1)}
+    c = run_child(cmd, None if env is None else {**os.environ, **env}, capture=False)
+    if c.returncode != 0:
+        raise SystemExit(f"failed ({c.returncode}): {' '.join(cmd)}")
+    return {"seconds": c.wall_s, "cpu_seconds": c.cpu_s, "peak_rss_mb": c.peak_rss_mb, "load_before": round(c.load_before, 1)}
 
 
 BASELINE = r"""

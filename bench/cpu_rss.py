@@ -9,7 +9,7 @@ loads it with `onnxruntime_genai`, runs a --prompt-token prompt and --tokens gre
 RSS after load, after the prompt and at the end, split into anonymous and file-backed pages (/proc/self/status:
 onnxruntime maps external initializers from the data file), plus the median decode step's process CPU ms (at
 --threads 1 the work itself). --fuselm-run MODEL_DIR adds `fuselm run MODEL_DIR` (the default backend) with the
-same prompt. Peak RSS is the child's ru_maxrss (GNU time). Rounds are interleaved, the order rotated; every row
+same prompt. Peak RSS is the child's ru_maxrss (bench/_child.py). Rounds are interleaved, the order rotated; every row
 records the 1-minute load average before it. `--sessions` adds, per directory, plain onnxruntime sessions
 created with graph optimizations on/off and prepacking on/off (RSS after creation: what each setting holds).
 """
@@ -23,9 +23,11 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
 
 GENAI_CHILD = r"""
 import json, statistics, sys, time
@@ -79,22 +81,17 @@ print(json.dumps({k: int(f[v].split()[0]) // 1024 for k, v in (("rss", "VmRSS"),
 
 
 def timed(cmd: list[str]) -> dict:
-    """Run `cmd`; its peak RSS (MB) and CPU seconds from GNU time, its last stdout line parsed if JSON."""
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
-        load = os.getloadavg()[0]
-        p = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", f.name, *cmd], capture_output=True, text=True,
-                           env={**os.environ, "FUSELM_PREPARED": "1"})
-        kb, user, system = f.read().split()[-3:]
-    row = {"peak_rss_mb": round(int(kb) / 1024, 1), "cpu_s": round(float(user) + float(system), 2),
-           "load_before": round(load, 2)}
-    if p.returncode != 0:
-        return {**row, "error": " | ".join(p.stderr.strip().splitlines()[-3:])[:500]}
-    last = (p.stdout.strip().splitlines() or [""])[-1]
+    """Run `cmd`; its peak RSS (MB) and CPU seconds (bench/_child.py), its last stdout line parsed if JSON."""
+    c = run_child(cmd, {**os.environ, "FUSELM_PREPARED": "1"})
+    row = {"peak_rss_mb": c.peak_rss_mb, "cpu_s": c.cpu_s, "load_before": c.load_before}
+    if c.returncode != 0:
+        return {**row, "error": c.tail()}
+    last = (c.stdout.strip().splitlines() or [""])[-1]
     try:
         row.update(json.loads(last))
     except ValueError:
         pass
-    if said := re.search(r"prefill \d+ tokens: ([\d.]+) tok/s · decode \d+ tokens: ([\d.]+) tok/s", p.stderr):
+    if said := re.search(r"prefill \d+ tokens: ([\d.]+) tok/s · decode \d+ tokens: ([\d.]+) tok/s", c.stderr):
         row.update(prefill_tok_s=float(said[1]), decode_tok_s=float(said[2]))  # (`fuselm run`'s own report)
     return row
 

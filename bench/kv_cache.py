@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 FORMATS = {"f32": 32, "f16": 16, "int8": 8}
@@ -185,24 +188,14 @@ def child_quality(args) -> dict:
     return out
 
 
-def _peak_child(cmd: list[str]) -> tuple[int, str, float]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), out, usage.ru_maxrss / 1024
-
-
 def measure(kind: str, model: Path, extra: list[str]) -> dict:
-    """One child: its RESULT line plus its peak RSS (ru_maxrss) and wall time."""
-    cmd = [sys.executable, __file__, "--child", kind, "--model", str(model), *extra]
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    rc, out, peak = _peak_child(cmd)
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-    if rc != 0 or line is None:
-        return {"error": " | ".join(out.strip().splitlines()[-3:])[:500]}
+    """One child: its RESULT line plus its peak RSS and wall time (bench/_child.py)."""
+    c = run_child([sys.executable, __file__, "--child", kind, "--model", str(model), *extra], merge=True)
+    line = next((ln for ln in c.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if c.returncode != 0 or line is None:
+        return {"error": c.tail()}
     r = json.loads(line[len("RESULT "):])
-    r.update(peak_rss_mb=round(peak, 1), wall_s=round(time.perf_counter() - t0, 1), load_before=round(load, 1))
+    r.update(peak_rss_mb=c.peak_rss_mb, wall_s=round(c.wall_s, 1), load_before=round(c.load_before, 1))
     return r
 
 

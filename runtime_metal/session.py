@@ -30,7 +30,6 @@ from fuselm.errors import FuselmError
 from . import graph as graph_mod
 from . import kvcache, loader, mask_kind
 from .backends import make_backend
-from .compiled import CompiledDecode
 from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
 
@@ -79,21 +78,11 @@ class Session:
         """The mode of the last decode step (before any: of the next one)."""
         return (self.decoding.last or self.decoding.choose()).mode
 
-    @property
-    def static_decode(self) -> bool:
-        return self.mode is not Decode.DYNAMIC
-
-    @property
-    def static_checked(self) -> bool:
-        return self.mode in (Decode.STATIC, Decode.COMPILED)
-
-    @property
-    def compiled(self) -> CompiledDecode | None:
-        return self.decoding.compiled.get(self.max_len)
-
-    @property
-    def compile_failed(self) -> str | None:
-        return self.decoding.failed
+    # the last step's strategy, as validate and the benches read it
+    static_decode = property(lambda self: self.mode is not Decode.DYNAMIC)
+    static_checked = property(lambda self: self.mode in (Decode.STATIC, Decode.COMPILED))
+    compiled = property(lambda self: self.decoding.compiled.get(self.max_len))  # this cache length's compiled step
+    compile_failed = property(lambda self: self.decoding.failed)  # why compiling the step failed, if it did
 
     def _view(self, c: contract.CacheSpec, pos, seq: int, static: bool = False) -> kvcache.CacheView:
         return kvcache.view(self.buffers, c, self.packed, pos, seq, static)
@@ -197,11 +186,8 @@ class Session:
         if self.causal_reads and ran.mode is not Decode.COMPILED:  # (the compiled pieces say so themselves)
             mode += ", attention over the filled rows (no mask at decode, causal at prefill)"
         dtype = f", {b.compute} compute" if b.compute != "f32" else ""
-        if self.packed:
-            mode += ", K and V in one buffer per layer"
-        queued = b.step_queue().what
-        if queued:
-            mode += f", {queued}"
+        mode += ", K and V in one buffer per layer" if self.packed else ""
+        mode += f", {queued}" if (queued := b.step_queue().what) else ""
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
         state = self.graph.prepared.split(" ")[0]
         prepared = f", prepared weights {state}" if state in ("read", "written") else ""
