@@ -48,6 +48,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 ENGINES = ("fuselm", "genai")
@@ -285,7 +288,7 @@ print(" ".join(map(str, out)))
 
 def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: int) -> dict:
     """A whole user process (imports + load + prefill + `new` tokens): wall time to its first token
-    (the child prints it), total wall time and the process's peak RSS (os.wait4)."""
+    (the child prints it), total wall time and the process's peak RSS (bench/_child.py)."""
     ids_arg = ",".join(map(str, ids))
     env = None
     if engine in GENAI_ENGINES:
@@ -300,24 +303,14 @@ def fresh_process(engine: str, model: Path, ids: list[int], new: int, threads: i
             cmd += ["--backend", "torch", "--device", "cpu"]
         if engine == "fuselm-compile":
             cmd.append("--compile")
-    load = os.getloadavg()[0]
-    start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    first = None
-    out_lines = []
-    for line in proc.stdout:  # fuselm run prints the token and its newline as it comes: stamp its arrival
-        if first is None:
-            first = time.time()
-        out_lines.append(line)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.time() - start
-    err = proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        return {"error": " | ".join(err.strip().splitlines()[-3:])[:500]}
-    stamp = next((float(ln.split()[1]) for ln in out_lines if ln.startswith("FIRST ")), None)
-    first = stamp or first
-    return {"first_token_s": round(first - start, 2) if first else None, "wall_s": round(wall, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "load_before": round(load, 2)}
+    first: list[float] = []  # fuselm run prints the token and its newline as it comes: stamp its arrival
+    c = run_child(cmd, env, on_line=lambda line: first or first.append(time.time()))
+    if c.returncode != 0:
+        return {"error": c.tail()}
+    stamp = next((float(ln.split()[1]) for ln in c.stdout.splitlines() if ln.startswith("FIRST ")), None)
+    first_at = stamp or (first[0] if first else None)
+    return {"first_token_s": round(first_at - c.started, 2) if first_at else None, "wall_s": c.wall_s,
+            "peak_rss_mb": c.peak_rss_mb, "load_before": c.load_before}
 
 
 def fresh_runs(engine: str, model: Path, ids: list[int], new: int, args) -> dict:

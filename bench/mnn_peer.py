@@ -24,8 +24,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -91,14 +93,10 @@ def versions() -> dict:
 
 
 def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run `cmd` under safe_env(); its wall seconds and the peak RSS (MB) of it and its children."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=safe_env(), cwd=cwd)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # its rusage: ru_maxrss is the largest of it and its children
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return (subprocess.CompletedProcess(cmd, proc.returncode, out), time.perf_counter() - t0,
-            round(usage.ru_maxrss / 1024, 1))
+    """Run `cmd` under safe_env(); its output (stderr merged), wall seconds and the peak RSS (MB) of it and its
+    children (bench/_child.py)."""
+    c = run_child(cmd, safe_env(), cwd, merge=True)
+    return subprocess.CompletedProcess(cmd, c.returncode, c.stdout), c.wall_s, c.peak_rss_mb
 
 
 def export(ckpt: Path, work: Path, threads: int = 2) -> Path:

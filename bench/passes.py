@@ -19,12 +19,14 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402 - bench/ is no package: its helpers sit beside each script
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -39,15 +41,11 @@ def _convert_bench():
 
 
 def child(cmd: list[str]) -> dict:
-    """Run `cmd` in a child: wall seconds and peak RSS (MiB)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    return {"seconds": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+    """Run `cmd` in a child: wall seconds and peak RSS (MiB) (bench/_child.py)."""
+    c = run_child(cmd)
+    if c.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{c.stderr[-2000:]}")
+    return {"seconds": c.wall_s, "peak_rss_mib": round(c.peak_rss_mb)}
 
 
 def time_pipeline(onnx_path: Path, out_dir: Path | None = None) -> dict:
