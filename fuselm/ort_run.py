@@ -95,8 +95,10 @@ class BoundLoop:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
-        # (session.prepack.enable_parallel: 0.25 s less load of the 0.6B q4 on 2 cores, but ~20 MB more peak after a
-        # 512-token prompt in 3 of 5 runs: left off)
+        # MatMulNBits packs its weights on the session's threads: load 1.01 -> 0.86 s (0.6B q4, 2 cores, medians of 3),
+        # peak after a 512-token prompt 720 -> 723 MB; the weights' pages it reads pile up faster, and while_loading
+        # pages them out (the load's peak: 1021 MB without it)
+        so.add_session_config_entry("session.prepack.enable_parallel", "1")
         self.ort = ort
         self.data = model_dir / contract.DATA_NAME
         with mapped_pages.while_loading(self.data):  # the load's peak, and what MatMulNBits copied (mapped_pages.py)
