@@ -4,12 +4,13 @@ onnxruntime maps each external initializer of a model on its own. MatMulNBits co
 scales and zero points into packed buffers at load and drops the weights' mappings, but keeps the
 scales' and zero points' mapped: 70-80 MB of the 0.6B q4 graph's file pages stay resident though no
 kernel reads them again. A gather reads the embedding's rows through its mapping, and each row read
-brings its neighbours (the kernel's fault-around), so a 512-token prompt leaves ~50 MB of table pages
-resident (with MADV_RANDOM on the mappings, which `while_loading` sets, ~15 MB). `release(path)` drops this process's pages of every clean private mapping of `path`
-(madvise MADV_DONTNEED). A clean page of a private file mapping that is touched again is read back
-from the file (the page cache), so no result changes; a mapping with a written page (copied on write,
-counted as anonymous) is left alone. Call it only while onnxruntime is idle: between the scan of
-/proc/self/smaps and the madvise, no mapping of the file may be unmapped and its range reused.
+brings its neighbours (the kernel's fault-around): ~50 MB after a 512-token prompt, ~15 MB with
+MADV_RANDOM on the mappings, which `while_loading` sets. `release(path)` drops this process's pages
+of every clean mapping of `path` (MADV_DONTNEED). A clean page of a file mapping that is touched
+again is read back from the file (the page cache), so no result changes; a mapping with a written
+page (copied on write, counted as anonymous) is left alone. Call it only while onnxruntime is idle:
+between the scan of /proc/self/smaps and the madvise, no mapping of the file may be unmapped and
+its range reused.
 
 While a session loads, MatMulNBits reads every weight to pack it, and onnxruntime drops the weights'
 mappings only once all are packed: their pages pile up to ~150 MB over the packed copies (the load's
@@ -22,6 +23,7 @@ Linux only (elsewhere both are no-ops; MADV_PAGEOUT needs Linux 5.4, older kerne
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import sys
 import threading
@@ -52,17 +54,29 @@ def mappings(path: Path, clean: bool = True) -> list[tuple[int, int]]:
     return [tuple(s) for s in spans]
 
 
-def release(path: Path, advice: int = MADV_DONTNEED) -> int:
+def release(path: Path) -> int:
     """Drop the resident pages of `path`'s clean mappings; the number of mappings released (0 off Linux)."""
+    return advise(path, MADV_DONTNEED)
+
+
+def advise(path: Path, advice: int) -> int:
+    """madvise `advice` over `path`'s mappings (only the clean ones for MADV_DONTNEED, the one advice here
+    that can lose a write); the number of mappings it took (0 off Linux)."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
-        spans = mappings(path, clean=advice == MADV_DONTNEED)  # (page-out and MADV_RANDOM lose nothing)
+        spans = mappings(path, clean=advice == MADV_DONTNEED)
     except OSError:
         return 0
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise = _libc().madvise
     return sum(madvise(start, end - start, advice) == 0 for start, end in spans)
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
 
 
 @contextmanager
@@ -73,7 +87,7 @@ def while_loading(path: Path):
 
     def page_out():
         while not done.wait(LOAD_INTERVAL_S):
-            release(path, MADV_PAGEOUT)
+            advise(path, MADV_PAGEOUT)
 
     thread = threading.Thread(target=page_out, name="fuselm-page-out", daemon=True)
     if sys.platform.startswith("linux"):
@@ -85,4 +99,4 @@ def while_loading(path: Path):
         if thread.is_alive():
             thread.join()
     release(path)
-    release(path, MADV_RANDOM)  # a gather's row read brings no neighbours (no fault-around) from now on
+    advise(path, MADV_RANDOM)  # a gather's row read brings no neighbours (no fault-around) from now on
