@@ -123,3 +123,27 @@ def test_yarn_model_matches_hf(make_ckpt, exported):
         ref = model(input_ids=torch.tensor(ids)).logits.numpy()
     got, _ = ort_model.forward(ids, np.ones((1, 16)), np.arange(16)[None])
     assert np.abs(ref - got).max() <= 1e-4
+
+
+def test_a_function_that_kernels_made_a_module_is_read_as_written():
+    """transformers 5.25's `kernels` turns apply_rotary_pos_emb into an nn.Module instance (its signature
+    (*args, **kwargs)); the traced exporter reads the function it calls."""
+    import torch
+    from fuselm.exporter.traced.rope_op import as_written, rotated_arguments
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return q, k
+
+    try:
+        from kernels import use_kernel_forward_from_hub
+
+        wrapped = use_kernel_forward_from_hub("rotary_pos_emb")(apply_rotary_pos_emb)
+    except ImportError:  # the same shape as kernels' Func: a module whose forward closes over the function
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return apply_rotary_pos_emb(*args, **kwargs)
+
+        wrapped = Func()
+    assert isinstance(wrapped, torch.nn.Module) and as_written(wrapped) is apply_rotary_pos_emb
+    assert rotated_arguments(wrapped, "qwen3") == ["q", "k"]
+    assert as_written(apply_rotary_pos_emb) is apply_rotary_pos_emb

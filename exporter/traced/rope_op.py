@@ -80,9 +80,22 @@ class RopeSpec:
         return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.interleaved, self.heads_first)
 
 
+def as_written(fn):
+    """`fn` as the modeling file wrote it. transformers 5.25 depends on `kernels`, whose
+    `use_kernel_forward_from_hub` (on apply_rotary_pos_emb and other functions) turns a function into an
+    nn.Module instance that calls it (its signature: (*args, **kwargs)); the function is the one its
+    forward closes over. Anything else is returned as it is."""
+    if isinstance(fn, torch.nn.Module):
+        inner = [c.cell_contents for c in type(fn).forward.__closure__ or () if inspect.isfunction(c.cell_contents)]
+        if len(inner) == 1:
+            return inner[0]
+    return fn
+
+
 def rotated_arguments(apply, model_type: str) -> list[str]:
     """The parameters of an apply_rotary_pos_emb that it rotates: those before `cos` / `sin`
     (q, k for most families; one `tensor` for GPT-J's `apply_rotary_pos_emb(tensor, sin, cos)`)."""
+    apply = as_written(apply)
     params = list(inspect.signature(apply).parameters)
     if "cos" not in params or "sin" not in params or min(params.index("cos"), params.index("sin")) == 0:
         raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb{inspect.signature(apply)} takes no "
@@ -101,7 +114,7 @@ class Installed:
 
     def __enter__(self):
         if self.original is not None:
-            self.signature = inspect.signature(self.original)
+            self.signature = inspect.signature(as_written(self.original))
             self.rotated = rotated_arguments(self.original, self.module.__name__)
             self.module.apply_rotary_pos_emb = self._apply
         return self
@@ -134,7 +147,7 @@ def rope_layout(module, cos: torch.Tensor, sin: torch.Tensor, positions: torch.T
     """(interleaved, heads_first, sign of inv_freq): the FusedRoPE layout and q/k layout that make FusedRoPE equal the
     family's apply_rotary_pos_emb (checked on random tensors, with the rotary module's real cos/sin);
     refuses anything else."""
-    apply = getattr(module, "apply_rotary_pos_emb", None)
+    apply = as_written(getattr(module, "apply_rotary_pos_emb", None))
     if apply is None:
         raise FuselmError(f"model_type {model_type!r}: its modeling code has no apply_rotary_pos_emb; fuselm's "
                           "traced exporter maps only that function to FusedRoPE")
