@@ -123,14 +123,14 @@ class BoundLoop:
         rng = np.random.default_rng(seed)
         total = len(ids) + max_tokens
         shape = [(self.inputs[n].shape[1], self.inputs[n].shape[3]) for n in self.pasts]
-        self.cache = {n: self._value(np.zeros((1, kv, total if self.shared else 0, d), np.float32))
-                      for n, (kv, d) in zip(self.pasts, shape, strict=True)}
+        cache = {n: self._value(np.zeros((1, kv, total if self.shared else 0, d), np.float32))
+                 for n, (kv, d) in zip(self.pasts, shape, strict=True)}
         done, step = 0, list(ids)
         while len(step) > PREFILL_CHUNK:  # a long prompt in pieces: the arena holds one piece's activations
-            self._step(step[:PREFILL_CHUNK], done)
+            _, cache = self._step(step[:PREFILL_CHUNK], done, cache)
             done, step = done + PREFILL_CHUNK, step[PREFILL_CHUNK:]
         for _ in range(max_tokens):
-            last = self._step(step, done)
+            last, cache = self._step(step, done, cache)
             if logits is not None:
                 logits.append(np.array(last, np.float32))
             token = sample(last, temperature, top_k, top_p, rng)
@@ -140,8 +140,9 @@ class BoundLoop:
             step = [token]
             yield token
 
-    def _step(self, step: list[int], done: int) -> np.ndarray:
-        """Run `step`'s tokens after `done` cached ones; the last position's logits. The cache advances."""
+    def _step(self, step: list[int], done: int, cache: dict) -> tuple[np.ndarray, dict]:
+        """Run `step`'s tokens after `done` cached ones: the last position's logits and the cache after them
+        (the same buffers when they are shared, else the presents)."""
         io = self.sess.io_binding()
         s = len(step)
         feeds = {contract.INPUT_IDS: np.array([step], np.int64),
@@ -153,17 +154,17 @@ class BoundLoop:
         bound = [contract.LOGITS]
         io.bind_output(contract.LOGITS, "cpu")
         for name in self.pasts:
-            io.bind_ortvalue_input(name, self.cache[name])
+            io.bind_ortvalue_input(name, cache[name])
             if self.shared:  # GQA writes the new rows into the same buffer
-                io.bind_ortvalue_output(contract.present_of(name), self.cache[name])
+                io.bind_ortvalue_output(contract.present_of(name), cache[name])
             else:
                 io.bind_output(contract.present_of(name), "cpu")
                 bound.append(contract.present_of(name))
         self.sess.run_with_iobinding(io)
         outs = dict(zip(bound, io.get_outputs(), strict=False))
         if not self.shared:
-            self.cache = {n: outs[contract.present_of(n)] for n in self.pasts}
-        return outs[contract.LOGITS].numpy()[0, -1]
+            cache = {n: outs[contract.present_of(n)] for n in self.pasts}
+        return outs[contract.LOGITS].numpy()[0, -1], cache
 
 
 # run's / validate's keywords that only runtime_metal's backends honour

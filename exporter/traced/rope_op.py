@@ -114,8 +114,9 @@ class Installed:
 
     def __enter__(self):
         if self.original is not None:
-            self.signature = inspect.signature(as_written(self.original))
-            self.rotated = rotated_arguments(self.original, self.module.__name__)
+            written = as_written(self.original)  # (the module's attribute itself is what __exit__ puts back)
+            self.signature = inspect.signature(written)
+            self.rotated = rotated_arguments(written, self.module.__name__)
             self.module.apply_rotary_pos_emb = self._apply
         return self
 
