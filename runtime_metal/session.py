@@ -180,7 +180,7 @@ class Session:
         """Backend, kernels and the decode strategy that ran last (before any step: the one that runs next)."""
         b = self.backend
         kind = {w.kind for n in self.graph.nodes if n.op_type == "QMatMul" for w in [n.attrs["weight"]]}
-        extra = f", quantized matmul: {'/'.join(sorted(kind))}" if kind else ""
+        extra = f", quantized matmul: {'/'.join(sorted(kind))}{b.matmul_note()}" if kind else ""
         ran = self.decoding.last or self.decoding.choose()
         mode = ran.describe()
         if self.causal_reads and ran.mode is not Decode.COMPILED:  # (the compiled pieces say so themselves)

@@ -137,3 +137,38 @@ def test_profile_counts_kernels_on_mlx(optimized, capsys):
     k = r["profile"]["kernels"]
     assert k["what"] == "mx.compile fused graph" and 0 < k["kernels"] <= k["primitives"]
     assert any(name == "QuantizedMatmul" for name, _ in k["top"])
+
+
+def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, monkeypatch):
+    """A prompt chunk's quantized matmul may run as dequantize + GEMM (mlx_backend._wide_form: the faster of the two
+    on this device, measured once per weight shape and row count): the same logits and greedy tokens either way; the
+    measured choice is made once per shape and describe() says what ran."""
+    from fuselm.runtime_metal.backends import mlx_backend
+
+    model = optimized("qwen3", "q4")
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 80)]  # 80 rows: past WIDE_ROWS
+    assert len(ids) >= mlx_backend.WIDE_ROWS
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FUSELM_WIDE_DEQUANT", flag)
+        sess = Session(model, backend="mlx")
+        sess.reset(len(ids) + 8)
+        logits = sess.logits_to_numpy(sess.prefill(ids))
+        sess.reset(len(ids) + 8)
+        runs[flag] = logits, list(sess.generate(ids, 8, Sampler()))
+    np.testing.assert_allclose(runs["1"][0], runs["0"][0], atol=1e-4, rtol=1e-4)
+    assert runs["1"][1] == runs["0"][1]
+
+    monkeypatch.delenv("FUSELM_WIDE_DEQUANT")
+    probes = []
+    faster = mlx_backend._faster_form
+    monkeypatch.setattr(mlx_backend, "_faster_form", lambda w, rows, dtype: probes.append((w.out_features, rows)) or
+                        faster(w, rows, dtype))
+    sess = Session(model, backend="mlx")
+    assert "prompt matmuls" not in sess.describe()  # nothing measured before a prompt of WIDE_ROWS rows
+    for _ in range(2):
+        sess.reset(len(ids) + 8)
+        np.testing.assert_allclose(sess.logits_to_numpy(sess.prefill(ids)), runs["0"][0], atol=1e-4, rtol=1e-4)
+    assert probes and len(probes) == len(set(probes))  # once per weight shape (layers share them), not per call
+    assert {rows for _, rows in probes} == {128}  # 80 rows: measured at the next power of two
+    assert "prompt matmuls at 128 rows dequantized for " in sess.describe()

@@ -109,6 +109,10 @@ class Backend:
         """How generation queues its steps on this backend (generate's loop; see StepQueue)."""
         return StepQueue(self)
 
+    def matmul_note(self) -> str:
+        """What describe() adds about how the quantized matmuls ran (", ..."), or ""."""
+        return ""
+
     def set_threads(self, decode: bool) -> None:
         """Size the backend's CPU thread pools for a decode step (True) or a prefill chunk (False)."""
 

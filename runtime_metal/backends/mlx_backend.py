@@ -67,6 +67,9 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
 
+WIDE_ROWS = 64  # a matmul over at least this many rows (a prompt chunk) may run on a dequantized weight (_wide_form)
+
+
 def gpu_kind() -> str | None:
     """'Metal' or 'CUDA' when this MLX build has a GPU, else None."""
     if mx.metal.is_available():
@@ -282,6 +285,7 @@ class MLXBackend(Backend):
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
+        self._wide: dict[tuple, str] = {}  # (N, K, bits, block, dtype, rows) -> _faster_form's choice
         self.build_thread = _build_thread_wanted(self.device)
 
     # --- data movement ---------------------------------------------------------------
@@ -584,7 +588,30 @@ class MLXBackend(Backend):
         if w.kind != "mlx":
             return mx.matmul(x, w.data)
         wq, s, bias = w.data
+        if x.size >= WIDE_ROWS * x.shape[-1] and self._wide_form(w, x.size // x.shape[-1], x.dtype) == "dequantize":
+            return mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(x.dtype).T)
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
+
+    def _wide_form(self, w: QuantizedWeight, rows: int, dtype) -> str:
+        """How a prompt chunk's matmul of `rows` rows runs on `w`: "quantized" (mx.quantized_matmul) or
+        "dequantize" (the weight dequantized to the compute dtype, then a plain GEMM on that transient copy),
+        whichever this device ran faster on this weight's shape at this many rows (the next power of two),
+        measured once per process (a speed probe, not a device check). FUSELM_WIDE_DEQUANT=1 / 0 picks one."""
+        forced = switches.setting("FUSELM_WIDE_DEQUANT")
+        if forced is not None:
+            return "dequantize" if forced else "quantized"
+        key = (w.out_features, w.in_features, w.bits, w.block, dtype, 1 << (rows - 1).bit_length())
+        if key not in self._wide:
+            self._wide[key] = _faster_form(w, key[-1], dtype)
+        return self._wide[key]
+
+    def matmul_note(self) -> str:
+        if not self._wide:
+            return ""
+        rows = sorted({k[-1] for k in self._wide})
+        dequantized = sum(form == "dequantize" for form in self._wide.values())
+        return (f", prompt matmuls at {'/'.join(map(str, rows))} rows dequantized for {dequantized} of "
+                f"{len(self._wide)} weight shapes (measured faster)")
 
     def quantized_gather(self, w, ids):
         """mlx-lm's QuantizedEmbedding: the packed rows, their scales and biases gathered, then dequantized."""
@@ -754,6 +781,29 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps, heads_first=F
         return rotated.reshape(bsz, h, 1, d)
     out = rotated.reshape(bsz, s, h, d)
     return out.transpose(0, 2, 1, 3) if heads_first else out
+
+
+def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
+    """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul
+    (best of 3 after a warm-up each), else "quantized". bench/mlx_qmm_forms.py measures the two side by side:
+    on the H200 through MLX 0.32.4's CUDA backend the quantized kernel reaches ~100 TFLOP/s at 2048 rows of
+    Qwen3-4B's weights where dequantize + GEMM reach 250-380; at one row (decode) it is 1.3-2.5x faster."""
+    import time
+
+    wq, s, bias = w.data
+    x = mx.zeros((rows, w.in_features), dtype)
+    forms = {"quantized": lambda: mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits),
+             "dequantize": lambda: mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(dtype).T)}
+    best = {}
+    for name, fn in forms.items():
+        mx.eval(fn())
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            mx.eval(fn())
+            times.append(time.perf_counter() - t)
+        best[name] = min(times)
+    return "dequantize" if best["dequantize"] < 0.9 * best["quantized"] else "quantized"
 
 
 @functools.cache
