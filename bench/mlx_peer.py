@@ -271,6 +271,8 @@ def child(args) -> None:
             return MlxLmEngine(Path(args.model))
         if engine == "fuselm-1thread":
             os.environ["FUSELM_BUILD_THREAD"] = "0"
+        if engine == "fuselm-qmm":
+            os.environ["FUSELM_WIDE_DEQUANT"] = "0"
         return FuselmEngine(Path(args.model), args.dtype, compile_=engine != "fuselm-eager")
 
     e = make()
@@ -439,7 +441,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode", type=int, default=DECODE, help="greedy tokens timed per context")
     ap.add_argument("--engines", nargs="*", default=["mlx-lm", "fuselm"],
                     help="mlx-lm, fuselm (optimized, compiled), fuselm-exported (no passes), fuselm-eager (not compiled), "
-                         "fuselm-1thread (fuselm with its steps built on the host's own thread: FUSELM_BUILD_THREAD=0)")
+                         "fuselm-1thread (fuselm with its steps built on the host's own thread: FUSELM_BUILD_THREAD=0), "
+                         "fuselm-qmm (every prompt matmul as mx.quantized_matmul: FUSELM_WIDE_DEQUANT=0)")
     ap.add_argument("--dtype", default="auto", help="fuselm's --dtype (auto: bf16 on a GPU, as mlx-lm runs)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-mlx")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/mlx-peer-<device>.json)")
