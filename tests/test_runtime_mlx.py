@@ -160,6 +160,7 @@ def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, 
     assert runs["1"][1] == runs["0"][1]
 
     monkeypatch.delenv("FUSELM_WIDE_DEQUANT")
+    monkeypatch.setattr(mlx_backend, "_WIDE", {})  # as in a fresh process
     probes = []
     faster = mlx_backend._faster_form
     monkeypatch.setattr(mlx_backend, "_faster_form", lambda w, rows, dtype: probes.append((w.out_features, rows)) or
@@ -172,3 +173,8 @@ def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, 
     assert probes and len(probes) == len(set(probes))  # once per weight shape (layers share them), not per call
     assert {rows for _, rows in probes} == {128}  # 80 rows: measured at the next power of two
     assert "prompt matmuls at 128 rows dequantized for " in sess.describe()
+    measured = len(probes)
+    again = Session(model, backend="mlx")  # a second session in the process: the choices made, no new probe
+    again.reset(len(ids) + 8)
+    again.prefill(ids)
+    assert len(probes) == measured and "prompt matmuls at 128 rows" in again.describe()

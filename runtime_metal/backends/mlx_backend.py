@@ -68,6 +68,7 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
 WIDE_ROWS = 64  # a matmul over at least this many rows (a prompt chunk) may run on a dequantized weight (_wide_form)
+_WIDE: dict[tuple, str] = {}  # (device, N, K, bits, block, dtype, rows) -> _faster_form's choice, this process
 
 
 def gpu_kind() -> str | None:
@@ -285,7 +286,7 @@ class MLXBackend(Backend):
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
-        self._wide: dict[tuple, str] = {}  # (N, K, bits, block, dtype, rows) -> _faster_form's choice
+        self._wide: set[tuple] = set()  # the _WIDE keys this backend's matmuls consulted (describe())
         self.build_thread = _build_thread_wanted(self.device)
 
     # --- data movement ---------------------------------------------------------------
@@ -600,16 +601,18 @@ class MLXBackend(Backend):
         forced = switches.setting("FUSELM_WIDE_DEQUANT")
         if forced is not None:
             return "dequantize" if forced else "quantized"
-        key = (w.out_features, w.in_features, w.bits, w.block, dtype, 1 << (rows - 1).bit_length())
-        if key not in self._wide:
-            self._wide[key] = _faster_form(w, key[-1], dtype)
-        return self._wide[key]
+        key = (str(mx.default_device()), w.out_features, w.in_features, w.bits, w.block, dtype,
+               1 << (rows - 1).bit_length())
+        if key not in _WIDE:  # once per process: every session on this device makes the same choice
+            _WIDE[key] = _faster_form(w, key[-1], dtype)
+        self._wide.add(key)
+        return _WIDE[key]
 
     def matmul_note(self) -> str:
         if not self._wide:
             return ""
         rows = sorted({k[-1] for k in self._wide})
-        dequantized = sum(form == "dequantize" for form in self._wide.values())
+        dequantized = sum(_WIDE[k] == "dequantize" for k in self._wide)
         return (f", prompt matmuls at {'/'.join(map(str, rows))} rows dequantized for {dequantized} of "
                 f"{len(self._wide)} weight shapes (measured faster)")
 
