@@ -102,6 +102,17 @@ def test_run_cli_on_traced(traced, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_convert_prints_only_its_own_lines(make_ckpt, tmp_path, capfd, caplog, monkeypatch):
+    """A traced convert's stderr holds fuselm's lines only: torch.onnx's registry, built once per process (here
+    again), logs a warning per torchvision op when torchvision is not installed; none of them is ours."""
+    from fuselm.exporter.traced import trace
+
+    monkeypatch.setattr(trace, "_REGISTRIES", {})
+    assert cli.main(["convert", str(make_ckpt("llama")), "-o", str(tmp_path / "m"), "--exporter", "torch"]) == 0
+    err = capfd.readouterr().err + "".join(r.getMessage() for r in caplog.records)
+    assert "torchvision" not in err and "Traceback" not in err, err
+
+
 def test_traced_qwen3_optimizes_like_the_builder(traced, optimized, tmp_path):
     """After `fuselm optimize`, a traced Qwen3 layer has the builder's fused ops; logits within 1e-5."""
     ours = fuselm.optimize(traced("qwen3"), tmp_path / "opt", quiet=True)

@@ -16,6 +16,7 @@ exporter/traced/stamp.py puts the stamped layers in their place.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -238,7 +239,13 @@ def _onnx_export(module, args, dynamic, input_names, output_names, table):
                                  custom_translation_table=table, report=False)
     registry = _REGISTRIES.get(frozenset(table))
     if registry is None:
-        registry = _registration.ONNXRegistry.from_torchlib(opset_version=contract.OPSET)
+        # (it logs a warning per torchvision op when torchvision is missing: none of them is ours to trace)
+        quiet = logging.getLogger(_registration.__name__)
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            registry = _registration.ONNXRegistry.from_torchlib(opset_version=contract.OPSET)
+        finally:
+            quiet.setLevel(level)
         for op, function in table.items():
             registry.register_op(op, function, is_complex=False)
         registry = _REGISTRIES.setdefault(frozenset(table), registry)
