@@ -787,10 +787,12 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps, heads_first=F
 
 
 def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
-    """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul
-    (best of 3 after a warm-up each), else "quantized". bench/mlx_qmm_forms.py measures the two side by side:
-    on the H200 through MLX 0.32.4's CUDA backend the quantized kernel reaches ~100 TFLOP/s at 2048 rows of
-    Qwen3-4B's weights where dequantize + GEMM reach 250-380; at one row (decode) it is 1.3-2.5x faster."""
+    """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul,
+    else "quantized". Each form is timed as 4 products in one evaluation (as a prompt chunk queues them: the
+    wait for the device is paid once, not per kernel), best of 2 after a warm-up. bench/mlx_qmm_forms.py measures
+    the two side by side: on the H200 through MLX 0.32.4's CUDA backend the quantized kernel reaches ~100
+    TFLOP/s at 2048 rows of Qwen3-4B's weights where dequantize + GEMM reach 250-380; at one row (decode) it is
+    1.3-2.5x faster."""
     import time
 
     wq, s, bias = w.data
@@ -801,9 +803,9 @@ def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
     for name, fn in forms.items():
         mx.eval(fn())
         times = []
-        for _ in range(3):
+        for _ in range(2):
             t = time.perf_counter()
-            mx.eval(fn())
+            mx.eval([fn() for _ in range(4)])
             times.append(time.perf_counter() - t)
         best[name] = min(times)
     return "dequantize" if best["dequantize"] < 0.9 * best["quantized"] else "quantized"
