@@ -16,7 +16,9 @@ import json
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from .quant import Packed, pack_uint4
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ITEM_BITS = {TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16, TensorProto.UINT8: 8, TensorProto.UINT4: 4}
 BLOCK_ELEMENTS = 8 * 1024 * 1024  # rows per read: about 32 MB of float32
+ENCODERS = 2  # threads reading and encoding blocks (the writer thread packs and writes behind them)
 
 
 class Checkpoint:
@@ -203,25 +206,47 @@ def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Call
     # reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    def encode(job, start, stop):
+        return job.encode(ckpt.read_rows(job.source, start, stop))
+
     try:
         os.ftruncate(fd, size)
-        for job in jobs:
-            shape = ckpt.tensors[job.source][2]
-            rows = shape[0]
-            step = rows if len(shape) == 1 else max(2, BLOCK_ELEMENTS // max(1, shape[1])) // 2 * 2
-            if any(o.transposed and o.proto.data_type == TensorProto.UINT4 and o.proto.dims[1] % 2 for o in job.outputs):
-                step = rows  # odd uint4 rows share bytes: no column blocks
-            for start in range(0, rows, step):
-                stop = min(rows, start + step)
-                arrays = job.encode(ckpt.read_rows(job.source, start, stop))
-                for out, arr in zip(job.outputs, arrays, strict=True):
-                    writer.put(out.proto, arr, start, start == 0 and stop == rows, out.transposed)
-            on_job(job)  # encoded; its writes may still be queued (no wait: the next job's encoding overlaps them)
+        # blocks are read and encoded ENCODERS at a time (torch and numpy release the GIL in their kernels),
+        # handed to the writer in order
+        with ThreadPoolExecutor(ENCODERS, thread_name_prefix="fuselm-encode") as pool:
+            pending: deque = deque()
+            for job, start, stop, last in _blocks(jobs, ckpt):
+                pending.append((job, start, stop, last, pool.submit(encode, job, start, stop)))
+                if len(pending) > ENCODERS:
+                    _hand_over(pending.popleft(), writer, on_job)
+            while pending:
+                _hand_over(pending.popleft(), writer, on_job)
         writer.sync()
     finally:
         torch.set_num_threads(threads)
         writer.close()
         os.close(fd)
+
+
+def _blocks(jobs: list[WeightJob], ckpt: Checkpoint):
+    """(job, start, stop, last block of the job) over every job's row blocks, in file order."""
+    for job in jobs:
+        shape = ckpt.tensors[job.source][2]
+        rows = shape[0]
+        step = rows if len(shape) == 1 else max(2, BLOCK_ELEMENTS // max(1, shape[1])) // 2 * 2
+        if any(o.transposed and o.proto.data_type == TensorProto.UINT4 and o.proto.dims[1] % 2 for o in job.outputs):
+            step = rows  # odd uint4 rows share bytes: no column blocks
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            yield job, start, stop, stop == rows
+
+
+def _hand_over(block, writer: _Writer, on_job) -> None:
+    job, start, stop, last, encoded = block
+    for out, arr in zip(job.outputs, encoded.result(), strict=True):
+        writer.put(out.proto, arr, start, start == 0 and last, out.transposed)
+    if last:
+        on_job(job)  # encoded; its writes may still be queued (no wait: the next job's encoding overlaps them)
 
 
 class _Writer:
