@@ -3,13 +3,15 @@
 A switch is off when set to 0, off, false or no (any case), on when set to anything else, and its
 default when unset or empty. Switches that take a count (FUSELM_THREADS, FUSELM_INFLIGHT,
 FUSELM_LIMIT) are read by `number`, which names a bad value instead of raising a
-bare ValueError; those that take a word or a folder (FUSELM_CPU_ISA, the cache folders) are read
-where they are used.
+bare ValueError; those that name a cache folder by `cache_folder`, which also gives fuselm's own
+cache folders their one home (~/.cache/fuselm/NAME, $XDG_CACHE_HOME honoured); those that take a word
+(FUSELM_CPU_ISA) are read where they are used.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 OFF = ("0", "off", "false", "no")
 
@@ -39,3 +41,11 @@ def number(name: str, default: int | None = None) -> int | None:
 
         raise FuselmError(f"{name}={value!r} is not a whole number >= 0; set it to one (e.g. {name}=2) or unset it")
     return int(value)
+
+
+def cache_folder(name: str, override: str | None = None) -> Path:
+    """The folder the environment variable `override` names when it is set, else fuselm's cache folder
+    `name`: $XDG_CACHE_HOME/fuselm/NAME, or ~/.cache/fuselm/NAME."""
+    if override and os.environ.get(override, "").strip():
+        return Path(os.environ[override].strip())
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuselm" / name

@@ -169,7 +169,7 @@ def _folder(model_dir: Path) -> Path:
     here = model_dir / DIR_NAME
     if os.access(here if here.exists() else model_dir, os.W_OK):
         return here
-    base = Path(os.environ.get("FUSELM_PREPARED_DIR") or Path.home() / ".cache" / "fuselm" / "prepared")
+    base = switches.cache_folder("prepared", "FUSELM_PREPARED_DIR")
     return base / hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
 
 

@@ -17,6 +17,7 @@ os.environ.setdefault("FUSELM_PREPARED", "0")
 # Traced architectures cached on disk (exporter/traced/cache.py) would carry one test's trace into the
 # next session: off, except in tests/test_convert_traced_cache.py (its own directory).
 os.environ.setdefault("FUSELM_TRACE_CACHE", "0")
+os.environ.setdefault("FUSELM_MATMUL_FORMS_CACHE", "0")  # MLX's measured matmul forms: per test process only
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one xdist worker per core: one torch / OpenMP / onnxruntime thread each (set before

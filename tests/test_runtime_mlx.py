@@ -2,6 +2,8 @@
 fuselm.stream_generate, decode modes, half-precision compute against HF in the same dtype and the profile's
 kernel count (the benchmark against mlx-lm: tests/test_bench_mlx_peer.py)."""
 
+import json
+
 import numpy as np
 import pytest
 from fuselm.runtime_metal.sampling import Sampler
@@ -178,3 +180,37 @@ def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, 
     again.reset(len(ids) + 8)
     again.prefill(ids)
     assert len(probes) == measured and "prompt matmuls at 128 rows" in again.describe()
+
+
+def test_measured_matmul_forms_are_kept_for_the_next_process(optimized, monkeypatch, tmp_path):
+    """The choices _faster_form measured are written to fuselm's cache folder (FORMS_FILE) and read by a later
+    process instead of measuring again; a damaged file is measured over and rewritten."""
+    from fuselm.runtime_metal.backends import mlx_backend
+
+    monkeypatch.setenv("FUSELM_MATMUL_FORMS_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = optimized("qwen3", "q4")
+    ids = [int(i) for i in np.random.default_rng(1).integers(3, 200, 70)]
+
+    def fresh_process():
+        monkeypatch.setattr(mlx_backend, "_WIDE", {})
+        monkeypatch.setattr(mlx_backend, "_STORED", None)
+        sess = Session(model, backend="mlx")
+        sess.reset(len(ids) + 2)
+        return sess.logits_to_numpy(sess.prefill(ids))
+
+    first = fresh_process()
+    path = tmp_path / "fuselm" / "mlx" / mlx_backend.FORMS_FILE
+    stored = json.loads(path.read_text())
+    assert stored and set(stored.values()) <= {"quantized", "dequantize"} and all("128" in k for k in stored)
+
+    def no_probe(*a):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(mlx_backend, "_faster_form", no_probe)
+    np.testing.assert_array_equal(fresh_process(), first)  # the same choices, read back
+
+    path.write_text("{not json")
+    monkeypatch.setattr(mlx_backend, "_faster_form", lambda w, rows, dtype: "quantized")
+    fresh_process()
+    assert json.loads(path.read_text()) and set(json.loads(path.read_text()).values()) == {"quantized"}

@@ -61,3 +61,25 @@ def test_torch_threads_switch(monkeypatch):
     monkeypatch.setenv("FUSELM_THREADS", "all")
     with pytest.raises(FuselmError, match="FUSELM_THREADS"):
         TorchBackend("cpu")
+
+
+def test_cache_folders_have_one_home(monkeypatch, tmp_path):
+    """Every cache folder of fuselm under $XDG_CACHE_HOME/fuselm (else ~/.cache/fuselm), each with its override."""
+    from pathlib import Path
+
+    from fuselm.exporter.traced import cache
+    from fuselm.runtime_metal.backends import kernel_build
+
+    for name in ("FUSELM_TRACE_CACHE", "FUSELM_TRACE_CACHE_DIR", "FUSELM_KERNEL_DIR", "TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert switches.cache_folder("mlx") == Path.home() / ".cache" / "fuselm" / "mlx"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.folder() == tmp_path / "fuselm" / "traced"
+    assert kernel_build.kernel_dir() == tmp_path / "fuselm" / "kernels"
+    monkeypatch.setenv("FUSELM_TRACE_CACHE_DIR", str(tmp_path / "t"))
+    monkeypatch.setenv("FUSELM_KERNEL_DIR", str(tmp_path / "k"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # FUSELM_KERNEL_DIR wins over it
+    assert (cache.folder(), kernel_build.kernel_dir()) == (tmp_path / "t", tmp_path / "k")
+    monkeypatch.delenv("FUSELM_KERNEL_DIR")
+    assert kernel_build.kernel_dir() == tmp_path / "ext" / "fuselm"

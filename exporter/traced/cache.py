@@ -90,9 +90,7 @@ def folder() -> Path | None:
     """The cache's directory, None when FUSELM_TRACE_CACHE=0."""
     if not switches.on("FUSELM_TRACE_CACHE", default=True):
         return None
-    if os.environ.get("FUSELM_TRACE_CACHE_DIR"):
-        return Path(os.environ["FUSELM_TRACE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuselm" / "traced"
+    return switches.cache_folder("traced", "FUSELM_TRACE_CACHE_DIR")
 
 
 def load(k: str) -> Traced | None:

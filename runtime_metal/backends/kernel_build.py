@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from fuselm import switches
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_kernels_gemv.inc"]
 # no -m flags: the baseline is x86-64; each kernel's `#pragma GCC target` enables its instruction set
@@ -38,11 +40,9 @@ _log = logging.getLogger("fuselm.runtime")
 
 def kernel_dir() -> Path:
     """FUSELM_KERNEL_DIR, else $TORCH_EXTENSIONS_DIR/fuselm, else ~/.cache/fuselm/kernels (XDG_CACHE_HOME)."""
-    if os.environ.get("FUSELM_KERNEL_DIR"):
-        return Path(os.environ["FUSELM_KERNEL_DIR"])
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+    if os.environ.get("TORCH_EXTENSIONS_DIR") and not os.environ.get("FUSELM_KERNEL_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "fuselm"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuselm" / "kernels"
+    return switches.cache_folder("kernels", "FUSELM_KERNEL_DIR")
 
 
 def module_name() -> str:

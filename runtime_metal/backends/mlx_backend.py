@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 from functools import partial
 
 import mlx.core as mx
@@ -69,6 +71,7 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 WIDE_ROWS = 64  # a matmul over at least this many rows (a prompt chunk) may run on a dequantized weight (_wide_form)
 _WIDE: dict[tuple, str] = {}  # (device, N, K, bits, block, dtype, rows) -> _faster_form's choice, this process
+FORMS_FILE = "matmul-forms.json"  # the choices measured on this machine, in fuselm's cache folder "mlx"
 
 
 def gpu_kind() -> str | None:
@@ -597,14 +600,14 @@ class MLXBackend(Backend):
         """How a prompt chunk's matmul of `rows` rows runs on `w`: "quantized" (mx.quantized_matmul) or
         "dequantize" (the weight dequantized to the compute dtype, then a plain GEMM on that transient copy),
         whichever this device ran faster on this weight's shape at this many rows (the next power of two),
-        measured once per process (a speed probe, not a device check). FUSELM_WIDE_DEQUANT=1 / 0 picks one."""
+        measured once per machine (a speed probe, not a device check; kept in fuselm's cache folder "mlx",
+        FUSELM_MATMUL_FORMS_CACHE=0: once per process). FUSELM_WIDE_DEQUANT=1 / 0 picks one."""
         forced = switches.setting("FUSELM_WIDE_DEQUANT")
         if forced is not None:
             return "dequantize" if forced else "quantized"
-        key = (str(mx.default_device()), w.out_features, w.in_features, w.bits, w.block, dtype,
-               1 << (rows - 1).bit_length())
+        key = (_device_id(), w.out_features, w.in_features, w.bits, w.block, str(dtype), 1 << (rows - 1).bit_length())
         if key not in _WIDE:  # once per process: every session on this device makes the same choice
-            _WIDE[key] = _faster_form(w, key[-1], dtype)
+            _WIDE[key] = _stored_forms().get(" ".join(map(str, key))) or _store_form(key, _faster_form(w, key[-1], dtype))
         self._wide.add(key)
         return _WIDE[key]
 
@@ -784,6 +787,60 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps, heads_first=F
         return rotated.reshape(bsz, h, 1, d)
     out = rotated.reshape(bsz, s, h, d)
     return out.transpose(0, 2, 1, 3) if heads_first else out
+
+
+def _device_id() -> str:
+    """This device as the stored choices name it: MLX's version, the default device and its name."""
+    return f"mlx{mx.__version__}/{mx.default_device()}/{_device_name(str(mx.default_device()))}".replace(" ", "_")
+
+
+@functools.cache
+def _device_name(device: str) -> str:
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+_STORED: dict[str, str] | None = None  # FORMS_FILE as this process first read it
+
+
+def _forms_path():
+    return switches.cache_folder("mlx") / FORMS_FILE if switches.on("FUSELM_MATMUL_FORMS_CACHE", True) else None
+
+
+def _read_forms(path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, unreadable or damaged: measure again
+        return {}
+    return {k: v for k, v in data.items() if v in ("quantized", "dequantize")} if isinstance(data, dict) else {}
+
+
+def _stored_forms() -> dict[str, str]:
+    """The choices earlier processes measured on this machine (read once per process; {} when off)."""
+    global _STORED
+    if _STORED is None:
+        path = _forms_path()
+        _STORED = _read_forms(path) if path is not None else {}
+    return _STORED
+
+
+def _store_form(key: tuple, form: str) -> str:
+    """Add one measured choice to FORMS_FILE (written whole to a temporary file, then renamed: a reader never
+    sees half of it; two writers at once may drop each other's new entry, which is measured again). Returns
+    `form`. A folder it cannot write is no error: the choice then lasts this process."""
+    path = _forms_path()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            forms = {**_read_forms(path), " ".join(map(str, key)): form}
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(forms, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return form
 
 
 def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
