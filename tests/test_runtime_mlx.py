@@ -202,7 +202,7 @@ def test_measured_matmul_forms_are_kept_for_the_next_process(optimized, monkeypa
     first = fresh_process()
     path = tmp_path / "fuselm" / "mlx" / mlx_backend.FORMS_FILE
     stored = json.loads(path.read_text())
-    assert stored and set(stored.values()) <= {"quantized", "dequantize"} and all("128" in k for k in stored)
+    assert stored and set(stored.values()) <= {"quantized", "dequantize"} and all(k.endswith(" 128 rows") for k in stored)
 
     def no_probe(*a):
         raise AssertionError("measured again")

@@ -607,7 +607,7 @@ class MLXBackend(Backend):
             return "dequantize" if forced else "quantized"
         key = (_device_id(), w.out_features, w.in_features, w.bits, w.block, str(dtype), 1 << (rows - 1).bit_length())
         if key not in _WIDE:  # once per process: every session on this device makes the same choice
-            _WIDE[key] = _stored_forms().get(" ".join(map(str, key))) or _store_form(key, _faster_form(w, key[-1], dtype))
+            _WIDE[key] = _stored_forms().get(_form_name(key)) or _store_form(key, _faster_form(w, key[-1], dtype))
         self._wide.add(key)
         return _WIDE[key]
 
@@ -805,6 +805,13 @@ def _device_name(device: str) -> str:
 _STORED: dict[str, str] | None = None  # FORMS_FILE as this process first read it
 
 
+def _form_name(key: tuple) -> str:
+    """A _WIDE key as FORMS_FILE names it, e.g. "mlx0.32.4/Device(gpu,_0)/NVIDIA_H200 [19456 x 2560] q4 g64
+    bfloat16 2048 rows"."""
+    device, n, k, bits, block, dtype, rows = key
+    return f"{device} [{n} x {k}] q{bits} g{block} {dtype.removeprefix('mlx.core.')} {rows} rows"
+
+
 def _forms_path():
     return switches.cache_folder("mlx") / FORMS_FILE if switches.on("FUSELM_MATMUL_FORMS_CACHE", True) else None
 
@@ -834,7 +841,7 @@ def _store_form(key: tuple, form: str) -> str:
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            forms = {**_read_forms(path), " ".join(map(str, key)): form}
+            forms = {**_read_forms(path), _form_name(key): form}
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(forms, indent=1, sort_keys=True) + "\n")
             os.replace(tmp, path)
