@@ -142,14 +142,14 @@ def test_profile_counts_kernels_on_mlx(optimized, capsys):
 
 
 def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, monkeypatch):
-    """A prompt chunk's quantized matmul may run as dequantize + GEMM (mlx_backend._wide_form: the faster of the two
+    """A prompt chunk's quantized matmul may run as dequantize + GEMM (mlx_forms.choose: the faster of the two
     on this device, measured once per weight shape and row count): the same logits and greedy tokens either way; the
     measured choice is made once per shape and describe() says what ran."""
-    from fuselm.runtime_metal.backends import mlx_backend
+    from fuselm.runtime_metal.backends import mlx_forms
 
     model = optimized("qwen3", "q4")
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, 80)]  # 80 rows: past WIDE_ROWS
-    assert len(ids) >= mlx_backend.WIDE_ROWS
+    assert len(ids) >= mlx_forms.WIDE_ROWS
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("FUSELM_WIDE_DEQUANT", flag)
@@ -162,10 +162,10 @@ def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, 
     assert runs["1"][1] == runs["0"][1]
 
     monkeypatch.delenv("FUSELM_WIDE_DEQUANT")
-    monkeypatch.setattr(mlx_backend, "_WIDE", {})  # as in a fresh process
+    monkeypatch.setattr(mlx_forms, "_WIDE", {})  # as in a fresh process
     probes = []
-    faster = mlx_backend._faster_form
-    monkeypatch.setattr(mlx_backend, "_faster_form", lambda w, rows, dtype: probes.append((w.out_features, rows)) or
+    faster = mlx_forms._faster_form
+    monkeypatch.setattr(mlx_forms, "_faster_form", lambda w, rows, dtype: probes.append((w.out_features, rows)) or
                         faster(w, rows, dtype))
     sess = Session(model, backend="mlx")
     assert "prompt matmuls" not in sess.describe()  # nothing measured before a prompt of WIDE_ROWS rows
@@ -185,7 +185,7 @@ def test_prompt_matmuls_on_a_dequantized_weight_give_the_same_logits(optimized, 
 def test_measured_matmul_forms_are_kept_for_the_next_process(optimized, monkeypatch, tmp_path):
     """The choices _faster_form measured are written to fuselm's cache folder (FORMS_FILE) and read by a later
     process instead of measuring again; a damaged file is measured over and rewritten."""
-    from fuselm.runtime_metal.backends import mlx_backend
+    from fuselm.runtime_metal.backends import mlx_forms
 
     monkeypatch.setenv("FUSELM_MATMUL_FORMS_CACHE", "1")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -193,24 +193,24 @@ def test_measured_matmul_forms_are_kept_for_the_next_process(optimized, monkeypa
     ids = [int(i) for i in np.random.default_rng(1).integers(3, 200, 70)]
 
     def fresh_process():
-        monkeypatch.setattr(mlx_backend, "_WIDE", {})
-        monkeypatch.setattr(mlx_backend, "_STORED", None)
+        monkeypatch.setattr(mlx_forms, "_WIDE", {})
+        monkeypatch.setattr(mlx_forms, "_STORED", None)
         sess = Session(model, backend="mlx")
         sess.reset(len(ids) + 2)
         return sess.logits_to_numpy(sess.prefill(ids))
 
     first = fresh_process()
-    path = tmp_path / "fuselm" / "mlx" / mlx_backend.FORMS_FILE
+    path = tmp_path / "fuselm" / "mlx" / mlx_forms.FORMS_FILE
     stored = json.loads(path.read_text())
     assert stored and set(stored.values()) <= {"quantized", "dequantize"} and all(k.endswith(" 128 rows") for k in stored)
 
     def no_probe(*a):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(mlx_backend, "_faster_form", no_probe)
+    monkeypatch.setattr(mlx_forms, "_faster_form", no_probe)
     np.testing.assert_array_equal(fresh_process(), first)  # the same choices, read back
 
     path.write_text("{not json")
-    monkeypatch.setattr(mlx_backend, "_faster_form", lambda w, rows, dtype: "quantized")
+    monkeypatch.setattr(mlx_forms, "_faster_form", lambda w, rows, dtype: "quantized")
     fresh_process()
     assert json.loads(path.read_text()) and set(json.loads(path.read_text()).values()) == {"quantized"}

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import os
 from functools import partial
 
 import mlx.core as mx
@@ -18,7 +16,7 @@ from onnx import TensorProto
 
 from fuselm import switches
 
-from . import kv_quant
+from . import kv_quant, mlx_forms
 from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
 
 MX_DTYPES = {
@@ -69,9 +67,6 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
 
-WIDE_ROWS = 64  # a matmul over at least this many rows (a prompt chunk) may run on a dequantized weight (_wide_form)
-_WIDE: dict[tuple, str] = {}  # (device, N, K, bits, block, dtype, rows) -> _faster_form's choice, this process
-FORMS_FILE = "matmul-forms.json"  # the choices measured on this machine, in fuselm's cache folder "mlx"
 
 
 def gpu_kind() -> str | None:
@@ -289,7 +284,7 @@ class MLXBackend(Backend):
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
         self._of_mx = {**_ONNX_OF, self._float: TensorProto.FLOAT}
         self._freqs: dict = {}  # constants made once per attribute array (kept with it, so ids stay unique)
-        self._wide: set[tuple] = set()  # the _WIDE keys this backend's matmuls consulted (describe())
+        self._wide: set[tuple] = set()  # the mlx_forms keys this backend's prompt matmuls consulted (describe())
         self.build_thread = _build_thread_wanted(self.device)
 
     # --- data movement ---------------------------------------------------------------
@@ -592,32 +587,16 @@ class MLXBackend(Backend):
         if w.kind != "mlx":
             return mx.matmul(x, w.data)
         wq, s, bias = w.data
-        if x.size >= WIDE_ROWS * x.shape[-1] and self._wide_form(w, x.size // x.shape[-1], x.dtype) == "dequantize":
-            return mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(x.dtype).T)
+        if x.size >= mlx_forms.WIDE_ROWS * x.shape[-1]:  # a prompt chunk: the faster form for this shape (mlx_forms)
+            key, form = mlx_forms.choose(w, x.size // x.shape[-1], x.dtype)
+            if key is not None:
+                self._wide.add(key)
+            if form == "dequantize":
+                return mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(x.dtype).T)
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
 
-    def _wide_form(self, w: QuantizedWeight, rows: int, dtype) -> str:
-        """How a prompt chunk's matmul of `rows` rows runs on `w`: "quantized" (mx.quantized_matmul) or
-        "dequantize" (the weight dequantized to the compute dtype, then a plain GEMM on that transient copy),
-        whichever this device ran faster on this weight's shape at this many rows (the next power of two),
-        measured once per machine (a speed probe, not a device check; kept in fuselm's cache folder "mlx",
-        FUSELM_MATMUL_FORMS_CACHE=0: once per process). FUSELM_WIDE_DEQUANT=1 / 0 picks one."""
-        forced = switches.setting("FUSELM_WIDE_DEQUANT")
-        if forced is not None:
-            return "dequantize" if forced else "quantized"
-        key = (_device_id(), w.out_features, w.in_features, w.bits, w.block, str(dtype), 1 << (rows - 1).bit_length())
-        if key not in _WIDE:  # once per process: every session on this device makes the same choice
-            _WIDE[key] = _stored_forms().get(_form_name(key)) or _store_form(key, _faster_form(w, key[-1], dtype))
-        self._wide.add(key)
-        return _WIDE[key]
-
     def matmul_note(self) -> str:
-        if not self._wide:
-            return ""
-        rows = sorted({k[-1] for k in self._wide})
-        dequantized = sum(_WIDE[k] == "dequantize" for k in self._wide)
-        return (f", prompt matmuls at {'/'.join(map(str, rows))} rows dequantized for {dequantized} of "
-                f"{len(self._wide)} weight shapes (measured faster)")
+        return mlx_forms.note(self._wide)
 
     def quantized_gather(self, w, ids):
         """mlx-lm's QuantizedEmbedding: the packed rows, their scales and biases gathered, then dequantized."""
@@ -787,92 +766,6 @@ def _qkv_heads(qkv, cos, sin, weight, weight_rot, *, rotates, eps, heads_first=F
         return rotated.reshape(bsz, h, 1, d)
     out = rotated.reshape(bsz, s, h, d)
     return out.transpose(0, 2, 1, 3) if heads_first else out
-
-
-def _device_id() -> str:
-    """This device as the stored choices name it: MLX's version, the default device and its name."""
-    return f"mlx{mx.__version__}/{mx.default_device()}/{_device_name(str(mx.default_device()))}".replace(" ", "_")
-
-
-@functools.cache
-def _device_name(device: str) -> str:
-    try:
-        return str(mx.device_info().get("device_name", ""))
-    except (AttributeError, RuntimeError):
-        return ""
-
-
-_STORED: dict[str, str] | None = None  # FORMS_FILE as this process first read it
-
-
-def _form_name(key: tuple) -> str:
-    """A _WIDE key as FORMS_FILE names it, e.g. "mlx0.32.4/Device(gpu,_0)/NVIDIA_H200 [19456 x 2560] q4 g64
-    bfloat16 2048 rows"."""
-    device, n, k, bits, block, dtype, rows = key
-    return f"{device} [{n} x {k}] q{bits} g{block} {dtype.removeprefix('mlx.core.')} {rows} rows"
-
-
-def _forms_path():
-    return switches.cache_folder("mlx") / FORMS_FILE if switches.on("FUSELM_MATMUL_FORMS_CACHE", True) else None
-
-
-def _read_forms(path) -> dict[str, str]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, unreadable or damaged: measure again
-        return {}
-    return {k: v for k, v in data.items() if v in ("quantized", "dequantize")} if isinstance(data, dict) else {}
-
-
-def _stored_forms() -> dict[str, str]:
-    """The choices earlier processes measured on this machine (read once per process; {} when off)."""
-    global _STORED
-    if _STORED is None:
-        path = _forms_path()
-        _STORED = _read_forms(path) if path is not None else {}
-    return _STORED
-
-
-def _store_form(key: tuple, form: str) -> str:
-    """Add one measured choice to FORMS_FILE (written whole to a temporary file, then renamed: a reader never
-    sees half of it; two writers at once may drop each other's new entry, which is measured again). Returns
-    `form`. A folder it cannot write is no error: the choice then lasts this process."""
-    path = _forms_path()
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            forms = {**_read_forms(path), _form_name(key): form}
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(forms, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return form
-
-
-def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
-    """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul,
-    else "quantized". Each form is timed as 4 products in one evaluation (as a prompt chunk queues them: the
-    wait for the device is paid once, not per kernel), best of 2 after a warm-up. bench/mlx_qmm_forms.py measures
-    the two side by side: on the H200 through MLX 0.32.4's CUDA backend the quantized kernel reaches ~100
-    TFLOP/s at 2048 rows of Qwen3-4B's weights where dequantize + GEMM reach 250-380; at one row (decode) it is
-    1.3-2.5x faster."""
-    import time
-
-    wq, s, bias = w.data
-    x = mx.zeros((rows, w.in_features), dtype)
-    forms = {"quantized": lambda: mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits),
-             "dequantize": lambda: mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(dtype).T)}
-    best = {}
-    for name, fn in forms.items():
-        mx.eval(fn())
-        times = []
-        for _ in range(2):
-            t = time.perf_counter()
-            mx.eval([fn() for _ in range(4)])
-            times.append(time.perf_counter() - t)
-        best[name] = min(times)
-    return "dequantize" if best["dequantize"] < 0.9 * best["quantized"] else "quantized"
 
 
 @functools.cache
