@@ -44,16 +44,14 @@ def timed(fn, iters: int) -> float:
 
 def measure(n: int, k: int, m: int, group: int, dtype, iters: int) -> dict:
     import mlx.core as mx
+    from fuselm.runtime_metal.backends import mlx_forms
 
     w = (mx.random.normal((n, k)) * 0.02).astype(dtype)
     wq, s, b = mx.quantize(w, group_size=group, bits=4)
     x = mx.random.normal((m, k)).astype(dtype)
     mx.eval(w, wq, s, b, x)
-    forms = {
-        "quantized": lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=4),
-        "dequantize": lambda: x @ mx.dequantize(wq, s, b, group_size=group, bits=4).astype(dtype).T,
-        "dense": lambda: x @ w.T,
-    }
+    # the two forms fuselm's MLX backend chooses between (runtime_metal/backends/mlx_forms.py), and the bound
+    forms = {**mlx_forms.products(x, wq, s, b, group, 4), "dense": lambda: x @ w.T}
     row = {"n": n, "k": k, "m": m, "group": group}
     for name, fn in forms.items():
         sec = timed(fn, iters)

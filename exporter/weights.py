@@ -193,34 +193,30 @@ def layout(jobs: Iterable[WeightJob], location: str) -> int:
 def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Callable[[WeightJob], None]) -> None:
     """Fill the data file: each job reads its source in row blocks, encodes, writes its outputs.
 
-    Writing (uint4 packing, the kernel's copy into the page cache) runs on a second thread behind a
-    short queue, so it overlaps reading and encoding the next blocks, across jobs; memory stays at a
-    few blocks.
+    Blocks are read and encoded ENCODERS at a time on a thread pool (torch's and numpy's kernels release
+    the GIL) and handed over in file order to the writer, whose thread packs uint4 and copies into the
+    page cache behind a short queue, across jobs; memory stays at a few blocks.
     """
     import torch
 
     size = layout(jobs, path.name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     writer = _Writer(fd)
-    # The stream's parallelism is its writer thread: torch's intra-op threads on a block's short
-    # reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
+    # The stream's parallelism is its encoder and writer threads: torch's intra-op threads on a block's
+    # short reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    def encode(job, start, stop):
-        return job.encode(ckpt.read_rows(job.source, start, stop))
-
     try:
         os.ftruncate(fd, size)
-        # blocks are read and encoded ENCODERS at a time (torch and numpy release the GIL in their kernels),
-        # handed to the writer in order
         with ThreadPoolExecutor(ENCODERS, thread_name_prefix="fuselm-encode") as pool:
             pending: deque = deque()
             for job, start, stop, last in _blocks(jobs, ckpt):
-                pending.append((job, start, stop, last, pool.submit(encode, job, start, stop)))
+                encoded = pool.submit(lambda j, a, b: j.encode(ckpt.read_rows(j.source, a, b)), job, start, stop)
+                pending.append((job, start, last, encoded))
                 if len(pending) > ENCODERS:
-                    _hand_over(pending.popleft(), writer, on_job)
+                    _hand_over(*pending.popleft(), writer, on_job)
             while pending:
-                _hand_over(pending.popleft(), writer, on_job)
+                _hand_over(*pending.popleft(), writer, on_job)
         writer.sync()
     finally:
         torch.set_num_threads(threads)
@@ -241,8 +237,8 @@ def _blocks(jobs: list[WeightJob], ckpt: Checkpoint):
             yield job, start, stop, stop == rows
 
 
-def _hand_over(block, writer: _Writer, on_job) -> None:
-    job, start, stop, last, encoded = block
+def _hand_over(job: WeightJob, start: int, last: bool, encoded, writer: _Writer, on_job) -> None:
+    """The encoded block of `job` at row `start` to the writer (waits for its encoding)."""
     for out, arr in zip(job.outputs, encoded.result(), strict=True):
         writer.put(out.proto, arr, start, start == 0 and last, out.transposed)
     if last:

@@ -241,7 +241,8 @@ def _onnx_export(module, args, dynamic, input_names, output_names, table):
     if registry is None:
         # (it logs a warning per torchvision op when torchvision is missing: none of them is ours to trace)
         quiet = logging.getLogger(_registration.__name__)
-        level, quiet.level = quiet.level, logging.ERROR
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # (setLevel, not .level: it also clears the logger's cached isEnabledFor)
         try:
             registry = _registration.ONNXRegistry.from_torchlib(opset_version=contract.OPSET)
         finally:

@@ -66,9 +66,6 @@ _BINARY = {
 HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
-
-
-
 def gpu_kind() -> str | None:
     """'Metal' or 'CUDA' when this MLX build has a GPU, else None."""
     if mx.metal.is_available():
@@ -592,7 +589,7 @@ class MLXBackend(Backend):
             if key is not None:
                 self._wide.add(key)
             if form == "dequantize":
-                return mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(x.dtype).T)
+                return mx.matmul(x, mlx_forms.dequantized(wq, s, bias, w.block, w.bits, x.dtype).T)
         return mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits)
 
     def matmul_note(self) -> str:

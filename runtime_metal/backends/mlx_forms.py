@@ -41,6 +41,18 @@ def choose(w: QuantizedWeight, rows: int, dtype) -> tuple[tuple | None, str]:
     return key, _WIDE[key]
 
 
+def products(x, wq, scales, biases, group: int, bits: int) -> dict:
+    """The two forms of x @ wᵀ on MLX's affine 4/8-bit weight (wq, scales, biases), each a function that builds it
+    (the probe below and bench/mlx_qmm_forms.py time these)."""
+    return {"quantized": lambda: mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits),
+            "dequantize": lambda: mx.matmul(x, dequantized(wq, scales, biases, group, bits, x.dtype).T)}
+
+
+def dequantized(wq, scales, biases, group: int, bits: int, dtype):
+    """The weight in `dtype`, [N, K]: what the "dequantize" form multiplies by."""
+    return mx.dequantize(wq, scales, biases, group_size=group, bits=bits).astype(dtype)
+
+
 def note(keys: set[tuple]) -> str:
     """What describe() says of the choices behind `keys` ("" when none was made)."""
     made = [k for k in keys if k in _WIDE]  # (a test may have started a fresh process's table since)
@@ -53,16 +65,17 @@ def note(keys: set[tuple]) -> str:
 
 
 def _device_id() -> str:
-    """This device as the stored choices name it: MLX's version, the default device and its name."""
-    return f"mlx{mx.__version__}/{mx.default_device()}/{_device_name(str(mx.default_device()))}".replace(" ", "_")
+    """The default device as the stored choices name it: MLX's version, the device and its name."""
+    return _named(str(mx.default_device()))
 
 
 @functools.cache
-def _device_name(device: str) -> str:
+def _named(device: str) -> str:
     try:
-        return str(mx.device_info().get("device_name", ""))
+        name = str(mx.device_info().get("device_name", ""))
     except (AttributeError, RuntimeError):
-        return ""
+        name = ""
+    return f"mlx{mx.__version__}/{device}/{name}".replace(" ", "_")
 
 
 _STORED: dict[str, str] | None = None  # FORMS_FILE as this process first read it
@@ -117,12 +130,8 @@ def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
     """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul,
     else "quantized". Each form is timed as 4 products in one evaluation (as a prompt chunk queues them: the
     wait for the device is paid once, not per kernel), best of 2 after a warm-up."""
-    wq, s, bias = w.data
-    x = mx.zeros((rows, w.in_features), dtype)
-    forms = {"quantized": lambda: mx.quantized_matmul(x, wq, s, bias, transpose=True, group_size=w.block, bits=w.bits),
-             "dequantize": lambda: mx.matmul(x, mx.dequantize(wq, s, bias, group_size=w.block, bits=w.bits).astype(dtype).T)}
     best = {}
-    for name, fn in forms.items():
+    for name, fn in products(mx.zeros((rows, w.in_features), dtype), *w.data, w.block, w.bits).items():
         mx.eval(fn())
         times = []
         for _ in range(2):
