@@ -87,7 +87,10 @@ def launch(n: int, kwargs: dict, stream=None) -> dict:
             ranks[-1].stdout.close()
         results = [json.loads(f.read_text()) if f.is_file() else None for f in (tmp / f"rank{r}.json" for r in range(n))]
     if failed:
-        r = failed[0]
+        # the first rank that failed of its own accord: a rank whose peer went away (PeerLost) may have been
+        # seen first, but the cause is in the rank that went
+        errs = [r for r in range(n) if (results[r] or {}).get("error")]
+        r = next((r for r in errs if not results[r].get("peer_lost")), failed[0])
         error = (results[r] or {}).get("error")
         if error and not error.startswith(f"rank {r}"):
             error = f"rank {r}: {error}"
@@ -104,7 +107,7 @@ def rank_main() -> None:
     try:
         result = pipeline_run.run(**json.loads(Path(run_json).read_text()))
     except FuselmError as e:
-        Path(out).write_text(json.dumps({"error": str(e)}))
+        Path(out).write_text(json.dumps({"error": str(e), "peer_lost": isinstance(e, pipeline_run.PeerLost)}))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group); the launcher says it once
         sys.exit(130)

@@ -92,6 +92,11 @@ while os.getppid() == parent:
 """
 
 
+class PeerLost(FuselmError):
+    """This rank's connection to another broke: that rank's end, not this one's, is the cause (the launcher
+    reports the other rank's error when it has one)."""
+
+
 class Deadline:
     """While armed (`with deadline("what we wait for"):`), a wait longer than `seconds` prints what was
     awaited and ends this rank (SIGKILL from the watchdog process: a blocked call cannot be interrupted)."""
@@ -296,8 +301,8 @@ class Pipe:
         try:
             yield
         except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
-            raise FuselmError(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
-                              "died (its own output says why)") from None
+            raise PeerLost(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
+                           "died (its own output says why)") from None
 
     def send_hidden(self, h, stop=None):
         """Send the hidden state on with its stop column (`stop`: a device array, lazily, at decode; a
