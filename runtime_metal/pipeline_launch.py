@@ -87,16 +87,20 @@ def launch(n: int, kwargs: dict, stream=None) -> dict:
             ranks[-1].stdout.close()
         results = [json.loads(f.read_text()) if f.is_file() else None for f in (tmp / f"rank{r}.json" for r in range(n))]
     if failed:
-        # the first rank that failed of its own accord: a rank whose peer went away (PeerLost) may have been
-        # seen first, but the cause is in the rank that went
-        errs = [r for r in range(n) if (results[r] or {}).get("error")]
-        r = next((r for r in errs if not results[r].get("peer_lost")), failed[0])
+        r = cause(results, failed[0])
         error = (results[r] or {}).get("error")
         if error and not error.startswith(f"rank {r}"):
             error = f"rank {r}: {error}"
         raise FuselmError(error or
                           f"rank {r} of {n} ended with status {ranks[r].returncode} (its output is above)")
     return {**results[-1], "ranks": [res["memory"] for res in results]}
+
+
+def cause(results: list, first: int) -> int:
+    """The rank to blame: the lowest that wrote an error of its own (not the PeerLost of a rank whose peer
+    went away: that rank's watcher may wake first, CI saw it), else `first`, the first seen to end."""
+    return next((r for r, res in enumerate(results) if res and res.get("error") and not res.get("peer_lost")),
+                first)
 
 
 def rank_main() -> None:

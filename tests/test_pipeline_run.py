@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from fuselm.runtime_metal.pipeline_launch import loopback_ports
+from fuselm.runtime_metal.pipeline_launch import cause, loopback_ports
 
 import fuselm
 from fuselm import contract
@@ -156,6 +156,16 @@ def test_no_launcher_starts_the_ranks_itself(models, tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "broken" / "stage1")
     with pytest.raises(FuselmError, match=r"^rank 1: .*stage1 is missing"):
         fuselm.run(tmp_path / "broken", prompt_ids=[5], device="cpu", quiet=True, pipe_timeout=20)
+
+
+def test_the_rank_that_went_is_blamed_not_its_peer():
+    """Rank 1 fails (its stage is missing) and rank 0 then loses its connection: whichever watcher woke first,
+    rank 1's own error is the one reported; a rank ended with no error file falls back to the first seen."""
+    lost = {"error": "rank 0: the connection to rank 1 broke", "peer_lost": True}
+    own = {"error": "rank 1: stage1 is missing", "peer_lost": False}
+    assert cause([lost, own, None], first=0) == 1
+    assert cause([lost, own, None], first=1) == 1
+    assert cause([None, lost, None], first=2) == 2
 
 
 def test_missing_peer_times_out_with_a_message(models, tmp_path):
