@@ -25,6 +25,7 @@ from fuselm import switches
 
 from .base import QuantizedWeight
 
+PER_EVAL = 4  # products per timed evaluation (the probe's, and bench/mlx_qmm_forms.py's default)
 WIDE_ROWS = 64  # a matmul over at least this many rows (a prompt chunk) may run on a dequantized weight
 FORMS_FILE = "matmul-forms.json"
 _WIDE: dict[tuple, str] = {}  # (device, N, K, bits, block, dtype, rows) -> the choice, this process
@@ -128,7 +129,7 @@ def _store_form(key: tuple, form: str) -> str:
 
 def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
     """"dequantize" when x [rows, K] @ dequantize(w)ᵀ ran at least 10 % faster here than mx.quantized_matmul,
-    else "quantized". Each form is timed as 4 products in one evaluation (as a prompt chunk queues them: the
+    else "quantized". Each form is timed as PER_EVAL products in one evaluation (as a prompt chunk queues them: the
     wait for the device is paid once, not per kernel), best of 2 after a warm-up."""
     best = {}
     for name, fn in products(mx.zeros((rows, w.in_features), dtype), *w.data, w.block, w.bits).items():
@@ -136,7 +137,7 @@ def _faster_form(w: QuantizedWeight, rows: int, dtype) -> str:
         times = []
         for _ in range(2):
             t = time.perf_counter()
-            mx.eval([fn() for _ in range(4)])
+            mx.eval([fn() for _ in range(PER_EVAL)])
             times.append(time.perf_counter() - t)
         best[name] = min(times)
     return "dequantize" if best["dequantize"] < 0.9 * best["quantized"] else "quantized"
