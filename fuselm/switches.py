@@ -43,9 +43,12 @@ def number(name: str, default: int | None = None) -> int | None:
     return int(value)
 
 
-def cache_folder(name: str, override: str | None = None) -> Path:
-    """The folder the environment variable `override` names when it is set, else fuselm's cache folder
-    `name`: $XDG_CACHE_HOME/fuselm/NAME, or ~/.cache/fuselm/NAME."""
+def cache_folder(name: str, override: str | None = None, fallback: Path | None = None) -> Path:
+    """The folder the environment variable `override` names when it is set, else `fallback` when given
+    (another tool's folder the user set), else fuselm's cache folder `name`: $XDG_CACHE_HOME/fuselm/NAME,
+    or ~/.cache/fuselm/NAME."""
     if override and os.environ.get(override, "").strip():
         return Path(os.environ[override].strip())
+    if fallback is not None:
+        return fallback
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuselm" / name

@@ -40,9 +40,8 @@ _log = logging.getLogger("fuselm.runtime")
 
 def kernel_dir() -> Path:
     """FUSELM_KERNEL_DIR, else $TORCH_EXTENSIONS_DIR/fuselm, else ~/.cache/fuselm/kernels (XDG_CACHE_HOME)."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR") and not os.environ.get("FUSELM_KERNEL_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "fuselm"
-    return switches.cache_folder("kernels", "FUSELM_KERNEL_DIR")
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR", "").strip()
+    return switches.cache_folder("kernels", "FUSELM_KERNEL_DIR", Path(ext) / "fuselm" if ext else None)
 
 
 def module_name() -> str:
