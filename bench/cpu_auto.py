@@ -1,6 +1,6 @@
 """Which of fuselm's own CPU paths is faster on a graph: the torch backend or `--backend onnxruntime`
-(fuselm/ort_run.py: onnxruntime-genai, or onnxruntime with IO binding). The figures behind `--backend
-auto`'s rule on a machine without a GPU (fuselm/auto_backend.py).
+(runtime_metal/engines/ort.py: onnxruntime-genai, or onnxruntime with IO binding). The figures behind `--backend
+auto`'s rule on a machine without a GPU (runtime_metal/engines/auto.py).
 
     python bench/cpu_auto.py                    # Qwen3-0.6B shape, q4, 3 rounds
     python bench/cpu_auto.py --tiny             # a tiny config: a smoke test in about a minute
@@ -44,17 +44,22 @@ def _cpu_peer():
 
 
 class LoopEngine:
-    """fuselm/ort_run.py's loop (what `fuselm run --backend onnxruntime` drives), greedy, step by step."""
+    """The onnxruntime engine (runtime_metal/engines/ort.py: what `fuselm run --backend onnxruntime` drives) on one
+    of its loops, greedy, step by step through its generation loop."""
 
-    def __init__(self, model: Path, engine: str, threads: int):
-        from fuselm.ort_run import BoundLoop, GenaiLoop
+    def __init__(self, model: Path, loop: str, threads: int):
+        from fuselm.runtime_metal.engines.ort import OrtEngine
 
-        self.loop = (GenaiLoop if engine == "genai" else BoundLoop)(model, threads)
-        self.what, self.gen = self.loop.what, None
+        from fuselm.options import Options
+
+        self.engine = OrtEngine(model, model, Options(threads=threads), loop=loop)
+        self.what, self.gen = self.engine.describe(), None
 
     def prefill(self, ids: list[int], room: int) -> int:
+        from fuselm.runtime_metal.sampling import Sampler
+
         self.gen = None  # free the previous cache first
-        self.gen = self.loop.generate(ids, room + 1, 0.0, 0, 1.0, None, ignore_eos=True)
+        self.gen = self.engine.generate(ids, room + 1, Sampler())
         return next(self.gen)
 
     def step(self, token: int) -> int:
@@ -66,7 +71,7 @@ def child(args) -> None:
     vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
     if args.child == "torch":
-        engine = peer.FuselmEngine(Path(args.model), args.threads, None)
+        engine = peer.FuselmEngine(Path(args.model), backend="torch", device="cpu", threads=args.threads)
     else:
         engine = LoopEngine(Path(args.model), args.child.split("-")[0], args.threads)
     load = time.perf_counter() - t0

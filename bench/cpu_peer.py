@@ -82,46 +82,25 @@ def _peak_rss_mb() -> float:
 
 # --- engines: one protocol, each in a child process -------------------------------------------
 class FuselmEngine:
-    def __init__(self, model: Path, threads: int, compile_: bool | None):
-        from fuselm.runtime_metal.session import Session
+    """The engine `fuselm.load(model, **options)` gives (what `fuselm run` runs), greedy, step by step."""
 
-        self.sess = Session(model, backend="torch", device="cpu", threads=threads, compile=compile_)
-        self.what = self.sess.describe()
+    def __init__(self, model: Path, **options):
+        import fuselm
+
+        self.engine = fuselm.load(model, **options)
+        why = f"; {self.engine.why}" if self.engine.why else ""
+        self.what = f"fuselm run ({self.engine.describe()}{why})"
 
     def prefill(self, ids: list[int], room: int) -> int:
         import numpy as np
 
-        self.sess.reset(len(ids) + room)
-        return int(np.argmax(self.sess.logits_to_numpy(self.sess.prefill(ids))))
+        self.engine.reset(len(ids) + room)
+        return int(np.argmax(self.engine.forward(ids)[-1]))
 
     def step(self, token: int) -> int:
         import numpy as np
 
-        return int(np.argmax(self.sess.logits_to_numpy(self.sess.decode(token))))
-
-
-class DefaultEngine:
-    """fuselm's default CPU path, as `fuselm run MODEL` takes it (`--backend auto`): on a standard q4 graph,
-    onnxruntime's IO-binding loop on the prepared lowered copy (fuselm/ort_run.py BoundLoop)."""
-
-    def __init__(self, model: Path, threads: int):
-        from fuselm.auto_backend import resolve
-        from fuselm.ort_run import make_loop
-
-        backend, why, path = resolve(model, "auto", {})
-        if backend != "onnxruntime":
-            raise SystemExit(f"fuselm's default path does not run onnxruntime here: {why}")
-        self.loop = make_loop(Path(path), "ort", threads, checked=True)
-        self.gen = None
-        self.what = f"fuselm run (default: {self.loop.what}; {why})"
-
-    def prefill(self, ids: list[int], room: int) -> int:
-        self.gen = None  # the previous prompt's cache first
-        self.gen = self.loop.generate(ids, room, 0.0, 0, 1.0, None, ignore_eos=True)
-        return next(self.gen)
-
-    def step(self, token: int) -> int:
-        return next(self.gen)  # greedy: the loop feeds back the token it picked, which is `token`
+        return int(np.argmax(self.engine.forward([token])[-1]))
 
 
 class GenaiEngine:
@@ -255,9 +234,10 @@ def child(args) -> None:
     elif args.child == "mnn":  # run by .venv-mnn's Python through bench/mnn_safe.py (see bench/mnn_peer.py)
         engine = _bench_module("mnn_peer").MnnEngine(model, args.threads)
     elif args.child == DEFAULT:
-        engine = DefaultEngine(model, args.threads)
+        engine = FuselmEngine(model, threads=args.threads)  # `fuselm run MODEL`'s own choice (--backend auto)
     else:
-        engine = FuselmEngine(model, args.threads, True if args.child == "fuselm-compile" else None)
+        engine = FuselmEngine(model, backend="torch", device="cpu", threads=args.threads,
+                              compile=True if args.child == "fuselm-compile" else None)
     load = time.perf_counter() - t0
     r = measure(engine, vocab, args.runs, tuple(args.contexts), tuple(args.prefills), tuple(args.steps))
     r.update(load_s=round(load, 2), what=engine.what, peak_rss_mb=_peak_rss_mb())

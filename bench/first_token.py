@@ -28,7 +28,7 @@ CHILD = """
 import io, json, os, sys, time
 t0 = time.time()
 import fuselm
-r = fuselm.run(sys.argv[1], prompt_ids=list(range(100, 132)), max_tokens=1, ignore_eos=True, quiet=True,
+r = fuselm.run(sys.argv[1], prompt=list(range(100, 132)), max_tokens=1, ignore_eos=True, quiet=True,
                stream=io.StringIO(), backend=sys.argv[2])
 t = os.times()
 print(json.dumps({"ran": r["backend"], "first_token_s": round(time.time() - t0, 2),

@@ -80,10 +80,12 @@ class FuselmEngine:
     def __init__(self, model: Path, dtype: str, compile_: bool):
         import mlx.core as mx
         from fuselm.runtime_metal.sampling import Sampler
-        from fuselm.runtime_metal.session import Session
+
+        import fuselm
 
         t0 = time.perf_counter()
-        self.sess = Session(model, backend="mlx", dtype=dtype, compile=compile_)
+        self.engine = fuselm.load(model, backend="mlx", dtype=dtype, compile=compile_)  # what `fuselm run` runs
+        self.sess = self.engine.session
         mx.eval(prepared_arrays(self.sess.graph))
         self.load_s = time.perf_counter() - t0
         self.sampler = Sampler()
@@ -101,8 +103,7 @@ class FuselmEngine:
         return wrapper
 
     def tokens(self, prompt: list[int], n: int):
-        self.sess.reset(len(prompt) + n + 1)
-        return self.sess.generate(prompt, n, self.sampler)
+        return self.engine.generate(prompt, n, self.sampler)
 
     def step_graph(self, prompt: list[int]) -> tuple[list, list, float]:
         """One decode step built lazily after `prompt`: (outputs, inputs, host seconds to build it)."""

@@ -44,7 +44,7 @@ SINGLE = """
 import json, sys, time
 import fuselm
 stamps = []
-for _ in fuselm.stream_generate(sys.argv[1], prompt_ids=json.loads(sys.argv[2]), max_tokens=int(sys.argv[3]),
+for _ in fuselm.stream_generate(sys.argv[1], prompt=json.loads(sys.argv[2]), max_tokens=int(sys.argv[3]),
                                 ignore_eos=True, backend="mlx", device=sys.argv[5], dtype=sys.argv[4]):
     stamps.append(time.perf_counter())
 print(json.dumps([b - a for a, b in zip(stamps, stamps[1:])]))
@@ -73,7 +73,7 @@ def _result_line(p: subprocess.CompletedProcess, what: str) -> str:
 LOCAL = """
 import json, os, sys
 import fuselm
-r = fuselm.run(sys.argv[1], prompt_ids=json.loads(sys.argv[2]), max_tokens=int(sys.argv[3]), ignore_eos=True,
+r = fuselm.run(sys.argv[1], prompt=json.loads(sys.argv[2]), max_tokens=int(sys.argv[3]), ignore_eos=True,
                device=sys.argv[5], dtype=sys.argv[4], quiet=True, stream=open(os.devnull, "w"))
 print(json.dumps(r))
 """

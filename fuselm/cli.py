@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import fuselm
 from fuselm.errors import CheckFailed, FuselmError
-from fuselm.runtime_metal.backends import NAMES as BACKEND_NAMES
+from fuselm.options import BACKENDS, DTYPES, Options
 
 
 def _ids(text: str) -> list[int]:
@@ -77,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
-        r.add_argument("--backend", choices=[*BACKEND_NAMES, "onnxruntime"], default="auto",
-                       help="onnxruntime: onnxruntime-genai when installed, else onnxruntime with IO binding (CPU); "
-                            "auto: onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph, "
-                            "lowered once into DIR/.fuselm-prepared/ (fuselm/auto_backend.py), else MLX on Metal, torch elsewhere (the f32 reference on CPU)")
+        r.add_argument("--backend", choices=BACKENDS, default="auto",
+                       help="auto (default): onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph "
+                            "(lowered once, kept in fuselm's cache folder), else MLX on Metal, torch elsewhere (the f32 "
+                            "reference on CPU); onnxruntime: onnxruntime's CPU engine (a 4-/8-bit graph on its lowered copy)")
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--kv-bits-v", type=int, default=None, metavar="{8,16,32}", help="values only (overrides --kv-bits)")
         r.add_argument("--kv-group-size", type=int, default=None, metavar="N",
                        help="channels per int8 scale (32, 64, 128; default 64, or head_dim when smaller)")
-        r.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+        r.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="compute type of the graph's float32 values (auto: bf16 on an MLX GPU, else f32)")
         if name == "run":
             g = r.add_mutually_exclusive_group(required=True)
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--tokens", type=int, default=16)
             r.add_argument("--prompt-ids", type=_ids, default=None)
             r.add_argument("--standard", default=None, metavar="DIR",
-                           help="--backend onnxruntime on a lowered graph: the un-lowered model directory to compare "
+                           help="the onnxruntime engine on a lowered graph: the un-lowered model directory to compare "
                                 "with (default: --reference converted again as DIR's fuselm.json records, then optimized)")
     return p
 
@@ -140,7 +140,10 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
         os.environ["HF_HUB_OFFLINE"] = "1"
-        getattr(fuselm, command.split()[1])(*pos, **args)
+        if command in ("fuselm run", "fuselm validate"):
+            _run_command(command, pos, args)
+        else:
+            getattr(fuselm, command.split()[1])(*pos, **args)
     except FuselmError as e:
         print(f"{command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -156,6 +159,21 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
     except KeyboardInterrupt:
         return _interrupted(command)
     return _interrupted(command) if signals else 0
+
+
+# run's / validate's own arguments; every other one is a field of fuselm.Options
+OWN = {"fuselm run": ("prompt", "prompt_ids", "chat"), "fuselm validate": ("tokens", "prompt_ids", "standard")}
+
+
+def _run_command(command: str, pos: list, args: dict) -> None:
+    """`fuselm run` / `validate`: their own arguments, and the rest built once into Options."""
+    own = {k: args.pop(k) for k in OWN[command]}
+    ids = own.pop("prompt_ids")
+    options = Options.of(**args)
+    if command == "fuselm run":
+        fuselm.run(*pos, own["prompt"] if ids is None else ids, options, chat=own["chat"])
+    else:
+        fuselm.validate(*pos, options, tokens=own["tokens"], prompt=ids, standard=own["standard"])
 
 
 @contextlib.contextmanager

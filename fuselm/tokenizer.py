@@ -108,11 +108,15 @@ def eos_ids(model_dir: Path, meta: dict, tok) -> set[int]:
     return ids
 
 
-def encode_prompt(tok, prompt: str | None, prompt_ids: list[int] | None, chat: bool) -> list[int]:
-    if prompt_ids is not None:
+def encode_prompt(tok, prompt: str | list[int] | None, chat: bool) -> list[int]:
+    """The prompt's token ids: `prompt` is text (encoded, through the chat template with `chat`) or the ids."""
+    if prompt is not None and not isinstance(prompt, str):
         if chat:
             raise FuselmError("--chat applies the chat template to --prompt text; it cannot be used with --prompt-ids")
-        return [int(i) for i in prompt_ids]
+        try:
+            return [int(i) for i in prompt]
+        except (TypeError, ValueError):
+            raise FuselmError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}") from None
     if prompt is None:
         raise FuselmError("pass --prompt TEXT or --prompt-ids 1,2,3")
     if chat:

@@ -53,7 +53,7 @@ class CompiledDecode:
         views = {c.name: CacheView(buf, pos, 1, static=True, head_dim=c.head_dim)
                  for c, buf in zip(sess.caches, bufs, strict=True)}
         sess.executor.ctx["rope_offset"] = pos
-        sess.executor.ctx["all_logits"] = False
+        sess.executor.ctx["logit_rows"] = 1
         feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views}
         out = sess.executor._execute(self.plan, feeds)
         # the next position, on the device: no host array crosses over per token
@@ -149,7 +149,7 @@ class PiecewiseDecode:
             env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
         else:
             env = {sess.first_input: ids, contract.POSITION_IDS: b.reshape(b.cast(pos_dev, 7), (1, 1)), **views}
-        ex.ctx["all_logits"] = False
+        ex.ctx["logit_rows"] = 1
         b.new_step()
         b.step_memo = {}
         for fn, fast, p, inputs in self.calls:

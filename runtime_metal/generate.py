@@ -1,4 +1,8 @@
-"""`fuselm run`: generate text from a model directory, streaming tokens as they come."""
+"""`fuselm run` and `stream_generate`: text from a loaded engine, streamed token by token.
+
+Both take the engine `fuselm.load` returns (or load one), so the Python iterator and the command line run
+the same loop on the same engine.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from fuselm.errors import FuselmError
+from fuselm.options import Options
 from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
+from .engines import Engine, load
 from .sampling import Sampler
-from .session import Session, kv_options
-
-PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
 
 
 @dataclass
@@ -30,86 +32,80 @@ class Response:
     finish_reason: str | None  # "stop" (eos), "length", or None while generating
 
 
-def stream_generate(model, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False,
-                    temperature=0.0, top_k=0, top_p=1.0, seed=None, backend="auto", device=None, dtype="auto",
-                    no_fused_kernels=False, compile=None, threads=None, profile=False, **kv) -> Iterator[Response]:
-    """Generate from `model` (a model directory, an .onnx file, or a loaded Session), one Response per token.
+def engine_for(model, options: Options | None, keywords: dict) -> Engine:
+    """`model` itself when it is a loaded engine (keywords then name nothing to change), else `load`'s engine."""
+    if isinstance(model, Engine):
+        if keywords or options is not None and options != model.options:
+            opts = Options.of(options, **keywords)
+            engine_keys = set(opts.given()) - set(Engine.HONOURS)
+            if any(getattr(opts, k) != getattr(model.options, k) for k in engine_keys):
+                raise FuselmError(f"the engine is loaded already; {', '.join(sorted(engine_keys))} are chosen at "
+                                  "`fuselm.load`: pass them there")
+        return model
+    return load(model, options, **keywords)
 
-    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
 
-    Tokens are picked on the device and the next step is queued while this one is read (Session.generate)."""
-    if max_tokens < 1:
-        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
-    sampler = Sampler(temperature, top_k, top_p, seed)
-    if isinstance(model, Session):
-        sess, path = model, model.lm.path.parent if model.lm.path.name == "model.onnx" else model.lm.path
-    else:
-        path = Path(model)
-        sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                       threads=threads, dtype=dtype, **kv_options(**kv))
-    tok = load_tokenizer(path, required=prompt is not None, chat=chat)
-    ids = encode_prompt(tok, prompt, prompt_ids, chat)
-    vocab = sess.meta.get("dims", {}).get("vocab")
+def stream_generate(model, prompt=None, options: Options | None = None, chat: bool = False,
+                    **keywords) -> Iterator[Response]:
+    """Generate from `model` (an engine from `fuselm.load`, or a model directory), one Response per token.
+    `prompt`: text, or a list of token ids; `options` (keywords replace its fields): sampling, max_tokens,
+    ignore_eos; the engine's own options where `model` is a directory."""
+    engine = engine_for(model, options, keywords)
+    opts = engine.options.replace(**{k: v for k, v in Options.of(options, **keywords).given().items()
+                                     if k in Engine.HONOURS})
+    sampler = Sampler(opts.temperature, opts.top_k, opts.top_p, opts.seed)
+    tok = load_tokenizer(engine.source, required=isinstance(prompt, str), chat=chat)
+    ids = encode_prompt(tok, prompt, chat)
+    vocab = engine.vocab
     if vocab and any(not 0 <= i < vocab for i in ids):
         raise FuselmError(f"prompt ids must lie in [0, {vocab}); got {[i for i in ids if not 0 <= i < vocab][:5]}")
-    stops = set() if ignore_eos else eos_ids(path, sess.meta, tok)
+    stops = set() if opts.ignore_eos else eos_ids(engine.source, engine.meta, tok)
     detok = Detokenizer(tok)
-    sess.reset(len(ids) + max_tokens)
     t0 = time.perf_counter()
     t_first = None
-    for n, token in enumerate(sess.generate(ids, max_tokens, sampler)):
+    for n, token in enumerate(engine.generate(ids, opts.max_tokens, sampler)):
         now = time.perf_counter()
         if t_first is None:
             t_first = now
-        if profile and n == PROFILE_SKIP_TOKENS - 1:  # the step after this token is queued already
-            sess.profiler.enabled = True
-        done = "stop" if token in stops else ("length" if n + 1 >= max_tokens else None)
-        yield Response(token, detok.add(token), len(ids), len(ids) / max(t_first - t0, 1e-9), n + 1,
+        done = "stop" if token in stops else ("length" if n + 1 >= opts.max_tokens else None)
+        text = "" if done == "stop" else detok.add(token)  # the end-of-turn token is not text
+        yield Response(token, text, len(ids), len(ids) / max(t_first - t0, 1e-9), n + 1,
                        n / (now - t_first) if n else None, done)
         if done:
             return
 
 
-def run(model_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
-        top_k=0, top_p=1.0, seed=None, profile=False, backend="auto", device=None, no_fused_kernels=False,
-        compile=None, threads=None, stream=None, quiet=False, dtype="auto", why=None, **kv) -> dict:
-    """Generate up to `max_tokens` tokens after the prompt; prints them as they come. `why`: why this backend
-    runs (`--backend auto`'s reason, fuselm/auto_backend.py), printed in the header.
-
-    `kv_bits`, `kv_bits_k`, `kv_bits_v`, `kv_group_size`: the KV cache's storage (runtime_metal/kvcache.py).
-    Returns the generated ids, the text, prefill and decode tokens per second and what ran."""
+def run(model, prompt=None, options: Options | None = None, chat: bool = False, stream=None, quiet: bool = False,
+        **keywords) -> dict:
+    """Generate up to `max_tokens` tokens after the prompt, printing them as they come; returns the generated
+    ids, the text, prefill and decode tokens per second and what ran."""
     from rich.console import Console
 
-    Sampler(temperature, top_k, top_p, seed)  # bad sampling values fail before the model loads
-    path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile, threads=threads,
-                   dtype=dtype, **kv_options(**kv))
+    engine = engine_for(model, options, keywords)
     out = stream or sys.stdout
     console = Console(stderr=True, quiet=quiet)
-    console.print(f"[dim]fuselm run: {sess.describe()}{f' · {why}' if why else ''}[/dim]")
+    why = engine.why
+    console.print(f"[dim]fuselm run: {engine.describe()}{f' · {why}' if why else ''}[/dim]")
     generated, last = [], None
-    for r in stream_generate(sess, prompt, prompt_ids, max_tokens, ignore_eos, chat, temperature, top_k, top_p, seed,
-                             profile=profile):
+    for r in stream_generate(engine, prompt, options, chat, **keywords):
         generated.append(r.token)
         out.write(r.text)
         out.flush()
         last = r
     out.write("\n")
     out.flush()
-    tok = load_tokenizer(path, required=False) if prompt is not None else None
+    tok = load_tokenizer(engine.source, required=False) if isinstance(prompt, str) else None
     text = tok.decode(generated, skip_special_tokens=True) if tok is not None else None
     decode_n = last.generation_tokens - 1
     result = {
-        "tokens": generated, "text": text, "prompt_tokens": last.prompt_tokens, "backend": sess.backend.name,
-        "device": sess.backend.device, "dtype": sess.backend.compute, "prefill_tok_s": last.prompt_tps,
-        "decode_tok_s": last.generation_tps, "stopped_at_eos": last.finish_reason == "stop",
-        "what": sess.describe(), "why": why,
+        "tokens": generated, "text": text, "prompt_tokens": last.prompt_tokens, "backend": engine.name,
+        "device": engine.device, "dtype": engine.compute, "prefill_tok_s": last.prompt_tps, "decode_tok_s": last.generation_tps,
+        "stopped_at_eos": last.finish_reason == "stop", "what": engine.describe(), "why": why,
     }
     decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
     console.print(f"[dim]prefill {last.prompt_tokens} tokens: {result['prefill_tok_s']:.1f} tok/s (to the first token) "
-                  f"· decode {decode_n} tokens: {decode} · {sess.describe()}[/dim]")
-    if profile:
-        from .profile import report
-
-        result["profile"] = report(sess, decode_n - PROFILE_SKIP_TOKENS, console)
+                  f"· decode {decode_n} tokens: {decode} · {engine.describe()}[/dim]")
+    report = getattr(engine, "report", None)
+    if report is not None and (profile := report(console)) is not None:
+        result["profile"] = profile
     return result

@@ -85,21 +85,10 @@ def check_formats(backend, fmts: tuple[KVFormat, KVFormat], head_dims: list[int]
                 kv_quant.check_group(backend, d, group_for(f, d), "model's")
 
 
-def formats(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> tuple[KVFormat, KVFormat]:
-    """(key format, value format) from the options; a bad value is a FuselmError (exit 2)."""
-    out = []
-    for what, bits in (("--kv-bits-k", kv_bits_k), ("--kv-bits-v", kv_bits_v)):
-        bits = kv_bits if bits is None else bits
-        name = what if bits is not None and bits is not kv_bits else "--kv-bits"
-        if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
-            raise FuselmError(f"{name} {bits!r} is not a KV cache format; choose 8 (int8, per-group scales), 16 "
-                              "(float16) or 32 (float32), or leave it out for the graph's dtype")
-        out.append(bits)
-    if kv_group_size is not None and (isinstance(kv_group_size, bool) or not isinstance(kv_group_size, int)
-                                      or kv_group_size <= 0):
-        raise FuselmError(f"--kv-group-size {kv_group_size!r} must be a positive integer (32, 64 or 128)")
-    group = DEFAULT_GROUP if kv_group_size is None else kv_group_size
-    return KVFormat(out[0], group), KVFormat(out[1], group)
+def formats(spec) -> tuple[KVFormat, KVFormat]:
+    """(key format, value format) of the run's KV cache option (fuselm.options.KVFormat, checked there)."""
+    group = DEFAULT_GROUP if spec.group is None else spec.group
+    return KVFormat(spec.key_bits, group), KVFormat(spec.value_bits, group)
 
 
 def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat, compute_dtype: int | None = None):

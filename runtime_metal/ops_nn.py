@@ -421,11 +421,12 @@ def QGatherRows(b, ids, *, weight, source=""):
 
 @op("LastRows", domain=RUNTIME, wants_context=True)
 def LastRows(b, x, *, _ctx=None):
-    """The lm_head's input [B, S, hidden] cut to its last position when the run needs only the next token's
-    logits (a prefill chunk of a generation); all positions otherwise (validation, other callers)."""
-    if (_ctx or {}).get("all_logits", True) or b.shape(x)[1] == 1:
+    """The lm_head's input [B, S, hidden] cut to its last `logit_rows` positions when the run needs only those
+    logits (a prefill chunk: the next token's; a verification step: the drafts'); all positions otherwise."""
+    rows = (_ctx or {}).get("logit_rows")
+    if rows is None or b.shape(x)[1] <= rows:
         return x
-    return b.slice(x, (slice(None), slice(b.shape(x)[1] - 1, None)))
+    return b.slice(x, (slice(None), slice(b.shape(x)[1] - rows, None)))
 
 
 @op("KVAppend", domain=RUNTIME)

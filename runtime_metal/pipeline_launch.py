@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fuselm.errors import FuselmError
 
-RANK_MAIN = "from fuselm.runtime_metal.pipeline_launch import rank_main; rank_main()"
+RANK_MAIN = "from fuselm.runtime_metal.pipeline_run import rank_main; rank_main()"
 LAUNCHED = "FUSELM_PIPE_LAUNCHED"  # set in each rank this module starts (pipeline_run.Bells: no launcher spins)
 
 
@@ -42,7 +42,7 @@ def loopback_ports(n: int) -> list[int]:
 
 
 def launch(n: int, kwargs: dict, stream=None) -> dict:
-    """Run `pipeline_run.run(**kwargs)` in n local ranks; the last rank's result, with "ranks": each rank's
+    """Run `pipeline_run.run` with `kwargs` (JSON: rank_main reads them) in n local ranks; the last rank's result, with "ranks": each rank's
     memory report. Tokens go to `stream` (default stdout) as the last rank prints them."""
     stream = stream or sys.stdout
     with tempfile.TemporaryDirectory(prefix="fuselm-pipe-") as tmp:
@@ -101,18 +101,3 @@ def cause(results: list, first: int) -> int:
     went away: that rank's watcher may wake first, CI saw it), else `first`, the first seen to end."""
     return next((r for r, res in enumerate(results) if res and res.get("error") and not res.get("peer_lost")),
                 first)
-
-
-def rank_main() -> None:
-    """One rank started by `launch`: argv is [run.json, result.json]."""
-    from . import pipeline_run
-
-    run_json, out = sys.argv[1:3]
-    try:
-        result = pipeline_run.run(**json.loads(Path(run_json).read_text()))
-    except FuselmError as e:
-        Path(out).write_text(json.dumps({"error": str(e), "peer_lost": isinstance(e, pipeline_run.PeerLost)}))
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group); the launcher says it once
-        sys.exit(130)
-    Path(out).write_text(json.dumps(result))

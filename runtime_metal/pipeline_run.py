@@ -1,4 +1,4 @@
-"""`fuselm run SPLIT`: one pipeline stage per rank over mx.distributed (issue 20).
+"""`fuselm run SPLIT`: one pipeline stage per rank over mx.distributed.
 
     fuselm split MODEL -o SPLIT --stages 2
     fuselm run SPLIT --prompt "..."                                                     # one machine
@@ -7,7 +7,7 @@
 Started by no launcher, `run` starts one local rank per stage itself (pipeline_launch.py); under
 mlx.launch (or any MLX_RANK + MLX_HOSTFILE) this process is one rank.
 
-Rank r runs SPLIT/stage{r} in runtime_metal's Session on the MLX backend (a stage graph takes the
+Rank r runs SPLIT/stage{r} on the engine `fuselm.load` gives it on the MLX backend (a stage graph takes the
 hidden state in place of input_ids, returns it in place of logits: Session reads either). Every rank
 gets the same command line, so all know the prompt, its chunks and --max-tokens.
 
@@ -47,12 +47,13 @@ from onnx import TensorProto
 from fuselm import contract, switches
 from fuselm.errors import FuselmError
 from fuselm.modeldir import read_meta
+from fuselm.options import Options
 from fuselm.tokenizer import Detokenizer, encode_prompt, eos_ids, load_tokenizer
 
 from . import kvcache
+from .engines import load
 from .pipeline_launch import LAUNCHED
 from .sampling import Sampler
-from .session import Session, kv_options
 
 SPLIT_NAME = contract.SPLIT_NAME
 DTYPES = {TensorProto.FLOAT: (0, np.float32), TensorProto.FLOAT16: (1, np.float16), TensorProto.BFLOAT16: (2, None)}
@@ -238,7 +239,7 @@ def _hostfile():
 class Pipe:
     """One rank's end of the pipe: its stage's Session and its neighbours."""
 
-    def __init__(self, split_dir: Path, group, rank: int, size: int, timeout: float, session_kw: dict):
+    def __init__(self, split_dir: Path, group, rank: int, size: int, options: Options):
         import mlx.core as mx
 
         self.mx, self.group, self.rank, self.size = mx, group, rank, size
@@ -255,9 +256,9 @@ class Pipe:
         if self.info.get("stage") != rank or self.info.get("of") != of:
             raise FuselmError(f"{self.dir}/fuselm.json says stage {self.info.get('stage')} of {self.info.get('of')}; "
                               f"rank {rank} needs stage {rank} of {of}: re-run `fuselm split`")
-        self.sess = Session(self.dir, backend="mlx", **session_kw)
+        self.sess = load(self.dir, options.replace(backend="mlx")).session
         self.first, self.last = rank == 0, rank == size - 1
-        self.deadline = deadline(timeout, rank)
+        self.deadline = deadline(options.pipe_timeout, rank)
         ins = self.sess.lm.input_types
         elem = ins[contract.HIDDEN][0] if contract.HIDDEN in ins else \
             next(v for k, v in ins.items() if contract.is_past(k))[0]
@@ -381,40 +382,37 @@ def split_id(split_dir: Path) -> int:
     return zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF
 
 
-def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False, chat=False, temperature=0.0,
-        top_k=0, top_p=1.0, seed=None, backend="auto", device=None, no_fused_kernels=False, compile=None,
-        threads=None, stream=None, quiet=False, dtype="auto", profile=False, pipe_timeout: float = 60.0,
-        prefill_chunk: int | None = None, **kv) -> dict:
+def run(split_dir, prompt=None, options: Options | None = None, chat: bool = False, stream=None,
+        quiet: bool = False) -> dict:
     """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
-    Started by no launcher, it starts the ranks itself on this machine (pipeline_launch.py).
-    `prefill_chunk`: prompt tokens per prefill step (default: the backend's)."""
-    args = {k: v for k, v in locals().items() if k not in ("kv", "stream")} | kv
-    if backend not in ("auto", "mlx"):
-        raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {backend} cannot run it")
-    if max_tokens < 1:
-        raise FuselmError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if profile:
+    Started by no launcher, it starts the ranks itself on this machine (pipeline_launch.py)."""
+    options = options or Options()
+    if options.backend not in ("auto", "mlx"):
+        raise FuselmError(f"a split model runs on MLX's distributed layer; --backend {options.backend} cannot run it")
+    if options.profile:
         raise FuselmError("--profile is not available for a split model; profile one stage's graph by running the "
                           "unsplit model")
-    sampler = Sampler(temperature, top_k, top_p, seed)
+    if options.speculative:
+        raise FuselmError("--speculative is not available for a split model; run the unsplit model")
+    max_tokens = options.max_tokens
+    sampler = Sampler(options.temperature, options.top_k, options.top_p, options.seed)
     split_dir = Path(split_dir)
     n_stages = len(json.loads((split_dir / SPLIT_NAME).read_text())["stages"])
     _check_hostfile(n_stages)
-    group, rank, size = init_group(pipe_timeout)
+    group, rank, size = init_group(options.pipe_timeout)
     if group is None:
         from . import pipeline_launch
 
-        return pipeline_launch.launch(n_stages, {**args, "split_dir": str(split_dir)}, stream)
-    pipe = Pipe(split_dir, group, rank, size, pipe_timeout,
-                {"device": device, "fused": not no_fused_kernels, "compile": compile, "threads": threads,
-                 "dtype": dtype, **kv_options(**kv)})
+        return pipeline_launch.launch(n_stages, {"split_dir": str(split_dir), "prompt": prompt, "chat": chat,
+                                                 "quiet": quiet, "options": options.to_dict()}, stream)
+    pipe = Pipe(split_dir, group, rank, size, options)
     sess, b = pipe.sess, pipe.sess.backend
-    tok = load_tokenizer(pipe.dir, required=prompt is not None, chat=chat)
-    ids = encode_prompt(tok, prompt, prompt_ids, chat)
-    stops = set() if ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
-    pipe.handshake(split_id(split_dir), pipe_timeout)
+    tok = load_tokenizer(pipe.dir, required=isinstance(prompt, str), chat=chat)
+    ids = encode_prompt(tok, prompt, chat)
+    stops = set() if options.ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
+    pipe.handshake(split_id(split_dir), options.pipe_timeout)
     sess.reset(len(ids) + max_tokens)
-    chunk = prefill_chunk or b.prefill_chunk
+    chunk = sess.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
     log = (lambda m: None) if quiet else (lambda m: print(f"[rank {rank}] {m}", file=sys.stderr, flush=True))
     log(f"stage {rank} of {size} (layers {pipe.info['layers'][0]}-{pipe.info['layers'][1]}): {sess.describe()}")
@@ -484,7 +482,7 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
     import resource
 
     result = {"rank": rank, "stages": size, "what": sess.describe(), "tokens": generated, "prompt_tokens": len(ids),
-              # what this rank held (issue 20: <= its stage's weights + cache + 15 %)
+              # what this rank held
               "memory": {"mlx_peak_bytes": int(pipe.mx.get_peak_memory()),
                          # what it holds once generating: its weights as MLX holds them (prepared weights are
                          # mapped lazily, so after load it may hold none yet) and the cache
@@ -502,3 +500,18 @@ def run(split_dir, prompt=None, prompt_ids=None, max_tokens=64, ignore_eos=False
         log(f"prefill {len(ids)} tokens: {result['prefill_tok_s']:.1f} tok/s · decode {decode_n} tokens: "
             + (f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a"))
     return result
+
+
+def rank_main() -> None:
+    """One rank started by pipeline_launch.launch: argv is [run.json, result.json]."""
+    run_json, out = sys.argv[1:3]
+    args = json.loads(Path(run_json).read_text())
+    try:
+        result = run(args["split_dir"], args["prompt"], Options.from_dict(args["options"]), args["chat"], None,
+                     args["quiet"])
+    except FuselmError as e:
+        Path(out).write_text(json.dumps({"error": str(e), "peer_lost": isinstance(e, PeerLost)}))
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group); the launcher says it once
+        sys.exit(130)
+    Path(out).write_text(json.dumps(result))

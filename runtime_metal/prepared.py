@@ -1,9 +1,11 @@
-"""Backend-ready weights kept beside the model: prepared once, read directly on every later load.
+"""Backend-ready weights kept in fuselm's cache folder: prepared once, read directly on every later load.
 
 Preparing quantized weights for a backend (MLX: unpack uint4, transpose to [N, K], repack into uint32,
 scales and biases in the compute dtype) is most of a load. The first load writes what it prepared to
-`<model dir>/.fuselm-prepared/<backend format>-<key>.safetensors`; a later load with the same key reads
-that file (memory-mapped by the backend's loader) instead of the graph's weights.
+`<store>/<backend format>-<key>.safetensors`, the store being ~/.cache/fuselm/prepared/<hash of the model
+directory's path>/ (`folder`; $FUSELM_PREPARED_DIR moves it; nothing is written into the model directory);
+a later load with the same key reads that file (memory-mapped by the backend's loader) instead of the
+graph's weights.
 
 - The key: sha256 of model.onnx (which holds every weight's offset and length), the data file's size
   and modification time, fuselm's version and the backend's format tag (MLX's version and the compute
@@ -14,8 +16,7 @@ that file (memory-mapped by the backend's loader) instead of the graph's weights
   rewritten with the others once they are prepared.
 - Written atomically (a temporary file renamed into place) under an exclusive lock, so four processes
   that load the same model at once for the first time prepare it once; the others wait and read it.
-- A model directory that cannot be written (read-only) falls back to $FUSELM_PREPARED_DIR or
-  ~/.cache/fuselm/prepared; FUSELM_PREPARED=0 turns the store off.
+- FUSELM_PREPARED=0 turns the store off.
 
 `prepared_dir` keeps a whole prepared directory the same way (`<format>-<key>/`, e.g. the graph lowered for
 onnxruntime: fuselm/ort_prepared.py): built into a temporary directory and renamed into place under the
@@ -41,7 +42,6 @@ from fuselm import __version__, contract, switches
 
 from .backends.base import QuantizedWeight
 
-DIR_NAME = ".fuselm-prepared"
 _ENTRY = "::"  # weight name :: part index
 STAMP = ".fuselm-prepared.json"  # in a prepared directory: its key and its files
 _HASHED = 64 << 20  # a prepared directory's files up to this size are hashed on read; larger ones checked by size
@@ -66,7 +66,7 @@ class PreparedStore:
         model = Path(model_path)
         model = model / contract.MODEL_NAME if model.is_dir() else model
         self.key = _key(model, self.tag)
-        self.path = _folder(model.parent) / f"{self.tag}-{self.key[:24]}.safetensors"
+        self.path = folder(model.parent) / f"{self.tag}-{self.key[:24]}.safetensors"
         self.state = "missing"
         self._read()
         if self.state != "read":  # prepare under the lock: a process already preparing it is waited for
@@ -165,12 +165,10 @@ def _key(model: Path, tag: str) -> str:
     return h.hexdigest()
 
 
-def _folder(model_dir: Path) -> Path:
-    here = model_dir / DIR_NAME
-    if os.access(here if here.exists() else model_dir, os.W_OK):
-        return here
+def folder(model_dir: Path) -> Path:
+    """The store of one model directory: fuselm's cache folder, by the directory's resolved path."""
     base = switches.cache_folder("prepared", "FUSELM_PREPARED_DIR")
-    return base / hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+    return base / hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def _lock(path: Path):
@@ -204,11 +202,11 @@ def find_prepared_dir(model_path, fmt: str, tag: str) -> tuple[Path, dict] | Non
         return None
     model = Path(model_path)
     model = model / contract.MODEL_NAME if model.is_dir() else model
-    folder = _folder(model.parent)
-    if not folder.is_dir():
+    store = folder(model.parent)
+    if not store.is_dir():
         return None
     want = fingerprint(model, tag)
-    for path in sorted(folder.glob(f"{fmt}-*")):
+    for path in sorted(store.glob(f"{fmt}-*")):
         try:
             stamp = json.loads((path / STAMP).read_text())
         except (OSError, ValueError):
@@ -228,22 +226,22 @@ def prepared_dir(model_path, fmt: str, tag: str, build, facts: dict | None = Non
     model = model / contract.MODEL_NAME if model.is_dir() else model
     source = fingerprint(model, tag)
     key = _key(model, tag)
-    folder = _folder(model.parent)
-    path, failed = folder / f"{fmt}-{key[:24]}", folder / f"{fmt}-{key[:24]}.failed"
+    store = folder(model.parent)
+    path, failed = store / f"{fmt}-{key[:24]}", store / f"{fmt}-{key[:24]}.failed"
     state = _check_dir(path, key)
     if state == "read":
         _restamp(path, source)
         return path, "read"
     _raise_failed(failed)
-    folder.mkdir(parents=True, exist_ok=True)
-    held = _lock(folder / f".{fmt}.lock")
+    store.mkdir(parents=True, exist_ok=True)
+    held = _lock(store / f".{fmt}.lock")
     try:
         state = _check_dir(path, key)  # again under the lock: a process that built it meanwhile was waited for
         if state == "read":
             _restamp(path, source)
             return path, "read"
         _raise_failed(failed)
-        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        tmp = store / f".{path.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             build(tmp)
@@ -257,7 +255,7 @@ def prepared_dir(model_path, fmt: str, tag: str, build, facts: dict | None = Non
             raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        for old in folder.glob(f"{fmt}-*"):  # older keys' copies
+        for old in store.glob(f"{fmt}-*"):  # older keys' copies
             if old != path:
                 shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
         return path, "written" + ("" if state == "missing" else f"; the copy there was {state}")

@@ -26,6 +26,7 @@ from onnx import TensorProto
 
 from fuselm import contract
 from fuselm.errors import FuselmError
+from fuselm.options import Options
 
 from . import graph as graph_mod
 from . import kvcache, loader, mask_kind
@@ -35,20 +36,23 @@ from .executor import Executor, InFlight, Profiler
 
 _LONG_RUN = 64  # rows from which a lazy backend's run is queued a few layers at a time (executor.InFlight)
 
-__all__ = ["Decode", "Session", "kv_options"]
+__all__ = ["Decode", "Session"]
 
 
 class Session:
     """Loads a model directory or .onnx file onto a backend and runs prefill / decode steps."""
 
-    def __init__(self, path: str | os.PathLike, backend: str = "auto", device: str | None = None, fused: bool = True,
-                 static_decode: bool = True, compile: bool | None = None, threads: int | None = None,
-                 dtype: str = "auto", kv_bits: int | None = None, kv_bits_k: int | None = None,
-                 kv_bits_v: int | None = None, kv_group_size: int | None = None):
-        self.kv_formats = kvcache.formats(kv_bits, kv_bits_k, kv_bits_v, kv_group_size)  # (key, value)
+    def __init__(self, path: str | os.PathLike, options: Options | None = None, static_decode: bool = True,
+                 **keywords):
+        """`options` (fuselm.Options; `keywords` replace its fields): backend, device, dtype, threads, compile,
+        fused_kernels and the KV cache's format."""
+        options = Options.of(options, **keywords)
+        self.kv_formats = kvcache.formats(options.kv)  # (key, value)
         self.lm = loader.load(path)
         self.meta = self.lm.meta or {}
-        self.backend = make_backend(backend, device, dtype=dtype, threads=threads)
+        self.backend = make_backend(options.backend, options.device, dtype=options.dtype, threads=options.threads)
+        self.prefill_chunk = options.prefill_chunk or self.backend.prefill_chunk  # prompt tokens per prefill step
+        fused = options.fused_kernels
         io = loader.check_contract(self.lm)
         self.first_input, self.output, self.caches = io.first, io.output, io.caches
         try:
@@ -69,7 +73,7 @@ class Session:
         self.packed = kvcache.packed_pairs(self.caches, self.graph.nodes, self.causal_reads, self.kv_formats)
         self.profiler = self.executor.profiler = Profiler()
         self.max_len = self.pos = 0
-        self.decoding = Decoding(self, static_decode, compile)
+        self.decoding = Decoding(self, static_decode, options.compile)
         self.threads = getattr(self.backend, "threads", None)
 
     # --- what ran (validate, bench, describe) ---------------------------------------------------
@@ -103,20 +107,21 @@ class Session:
             return self.backend.asarray(np.asarray(ids, np.int64).reshape(1, -1))
         return self.backend.reshape(self.backend.cast(ids, TensorProto.INT64), (1, -1))
 
-    def _run(self, ids, pos, mask, positions, views: dict) -> object:
+    def _run(self, ids, pos, mask, positions, views: dict, rows: int | None = 1) -> object:
         feeds = {self.first_input: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
                  **views}
-        self.executor.ctx.update(rope_offset=pos, all_logits=False)
+        self.executor.ctx.update(rope_offset=pos, logit_rows=rows)
         out = self.executor.run(feeds)
         self.buffers.update({n: v.buffer for n, v in views.items()} if self.in_place
                             else {c.name: out[c.present] for c in self.caches})
         return out[self.output]
 
-    def prefill(self, ids: list[int], chunk: int | None = None):
-        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]).
+    def prefill(self, ids: list[int], chunk: int | None = None, rows: int | None = 1):
+        """Run the prompt in chunks; returns the logits of its last token (backend array [vocab]), or of its last
+        `rows` tokens ([rows, vocab]; None: all of the last chunk's).
 
-        Only the last position of each chunk goes through the lm_head (graph.py's LastRows)."""
-        chunk = chunk or self.backend.prefill_chunk
+        Only those positions of each chunk go through the lm_head (graph.py's LastRows)."""
+        chunk = chunk or self.prefill_chunk
         self.backend.set_threads(decode=False)
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
@@ -125,12 +130,12 @@ class Session:
         logits = None
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
-            logits = self._step_dynamic(part)
+            logits = self._step_dynamic(part, rows if rows is None or rows == 1 else min(rows, len(part)))
             if self.backend.lazy and start + chunk < len(ids):  # compute the cache, never these logits
                 self.backend.sync(list(self.buffers.values()))
         return logits
 
-    def _step_dynamic(self, part):
+    def _step_dynamic(self, part, rows: int | None = 1):
         b, pos = self.backend, self.pos
         hidden = self.first_input == contract.HIDDEN  # a stage's [1, s, hidden]; else ids or one picked token
         s = len(part) if isinstance(part, (list, tuple)) else (b.shape(part)[1] if hidden else 1)
@@ -140,13 +145,26 @@ class Session:
         depth = b.inflight_layers if b.lazy and s >= _LONG_RUN else None
         self.executor.ctx["inflight"] = InFlight(b, depth) if depth else None
         try:
-            logits = self._run(part, pos, mask, positions, views)
+            logits = self._run(part, pos, mask, positions, views, rows)
         finally:
             self.executor.ctx["inflight"] = None
         self.pos += s
         if self.output == contract.NEXT_HIDDEN:  # every row goes on to the next stage
             return logits
-        return b.slice(logits, (0, b.shape(logits)[1] - 1))  # [B, 1, vocab] unless all_logits
+        n = b.shape(logits)[1]
+        if rows == 1:
+            return b.slice(logits, (0, n - 1))  # [vocab]
+        return b.slice(logits, (0, slice(n - min(rows or n, n), None)))  # [rows, vocab]
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` tokens: in-place buffers are written over from the new position on (every read
+        stops at the position, or is masked there); a cache kept as the graph's presents is cut."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"cannot roll back {n} of {self.pos} cached tokens")
+        self.pos -= n
+        if n and not self.in_place:
+            b = self.backend
+            self.buffers = {k: b.slice(v, (slice(None), slice(None), slice(0, self.pos))) for k, v in self.buffers.items()}
 
     def decode(self, token):
         """One decode step for `token` (an int, or a device array from `pick`); returns the logits of the
@@ -193,8 +211,3 @@ class Session:
         prepared = f", prepared weights {state}" if state in ("read", "written") else ""
         return (f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, "
                 f"KV cache {kv}{prepared})")
-
-
-def kv_options(kv_bits=None, kv_bits_k=None, kv_bits_v=None, kv_group_size=None) -> dict:
-    """The KV cache keywords run/validate pass on to Session (any other keyword is a TypeError, as before)."""
-    return {"kv_bits": kv_bits, "kv_bits_k": kv_bits_k, "kv_bits_v": kv_bits_v, "kv_group_size": kv_group_size}

@@ -17,24 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from fuselm.errors import CheckFailed, FuselmError
+from fuselm.options import Options
 from fuselm.reference import OrtRunner, Trace, hf_model, hf_steps
 from fuselm.tokenizer import load_tokenizer
 
-from .session import Session, kv_options
+from .engines import load
+from .engines.native import NativeEngine
 
 DEFAULT_PROMPT = "hello world! what is the capital of france?"
 INT8_DRIFT_FACTOR = 2.0
-
-
-def runtime_greedy(sess: Session, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
-    """Greedy tokens of the runtime; with `force`, each step is fed force[i] instead (teacher forcing,
-    so two runs see the same context and their logits can be compared at every step)."""
-    sess.reset(len(ids) + n)
-    trace = Trace()
-    token = trace.add(sess.logits_to_numpy(sess.prefill(ids)))
-    for i in range(n - 1):
-        token = trace.add(sess.logits_to_numpy(sess.decode(force[i] if force is not None else token)))
-    return trace
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -86,31 +77,38 @@ def check_int8(int8: dict, first: int | None, reference: str, yardstick: str, hi
                           f"({first4}){hint}")
 
 
-def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fused_kernels=False,
-             prompt_ids=None, quiet=False, compile=None, threads=None, dtype="auto", why=None, **kv) -> dict:
-    """Greedy-generate `tokens` tokens three ways and compare; raises CheckFailed on a mismatch. `why`: why this
-    backend runs (`--backend auto`'s reason), shown in the table's title."""
-    from rich.console import Console
-
+def validate(model, reference, options: Options | None = None, tokens: int = 16, prompt=None, standard=None,
+             quiet: bool = False, **keywords) -> dict:
+    """Greedy-generate `tokens` tokens on the engine `fuselm.load` gives `model` under `options`, on onnxruntime and
+    on HF transformers, and compare; raises CheckFailed on a mismatch. `prompt`: text or ids (default: a short
+    sentence); `standard`: for the onnxruntime engine on a lowered graph, the standard graph it is held against."""
     if tokens < 1:
         raise FuselmError(f"--tokens must be at least 1, got {tokens}")
     ref = Path(reference)
     if not (ref / "config.json").is_file():
         raise FuselmError(f"--reference {ref} is not a HF checkpoint directory (no config.json); pass the "
                           "checkpoint the model was converted from")
-    path = Path(model_dir)
-    sess = Session(path, backend=backend, device=device, fused=not no_fused_kernels, compile=compile,
-                   threads=threads, dtype=dtype, **kv_options(**kv))
-    if prompt_ids is None:
-        tok = load_tokenizer(path, required=False)
-        prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
-    ids = [int(i) for i in prompt_ids]
+    engine = load(model, options, **keywords)
+    tok = load_tokenizer(engine.source, required=isinstance(prompt, str))
+    if prompt is None:
+        prompt = DEFAULT_PROMPT if tok is not None else list(range(1, 9))
+    ids = tok.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if not isinstance(engine, NativeEngine):
+        from .validate_ort import validate as _ort
+
+        return _ort(engine, ref, ids, tokens, standard, quiet)
+    if standard is not None:
+        raise FuselmError(f"--standard compares the onnxruntime engine with a standard graph; --backend {engine.name} "
+                          "compares with onnxruntime on DIR itself: drop --standard or pass --backend onnxruntime")
+    from rich.console import Console
+
+    sess, why = engine.session, engine.why
     mode = (sess.meta.get("quantization") or {}).get("mode")
     quantized = mode in ("q4", "q8") or any(n.op_type in ("QMatMul", "QGather", "DequantizeLinear")
                                             for n in sess.graph.nodes)
     if sess.backend.compute != "f32":
-        return _validate_half(sess, ref, ids, tokens, quantized, mode, quiet)
-    ours = runtime_greedy(sess, ids, tokens)
+        return _validate_half(engine, ref, ids, tokens, quantized, mode, quiet)
+    ours = engine.trace(ids, tokens)
     onnxrt = OrtRunner(sess.lm.path).greedy(ids, tokens)
     hf = hf_steps(hf_model(ref), ids, tokens)
 
@@ -156,7 +154,7 @@ def validate(model_dir, reference, tokens=16, backend="auto", device=None, no_fu
     return result
 
 
-def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: bool, mode, quiet: bool) -> dict:
+def _validate_half(engine: NativeEngine, ref: Path, ids: list[int], n: int, quantized: bool, mode, quiet: bool) -> dict:
     """Half-precision compute against the f32 reference, HF transformers' own run in the same dtype as the
     yardstick. All runs are teacher-forced on the reference's greedy tokens, so every step compares logits
     over the same context: fuselm's drift from the f32 reference must stay within twice HF's drift in that
@@ -166,12 +164,13 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     from rich.console import Console
     from rich.table import Table
 
+    sess = engine.session
     dtype = sess.backend.compute
     hf_f32, hf_dtype = hf_model(ref), hf_model(ref, dtype)
     f32 = OrtRunner(sess.lm.path).greedy(ids, n) if quantized else hf_steps(hf_f32, ids, n)
     target_name = "onnxruntime (f32 activations)" if quantized else "HF transformers f32"
     force = f32.tokens
-    ours = runtime_greedy(sess, ids, n, force=force)
+    ours = engine.trace(ids, n, force=force)
     hf32 = f32 if not quantized else hf_steps(hf_f32, ids, n, force=force)
     hf_half = hf_steps(hf_dtype, ids, n, force=force)
     drift, yard = _max_diff(ours, f32), _max_diff(hf_half, hf32)
@@ -181,7 +180,7 @@ def _validate_half(sess: Session, ref: Path, ids: list[int], n: int, quantized: 
     # where HF's half run rounds each weight once: one more rounding of the largest logit
     floors = 2 if quantized else 1
     tol = [2 * y + floors * HALF_FLOOR[dtype] * scale for y in yard]
-    free = runtime_greedy(sess, ids, n)
+    free = engine.trace(ids, n)
     first = _first_diff(free.tokens, f32.tokens)
     hf_first = _first_diff(hf_steps(hf_dtype, ids, n).tokens, hf32.tokens if not quantized else
                            hf_steps(hf_f32, ids, n).tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Prepared-weight files would land inside the shared fixture directories: tests/test_prepared.py
 # turns them on for its own copies.
 os.environ.setdefault("FUSELM_PREPARED", "0")
+# ... and where a test turns them on, into a store of this test run's own, not the user's cache folder
+os.environ.setdefault("FUSELM_PREPARED_DIR", tempfile.mkdtemp(prefix="fuselm-prepared-"))
 # Traced architectures cached on disk (exporter/traced/cache.py) would carry one test's trace into the
 # next session: off, except in tests/test_convert_traced_cache.py (its own directory).
 os.environ.setdefault("FUSELM_TRACE_CACHE", "0")

@@ -112,7 +112,7 @@ def test_genai_graph_diff_and_run(genai_dir, tmp_path):
     from its genai_config.json); `fuselm run` generates from the optimized directory."""
     src = genai_dir("llama", "fp32")
     with pytest.raises(FuselmError, match=r"run `fuselm optimize DIR -o OUT` first"):
-        fuselm.run(src, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
+        fuselm.run(src, prompt=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
     data = fuselm.diff(src, quiet=True)
     first = {r["pass"]: r for r in data["passes"]}
     assert first["FromGenAI"]["changed"] and first["FromGenAI"]["counts"]["GroupQueryAttention"] == 2
@@ -123,7 +123,7 @@ def test_genai_graph_diff_and_run(genai_dir, tmp_path):
     assert meta["max_position_embeddings"] == 256 and meta["dims"]["head_dim"] == 16
     from fuselm.reference import OrtRunner
 
-    result = fuselm.run(out, prompt_ids=[5, 17, 33], max_tokens=4, ignore_eos=True, backend="torch", quiet=True,
+    result = fuselm.run(out, prompt=[5, 17, 33], max_tokens=4, ignore_eos=True, backend="torch", quiet=True,
                         stream=io.StringIO())
     assert result["tokens"] == OrtRunner(out / "model.onnx").greedy([5, 17, 33], 4).tokens
 

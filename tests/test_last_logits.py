@@ -7,9 +7,10 @@ import onnx
 import pytest
 from fuselm.passes import graphio
 from fuselm.passes.last_logits import LastPositionLogits
+from fuselm.runtime_metal.engines.ort import OrtEngine
 
 import fuselm
-from fuselm.ort_run import BoundLoop
+from fuselm.options import Options
 
 pytest.importorskip("onnxruntime")
 
@@ -34,9 +35,8 @@ def test_last_position_logits_are_the_full_graphs_last_row(exported, tmp_path, t
     assert not modified and "last position already" in stats.skipped[0][1]
     got = {}
     for name, d in (("full", full), ("last", last)):
-        logits = []
-        tokens = list(BoundLoop(d, threads=1).generate([5, 9, 2, 7, 11, 3], 6, 0.0, 0, 1.0, None, logits=logits))
-        got[name] = tokens, np.stack(logits)
+        trace = OrtEngine(d, d, Options(threads=1), loop="ort").trace([5, 9, 2, 7, 11, 3], 6)
+        got[name] = trace.tokens, np.stack(trace.logits)
     assert got["last"][0] == got["full"][0]
     np.testing.assert_allclose(got["last"][1], got["full"][1], rtol=0, atol=1e-5)
 

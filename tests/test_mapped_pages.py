@@ -1,4 +1,4 @@
-"""fuselm/mapped_pages.py (a model file's resident pages given back) and the IO-binding loop's prompt in pieces."""
+"""runtime_metal/engines/mapped_pages.py (a model file's resident pages given back) and the IO-binding loop's prompt in pieces."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from fuselm.runtime_metal.engines import mapped_pages, ort
 
 import fuselm
-from fuselm import mapped_pages, ort_run
+from fuselm.options import Options
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -74,9 +75,8 @@ def test_a_prompt_in_pieces_gives_the_same_tokens_and_logits(exported, tmp_path,
     prompt = [5, 9, 2, 7, 11, 3, 8, 4, 6]
     got = []
     for chunk in (len(prompt), 2):
-        monkeypatch.setattr(ort_run, "PREFILL_CHUNK", chunk)
-        logits = []
-        tokens = list(ort_run.BoundLoop(model, threads=1).generate(prompt, 5, 0.0, 0, 1.0, None, logits=logits))
-        got.append((tokens, np.stack(logits)))
+        monkeypatch.setattr(ort, "PREFILL_CHUNK", chunk)
+        trace = ort.OrtEngine(model, model, Options(threads=1), loop="ort").trace(prompt, 5)
+        got.append((trace.tokens, np.stack(trace.logits)))
     assert got[0][0] == got[1][0]
     np.testing.assert_allclose(got[1][1], got[0][1], rtol=0, atol=1e-4)

@@ -1,5 +1,5 @@
-"""`--backend auto` on a CPU lowers a standard q4 graph for onnxruntime once, beside the model
-(fuselm/ort_prepared.py over runtime_metal/prepared.py's `prepared_dir`), and runs it there."""
+"""`--backend auto` on a CPU lowers a standard q4 graph for onnxruntime once, into fuselm's cache folder
+(runtime_metal/engines/ort_prepared.py over runtime_metal/prepared.py's `prepared_dir`), and runs it there."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import shutil
 import time
 
 import pytest
-from fuselm.runtime_metal.prepared import DIR_NAME
+from fuselm.runtime_metal.engines.auto import resolve
+from fuselm.runtime_metal.prepared import folder
 
 import fuselm
-from fuselm.auto_backend import resolve
+from fuselm.options import Options
 
 pytest.importorskip("onnxruntime")
 PROMPT, TOKENS = [100, 200, 300, 50], 8
@@ -21,7 +22,7 @@ PROMPT, TOKENS = [100, 200, 300, 50], 8
 @pytest.fixture
 def cpu(monkeypatch):
     monkeypatch.setenv("FUSELM_PREPARED", "1")
-    monkeypatch.setattr("fuselm.auto_backend.gpu", lambda: None)
+    monkeypatch.setattr("fuselm.runtime_metal.engines.auto.gpu", lambda: None)
 
 
 def _copy(src, tmp_path, name="m"):
@@ -31,12 +32,12 @@ def _copy(src, tmp_path, name="m"):
 
 
 def _run(model, **kw):
-    return fuselm.run(model, prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True,
+    return fuselm.run(model, prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True,
                       stream=io.StringIO(), **kw)
 
 
 def _lowered_dirs(model):
-    return [p for p in (model / DIR_NAME).glob("onnxruntime-*") if p.is_dir()]
+    return [p for p in folder(model).glob("onnxruntime-*") if p.is_dir()]
 
 
 def test_auto_lowers_once_and_equals_the_optimize_target_graph(cpu, optimized, exported, tmp_path, monkeypatch):
@@ -50,7 +51,7 @@ def test_auto_lowers_once_and_equals_the_optimize_target_graph(cpu, optimized, e
     def refuse(*a, **k):
         raise AssertionError("lowered again")
 
-    monkeypatch.setattr("fuselm.ort_prepared._lower", refuse)
+    monkeypatch.setattr("fuselm.runtime_metal.engines.ort_prepared._lower", refuse)
     second = _run(model)
     assert "prepared once in" in second["why"] and "lowered now" not in second["why"] and lowered.stat().st_mtime_ns == mtime
     want = fuselm.optimize(exported("qwen3", "q4"), tmp_path / "by-optimize", target="onnxruntime", quiet=True)
@@ -65,7 +66,7 @@ def test_a_damaged_copy_is_rebuilt(cpu, optimized, tmp_path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
     r = _run(model)
     assert "lowered now; the copy there was damaged" in r["why"] and r["tokens"] == want
-    (model / DIR_NAME / lowered.name / "model.onnx").write_bytes(b"not onnx")
+    (folder(model) / lowered.name / "model.onnx").write_bytes(b"not onnx")
     assert "damaged" in _run(model)["why"]
     data = model / "model.onnx.data"
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the weights changed: a new key
@@ -75,29 +76,29 @@ def test_a_damaged_copy_is_rebuilt(cpu, optimized, tmp_path):
 
 def test_float_and_torch_only_options_stay_on_torch(cpu, optimized, tmp_path):
     f32 = _copy(optimized("qwen3", "f32"), tmp_path, "f32")
-    assert resolve(f32, "auto", {})[0] == "auto" and not (f32 / DIR_NAME).exists()
+    assert resolve(f32, Options())[0] == "auto" and not folder(f32).exists()
     q4 = _copy(optimized("qwen3", "q4"), tmp_path, "q4")
-    backend, why, path = resolve(q4, "auto", {"kv_bits": 8})
-    assert backend == "auto" and "--kv-bits" in why and path == q4 and not (q4 / DIR_NAME).exists()
+    backend, why, path = resolve(q4, Options.of(kv_bits=8))
+    assert backend == "auto" and "--kv-bits" in why and path == q4 and not folder(q4).exists()
 
 
 def test_off_switch_and_a_graph_that_cannot_be_lowered(cpu, optimized, tmp_path, monkeypatch):
     q4 = _copy(optimized("qwen3", "q4"), tmp_path)
     monkeypatch.setenv("FUSELM_PREPARED", "0")
-    assert resolve(q4, "auto", {})[0] == "auto" and not (q4 / DIR_NAME).exists()
+    assert resolve(q4, Options())[0] == "auto" and not folder(q4).exists()
     monkeypatch.setenv("FUSELM_PREPARED", "1")
     monkeypatch.setattr("fuselm.passes.pipeline.target_passes", lambda *a, **k: [])  # nothing lowers
     r = _run(q4)
     assert r["backend"] == "torch" and "lowering the graph for onnxruntime failed" in r["why"], r["why"]
-    assert "MatMulNBits" in r["why"] and list((q4 / DIR_NAME).glob("onnxruntime-*.failed"))
-    assert "MatMulNBits" in resolve(q4, "auto", {})[1]  # remembered: not lowered again
+    assert "MatMulNBits" in r["why"] and list(folder(q4).glob("onnxruntime-*.failed"))
+    assert "MatMulNBits" in resolve(q4, Options())[1]  # remembered: not lowered again
 
 
 def test_validate_by_auto_checks_the_lowered_copy_against_the_standard_graph(cpu, optimized, make_ckpt, tmp_path):
     from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
 
     model = _copy(optimized("qwen2", "q4"), tmp_path)
-    r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT, quiet=True)
+    r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT, quiet=True)
     assert r["lowered"] and "prepared once in" in r["describe"] and _lowered_dirs(model)
     assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
 
@@ -128,14 +129,14 @@ def test_four_loaders_at_once_build_it_once(tmp_path, monkeypatch):
     with ThreadPoolExecutor(4) as pool:
         outs = sorted(pool.map(load, range(4)))
     assert outs == [("read", "made")] * 3 + [("written", "made")] and builds == [1]
-    assert sorted(p.name for p in (model / DIR_NAME).iterdir()) == [".fmt.lock", *(p.name for p in
-                                                                      (model / DIR_NAME).glob("fmt-*"))]
+    assert sorted(p.name for p in folder(model).iterdir()) == [".fmt.lock", *(p.name for p in
+                                                                      folder(model).glob("fmt-*"))]
 
 
 CHILD = """
 import io, json, sys
 import fuselm
-r = fuselm.run(sys.argv[1], prompt_ids=[100, 200, 300, 50], max_tokens=8, ignore_eos=True, quiet=True,
+r = fuselm.run(sys.argv[1], prompt=[100, 200, 300, 50], max_tokens=8, ignore_eos=True, quiet=True,
                stream=io.StringIO())
 heavy = sorted(m for m in ("torch", "transformers", "onnx", "onnx_ir") if m in sys.modules)
 print(json.dumps({"tokens": r["tokens"], "why": r["why"], "heavy": heavy}))

@@ -1,21 +1,30 @@
-"""`fuselm validate --backend onnxruntime` (fuselm/ort_validate.py) on tiny q4 models, a standard graph and
-graphs lowered by `--target onnxruntime`; `--backend auto`'s rule (fuselm/auto_backend.py); the flags the
-onnxruntime backend refuses (CLI exit 2)."""
+"""`fuselm validate --backend onnxruntime` (runtime_metal/validate_ort.py) on tiny q4 models, a standard graph and
+graphs lowered by `--target onnxruntime`; `--backend auto`'s rule (runtime_metal/engines/auto.py); the flags the
+onnxruntime engine refuses (CLI exit 2)."""
 
 from __future__ import annotations
 
 import io
 
 import pytest
+from fuselm.runtime_metal.engines import ort
+from fuselm.runtime_metal.engines.auto import Facts, choose, graph_facts, resolve
 from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
 
 import fuselm
-from fuselm import ort_run
-from fuselm.auto_backend import Facts, choose, graph_facts, resolve
 from fuselm.cli import main
+from fuselm.options import Options
 
-ENGINES = ["ort", pytest.param("genai", marks=pytest.mark.skipif(not ort_run.genai_installed(),
+ENGINES = ["ort", pytest.param("genai", marks=pytest.mark.skipif(not ort.genai_installed(),
                                                                   reason="onnxruntime-genai not installed"))]
+
+
+@pytest.fixture
+def loop(request, monkeypatch):
+    """The onnxruntime loop a test runs: onnxruntime-genai's where the directory has its config, or IO binding."""
+    if request.param == "ort":
+        monkeypatch.setattr(ort, "genai_installed", lambda: False)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +45,37 @@ def lowered(exported, tmp_path_factory):
 PROMPT, TOKENS = [100, 200, 300, 50], 8
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_validate_standard_graph(optimized, make_ckpt, engine):
+@pytest.mark.parametrize("loop", ENGINES, indirect=True)
+def test_validate_standard_graph(optimized, make_ckpt, loop):
     """A standard q4 graph: onnxruntime fuses its DequantizeLinear -> MatMul at level 4 (int8 activations):
     held against that fusion's own drift from the graph as written."""
-    r = fuselm.validate(optimized("qwen2", "q4"), make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT,
-                        backend="onnxruntime", engine=engine, quiet=True)
+    r = fuselm.validate(optimized("qwen2", "q4"), make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT,
+                        backend="onnxruntime", quiet=True)
     assert r["backend"] == "onnxruntime" and r["quantized"] and not r["lowered"] and r["activations"] == "int8"
     assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
     assert len(r["hf"]) == len(r["standard"]) == TOKENS
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_validate_lowered_graph_f32_activations(lowered, make_ckpt, engine):
+@pytest.mark.parametrize("loop", ENGINES, indirect=True)
+def test_validate_lowered_graph_f32_activations(lowered, make_ckpt, loop):
     """Level 1 (f32 activations): the tokens equal the standard graph's, which validate derives from the
     lowered one (`fuselm optimize` without --target maps the contrib ops back)."""
-    r = fuselm.validate(lowered(1), make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT, backend="onnxruntime",
-                        engine=engine, quiet=True)
+    r = fuselm.validate(lowered(1), make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT, backend="onnxruntime",
+                        quiet=True)
     assert r["lowered"] and r["activations"] == "f32" and r["tokens"] == r["standard"]
     assert max(r["max_logit_diff_standard"]) < 1e-3
 
 
 def test_validate_lowered_graph_int8_by_auto_against_the_given_standard(lowered, optimized, make_ckpt):
     """Level 4, `--backend auto` (a lowered graph runs on onnxruntime), the standard graph passed in."""
-    r = fuselm.validate(lowered(4), make_ckpt("qwen2"), tokens=TOKENS, prompt_ids=PROMPT,
+    r = fuselm.validate(lowered(4), make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT,
                         standard=optimized("qwen2", "q4"), quiet=True)
     assert r["lowered"] and r["activations"] == "int8" and "lowered for onnxruntime" in r["describe"]
     assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
 
 
 def test_validate_float_graph_equals_hf(optimized, make_ckpt):
-    r = fuselm.validate(optimized("qwen2", "f32"), make_ckpt("qwen2"), tokens=4, prompt_ids=PROMPT,
+    r = fuselm.validate(optimized("qwen2", "f32"), make_ckpt("qwen2"), tokens=4, prompt=PROMPT,
                         backend="onnxruntime", quiet=True)
     assert not r["quantized"] and r["tokens"] == r["hf"] and max(r["max_logit_diff_hf"]) < 1e-3
 
@@ -107,22 +116,22 @@ def test_auto_rule(facts, backend, why):
 
 
 def test_auto_reads_the_graph_and_says_why(optimized, lowered, monkeypatch):
-    monkeypatch.setattr("fuselm.auto_backend.gpu", lambda: None)
+    monkeypatch.setattr("fuselm.runtime_metal.engines.auto.gpu", lambda: None)
     assert graph_facts(lowered(4)) == (True, frozenset())
     assert graph_facts(optimized("qwen2", "q4"))[0] is False and graph_facts(optimized("qwen2", "q4"))[1] >= {4}
     assert graph_facts(optimized("qwen2", "f32")) == (False, frozenset())
-    assert resolve(optimized("qwen2", "q4"), "torch", {})[:2] == ("torch", None)
-    assert resolve(optimized("qwen2", "q4"), "auto", {"device": "cuda:1"})[:2] == ("auto", None)
-    r = fuselm.run(lowered(4), prompt_ids=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
+    assert resolve(optimized("qwen2", "q4"), Options(backend="torch"))[:2] == ("torch", None)
+    assert resolve(optimized("qwen2", "q4"), Options(device="cuda:1"))[:2] == ("auto", None)
+    r = fuselm.run(lowered(4), prompt=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
     assert r["backend"].startswith("onnxruntime") and "lowered for onnxruntime" in r["why"]
-    r = fuselm.run(optimized("qwen2", "f32"), prompt_ids=[5], max_tokens=1, quiet=True, stream=io.StringIO())
+    r = fuselm.run(optimized("qwen2", "f32"), prompt=[5], max_tokens=1, quiet=True, stream=io.StringIO())
     assert r["backend"] == "torch" and "f32 reference" in r["why"]
 
 
 def test_onnxruntime_backend_without_genai(lowered, monkeypatch):
     """Without onnxruntime-genai the onnxruntime backend runs plain onnxruntime with IO binding."""
-    monkeypatch.setattr(ort_run, "genai_installed", lambda: False)
-    r = fuselm.run(lowered(4), prompt_ids=[5, 17], max_tokens=3, ignore_eos=True, quiet=True, stream=io.StringIO())
+    monkeypatch.setattr(ort, "genai_installed", lambda: False)
+    r = fuselm.run(lowered(4), prompt=[5, 17], max_tokens=3, ignore_eos=True, quiet=True, stream=io.StringIO())
     assert r["backend"] == "onnxruntime" and "IO binding" in r["what"]
     with pytest.raises(fuselm.FuselmError, match="needs onnxruntime-genai"):
-        ort_run.make_loop(lowered(4), "genai")
+        ort.OrtEngine(lowered(4), lowered(4), Options(), loop="genai")

@@ -101,14 +101,14 @@ def models(optimized, tmp_path_factory):
 
 def single(path, **kw) -> list[int]:
     kw = {"ignore_eos": True, **kw}
-    return fuselm.run(path, prompt_ids=PROMPT, max_tokens=TOKENS, backend="mlx", device="cpu", quiet=True,
+    return fuselm.run(path, prompt=PROMPT, max_tokens=TOKENS, backend="mlx", device="cpu", quiet=True,
                       stream=open(os.devnull, "w"), **kw)["tokens"]
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_pipeline_tokens_equal_single_process(models, tmp_path, n):
     root, plain = models
-    base = {"prompt_ids": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "device": "cpu", "pipe_timeout": 60}
+    base = {"prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "device": "cpu", "pipe_timeout": 60}
     cases = [(str(root / f"f32-{n}"), base),
              (str(root / f"q4-{n}"), {**base, "prefill_chunk": 4}),  # 3 chunks, overlapping across stages
              (str(root / f"f32-{n}"), {**base, "temperature": 1.0, "seed": 3}),
@@ -134,7 +134,7 @@ def test_wrong_process_count(models, tmp_path):
                "--pipe-timeout", "20")
     assert "lists 3 ranks but the model is split into 2 stages" in p.stderr
     with pytest.raises(FuselmError, match="is stage 1 of the split"):
-        fuselm.run(root / "f32-2" / "stage1", prompt_ids=[5], quiet=True)
+        fuselm.run(root / "f32-2" / "stage1", prompt=[5], quiet=True)
 
 
 def test_no_launcher_starts_the_ranks_itself(models, tmp_path, monkeypatch):
@@ -147,7 +147,7 @@ def test_no_launcher_starts_the_ranks_itself(models, tmp_path, monkeypatch):
     root, plain = models
     monkeypatch.setenv("FUSELM_PIPE_BELLS", "on")
     stream = io.StringIO()
-    r = fuselm.run(root / "q4-3", prompt_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, device="cpu",
+    r = fuselm.run(root / "q4-3", prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, device="cpu",
                    prefill_chunk=4, quiet=True, stream=stream)
     assert r["tokens"] == single(plain["q4"])
     assert stream.getvalue().split() == [str(t) for t in r["tokens"]]
@@ -155,7 +155,7 @@ def test_no_launcher_starts_the_ranks_itself(models, tmp_path, monkeypatch):
     shutil.copytree(root / "f32-2", tmp_path / "broken")
     shutil.rmtree(tmp_path / "broken" / "stage1")
     with pytest.raises(FuselmError, match=r"^rank 1: .*stage1 is missing"):
-        fuselm.run(tmp_path / "broken", prompt_ids=[5], device="cpu", quiet=True, pipe_timeout=20)
+        fuselm.run(tmp_path / "broken", prompt=[5], device="cpu", quiet=True, pipe_timeout=20)
 
 
 def test_the_rank_that_went_is_blamed_not_its_peer():

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("mlx.core")
 from fuselm.runtime_metal.backends.mlx_backend import MLXBackend  # noqa: E402
-from fuselm.runtime_metal.prepared import DIR_NAME  # noqa: E402
+from fuselm.runtime_metal.prepared import folder  # noqa: E402
 from fuselm.runtime_metal.session import Session  # noqa: E402
 
 IDS = [3, 17, 5, 9]
@@ -35,7 +35,7 @@ def _logits(path):
 
 def test_second_load_reads_the_prepared_weights(model, monkeypatch):
     first, want = _logits(model)
-    assert first.graph.prepared.startswith("written to") and len(list((model / DIR_NAME).glob("*.safetensors"))) == 1
+    assert first.graph.prepared.startswith("written to") and len(list(folder(model).glob("*.safetensors"))) == 1
 
     def refuse(*a, **k):
         raise AssertionError("prepared again")
@@ -48,7 +48,7 @@ def test_second_load_reads_the_prepared_weights(model, monkeypatch):
 
 def test_stale_or_damaged_files_are_rebuilt_never_used(model):
     _, want = _logits(model)
-    (stored,) = (model / DIR_NAME).glob("*.safetensors")
+    (stored,) = folder(model).glob("*.safetensors")
     stored.write_bytes(stored.read_bytes()[: stored.stat().st_size // 2])  # truncated
     sess, got = _logits(model)
     assert sess.graph.prepared.startswith("written to")
@@ -57,7 +57,7 @@ def test_stale_or_damaged_files_are_rebuilt_never_used(model):
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the weights changed
     sess, _ = _logits(model)
     assert sess.graph.prepared.startswith("written to")
-    files = list((model / DIR_NAME).glob("*.safetensors"))
+    files = list(folder(model).glob("*.safetensors"))
     assert len(files) == 1 and str(files[0]) in sess.graph.prepared  # the stale key's file is gone
 
 
@@ -72,7 +72,7 @@ def test_four_processes_loading_at_once_prepare_it_once(model):
     assert all(p.returncode == 0 for p in procs)
     assert sorted(r[0] for r in results) == ["read", "read", "read", "written"]
     assert all(r[1] == results[0][1] for r in results)
-    assert len(list((model / DIR_NAME).glob("*.safetensors"))) == 1 and not list((model / DIR_NAME).glob("*.tmp*"))
+    assert len(list(folder(model).glob("*.safetensors"))) == 1 and not list(folder(model).glob("*.tmp*"))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_moe_experts_are_kept_and_read_memory_mapped(moe_q4, tmp_path, monkeypat
     first, want = _logits(model)
     moes = [n for n in first.graph.nodes if n.op_type == "QMoE"]
     assert moes and first.graph.prepared.startswith("written to") and len(calls) == 2 * len(moes)
-    (stored,) = (model / DIR_NAME).glob("*.safetensors")
+    (stored,) = folder(model).glob("*.safetensors")
     import mlx.core as mx
 
     names = mx.load(str(stored)).keys()

@@ -34,19 +34,19 @@ def test_cli_run_streams_text_and_reports_speed(optimized, capsys):
 def test_eos_stops_unless_ignored(exported, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(exported("qwen2", "f32"), model)
-    free = fuselm.run(model, prompt_ids=[5, 6, 7], max_tokens=6, ignore_eos=True, quiet=True)
+    free = fuselm.run(model, prompt=[5, 6, 7], max_tokens=6, ignore_eos=True, quiet=True)
     assert len(free["tokens"]) == 6
     stop = free["tokens"][2]
     gen = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [stop, 99999]}))
-    r = fuselm.run(model, prompt_ids=[5, 6, 7], max_tokens=6, quiet=True)
+    r = fuselm.run(model, prompt=[5, 6, 7], max_tokens=6, quiet=True)
     assert r["tokens"] == free["tokens"][: free["tokens"].index(stop) + 1] and r["stopped_at_eos"]
-    assert fuselm.run(model, prompt_ids=[5, 6, 7], max_tokens=6, ignore_eos=True, quiet=True)["tokens"] == free["tokens"]
+    assert fuselm.run(model, prompt=[5, 6, 7], max_tokens=6, ignore_eos=True, quiet=True)["tokens"] == free["tokens"]
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(exported):
     model = exported("qwen2", "f32")
-    kw = dict(prompt_ids=[5, 6, 7], max_tokens=8, ignore_eos=True, quiet=True)
+    kw = dict(prompt=[5, 6, 7], max_tokens=8, ignore_eos=True, quiet=True)
     greedy = fuselm.run(model, **kw)["tokens"]
     a = fuselm.run(model, temperature=1.5, seed=3, **kw)["tokens"]
     assert a == fuselm.run(model, temperature=1.5, seed=3, **kw)["tokens"]
@@ -68,7 +68,7 @@ def test_chat_template(exported, make_ckpt):
 
 def test_profile_table(optimized, capsys):
     model = optimized("qwen3", "q4")
-    r = fuselm.run(model, prompt_ids=[1, 2, 3], max_tokens=9, ignore_eos=True, profile=True)
+    r = fuselm.run(model, prompt=[1, 2, 3], max_tokens=9, ignore_eos=True, profile=True)
     err = capsys.readouterr().err
     assert "decode profile" in err and "ops dispatched per decode token" in err and "Attention" in err
     prof = r["profile"]
@@ -101,7 +101,7 @@ def test_no_fused_kernels_matches_fused(optimized, backend):
     llama: llama3 rope scaling and a single kv head."""
     model = optimized("llama", "f32")
     fused = _greedy(Session(model, backend=backend), [3, 4, 5, 6], 4)
-    plain = _greedy(Session(model, backend=backend, fused=False), [3, 4, 5, 6], 4)
+    plain = _greedy(Session(model, backend=backend, fused_kernels=False), [3, 4, 5, 6], 4)
     np.testing.assert_allclose(fused, plain, atol=1e-4, rtol=1e-4)
 
 
@@ -126,7 +126,7 @@ def test_sliding_window_uses_dynamic_decode_past_the_window(make_ckpt, tmp_path)
     ckpt = make_ckpt("mistral", sliding_window=4)
     out = tmp_path / "m"
     fuselm.convert(ckpt, out, quiet=True)
-    r = fuselm.validate(out, ckpt, tokens=6, prompt_ids=[3, 4, 5], backend="torch", quiet=True)
+    r = fuselm.validate(out, ckpt, tokens=6, prompt=[3, 4, 5], backend="torch", quiet=True)
     assert r["tokens"] == r["hf"] and not r["static_decode"]
 
 
@@ -194,5 +194,5 @@ def test_graph_from_another_exporter(make_ckpt, tmp_path):
     path = export_hf(ckpt, tmp_path / "hf" / "model.onnx")
     for model in (path, fuselm.optimize(path, tmp_path / "opt", quiet=True)):
         for backend in ("torch", "mlx"):
-            r = fuselm.validate(model, ckpt, tokens=4, prompt_ids=[3, 4, 5], backend=backend, quiet=True)
+            r = fuselm.validate(model, ckpt, tokens=4, prompt=[3, 4, 5], backend=backend, quiet=True)
             assert r["tokens"] == r["hf"] and max(r["max_logit_diff_hf"]) < 1e-3 and r["static_decode"]

@@ -87,11 +87,11 @@ def test_device_sampling(optimized):
 
 def test_stream_generate(optimized):
     model = optimized("qwen3", "f32")
-    out = list(fuselm.stream_generate(model, prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx"))
+    out = list(fuselm.stream_generate(model, prompt=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx"))
     assert [r.generation_tokens for r in out] == [1, 2, 3, 4, 5]
     assert out[-1].finish_reason == "length" and all(r.finish_reason is None for r in out[:-1])
     assert out[0].prompt_tokens == 3 and out[0].prompt_tps > 0 and out[-1].generation_tps > 0
-    ran = fuselm.run(model, prompt_ids=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx", quiet=True)
+    ran = fuselm.run(model, prompt=[1, 2, 3], max_tokens=5, ignore_eos=True, backend="mlx", quiet=True)
     assert ran["tokens"] == [r.token for r in out]
 
 
@@ -132,7 +132,7 @@ def test_dtype_errors(exported, capsys):
 
 
 def test_profile_counts_kernels_on_mlx(optimized, capsys):
-    r = fuselm.run(optimized("qwen3", "q4"), prompt_ids=[1, 2, 3], max_tokens=9, ignore_eos=True, profile=True,
+    r = fuselm.run(optimized("qwen3", "q4"), prompt=[1, 2, 3], max_tokens=9, ignore_eos=True, profile=True,
                    backend="mlx")
     err = capsys.readouterr().err
     assert "synchronised timings" in err and "kernels per decode token" in err

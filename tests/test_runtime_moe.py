@@ -40,7 +40,7 @@ def test_moe_greedy_matches_hf(olmoe, backend):
     assert any(n.op_type == "MoE" for n in sess.graph.nodes)  # the sparse kernel, not the inlined body
     assert _greedy(sess, PROMPT, 6) == want
     if backend == "torch":  # the function body (every expert, dense) gives the same tokens
-        plain = Session(opt, backend=backend, fused=False)
+        plain = Session(opt, backend=backend, fused_kernels=False)
         assert not any(n.op_type == "MoE" for n in plain.graph.nodes)
         assert _greedy(plain, PROMPT, 6) == want
 
@@ -132,7 +132,7 @@ def test_gpt_oss_greedy_matches_hf(gpt_oss, backend):
     assert sum(n.op_type == "MoE" for n in sess.graph.nodes) == 2
     assert _greedy(sess, PROMPT, 6) == want
     if backend == "torch":  # the biased, clamped function body (every expert, dense) gives the same tokens
-        plain = Session(gpt_oss("opt"), backend=backend, fused=False)
+        plain = Session(gpt_oss("opt"), backend=backend, fused_kernels=False)
         assert not any(n.op_type == "MoE" for n in plain.graph.nodes)
         assert _greedy(plain, PROMPT, 6) == want
 

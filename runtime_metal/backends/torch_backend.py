@@ -174,11 +174,11 @@ class TorchBackend(Backend):
 
     @staticmethod
     def _from_numpy(value: np.ndarray) -> torch.Tensor:
-        if value.ndim == 0:
-            return torch.tensor(value.item(), dtype=torch.from_numpy(value.reshape(1)).dtype)
         with warnings.catch_warnings():
-            # Read-only memory maps: the weights are never written, so sharing the pages is safe.
+            # Read-only memory maps (and constants folded from them): never written, so sharing the pages is safe.
             warnings.simplefilter("ignore", UserWarning)
+            if value.ndim == 0:
+                return torch.tensor(value.item(), dtype=torch.from_numpy(value.reshape(1)).dtype)
             return torch.from_numpy(value)
 
     def to_numpy(self, x):

@@ -128,21 +128,23 @@ def test_cli_target_flag_and_skip(exported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("engine", ["genai", "ort"])
-def test_run_backend_onnxruntime(lowered, optimized, engine):
-    """`fuselm run --backend onnxruntime` (fuselm/ort_run.py): onnxruntime-genai, or onnxruntime with IO
+def test_run_backend_onnxruntime(lowered, optimized, engine, monkeypatch):
+    """`fuselm run --backend onnxruntime` (runtime_metal/engines/ort.py): onnxruntime-genai, or onnxruntime with IO
     binding and one preallocated past/present buffer (the GQA graph) / presents fed back (the standard
     graph); greedy tokens equal plain onnxruntime's on the standard graph."""
     import io
 
-    from fuselm.ort_run import run
+    from fuselm.runtime_metal.engines import ort
 
     if engine == "genai":
         pytest.importorskip("onnxruntime_genai")
+    else:
+        monkeypatch.setattr(ort, "genai_installed", lambda: False)
     prompt = [100, 200, 300, 50]
     want = OrtRunner(optimized("qwen2", "q4")).greedy(prompt, 10).tokens
     for model_dir in (lowered("qwen2", "q4", 1), optimized("qwen2", "f32")):
-        got = run(model_dir, prompt_ids=prompt, max_tokens=10, ignore_eos=True, engine=engine, quiet=True,
-                  stream=io.StringIO())
+        got = fuselm.run(model_dir, prompt, backend="onnxruntime", max_tokens=10, ignore_eos=True, quiet=True,
+                         stream=io.StringIO())
         ref = want if model_dir.parent.name.startswith("ort-") else OrtRunner(model_dir).greedy(prompt, 10).tokens
         assert got["tokens"] == ref and got["decode_tok_s"] > 0, (model_dir, engine)
 
@@ -161,10 +163,10 @@ def test_lowered_graph_runs_on_onnxruntime_by_default_and_torch_refuses(lowered)
     import io
 
     out = lowered("qwen2", "q4", 4)
-    r = fuselm.run(out, prompt_ids=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
+    r = fuselm.run(out, prompt=[5, 17], max_tokens=2, ignore_eos=True, quiet=True, stream=io.StringIO())
     assert r["backend"].startswith("onnxruntime") and len(r["tokens"]) == 2
     with pytest.raises(fuselm.FuselmError, match=r"lowered for onnxruntime .* --backend onnxruntime"):
-        fuselm.run(out, prompt_ids=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
+        fuselm.run(out, prompt=[5], max_tokens=1, backend="torch", quiet=True, stream=io.StringIO())
 
 
 def test_builder_graph_round_trips_to_the_same_numbers_in_no_more_nodes(make_ckpt, tmp_path):

@@ -1,4 +1,4 @@
-"""`--backend auto` for `fuselm run` / `validate`: which engine runs a model directory, and why.
+"""`--backend auto`: which engine runs a model directory, and why (`fuselm.load`'s rule, the one place it lives).
 
 The rule, from bench/results/cpu-auto.json and cpu-auto-1t.json (`python bench/cpu_auto.py`: the torch
 backend and `--backend onnxruntime` on the same Qwen3-0.6B-shaped q4 model, interleaved, medians):
@@ -26,7 +26,9 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import contract
+from fuselm import contract
+from fuselm.errors import FuselmError
+from fuselm.options import Options
 
 ONNXRUNTIME, RUNTIME = "onnxruntime", "auto"  # RUNTIME: runtime_metal's make_backend("auto") decides
 LOWER = "onnxruntime-lowered"  # choose's answer: onnxruntime on the prepared lowered copy (resolve makes it)
@@ -67,7 +69,7 @@ def choose(facts: Facts) -> tuple[str, str]:
 def gpu() -> str | None:
     """"metal" on a Mac with Metal, "cuda" where torch sees a CUDA device, else None (torch is imported only
     where an NVIDIA device node exists, so a CPU-only run need not load it)."""
-    from .runtime_metal.backends import mlx_metal_available
+    from ..backends import mlx_metal_available
 
     if mlx_metal_available():
         return "metal"
@@ -84,7 +86,7 @@ def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
     that holds no readable graph (the backend's own checks name the problem)."""
     import onnx
 
-    from .graphcheck import ORT_DOMAIN
+    from fuselm.graphcheck import ORT_DOMAIN
 
     path = Path(model_dir)
     path = path / contract.MODEL_NAME if path.is_dir() else path
@@ -101,23 +103,41 @@ def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
     return lowered, frozenset(bits)
 
 
-def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None, Path]:
-    """(backend, why, directory) that runs `model_dir` for `--backend backend` (why None when it was asked
-    for); the directory is the prepared lowered copy when auto runs onnxruntime on it. `options`: run's /
-    validate's other keywords (a device, --compile, --kv-bits ... ask for runtime_metal)."""
-    from .ort_run import unhonoured
-    from .runtime_metal.prepared import enabled
+def resolve(model_dir, options: Options) -> tuple[str, str | None, Path]:
+    """(engine, why, directory) that runs `model_dir` under `options`: engine "onnxruntime" or a runtime_metal
+    backend ("auto": runtime_metal's own choice); why is None when the engine was asked for by name; the directory is
+    the prepared lowered copy where onnxruntime runs one. `--backend onnxruntime` on a standard 4-/8-bit graph runs
+    the lowered copy too (the graph as written decodes 7-13x slower there: its tied head is dequantized every token)."""
+    from ..prepared import enabled
+    from .ort import OrtEngine, lowered_for_onnxruntime
+    from .ort_prepared import existing
 
     path = Path(model_dir)
-    if backend != "auto":
-        return backend, None, path
-    device = options.get("device")
-    flags = tuple(f for f in unhonoured(options) if f != "--device")
+    asked = options.backend
+    if asked not in ("auto", ONNXRUNTIME):
+        if lowered_for_onnxruntime(path):
+            raise FuselmError(f"{model_dir} holds onnxruntime contrib ops (com.microsoft): it was lowered for onnxruntime "
+                              f"(`fuselm optimize --target onnxruntime`); run it with --backend onnxruntime, or run "
+                              f"--backend {asked} on the directory `fuselm optimize` wrote without --target")
+        return asked, None, path
     lowerable = path.is_dir() and enabled() and importlib.util.find_spec("onnxruntime") is not None
+    if asked == ONNXRUNTIME:
+        if not lowerable:
+            return ONNXRUNTIME, None, path
+        if found := existing(path):  # the lowered copy, found without reading the graph
+            return ONNXRUNTIME, None, found[0]
+        lowered, bits = graph_facts(path)
+        if lowered or not bits:
+            return ONNXRUNTIME, None, path
+        kind, why, out = _lowered(path, "--backend onnxruntime", bits)
+        if kind != ONNXRUNTIME:
+            raise FuselmError(f"--backend onnxruntime: {why.removeprefix('auto: the torch backend: ')}; run "
+                              "`fuselm optimize --target onnxruntime` to see why, or use --backend torch")
+        return ONNXRUNTIME, None, out
+    device = options.device
+    flags = tuple(f for f in options.unhonoured(OrtEngine.HONOURS) if f != "--device")
     machine = gpu() if device is None else None
     if device in (None, "cpu") and machine is None and lowerable and not flags:
-        from .ort_prepared import existing
-
         if found := existing(path):  # a copy lowered from the model as it is now: the graph need not be read
             copy, kept = found
             backend, why = choose(Facts(gpu=None, lowered=False, weight_bits=frozenset(kept.get("weight_bits", ())),
@@ -136,8 +156,8 @@ def resolve(model_dir, backend: str, options: dict) -> tuple[str, str | None, Pa
 
 def _lowered(path: Path, why: str, bits: frozenset[int]) -> tuple[str, str, Path]:
     """onnxruntime on the prepared lowered copy of `path`, or the torch backend with the reason it failed."""
+    from ..prepared import CannotPrepare
     from .ort_prepared import lowered_copy
-    from .runtime_metal.prepared import CannotPrepare
 
     try:
         out, how = lowered_copy(path, {"weight_bits": sorted(bits)})

@@ -15,7 +15,7 @@ runs it unchecked: it was checked when it was written, and its stamp proves it i
 The copy only generates, so its head runs on the prompt's last position (passes/last_logits.py: at a
 512-token prompt the 0.6B's q8 head is 80 G multiply-adds and a 311 MB logits buffer less); onnxruntime-genai
 0.18 binds a [B, S, vocab] logits buffer and rejects such a graph, so the copy runs on onnxruntime's IO-binding
-loop (fuselm/ort_run.py BoundLoop). Its genai_config.json (as every lowered graph's, fuselm/genai_config.py;
+loop (engines/ort.py BoundLoop). Its genai_config.json (as every lowered graph's, fuselm/genai_config.py;
 the IO-binding loop reads it) turns onnxruntime's graph optimizations off: the passes already lowered the graph, and onnxruntime's
 optimizer only folds the tied embedding's Reshape into a second 155 MB copy and inlines SwiGLU. Measured on the 0.6B q4 copy
 (onnxruntime-genai 0.18, 2 threads): the same greedy tokens, the same decode CPU time per token (58 vs
@@ -30,9 +30,9 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from . import contract
-from .errors import CheckFailed, FuselmError
-from .genai_config import LOWERED_GRAPH_OPTIMIZATION as GRAPH_OPTIMIZATION
+from fuselm import contract
+from fuselm.errors import CheckFailed, FuselmError
+from fuselm.genai_config import LOWERED_GRAPH_OPTIMIZATION as GRAPH_OPTIMIZATION
 
 FORMAT = "onnxruntime"
 
@@ -60,7 +60,7 @@ def onnxruntime_version() -> str:
 
 def existing(model_dir) -> tuple[Path, dict] | None:
     """(directory, facts) of a lowered copy made from the model as it is now (stat fingerprint), else None."""
-    from .runtime_metal.prepared import find_prepared_dir
+    from ..prepared import find_prepared_dir
 
     return find_prepared_dir(model_dir, FORMAT, _tag())
 
@@ -68,7 +68,7 @@ def existing(model_dir) -> tuple[Path, dict] | None:
 def lowered_copy(model_dir, facts: dict | None = None) -> tuple[Path, str]:
     """(directory of the lowered graph, "read" or "written ..."); CannotPrepare (runtime_metal/prepared.py)
     with the reason when the passes cannot lower this graph. `facts`: kept in the copy's stamp for `existing`."""
-    from .runtime_metal.prepared import prepared_dir
+    from ..prepared import prepared_dir
 
     level = contract.ORT_ACCURACY_LEVEL
     return prepared_dir(model_dir, FORMAT, _tag(), lambda tmp: _lower(Path(model_dir), tmp, level), facts)
@@ -76,10 +76,11 @@ def lowered_copy(model_dir, facts: dict | None = None) -> tuple[Path, str]:
 
 def _lower(model_dir: Path, out: Path, level: int) -> None:
     import onnx
+    from fuselm.passes.pipeline import optimize
 
-    from . import optimize
-    from .graphcheck import ORT_DOMAIN
-    from .runtime_metal.prepared import CannotPrepare
+    from fuselm.graphcheck import ORT_DOMAIN
+
+    from ..prepared import CannotPrepare
 
     try:
         optimize(model_dir, out, target="onnxruntime", accuracy_level=level, last_logits=True, quiet=True)

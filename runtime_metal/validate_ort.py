@@ -1,5 +1,5 @@
-"""`fuselm validate --backend onnxruntime`: greedy tokens and logits of the onnxruntime path (fuselm/ort_run.py,
-what `fuselm run --backend onnxruntime` runs) vs the standard graph in plain onnxruntime vs HF transformers.
+"""`fuselm validate` on the onnxruntime engine (engines/ort.py, what `fuselm run --backend onnxruntime` and auto's
+choice on a CPU run): greedy tokens and logits vs the standard graph in plain onnxruntime vs HF transformers.
 
 The standard graph is DIR itself when it holds standard ops; for a graph lowered by `fuselm optimize
 --target onnxruntime` it is `standard` when given, else the reference checkpoint converted again with the
@@ -23,10 +23,12 @@ from pathlib import Path
 
 import onnx
 
-from . import contract
-from .errors import CheckFailed, FuselmError
-from .ort_run import lowered_for_onnxruntime, make_loop, refuse_options
-from .reference import OrtRunner, Trace, hf_model, hf_steps
+from fuselm import contract
+from fuselm.errors import CheckFailed, FuselmError
+from fuselm.reference import OrtRunner, hf_model, hf_steps
+
+from .engines.ort import OrtEngine, lowered_for_onnxruntime
+from .validate import _first_diff, _int8_drift, _max_diff, check_int8, step_table
 
 INT8_LEVEL = 4  # MatMulNBits' accuracy_level for int8 activations (onnxruntime's CPU default)
 
@@ -52,57 +54,30 @@ def standard_graph(lowered: Path, reference: Path, work: Path) -> Path:
     the quantization its fuselm.json records (linear layers, block size, lm_head, embedding), then `fuselm
     optimize` without --target (passes/from_genai.py cannot map fuselm's own GroupQueryAttention back yet:
     its query width is not static)."""
-    import fuselm
+    from fuselm.exporter.convert import convert
+    from fuselm.passes.pipeline import optimize
 
-    from .modeldir import read_meta
+    from fuselm.modeldir import read_meta
 
     q = read_meta(lowered).get("quantization") or {}
     linear = q.get("linear") or {}
-    exported = fuselm.convert(reference, work / "exported", quant=q.get("mode") or _precision(linear),
+    exported = convert(reference, work / "exported", quant=q.get("mode") or _precision(linear),
                               block_size=linear.get("block_size", 32), lm_head=_precision(q.get("lm_head", linear)),
                               embed=_precision(q.get("embed", linear)), quiet=True)
-    return fuselm.optimize(exported, work / "standard", quiet=True)
+    return optimize(exported, work / "standard", quiet=True)
 
 
-def loop_greedy(loop, ids: list[int], n: int) -> Trace:
-    """The loop's greedy tokens and the logits it picked each from."""
-    logits: list = []
-    tokens = list(loop.generate(ids, n, 0.0, 0, 1.0, None, ignore_eos=True, logits=logits))
-    return Trace(tokens=tokens, logits=logits)
-
-
-def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, engine="auto", threads=None,
-             quiet=False, why=None, **options) -> dict:
-    """Greedy-generate `tokens` tokens on the onnxruntime path, the standard graph and HF; compare.
-    `standard`: the un-lowered model directory (default: DIR, or made again from the reference: `standard_graph`)."""
+def validate(engine: OrtEngine, ref: Path, ids: list[int], tokens: int, standard, quiet: bool) -> dict:
+    """Greedy-generate `tokens` tokens on the onnxruntime engine, the standard graph and HF; compare. `standard`: the
+    un-lowered model directory (default: the engine's source when it holds standard ops, else made again from the
+    reference: `standard_graph`)."""
     from rich.console import Console
 
-    from .runtime_metal.validate import (
-        DEFAULT_PROMPT,
-        _first_diff,
-        _int8_drift,
-        _max_diff,
-        check_int8,
-        step_table,
-    )
-    from .tokenizer import load_tokenizer
-
-    refuse_options(options)
-    if tokens < 1:
-        raise FuselmError(f"--tokens must be at least 1, got {tokens}")
-    ref, path = Path(reference), Path(model_dir)
-    if not (ref / "config.json").is_file():
-        raise FuselmError(f"--reference {ref} is not a HF checkpoint directory (no config.json); pass the "
-                          "checkpoint the model was converted from")
-    loop = make_loop(path, engine, threads)
-    if prompt_ids is None:
-        tok = load_tokenizer(path, required=False)
-        prompt_ids = tok.encode(DEFAULT_PROMPT) if tok is not None else list(range(1, 9))
-    ids = [int(i) for i in prompt_ids]
+    path, why = engine.path, engine.why
     lowered = lowered_for_onnxruntime(path)
     with tempfile.TemporaryDirectory(prefix="fuselm-standard-") as tmp:
-        std = Path(standard) if standard is not None else path
-        if lowered and standard is None:
+        std = Path(standard) if standard is not None else engine.source
+        if lowered_for_onnxruntime(std) and standard is None:
             std = standard_graph(path, ref, Path(tmp))
         if lowered_for_onnxruntime(std):
             raise FuselmError(f"--standard {std} holds onnxruntime contrib ops too; pass the directory `fuselm optimize` "
@@ -110,8 +85,9 @@ def validate(model_dir, reference, tokens=16, prompt_ids=None, standard=None, en
         quantized = any(n.op_type == "DequantizeLinear" for n in
                         onnx.load(str(std / contract.MODEL_NAME), load_external_data=False).graph.node)
         int8 = quantized and int8_activations(path)
-        ours = loop_greedy(loop, ids, tokens)
-        what, loop = loop.what, None  # one engine's weights in memory at a time
+        ours = engine.trace(ids, tokens)
+        what = engine.describe()
+        engine.close()  # one engine's weights in memory at a time
         plain = OrtRunner(std).greedy(ids, tokens)
         level4 = OrtRunner(std, optimize=True, accuracy_level=INT8_LEVEL).greedy(ids, tokens) if int8 else None
     hf = hf_steps(hf_model(ref), ids, tokens)

@@ -1,0 +1,93 @@
+"""What `fuselm.load` returns: one model on one engine, ready to generate and to score.
+
+Every way of running a model goes through an Engine: `fuselm run`, `stream_generate`, `validate`, `eval`,
+the benchmarks and the pipeline's ranks. An engine declares the options it honours (`HONOURS`, field ->
+the values it takes, None for any); `load` refuses the others by name.
+
+The steps beneath generation are the same on every engine: `reset(max_len)` empties the cache, `forward(ids,
+rows)` appends tokens and gives the logits of the last `rows` of them, `rollback(n)` drops the last n tokens
+from the cache (speculative decoding). `generate` is each engine's fast loop over them (tokens picked on the
+device, steps queued ahead); `score` and `trace` are the teacher-forced and greedy runs eval and validate read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from fuselm import contract
+from fuselm.options import GENERATION, Options
+from fuselm.reference import Trace
+
+SCORE_CHUNK = 512  # tokens per forward while scoring: the activations stay bounded
+
+
+class Engine:
+    name = "engine"
+    device = "cpu"
+    compute = "f32"  # the compute type of the graph's float32 values
+    HONOURS: dict[str, tuple | None] = GENERATION
+
+    def __init__(self, source: Path, path: Path, options: Options, why: str | None = None):
+        self.source, self.path, self.options, self.why = Path(source), Path(path), options, why
+        self.meta: dict = {}
+        if (self.path / contract.META_NAME).is_file():
+            from fuselm.modeldir import read_meta
+
+            self.meta = read_meta(self.path)
+
+    # --- what it is ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """The engine, its device and how it runs, for the run's header and validate's title."""
+        return self.name
+
+    @property
+    def vocab(self) -> int | None:
+        return (self.meta.get("dims") or {}).get("vocab")
+
+    # --- the steps -----------------------------------------------------------------------------
+    def reset(self, max_len: int) -> None:
+        """Empty the cache, with room for `max_len` tokens."""
+        raise NotImplementedError
+
+    def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
+        """Append `ids` to the cache; the logits [rows, vocab] of the last `rows` of them (float32)."""
+        raise NotImplementedError
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` tokens of the cache (they are written over by the next forward)."""
+        raise NotImplementedError(f"the {self.name} engine cannot roll its cache back")
+
+    # --- runs over them ------------------------------------------------------------------------
+    def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
+        """Prefill `ids`, then yield up to `max_new` tokens picked by `sampler` (the caller stops at eos)."""
+        from ..sampling import sample
+
+        self.reset(len(ids) + max_new)
+        logits = self.forward(ids)[-1]
+        for i in range(max_new):
+            token = sample(logits, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+            yield token
+            if i + 1 < max_new:
+                logits = self.forward([token])[-1]
+
+    def score(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits [len(ids), vocab]: row i predicts ids[i + 1]."""
+        self.reset(len(ids))
+        return np.concatenate([self.forward(ids[i:i + SCORE_CHUNK], rows=len(ids[i:i + SCORE_CHUNK]))
+                               for i in range(0, len(ids), SCORE_CHUNK)])
+
+    def trace(self, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
+        """Greedy tokens and the logits each came from; with `force`, step i is fed force[i] instead (two runs
+        then see the same context, and their logits can be compared at every step)."""
+        self.reset(len(ids) + n)
+        trace = Trace()
+        token = trace.add(self.forward(ids)[-1])
+        for i in range(n - 1):
+            token = trace.add(self.forward([force[i] if force is not None else token])[-1])
+        return trace
+
+    def close(self) -> None:
+        """Let go of the model's memory now (one engine's weights at a time, in validate)."""

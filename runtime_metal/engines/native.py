@@ -1,0 +1,77 @@
+"""fuselm's own executor over a backend (MLX, torch, numpy): the graph's op table run by runtime_metal.Session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from fuselm.options import GENERATION, Options
+
+from .base import Engine
+
+PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
+
+
+class NativeEngine(Engine):
+    """The model directory (or .onnx file) on runtime_metal's Session: every option is honoured."""
+
+    HONOURS = {**GENERATION, **{name: None for name in ("device", "dtype", "threads", "compile", "fused_kernels", "kv",
+                                                        "prefill_chunk", "profile")}}
+
+    def __init__(self, source: Path, options: Options, why: str | None = None):
+        from ..session import Session
+
+        super().__init__(source, source, options, why)
+        self.session = Session(source, options)
+        self.meta = self.session.meta
+        b = self.session.backend
+        self.name, self.device, self.compute = b.name, b.device, b.compute
+        self.profiled = 0  # decode tokens the profiler timed
+
+    def describe(self) -> str:
+        return self.session.describe()
+
+    def reset(self, max_len: int) -> None:
+        self.session.reset(max_len)
+
+    def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
+        s = self.session
+        if len(ids) == 1 and rows == 1 and s.pos > 0:  # a decode step: the static / compiled strategies
+            return s.logits_to_numpy(s.decode(int(ids[0])))[None]
+        chunk, out = s.prefill_chunk, []
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            want = min(len(part), rows - (len(ids) - start - len(part)))  # of the last `rows`, those in this part
+            logits = s.prefill(part, chunk=chunk, rows=max(want, 1))
+            if want > 0:
+                out.append(np.asarray(s.backend.to_numpy(logits), np.float32).reshape(want, -1))
+        return np.concatenate(out)
+
+    def rollback(self, n: int) -> None:
+        self.session.rollback(n)
+
+    def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
+        """Tokens picked on the device, the next step queued while this one is read (Session.generate); with
+        --profile the profiler times the decode steps after the first few."""
+        s = self.session
+        s.reset(len(ids) + max_new)
+        self.profiled = 0
+        for n, token in enumerate(s.generate(ids, max_new, sampler)):
+            if self.options.profile:
+                if n == PROFILE_SKIP_TOKENS - 1:  # the step after this token is queued already
+                    s.profiler.enabled = True
+                self.profiled = max(0, n - PROFILE_SKIP_TOKENS)
+            yield token
+
+    def report(self, console) -> dict | None:
+        """The --profile table of the last generation, printed; None without --profile."""
+        if not self.options.profile:
+            return None
+        from ..profile import report
+
+        return report(self.session, self.profiled, console)
+
+    def close(self) -> None:
+        self.session = None

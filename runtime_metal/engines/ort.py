@@ -1,0 +1,281 @@
+"""onnxruntime's CPU engine (`--backend onnxruntime`, and `--backend auto`'s choice on a CPU for a 4-/8-bit graph).
+
+Through onnxruntime-genai for a directory lowered by `fuselm optimize --target onnxruntime` when it is installed
+(its own loop, its KV cache: one shared past/present buffer, genai_config.json says so), else plain onnxruntime
+with IO binding (BoundLoop): the cache stays in onnxruntime's OrtValues from step to step, and a graph whose past
+only GroupQueryAttention reads gets one preallocated max-length buffer bound as both past and present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from fuselm import contract
+from fuselm.errors import FuselmError
+from fuselm.genai_config import LOWERED_GRAPH_OPTIMIZATION, shares_buffer
+from fuselm.genai_config import NAME as GENAI_CONFIG
+from fuselm.options import GENERATION, Options
+
+from . import mapped_pages
+from .base import Engine
+
+
+def lowered_for_onnxruntime(model_dir) -> bool:
+    """Whether the directory is fuselm's and its graph holds onnxruntime contrib ops (`fuselm optimize
+    --target onnxruntime`; read without weights). onnxruntime-genai's own directories are not."""
+    import onnx
+
+    from fuselm.graphcheck import ORT_DOMAIN
+
+    path = Path(model_dir)
+    if not path.is_dir() or not (path / contract.META_NAME).is_file() or not (path / contract.MODEL_NAME).is_file():
+        return False
+    path = path / contract.MODEL_NAME
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem
+        return False
+    return any(n.domain == ORT_DOMAIN for n in graph.node)
+
+
+RELEASE_EVERY = 64  # decode steps between two releases of the data file's resident pages
+# prompt tokens per run (bench/cpu_rss.py: a 512-token prompt in one run held 70 MB more of onnxruntime's arena, at the
+# same prefill speed)
+PREFILL_CHUNK = 128
+
+
+class GenaiLoop:
+    """onnxruntime-genai's generator on the directory (its genai_config.json)."""
+
+    def __init__(self, model_dir: Path, threads: int | None):
+        import json
+
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.what = f"onnxruntime-genai {og.__version__}, CPU"
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed,
+                 ignore_eos: bool = False, logits: list | None = None):
+        """Yields each token; `logits`, when given, gets the logits [vocab] each token was picked from."""
+        params = self.og.GeneratorParams(self.model)
+        total = len(ids) + max_tokens
+        options = {"max_length": total, "min_length": total if ignore_eos else 0, "do_sample": temperature > 0}
+        if temperature > 0:
+            options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+            if seed is not None:
+                options["random_seed"] = int(seed)
+        params.set_search_options(**options)
+        gen = self.og.Generator(self.model, params)
+        gen.append_tokens(np.array([ids], dtype=np.int32))
+        for _ in range(max_tokens):
+            if logits is not None:  # read before the pick: after it, genai 0.18 already holds the next step's
+                logits.append(np.asarray(gen.get_logits(), np.float32).reshape(-1))
+            gen.generate_next_token()
+            yield int(gen.get_next_tokens()[0])
+
+
+class BoundLoop:
+    """Plain onnxruntime with IO binding (batch 1): presents stay OrtValues and become the next pasts;
+    with a GroupQueryAttention cache, one [1, KV, max_length, D] buffer per cache is past and present."""
+
+    def __init__(self, model_dir: Path, threads: int | None):
+        import onnxruntime as ort
+
+        path = model_dir / contract.MODEL_NAME
+        config = _genai_config(model_dir)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if _graph_optimization(config) == LOWERED_GRAPH_OPTIMIZATION:  # genai_config.json's choice (a lowered graph)
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+        # MatMulNBits packs its weights on the session's threads: load 1.01 -> 0.86 s (0.6B q4, 2 cores, medians of 3),
+        # peak after a 512-token prompt 720 -> 723 MB; the weights' pages it reads pile up faster, and while_loading
+        # pages them out (the load's peak: 1021 MB without it)
+        so.add_session_config_entry("session.prepack.enable_parallel", "1")
+        self.ort = ort
+        self.data = model_dir / contract.DATA_NAME
+        with mapped_pages.while_loading(self.data):  # the load's peak, and what MatMulNBits copied (mapped_pages.py)
+            self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.sess.get_inputs()}
+        self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
+        self.shared = _shares_buffer(config, model_dir)
+        self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
+        self.cache, self.done, self.max_len = {}, 0, 0
+
+    def _value(self, a: np.ndarray):
+        """An OrtValue owning a copy of `a` (one made from numpy would point at memory Python may free)."""
+        a = np.ascontiguousarray(a)
+        v = self.ort.OrtValue.ortvalue_from_shape_and_type(a.shape, a.dtype, "cpu")
+        v.update_inplace(a)
+        return v
+
+    def reset(self, max_len: int) -> None:
+        shape = [(self.inputs[n].shape[1], self.inputs[n].shape[3]) for n in self.pasts]
+        self.cache = {n: self._value(np.zeros((1, kv, max_len if self.shared else 0, d), np.float32))
+                      for n, (kv, d) in zip(self.pasts, shape, strict=True)}
+        self.done, self.max_len = 0, max_len
+
+    def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
+        """A long run in pieces (the arena holds one piece's activations); the logits of its last `rows`."""
+        if self.done + len(ids) > self.max_len:
+            raise FuselmError(f"{self.done + len(ids)} tokens exceed the cache ({self.max_len}); reset with more")
+        out = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            part = ids[start:start + PREFILL_CHUNK]
+            logits = self._step(part)
+            want = min(len(part), rows - (len(ids) - start - len(part)))
+            if want > 0:
+                if logits.shape[0] < want:
+                    raise FuselmError(f"this graph gives the logits of its last {logits.shape[0]} position(s) only "
+                                      f"(passes/last_logits.py), {want} were asked for; run the model directory "
+                                      "`fuselm optimize` wrote")
+                out.append(logits[-want:])
+        return np.concatenate(out)
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self.done:
+            raise ValueError(f"cannot roll back {n} of {self.done} cached tokens")
+        self.done -= n
+        if n and not self.shared:  # the presents hold exactly the cached rows: cut them
+            self.cache = {k: self._value(v.numpy()[:, :, :self.done]) for k, v in self.cache.items()}
+
+    def _step(self, step: list[int]) -> np.ndarray:
+        """Run `step`'s tokens after the cached ones: the logits [rows, vocab] the graph gives (all of the step's,
+        or its last position's), the cache after them (the same buffers when they are shared, else the presents)."""
+        io = self.sess.io_binding()
+        s, done = len(step), self.done
+        feeds = {contract.INPUT_IDS: np.array([step], np.int64),
+                 contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
+                 contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None]}
+        for name, a in feeds.items():
+            if name in self.inputs:
+                io.bind_ortvalue_input(name, self._value(a))
+        bound = [contract.LOGITS]
+        io.bind_output(contract.LOGITS, "cpu")
+        for name in self.pasts:
+            io.bind_ortvalue_input(name, self.cache[name])
+            if self.shared:  # GQA writes the new rows into the same buffer
+                io.bind_ortvalue_output(contract.present_of(name), self.cache[name])
+            else:
+                io.bind_output(contract.present_of(name), "cpu")
+                bound.append(contract.present_of(name))
+        self.sess.run_with_iobinding(io)
+        outs = dict(zip(bound, io.get_outputs(), strict=False))
+        if not self.shared:
+            self.cache = {n: outs[contract.present_of(n)] for n in self.pasts}
+        self.done += s
+        return outs[contract.LOGITS].numpy()[0]
+
+
+def genai_installed() -> bool:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _genai_config(model_dir: Path) -> dict:
+    """The directory's genai_config.json, {} when it has none (or none that parses)."""
+    import json
+
+    try:
+        data = json.loads((model_dir / GENAI_CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _graph_optimization(config: dict) -> str | None:
+    """genai_config.json's decoder session option graph_optimization_level, if it sets one."""
+    try:
+        return config["model"]["decoder"]["session_options"].get("graph_optimization_level")
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def _shares_buffer(config: dict, model_dir: Path) -> bool:
+    """genai_config.json's past_present_share_buffer (written from the graph: genai_config.shares_buffer),
+    else the graph's own answer (read without weights)."""
+    try:
+        return bool(config["search"]["past_present_share_buffer"])
+    except (KeyError, TypeError):
+        import onnx
+
+        return shares_buffer(onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph)
+
+
+class OrtEngine(Engine):
+    """A model directory on onnxruntime's CPU engine: onnxruntime-genai's loop where the directory was lowered for
+    it and it is installed (`loop="genai"`), else the IO-binding loop (`loop="ort"`). `checked`: the graph was
+    checked when it was written and is known unchanged (auto's prepared copy, its stamp verified)."""
+
+    HONOURS = {**GENERATION, "threads": None, "device": ("cpu",), "dtype": ("f32",)}
+
+    def __init__(self, source: Path, path: Path, options: Options, why: str | None = None, loop: str = "auto",
+                 checked: bool = False):
+        super().__init__(source, path, options, why)
+        if not (self.path / contract.MODEL_NAME).is_file():
+            raise FuselmError(f"{self.path} has no {contract.MODEL_NAME}; pass a model directory from `fuselm optimize`")
+        if not checked:
+            from fuselm.graphcheck import check_graph_file
+
+            check_graph_file(self.path / contract.MODEL_NAME)
+        if loop == "auto":
+            loop = "genai" if genai_installed() and (self.path / GENAI_CONFIG).is_file() else "ort"
+        if loop == "genai" and not genai_installed():
+            raise FuselmError("the genai loop needs onnxruntime-genai (`pip install onnxruntime-genai`); or use loop ort")
+        self.loop = GenaiLoop(self.path, options.threads) if loop == "genai" else BoundLoop(self.path, options.threads)
+        self.name = "onnxruntime-genai" if loop == "genai" else "onnxruntime"
+
+    def describe(self) -> str:
+        return self.loop.what
+
+    def _bound(self) -> BoundLoop:
+        if not isinstance(self.loop, BoundLoop):
+            raise FuselmError("onnxruntime-genai runs whole generations only; step by step, use the IO-binding loop")
+        return self.loop
+
+    def reset(self, max_len: int) -> None:
+        self._bound().reset(max_len)
+
+    def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
+        return self._bound().forward(ids, rows)
+
+    def rollback(self, n: int) -> None:
+        self._bound().rollback(n)
+
+    def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
+        if isinstance(self.loop, GenaiLoop):
+            yield from self.loop.generate(ids, max_new, sampler.temperature, sampler.top_k, sampler.top_p,
+                                          sampler.seed, ignore_eos=True)
+            return
+        data = self.loop.data
+        for n, token in enumerate(super().generate(ids, max_new, sampler)):
+            if n == 0 or n % RELEASE_EVERY == 0:  # the embedding rows the gather read, and their neighbours
+                mapped_pages.release(data)
+            yield token
+
+    def trace(self, ids: list[int], n: int, force: list[int] | None = None):
+        if isinstance(self.loop, BoundLoop):
+            return super().trace(ids, n, force)
+        from fuselm.reference import Trace
+
+        if force is not None:
+            raise FuselmError("onnxruntime-genai cannot be teacher-forced; use the IO-binding loop")
+        logits: list = []
+        tokens = list(self.loop.generate(ids, n, 0.0, 0, 1.0, None, ignore_eos=True, logits=logits))
+        return Trace(tokens=tokens, logits=logits)
+
+    def close(self) -> None:
+        self.loop = None
