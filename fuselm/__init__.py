@@ -36,11 +36,19 @@ def _input_not_inside(source, out) -> None:
         raise FuselmError(f"{source} lies inside OUT {out}: replacing OUT would delete it; choose another OUT")
 
 
-def diff(in_path, **kwargs):
-    """Walk the pass pipeline and report, pass by pass, what changed (see `fuselm diff -h`)."""
+def diff(in_path, target=None, skip=(), **kwargs):
+    """Walk the pass pipeline and report, pass by pass, what changed (see `fuselm diff -h`); `target` "mlx", "torch"
+    or "numpy" adds that runtime's load-time rewrites (runtime_metal/rewrites/) after the passes, with their drift."""
     from .passes.pipeline import diff as _diff
 
-    return _diff(in_path, **kwargs)
+    if target in ("mlx", "torch", "numpy"):
+        from functools import partial
+
+        from .runtime_metal.rewrites import split_skip, stages
+
+        rewrites, passes = split_skip(skip)
+        return _diff(in_path, skip=passes, runtime=partial(stages, backend=target, skip=rewrites), **kwargs)
+    return _diff(in_path, target=target, skip=skip, **kwargs)
 
 
 def split(in_path, out, **kwargs):

@@ -56,11 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", default=None, metavar="FILE")
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
-    for sp in (o, d):
-        sp.add_argument("--target", choices=["onnxruntime"], default=None,
+    for sp, targets in ((o, ["onnxruntime"]), (d, ["onnxruntime", "mlx", "torch", "numpy"])):
+        sp.add_argument("--target", choices=targets, default=None,
                         help="after the portable passes, lower to a runtime's own ops (onnxruntime: its com.microsoft "
-                             "contrib ops and a genai_config.json with a shared past/present buffer); default: "
-                             "standard ONNX only")
+                             "contrib ops and a genai_config.json with a shared past/present buffer)"
+                             + ("; mlx / torch / numpy: that fuselm backend's load-time rewrites, each with its drift "
+                                "(--skip takes their names too)" if sp is d else "") + "; default: standard ONNX only")
         sp.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="{0..4}",
                         help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
                              "int8 activations; 1: float32)")
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="channels per int8 scale (32, 64, 128; default 64, or head_dim when smaller)")
         r.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="compute type of the graph's float32 values (auto: bf16 on an MLX GPU, else f32)")
+        r.add_argument("--skip", nargs="*", default=[], metavar="REWRITE",
+                       help="runtime rewrites not to apply at load, an A/B (`fuselm diff --target mlx` lists them)")
         if name == "run":
             g = r.add_mutually_exclusive_group(required=True)
             g.add_argument("--prompt")

@@ -73,6 +73,7 @@ class Options:
     num_draft: int = 4  # tokens drafted per verification step
     draft_model: str | None = None  # the draft model's directory (speculative="draft")
     prefill_chunk: int | None = None  # prompt tokens per prefill step (None: the backend's)
+    skip: tuple[str, ...] = ()  # runtime rewrites not to apply at load (runtime_metal/rewrites/: an A/B)
     profile: bool = False  # the per-op time table (runtime_metal's engines)
     pipe_timeout: float = 60.0  # a `fuselm split` output: seconds a rank waits for its neighbour
 
@@ -111,6 +112,8 @@ class Options:
         kv = {k: keywords.pop(k) for k in ("kv_bits", "kv_bits_k", "kv_bits_v", "kv_group_size") if k in keywords}
         if kv:
             keywords["kv"] = KVFormat.of(**kv)
+        if "skip" in keywords:
+            keywords["skip"] = tuple(keywords["skip"] or ())
         if "no_fused_kernels" in keywords:
             keywords["fused_kernels"] = not keywords.pop("no_fused_kernels")
         unknown = set(keywords) - {f.name for f in fields(cls)}
@@ -127,7 +130,7 @@ class Options:
 
     @classmethod
     def from_dict(cls, data: dict) -> Options:
-        return cls(**{**data, "kv": KVFormat(**data.get("kv") or {})})
+        return cls(**{**data, "kv": KVFormat(**data.get("kv") or {}), "skip": tuple(data.get("skip") or ())})
 
     def given(self) -> dict:
         """The fields set to something other than their default, by name."""
@@ -145,7 +148,7 @@ class Options:
         return out
 
 
-FLAGS = {"fused_kernels": "--no-fused-kernels", "kv": "--kv-bits"}
+FLAGS = {"fused_kernels": "--no-fused-kernels", "kv": "--kv-bits", "skip": "--skip"}
 
 # What every engine honours: the choice of engine and the generation loop's own options.
 GENERATION = {name: None for name in ("backend", "max_tokens", "ignore_eos", "temperature", "top_k", "top_p", "seed",

@@ -9,15 +9,15 @@ lands in the statistics with its reason, so `fuselm diff` can show why a fusion 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import numpy as np
 import onnx_ir as ir
 
 from fuselm import contract
+
+from .stats import Stats
 
 # Constants larger than this are weights: never read them to check a pattern.
 SMALL_CONST = 4096
@@ -29,31 +29,6 @@ class Reject(Exception):
 
 def fail(reason: str) -> NoReturn:
     raise Reject(reason)
-
-
-@dataclass
-class Stats:
-    """What a pass did: fusions fired (where) and candidates skipped (where, why)."""
-
-    fired: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)
-
-    def fire(self, where: str) -> None:
-        self.fired.append(where)
-
-    def skip(self, where: str, reason: str) -> None:
-        self.skipped.append((where, reason))
-
-    def merge(self, other: Stats) -> None:
-        self.fired += other.fired
-        self.skipped += other.skipped
-        self.counts.update(other.counts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"fired": len(self.fired), "fired_at": list(self.fired),
-                "skipped": [{"at": w, "reason": r} for w, r in self.skipped],
-                "counts": dict(sorted(self.counts.items()))}
 
 
 class Pass:

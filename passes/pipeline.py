@@ -268,7 +268,7 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
 
 
 def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, target: str | None = None,
-         accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> dict:
+         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, runtime=None) -> dict:
     """Walk the pipeline on a model directory or .onnx file and report, pass by pass, what changed.
 
     Per pass: changed or not, node counts before -> after by op type, matches fired and skipped
@@ -276,7 +276,9 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
     the previous one: max abs logit difference for a prefill and a decode step with past) and the
     time taken. `html` writes one self-contained page with the same tables and a drawing of one
     decoder layer before and after each pass; `json_path` the same data as JSON. `target` adds
-    the lowering passes (`optimize`'s), each with its drift.
+    the lowering passes (`optimize`'s), each with its drift. `runtime(path, outputs) -> records`, when given,
+    adds a runtime's load-time rewrites after the passes (fuselm.diff's `--target mlx`: the last stage's graph
+    file and its onnxruntime outputs go in).
     """
     from . import check, draw
     from .diff_page import write_html
@@ -301,7 +303,7 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
                 state["n"] += 1
                 stage = Path(work) / f"{state['n']}"
                 stage.mkdir()
-                path = graphio.save(m, stage)
+                path = state["path"] = graphio.save(m, stage)
                 try:
                     graphio.check(path)
                     record["checker"] = "ok"
@@ -324,6 +326,10 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
                 record["drift"] = None
 
         records = run_pipeline(model, skipped, on_pass, target=lowering)
+        if runtime is not None:
+            for record in runtime(state.get("path", onnx_path), state["outputs"]):
+                pictures.record(record, None)  # the runtime's graph is not ONNX: no drawing of its layers
+                records.append(record)
     data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": pictures.first_layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
             "nodes_per_layer_in": pictures.counts[0], "nodes_per_layer_out": pictures.counts[-1],

@@ -183,7 +183,7 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
     k3, v3 = ins[1], ins[2]  # the 3-D K and V: read only where the executor runs the op (rebuilt from kv there)
     made = [j for j, s in enumerate(before.steps) if s.node.op_type == "QKVHeads" and s.node.outputs == [qn, k3, v3, kvn]]
     if made and not any(o in others or o in sess.graph.outputs for o in (k3, v3)):
-        # QKVHeads hands them over heads first (qkv_heads.py): no merge in it and no split after it
+        # QKVHeads hands them over heads first (rewrites/qkv_heads.py): no merge in it and no split after it
         qkv = before.steps[made[0]]
         before.steps[made[0]] = replace(qkv, node=replace(qkv.node, attrs={**qkv.node.attrs, "heads_first": 1}))
     else:

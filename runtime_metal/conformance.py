@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from . import graph as graph_mod
+from . import rewrites
 from .backends import make_backend
 from .executor import Executor
 from .loader import LoadedModel, tensor_to_array
@@ -36,7 +36,7 @@ class FuselmRep(BackendRep):
     def __init__(self, model: onnx.ModelProto, backend: str = "torch", device: str | None = "cpu",
                  fused: bool = True):
         self.b = make_backend(backend, device)
-        self.graph = graph_mod.build(load_proto(model), self.b, fused=fused)
+        self.graph = rewrites.prepare(load_proto(model), self.b, fused)
         self.executor = Executor(self.graph, self.b)
 
     def run(self, inputs, **kwargs):

@@ -12,10 +12,10 @@ Two modes:
   decode step has the same shapes and can be compiled (mx.compile, torch.compile, CUDA graphs).
   Rows after the current position are masked by position: the attention mask fed to the graph has
   zeros there (and ops without a mask input mask by `pos` themselves).
-- causal reads (`Backend.causal_reads`, MLX; mask_kind.py): the plan is the static one, but `pos` is a
+- causal reads (`Backend.causal_reads`, MLX; rewrites/causal_masks.py): the plan is the static one, but `pos` is a
   host int and Attention reads only rows 0..pos (a sliding window: its last rows) with no array mask,
   so the backend's fused attention runs on every device. A layer whose QKV output gives the k and v
-  rows as one array (qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`; the views'
+  rows as one array (rewrites/qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`; the views'
   `heads` select their half) and writes both with one update (`CacheView.append_both`).
 
 Storage format (`--kv-bits`, `--kv-bits-k`, `--kv-bits-v`, `--kv-group-size`; a runtime choice, the
@@ -246,7 +246,7 @@ def in_place(nodes, names: set[str]) -> bool:
 
 def packed_pairs(specs: list, nodes, causal_reads: bool, fmts: tuple[KVFormat, KVFormat]) -> dict[str, str]:
     """Value cache name -> its key's, for layers whose K and V can live in one buffer ([B, 2H, L, D]):
-    causal reads, every Attention given its k and v rows as one array (qkv_heads.py), K and V of the
+    causal reads, every Attention given its k and v rows as one array (rewrites/qkv_heads.py), K and V of the
     same shape and storage format. Empty unless every layer qualifies."""
     by_name = {c.name: c for c in specs}
     pairs = {}

@@ -165,7 +165,7 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     rows = _filled_rows(past_key, past_value, s, causal_rows, _ctx) if blockwise and nonpad_kv_seqlen is None \
         else None
     qk_out = None
-    if rows is not None:  # the filled rows, and no array mask (mask_kind.py)
+    if rows is not None:  # the filled rows, and no array mask (rewrites/causal_masks.py)
         (t0, t1), causal = rows
         if kv_rows is not None and past_key.heads is not None and _same(past_key.buffer, past_value.buffer):
             # one buffer holds K and V (kvcache.packed_pairs), and the layer made their rows as one array
@@ -202,7 +202,7 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
 def _filled_rows(past_key, past_value, s: int, window, ctx) -> tuple | None:
     """((t0, t1), causal) when this Attention may read cache rows t0..t1 without an array mask: the backend
     reads the filled rows (ctx["causal_reads"], set by the session for its plain feeds), the mask is a causal
-    band (`causal_rows`, mask_kind.py) and the cache position is known on the host. Causal is needed only
+    band (`causal_rows`, rewrites/causal_masks.py) and the cache position is known on the host. Causal is needed only
     for a prompt chunk (S > 1); a window cuts the rows at decode and must not cut into a chunk's rows."""
     if window is None or not (ctx or {}).get("causal_reads") or not isinstance(past_key, CacheView) or \
             not isinstance(past_value, CacheView) or not isinstance(past_key.pos, int):
@@ -433,6 +433,30 @@ def LastRows(b, x, *, _ctx=None):
 def KVAppend(b, past, new):
     """Concat(past_key_values.i.*, new, axis=2) rewritten at load: appends into the preallocated cache."""
     return _append(b, past, new)
+
+
+@op("RoPETable", domain=RUNTIME)
+def RoPETable(b, position_ids, *, inv_freq, attention_scaling=1.0):
+    return b.rope_table(position_ids, inv_freq, float(attention_scaling))
+
+
+@op("QKVHeads", domain=RUNTIME)
+def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=None, heads_first=0):
+    """Q, K, V [B, S, H·D] and the K and V rows [B, S, 2Hkv, D]; `heads_first` (a decode piece handing them to
+    its attention, compiled.py): Q, K, V and the rows as [B, H, S, D], no merge and split between."""
+    if heads_first:
+        out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon, heads_first=True)
+        return tuple(b.slice(out, (slice(None), slice(h0, h1))) for h0, h1 in
+                     ((0, heads), (heads, heads + kv_heads), (heads + kv_heads, heads + 2 * kv_heads),
+                      (heads, heads + 2 * kv_heads)))
+    out = b.qkv_heads(qkv, cos, sin, weight, weight_rot, heads, kv_heads, epsilon)
+    bsz, s, _, d = b.shape(out)
+
+    def merged(h0, h1):
+        return b.reshape(b.slice(out, (slice(None), slice(None), slice(h0, h1))), (bsz, s, (h1 - h0) * d))
+
+    kv = b.slice(out, (slice(None), slice(None), slice(heads, heads + 2 * kv_heads)))
+    return merged(0, heads), merged(heads, heads + kv_heads), merged(heads + kv_heads, heads + 2 * kv_heads), kv
 
 
 __all__ = ["RUNTIME", "_np_dtype"]

@@ -11,7 +11,7 @@ The graph contract (fuselm/contract.py) is checked at load (loader.check_contrac
 preallocated buffers (kvcache.py) where the graph only appends to it. Each decode step runs the strategy
 (dynamic, checked, static, compiled) decoding.py chooses; `describe()` says what the last one ran.
 Where the backend reads only the filled rows of the cache (`causal_reads`: MLX) and every Attention's
-mask is a causal band (mask_kind.py), the static plan's attentions read rows 0..pos (the window's last
+mask is a causal band (rewrites/causal_masks.py), the static plan's attentions read rows 0..pos (the window's last
 rows) with no array mask, prefill chunks use mask="causal", and the compiled step compiles the pieces
 between the attentions (compiled.py PiecewiseDecode): the attention shapes grow with the cache.
 """
@@ -28,11 +28,11 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 from fuselm.options import Options
 
-from . import graph as graph_mod
-from . import kvcache, loader, mask_kind
+from . import kvcache, loader, rewrites
 from .backends import make_backend
 from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
+from .rewrites.causal_masks import causal_reads
 
 _LONG_RUN = 64  # rows from which a lazy backend's run is queued a few layers at a time (executor.InFlight)
 
@@ -56,7 +56,7 @@ class Session:
         io = loader.check_contract(self.lm)
         self.first_input, self.output, self.caches = io.first, io.output, io.caches
         try:
-            self.graph = graph_mod.build(self.lm, self.backend, fused=fused)
+            self.graph = rewrites.prepare(self.lm, self.backend, fused, options.skip)
         except FuselmError:
             raise
         except Exception as e:  # load-time rewrites on attributes the checker lets through (a negative block size)
@@ -68,8 +68,8 @@ class Session:
         kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
                               self.lm.path)
         self.window = int(self.meta["sliding_window"]) if self.meta.get("sliding_window") else None
-        self.causal_reads = mask_kind.causal_reads(self.backend, self.graph, self.in_place, fused)
-        self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (mask_kind.py)
+        self.causal_reads = causal_reads(self.backend, self.graph, self.in_place, fused)
+        self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (rewrites/causal_masks.py)
         self.packed = kvcache.packed_pairs(self.caches, self.graph.nodes, self.causal_reads, self.kv_formats)
         self.profiler = self.executor.profiler = Profiler()
         self.max_len = self.pos = 0

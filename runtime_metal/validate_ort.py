@@ -27,8 +27,8 @@ from fuselm import contract
 from fuselm.errors import CheckFailed, FuselmError
 from fuselm.reference import OrtRunner, hf_model, hf_steps
 
+from .checks import _first_diff, _int8_drift, _max_diff, check_int8, step_table
 from .engines.ort import OrtEngine, lowered_for_onnxruntime
-from .validate import _first_diff, _int8_drift, _max_diff, check_int8, step_table
 
 INT8_LEVEL = 4  # MatMulNBits' accuracy_level for int8 activations (onnxruntime's CPU default)
 

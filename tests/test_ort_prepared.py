@@ -95,7 +95,7 @@ def test_off_switch_and_a_graph_that_cannot_be_lowered(cpu, optimized, tmp_path,
 
 
 def test_validate_by_auto_checks_the_lowered_copy_against_the_standard_graph(cpu, optimized, make_ckpt, tmp_path):
-    from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
+    from fuselm.runtime_metal.checks import INT8_DRIFT_FACTOR
 
     model = _copy(optimized("qwen2", "q4"), tmp_path)
     r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT, quiet=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 
 import pytest
+from fuselm.runtime_metal.checks import INT8_DRIFT_FACTOR
 from fuselm.runtime_metal.engines import ort
 from fuselm.runtime_metal.engines.auto import Facts, choose, graph_facts, resolve
-from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
 
 import fuselm
 from fuselm.cli import main

@@ -119,15 +119,15 @@ def test_moe_experts_are_kept_and_read_memory_mapped(moe_q4, tmp_path, monkeypat
 def test_a_file_without_the_experts_gets_them(moe_q4, tmp_path, monkeypatch):
     """A prepared file an older fuselm wrote (its dense weights only) is read for those, and rewritten with the
     experts once they are prepared; the load after reads everything."""
-    from fuselm.runtime_metal import ops_moe
+    from fuselm.runtime_metal.rewrites import quantized_weights
 
     monkeypatch.setenv("FUSELM_PREPARED", "1")
     model = tmp_path / "m"
     shutil.copytree(moe_q4, model)
-    fold = ops_moe.fold_experts
-    monkeypatch.setattr(ops_moe, "fold_experts", lambda g, b, release, store=None: fold(g, b, release))
+    fold = quantized_weights._experts
+    monkeypatch.setattr(quantized_weights, "_experts", lambda g, b, load, store, stats: fold(g, b, load, None, stats))
     _, want = _logits(model)  # as before the experts were kept
-    monkeypatch.setattr(ops_moe, "fold_experts", fold)
+    monkeypatch.setattr(quantized_weights, "_experts", fold)
     sess, got = _logits(model)
     assert sess.graph.prepared.startswith("written to")
     np.testing.assert_array_equal(got, want)

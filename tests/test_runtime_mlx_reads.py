@@ -1,5 +1,5 @@
 """Issue 18: the MLX path reads only the filled rows of the cache, with no array mask at decode and
-mask="causal" at prefill (mask_kind.py decides at load which masks allow it), decodes through compiled
+mask="causal" at prefill (rewrites/causal_masks.py decides at load which masks allow it), decodes through compiled
 pieces between the attentions, and launches fewer kernels per decode token than mlx-lm. Checked against
 the torch backend (static-shape decode over the whole buffer with the graph's array mask)."""
 
@@ -9,8 +9,10 @@ import io
 
 import numpy as np
 import pytest
-from fuselm.runtime_metal import mask_kind
+from fuselm.runtime_metal.backends.numpy_backend import NumpyBackend
 from fuselm.runtime_metal.graph import Graph, Node
+from fuselm.runtime_metal.rewrites.base import Load
+from fuselm.runtime_metal.rewrites.causal_masks import CausalMasks
 from fuselm.runtime_metal.session import Decode, Session
 
 import fuselm
@@ -27,7 +29,7 @@ def _logits(sess, ids, n):
     return np.stack(out)
 
 
-def test_mask_kind_classifies_the_exporters_masks(optimized):
+def test_causal_masks_classify_the_exporters_masks(optimized):
     for model, want in ((optimized("qwen3", "q4"), 0), (optimized("mistral", "f32", sliding_window=4), 4)):
         sess = Session(model, backend="mlx")
         rows = [n.attrs.get("causal_rows") for n in sess.graph.nodes if n.op_type == "Attention"]
@@ -40,17 +42,15 @@ def _mask_graph(nodes: list[Node], mask: str) -> Graph:
     return Graph([*nodes, att], consts, ["input_ids", "attention_mask", "position_ids", "q", "k", "v"], ["y"], {"": 23})
 
 
-def test_mask_kind_refuses_other_masks():
+def test_causal_masks_refuse_other_masks():
     """A padding-only (bidirectional) mask and a mask made from the query values are not causal bands."""
     pad = [Node("Cast", "", "c", ["attention_mask"], ["b"], {"to": 9}),
            Node("Unsqueeze", "", "u", ["b", "axes"], ["b4"]),
            Node("Where", "", "w", ["b4", "zero", "low"], ["m"])]
-    g = _mask_graph(pad, "m")
-    mask_kind.classify(g)
-    assert "causal_rows" not in g.nodes[-1].attrs
-    g = _mask_graph([Node("Where", "", "w", ["q", "zero", "low"], ["m"])], "m")
-    mask_kind.classify(g)
-    assert "causal_rows" not in g.nodes[-1].attrs
+    for g in (_mask_graph(pad, "m"), _mask_graph([Node("Where", "", "w", ["q", "zero", "low"], ["m"])], "m")):
+        _, modified, stats = CausalMasks()(g, Load(NumpyBackend()))
+        assert not modified and "causal_rows" not in g.nodes[-1].attrs
+        assert stats.skipped == [("att", "its mask is not a causal band under plain feeds")]
 
 
 def test_decode_attention_gets_no_array_mask(optimized, monkeypatch):
@@ -207,7 +207,7 @@ def test_sliding_window_decode_reads_the_windows_rows(optimized, monkeypatch):
 
 @pytest.mark.parametrize("skip", [(), ("RoPETo3D",), ("FuseRoPENorm", "RoPETo3D")])
 def test_qkv_heads_takes_every_fused_rope_form(exported, tmp_path, skip):
-    """qkv_heads.py matches FusedRoPE on [B,S,H·D] with its norm weight (the default pipeline), between
+    """rewrites/qkv_heads.py matches FusedRoPE on [B,S,H·D] with its norm weight (the default pipeline), between
     head Reshapes with the weight, and after a separate RMSNormalization: one QKVHeads per layer, no
     FusedRoPE left, logits equal torch's (which runs the op table's FusedRoPE)."""
     model = fuselm.optimize(exported("qwen3", "f32"), tmp_path / "opt", skip=skip, quiet=True)

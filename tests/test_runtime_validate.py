@@ -6,7 +6,7 @@ the first step) and the backends' fused and quantized kernels. References: HF tr
 """
 
 import pytest
-from fuselm.runtime_metal.validate import INT8_DRIFT_FACTOR
+from fuselm.runtime_metal.checks import INT8_DRIFT_FACTOR
 
 import fuselm
 from fuselm.errors import CheckFailed

@@ -43,7 +43,7 @@ class Backend:
     device runs this one; `compile_default` — compiling the static decode step is cheap enough to
     do without being asked; `compute` — the compute type of the graph's float32 values;
     `causal_reads` — Attention reads only the filled rows of the cache, with no array mask at decode
-    and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (mask_kind.py): what the
+    and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (rewrites/causal_masks.py): what the
     backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache;
     `long_sdpa` — `sdpa` runs long prompts without holding their [S × T] scores (a flash kernel), so
     Attention need not split the keys into blocks (attention_blocks.py)."""

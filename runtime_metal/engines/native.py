@@ -18,7 +18,7 @@ class NativeEngine(Engine):
     """The model directory (or .onnx file) on runtime_metal's Session: every option is honoured."""
 
     HONOURS = {**GENERATION, **{name: None for name in ("device", "dtype", "threads", "compile", "fused_kernels", "kv",
-                                                        "prefill_chunk", "profile")}}
+                                                        "prefill_chunk", "profile", "skip")}}
 
     def __init__(self, source: Path, options: Options, why: str | None = None):
         from ..session import Session

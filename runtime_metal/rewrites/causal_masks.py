@@ -1,4 +1,4 @@
-"""Which Attention masks are causal reads of the cache: decided once, at load, on the host.
+"""CausalMasks: which Attention masks are causal reads of the cache, decided once, at load, on the host.
 
 A graph computes its attention mask from the contract's small inputs (exporter/graph.py: causal by
 cache index, padding from attention_mask, an optional sliding window). When the session feeds them
@@ -7,7 +7,7 @@ to its own index, and at most the last `window` of them". A backend whose fused 
 array mask on every device (MLX: sdpa_vector on CUDA) then reads only the filled rows of the cache:
 no mask at decode (the last `window` rows for a sliding window), mask="causal" at prefill.
 
-`classify` evaluates each mask's subgraph (the nodes it depends on) on the host with numpy for probe
+It evaluates each mask's subgraph (the nodes it depends on) on the host with numpy for probe
 shapes and compares it with that band. The Attention node gets the runtime attribute
 `causal_rows` = the window (0: none) when every probe matches. It must not fire (the op keeps the
 graph's array mask) when the subgraph reads anything but input_ids / attention_mask / position_ids
@@ -19,36 +19,53 @@ with window attributes of their own or soft-capping.
 from __future__ import annotations
 
 import numpy as np
+from fuselm.passes.stats import Stats
 
 from fuselm import contract
 
-from .graph import Graph, Node, reads
+from ..backends.numpy_backend import NumpyBackend
+from ..executor import Executor
+from ..graph import Graph, Node, reads
+from .base import Load, Rewrite
 
 SMALL = contract.STEP_INPUTS
 MASKED_BELOW = -1e4  # an additive mask entry at or below this adds nothing after the softmax
 PROBES = ((1, 1), (1, 2), (2, 2), (3, 7), (1, 9), (5, 40), (1, 300), (3, 1500), (1, 4100), (1, 9000))
 
 
-def classify(graph: Graph, window_hint: int | None = None) -> None:
-    """Set `causal_rows` on the Attention nodes whose mask is a causal band under plain feeds."""
-    producers = {o: n for n in graph.nodes for o in n.outputs}
-    probes = list(PROBES)
-    if window_hint:
-        probes += [(1, window_hint), (1, window_hint + 1), (1, window_hint + 2), (2, window_hint + 3)]
-    seen: dict[str, int | None] = {}
-    for n in graph.nodes:
-        if n.key != ("", "Attention") or n.attrs.get("softcap", 0.0) or \
-                n.attrs.get("left_window_size", -1) >= 0 or n.attrs.get("right_window_size", -1) >= 0:
-            continue
-        mask = n.inputs[3] if len(n.inputs) > 3 else ""
-        if not mask:
-            window = 0 if n.attrs.get("is_causal", 0) else None
-        else:
-            if mask not in seen:
-                seen[mask] = _band(graph, producers, mask, probes)
-            window = seen[mask]
-        if window is not None:
+class CausalMasks(Rewrite):
+    """The module docstring's classification: `causal_rows` on each Attention whose mask is a causal band under
+    plain feeds (fuselm.json's sliding window probed too)."""
+
+    aliases = ("causal-masks", "mask-kind")
+
+    def apply(self, graph: Graph, load: Load, stats: Stats) -> bool:
+        window_hint = (load.meta or {}).get("sliding_window")
+        producers = {o: n for n in graph.nodes for o in n.outputs}
+        probes = list(PROBES)
+        if window_hint:
+            probes += [(1, window_hint), (1, window_hint + 1), (1, window_hint + 2), (2, window_hint + 3)]
+        seen: dict[str, int | None] = {}
+        for n in graph.nodes:
+            if n.key != ("", "Attention"):
+                continue
+            if n.attrs.get("softcap", 0.0) or n.attrs.get("left_window_size", -1) >= 0 or \
+                    n.attrs.get("right_window_size", -1) >= 0:
+                stats.skip(n.name, "soft-capping or window attributes of its own")
+                continue
+            mask = n.inputs[3] if len(n.inputs) > 3 else ""
+            if not mask:
+                window = 0 if n.attrs.get("is_causal", 0) else None
+            else:
+                if mask not in seen:
+                    seen[mask] = _band(graph, producers, mask, probes)
+                window = seen[mask]
+            if window is None:
+                stats.skip(n.name, "its mask is not a causal band under plain feeds")
+                continue
             n.attrs["causal_rows"] = window
+            stats.fire(n.name)
+        return bool(stats.fired)
 
 
 def causal_reads(backend, graph: Graph, in_place: bool, fused: bool) -> bool:
@@ -80,9 +97,6 @@ def _cone(graph: Graph, producers: dict, name: str) -> list[Node] | None:
 
 def _band(graph: Graph, producers: dict, mask: str, probes) -> int | None:
     """The window of the causal band `mask` is under plain feeds (0: no window), or None."""
-    from .backends.numpy_backend import NumpyBackend
-    from .executor import Executor
-
     cone = _cone(graph, producers, mask)
     if cone is None:
         return None
