@@ -709,6 +709,7 @@ def meta(rel: str, d: Any, whole: Any = None) -> dict[str, str]:
         parts.append(str(machine))
     for x in dicts:
         parts += [x.get("processor") if not isinstance(machine, dict) else None, x.get("gpu"),
+                  x.get("cpu") if isinstance(x.get("cpu"), str) else None,
                   x.get("device") if isinstance(x.get("device"), str) else None,
                   f"{x['cpus']} cores" if isinstance(x.get("cpus"), int) and not machine else None]
     parts = [p for p in dict.fromkeys(parts) if p]
