@@ -40,7 +40,7 @@ SHAPES = {
     "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, intermediate_size=512, vocab_size=2048, tie_word_embeddings=True),
 }
-# Mixtures of experts (bench/mlx_peer.py; issue 21): the real configs' shapes, random weights. OLMoE-1B-7B-0924
+# Mixtures of experts (bench/mlx_peer.py): the real configs' shapes, random weights. OLMoE-1B-7B-0924
 # (its experts are `intermediate_size` wide), Qwen3-30B-A3B cut to 8 of its 48 layers; `-Nl`: N layers only.
 _OLMOE = dict(model_type="olmoe", num_hidden_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
               head_dim=128, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,

@@ -1,4 +1,4 @@
-"""Peak RSS of the CPU engines in fresh processes, and where it goes (issue 19's RSS goal).
+"""Peak RSS of the CPU engines in fresh processes, and where it goes.
 
     python bench/cpu_rss.py genai=DIR fuselm-lowered=DIR ... [--fuselm-run MODEL_DIR] [--rounds 3]
     python bench/cpu_rss.py ... --threads 1 --prompt 128 --tokens 64 --out bench/results/cpu-rss-decode.json

@@ -1,6 +1,6 @@
 """Where a decode token's device time goes, kernel by kernel, fuselm's MLX backend against mlx-lm.
 
-On MLX's CUDA backend (the lent H200) the kernels of one process are recorded by CUPTI through
+On MLX's CUDA backend the kernels of one process are recorded by CUPTI through
 torch.profiler (it records every CUDA kernel of the process, MLX's included); each engine runs in its
 own process (bench/mlx_peer.py's engines), decodes N greedy tokens after a C-token prompt under the
 profiler, and prints the kernels' summed device time per token by kernel name, the device's busy time

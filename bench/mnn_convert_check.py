@@ -1,4 +1,4 @@
-"""What MNN's converter does with fuselm's graphs (issue 19 item 4), rerunnable.
+"""What MNN's converter does with fuselm's graphs, rerunnable.
 
     python bench/mnn_convert_check.py            # needs .venv-mnn (python bench/mnn_peer.py --setup)
 

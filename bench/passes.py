@@ -30,7 +30,7 @@ from _child import run_child  # noqa: E402 - bench/ is no package: its helpers s
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-MNN_QWEN3_06B_OPS = 385  # MNN's op count for Qwen3-0.6B after its passes (issue 3)
+MNN_QWEN3_06B_OPS = 385  # MNN's op count for Qwen3-0.6B after its passes
 
 
 def _convert_bench():

@@ -10,7 +10,7 @@ runtime_metal/pipeline_launch.py) and by `mlx.launch`, side by side. Both on MLX
 compiled); the per-token time is the median interval between printed tokens after the first
 --warmup tokens; the configurations run interleaved, --runs times, and the table gives the median run
 (and the spread). Each rank also reports MLX's peak memory against its stage's weight bytes + its KV
-cache. Goals (issue 20): 2 ranks within 1.3x of 1; a rank's peak <= its weights + cache + 15 %.
+cache. Aims: 2 ranks within 1.3x of 1; a rank's peak <= its weights + cache + 15 %.
 Writes bench/results/pipeline.json.
 """
 

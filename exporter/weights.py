@@ -203,7 +203,7 @@ def write_data(path: Path, jobs: list[WeightJob], ckpt: Checkpoint, on_job: Call
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     writer = _Writer(fd)
     # The stream's parallelism is its encoder and writer threads: torch's intra-op threads on a block's
-    # short reductions cost more in hand-offs than they gain (5-20x slower on a loaded 2-core box).
+    # short reductions cost more in hand-offs than they gain (several times slower on busy cores).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,4 +1,4 @@
-"""`fuselm split`: a decoder graph cut into pipeline stages at decoder-layer boundaries (issue 20).
+"""`fuselm split`: a decoder graph cut into pipeline stages at decoder-layer boundaries.
 
 Pattern: a node is free when nothing of the token stream reaches it (weights, the mask, position
 values: it reads input_ids only through Shape, and no cache or stream value); every other node

@@ -3,7 +3,7 @@
 softmax(q kᵀ·scale + mask) v is computed without the [S × T] score matrix: for each block of keys,
     s = q·kᵀ (+ mask),  m' = max(m, rowmax s),  p = exp(s − m'),
     l = l·exp(m − m') + Σp,  acc = acc·exp(m − m') + p·v
-and y = acc / l at the end (the seed's Step 11). Its two −inf guards: a row whose keys so far are all
+and y = acc / l at the end. Its two −inf guards: a row whose keys so far are all
 masked has m = m' = −inf, where exp(m − m') and exp(s − m') would be exp(NaN); here the reference
 max is replaced by 0 when it is −inf, so the rescale factor exp(−inf − 0) and the weights of masked
 keys exp(−inf − 0) are exactly 0, and a row that never sees a key (l = 0) comes out as 0.

@@ -7,7 +7,7 @@ that signature. Later runs with the same signature execute only the plan's steps
 results already converted to device arrays. Static-shape decode therefore runs the same plan
 every token and never touches Shape/Gather/Concat-on-shapes again.
 
-Debugging (STYLE.md #8): FUSELM_DEBUG=1 prints every node with its input and output shapes and
+Debugging: FUSELM_DEBUG=1 prints every node with its input and output shapes and
 value statistics; FUSELM_LIMIT=N stops after node N and returns what has been computed.
 """
 

@@ -1,4 +1,4 @@
-"""`fuselm run SPLIT` on one machine: fuselm starts one process per stage itself (issue 20).
+"""`fuselm run SPLIT` on one machine: fuselm starts one process per stage itself.
 
     fuselm run SPLIT --prompt "..."          # no mlx.launch: N local ranks over MLX's ring backend on loopback
 

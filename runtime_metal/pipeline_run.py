@@ -163,7 +163,7 @@ def init_group(timeout: float):
 
 
 class Bells:
-    """A doorbell beside the ring's connections, from each rank to the next (issue 20's host overhead).
+    """A doorbell beside the ring's connections, from each rank to the next.
 
     MLX's ring backend waits for a message by polling its non-blocking socket while a receive is
     pending (mlx/distributed/ring/ring.cpp, SocketThread::worker): a rank that posts its receive
@@ -187,10 +187,9 @@ class Bells:
         outnumber its cores (None otherwise: a rank with a core of its own waits fastest on MLX's own
         poll, and a bell costs a round trip per step). mlx.launch spins a core of its own (its output
         threads select on an always-writable pipe); fuselm's launcher (pipeline_launch.py) does not.
-        Measured on 2 cores (bench/pipeline.py, tiny q4): fuselm's launcher, 2 ranks 1.12x one rank's
-        time per token without bells, 1.56x with; 3 ranks 2.56x without, 1.52x with; mlx.launch, 2
-        ranks 3.31x without, 1.64x with. Every rank decides the same (one hostfile, one host's core
-        count); FUSELM_PIPE_BELLS=on/off, set alike on every rank, overrides the choice."""
+        bench/pipeline.py times both launchers with and without bells. Every rank decides the same (one
+        hostfile, one host's core count); FUSELM_PIPE_BELLS=on/off, set alike on every rank, overrides
+        the choice."""
         hosts = _ring_hosts()
         if os.environ.get("FUSELM_MLX_BACKEND", "ring") != "ring" or not hosts or len(hosts) != size:
             return None

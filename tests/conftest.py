@@ -42,7 +42,7 @@ pytest_plugins = ["reliability_report"]
 SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py"}
 # xdist hands out files with the most tests first, so a long file of one test (a bench's smoke test) starts
 # last and the other worker idles while it runs. The longest files go first instead (longest processing time
-# first), by their seconds in a whole-suite run (2026-12-02, 2 workers, AMD EPYC; order only: a file not listed
+# first), by their seconds in a whole-suite run on 2 workers (order only: a file not listed
 # follows them in xdist's order).
 LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_convert_traced.py": 178,
                  "tests/reliability/test_interrupt.py": 132, "tests/test_convert_traced_families.py": 117,

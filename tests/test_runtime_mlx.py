@@ -1,4 +1,4 @@
-"""The MLX path and the generation loop (issue 10): device-side token picks, the pipelined generator,
+"""The MLX path and the generation loop: device-side token picks, the pipelined generator,
 fuselm.stream_generate, decode modes, half-precision compute against HF in the same dtype and the profile's
 kernel count (the benchmark against mlx-lm: tests/test_bench_mlx_peer.py)."""
 

@@ -1,4 +1,4 @@
-"""Issue 18: the MLX path reads only the filled rows of the cache, with no array mask at decode and
+"""The MLX path reads only the filled rows of the cache, with no array mask at decode and
 mask="causal" at prefill (rewrites/causal_masks.py decides at load which masks allow it), decodes through compiled
 pieces between the attentions, and launches fewer kernels per decode token than mlx-lm. Checked against
 the torch backend (static-shape decode over the whole buffer with the graph's array mask)."""

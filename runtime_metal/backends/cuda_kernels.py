@@ -16,8 +16,8 @@ so the zero point costs one multiply per block. Accumulation is f32 (no bf16 rou
 activations). Configurations are autotuned per (N, K) at the first call, outside CUDA-graph
 capture (the session's eager warm-up steps), by Triton's do_bench: it flushes L2 before each timed
 call, so the weight comes from memory as in decode, and the flush hides the host launch cost.
-(Timing inside a CUDA graph without the flush picks L2-hot configurations: the 4B-shaped model then
-decoded at 258 tok/s against 279 on an H200, the rest of the code the same.)
+(Timing inside a CUDA graph without the flush picks L2-hot configurations, which decode slower once
+the weights come from memory.)
 
 Prefill (many rows) dequantizes to bf16 in one pass (`dequantize`) and uses cuBLAS.
 """

@@ -119,7 +119,7 @@ class _BuildThread:
     """ThreadedSteps' one build thread: a daemon thread that runs the steps it is given. Not a
     ThreadPoolExecutor: its worker is joined at exit, and on MLX's CUDA backend a thread that has built
     MLX graphs aborts the process when it ends (`terminate called without an active exception`, exit
-    134 after the last token; bench/results/h200/run33.md). A daemon thread is never ended."""
+    134 after the last token). A daemon thread is never ended."""
 
     def __init__(self):
         import queue

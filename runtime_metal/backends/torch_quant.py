@@ -1,20 +1,17 @@
 """Quantized matmul for torch: which kernel runs a blocked (q - zero_point) * scale weight.
 
-Measured on the 2-core AVX2 CPU this project is developed on (torch 2.13, M=1 decode GEMV,
-1024x4096 weight): f32 matmul 0.42 ms, `_weight_int4pack_mm_for_cpu` 4.7 ms, `_weight_int8pack_mm`
-8.6 ms, bf16 matmul 23 ms. torch's CPU low-bit kernels are scalar without AVX-512, and a
-dequantized f32 copy moves 8x the bytes of 4-bit weights through memory every token. So on CPUs
+torch's CPU low-bit kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are scalar without
+AVX-512 and slower than an f32 matmul at decode, and a dequantized f32 copy moves 8x the bytes of 4-bit
+weights through memory every token. So on CPUs
 fuselm uses its own kernels (cpu_kernels.cpp, built once at install: kernel_build.py), chosen at run
 time by what the CPU has (`cpu_isa`: AVX-512 VNNI, AVX2, scalar) over one packed layout:
 - int8 activations (the default, `cpu_activations`): int8 x times 4/8-bit weights with integer
-  accumulation, one dequantization per sub-block of 32 (the seed's Step 2), for decode (GEMV) and
+  accumulation, one dequantization per sub-block of 32, for decode (GEMV) and
   prefill alike (the same kernel as an integer GEMM: no dequantized weights);
 - int16 activations: the int16 GEMV for decode, and for prefill (more than 16 rows) a dequantize into
   a reusable f32 buffer + BLAS GEMM (f32-exact activations, for validation).
-bench/gemv_cpu.py measures both against onnxruntime's MatMulNBits and torch's own kernels (on the
-Sapphire Rapids CPU of bench/results/gemv-cpu-2026-12-02.json the AVX-512 int8 kernel ran a decode
-token's matmuls 1.23x and a prefill chunk's 1.16x onnxruntime level 4, 2.3x and 1.9x torch's
-`_weight_int4pack_mm_for_cpu`). Without kernels (no prebuilt module and no compiler) weights are
+bench/gemv_cpu.py measures both against onnxruntime's MatMulNBits and torch's own kernels
+(docs/benchmarks.md, "CPU kernels"). Without kernels (no prebuilt module and no compiler) weights are
 dequantized to f32 at load ("dequant"), the fastest correct path left. Decode attention is torch's
 (torch_backend.py); the hand-written attention kernel lost to it and was deleted.
 """

@@ -1,4 +1,4 @@
-"""Graphs other exporters wrote never crash a pass (issue 21 item 3).
+"""Graphs other exporters wrote never crash a pass.
 
 optimum-onnx's export (its own environment: it needs transformers < 4.58, scripts/setup.sh makes
 .venv-optimum) optimizes with every fusion that applies and unchanged outputs; a pass that fails or
