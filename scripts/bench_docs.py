@@ -746,7 +746,7 @@ def source_line(specs: list[str], res: Results) -> str:
             bits.append(f"`{m['command']}`")
         bits += [f"{k}: {m[k]}" for k in ("machine", "versions", "date", "load average") if k in m]
         lines.append("Source: " + " · ".join(bits) + ".")
-    return "\n".join(lines)
+    return "\n\n".join(lines)
 
 
 def table(view: str, specs: list[str], res: Results) -> str:
@@ -761,7 +761,10 @@ def table(view: str, specs: list[str], res: Results) -> str:
                 r["_ratio"].setdefault("file", Path(spec).stem)
             rows.append(r)
     cols = v.columns(rows)
-    if len(specs) > 1:
+    seen: dict[tuple, set] = {}
+    for r in rows:  # a file column only where rows of two files would otherwise look alike
+        seen.setdefault(tuple(c.text(r) for c in cols[:3]), set()).add(r["_file"])
+    if any(len(files) > 1 for files in seen.values()):
         cols = [Col("file", lambda r: r["_file"], str)] + cols
     grid = [[c.text(r) for c in cols] for r in rows]
     keep = [i for i, c in enumerate(cols) if any(g[i] not in (None, "") for g in grid)]
