@@ -10,7 +10,7 @@ exporter="torch")` at f32, then exporter/check.py (onnxruntime vs HF transformer
 decode step with past), then `fuselm optimize` and the same check on the optimized graph. Result per
 model_type: ok (both max abs logit diffs <= 1e-4), refused (the FuselmError,
 i.e. what the user sees), failed (anything else: a bug to fix or a refusal to add). Writes
-bench/results/traced_sweep.json; the README's table is made from it.
+bench/results/traced_sweep.json; scripts/bench_docs.py makes the README's model table from it.
 """
 
 from __future__ import annotations
