@@ -4,7 +4,7 @@
     python bench/cpu_rss.py ... --threads 1 --prompt 128 --tokens 64 --out bench/results/cpu-rss-decode.json
 
 Each NAME=DIR is an onnxruntime-genai model directory (the builder's, or fuselm's lowered graph: `fuselm
-optimize --target onnxruntime`, or --backend auto's copy in MODEL/.fuselm-prepared/onnxruntime-*); its child
+optimize --target onnxruntime`, or --backend auto's copy in the prepared store's onnxruntime-*); its child
 loads it with `onnxruntime_genai`, runs a --prompt-token prompt and --tokens greedy tokens, and reports its
 RSS after load, after the prompt and at the end, split into anonymous and file-backed pages (/proc/self/status:
 onnxruntime maps external initializers from the data file), plus the median decode step's process CPU ms (at

@@ -1,5 +1,5 @@
 """First-token time of `fuselm run` in a fresh process: `--backend auto` on a standard q4 graph on a CPU
-before its lowered copy exists (it lowers it, fuselm/ort_prepared.py) and after (it reads it), against
+before its lowered copy exists (it lowers it, runtime_metal/engines/ort_prepared.py) and after (it reads it), against
 `--backend torch`. Each run is a new interpreter; the time is from its start to the first token (a
 32-token prompt, one token), with the process's CPU time beside it (the box may be shared: the CPU time
 moves less with the load than the wall). Rows record the 1-minute load average before them.

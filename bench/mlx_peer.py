@@ -257,7 +257,7 @@ def child(args) -> None:
     """One engine in its own process: loads, warms up (run 0), then answers the parent line by line:
     `run R` -> one run of every point, `counts` -> the per-token figures and peak memory, `quit`."""
     engine = args.child
-    if engine == "load-fuselm":  # a first load: prepares the weights and keeps them beside the model
+    if engine == "load-fuselm":  # a first load: prepares the weights and keeps them in the prepared store
         e = FuselmEngine(Path(args.model), args.dtype, compile_=True)
         print("RESULT " + json.dumps({"load_s": e.load_s, "prepared": e.sess.graph.prepared}), flush=True)
         return
@@ -357,7 +357,7 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_on
                                  k.endswith(f" g{group}")},
                       "mlx-lm": {"convert": steps.get(f"mlx-lm convert g{group} {dtype}")},
                       "checkpoint": steps.get("checkpoint")}
-    # the first load prepares the MLX weights and keeps them beside the model (runtime_metal/prepared.py): the
+    # the first load prepares the MLX weights and keeps them in the prepared store (runtime_metal/prepared.py): the
     # benchmark's own load is then a second load, as users see every time after the first
     first = subprocess.run([sys.executable, __file__, "--child", "load-fuselm", "--model", str(out["fuselm"]),
                             "--dtype", dtype], check=True, capture_output=True, text=True).stdout

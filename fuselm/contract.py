@@ -48,7 +48,7 @@ OPSET = 23  # default domain, every graph fuselm writes
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
 # `--target onnxruntime`: MatMulNBits' default accuracy_level, as onnxruntime-genai's builder writes CPU int4
-# (4: int8 activations); also in the key of the copy `--backend auto` lowers (fuselm/ort_prepared.py)
+# (4: int8 activations); also in the key of the copy `--backend auto` lowers (runtime_metal/engines/ort_prepared.py)
 ORT_ACCURACY_LEVEL = 4
 
 # --- inputs and outputs --------------------------------------------------------------------------

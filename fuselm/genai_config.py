@@ -11,7 +11,7 @@ valid length from attention_mask, so past and present can be one max_length buff
 caches cover the same max_length, the context length). A lowered graph (com.microsoft ops) also runs
 with onnxruntime's graph optimizations off (`LOWERED_GRAPH_OPTIMIZATION`): the passes already lowered it,
 and onnxruntime's optimizer only folds the tied embedding's Reshape into a second copy of the table
-(fuselm/ort_prepared.py has the figures).
+(runtime_metal/engines/ort_prepared.py says what that costs).
 """
 
 from __future__ import annotations

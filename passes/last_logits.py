@@ -24,7 +24,7 @@ class LastPositionLogits(Fusion):
     of its last position along axis 1 goes in front of it and the output's sequence dimension becomes 1.
     Numbers are unchanged for the last position; the other positions are gone, so this is not part of
     `fuselm optimize`: the graph no longer scores a text. `--backend auto`'s prepared copy, which only
-    generates, runs it (fuselm/ort_prepared.py), on onnxruntime with IO binding (onnxruntime-genai 0.18
+    generates, runs it (runtime_metal/engines/ort_prepared.py), on onnxruntime with IO binding (onnxruntime-genai 0.18
     binds a [B, S, vocab] logits buffer and rejects it).
     Must not fire (and says why): no `logits` output; logits written by another op (a Cast, a softcap, a
     Reshape: the head is not the last node); an activation whose rank is not 3; a head that reads

@@ -19,7 +19,7 @@ graph's weights.
 - FUSELM_PREPARED=0 turns the store off.
 
 `prepared_dir` keeps a whole prepared directory the same way (`<format>-<key>/`, e.g. the graph lowered for
-onnxruntime: fuselm/ort_prepared.py): built into a temporary directory and renamed into place under the
+onnxruntime: runtime_metal/engines/ort_prepared.py): built into a temporary directory and renamed into place under the
 lock, stamped with its key and every file's size (and the sha256 of the files under 64 MB), checked on
 every read; a build that finds the model cannot be prepared is remembered under the key (`<format>-<key>.failed`).
 The stamp also records the source's fingerprint (size, mtime, ctime and inode of model.onnx and its data

@@ -1,18 +1,16 @@
 """`--backend auto`: which engine runs a model directory, and why (`fuselm.load`'s rule, the one place it lives).
 
-The rule, from bench/results/cpu-auto.json and cpu-auto-1t.json (`python bench/cpu_auto.py`: the torch
-backend and `--backend onnxruntime` on the same Qwen3-0.6B-shaped q4 model, interleaved, medians):
+The rule follows `python bench/cpu_auto.py` (the torch backend and onnxruntime on the same q4 model;
+docs/benchmarks.md, "Which CPU engine auto runs"):
 - a graph lowered for onnxruntime (`fuselm optimize --target onnxruntime`, com.microsoft ops):
-  onnxruntime; only it runs those ops, and on a CPU it was the fastest path measured (a decode token
-  in 0.44x the torch backend's CPU time on the standard graph, 1 thread);
+  onnxruntime; only it runs those ops, and on a CPU it is the fastest path;
 - a GPU (Metal, CUDA): runtime_metal's own choice (MLX on Metal, torch on CUDA);
 - a CPU and a standard quantized (q4/q8) graph, onnxruntime importable and the prepared store on
-  (FUSELM_PREPARED): onnxruntime on the graph lowered for it, prepared once beside the model
-  (fuselm/ort_prepared.py: `MODEL/.fuselm-prepared/onnxruntime-<key>/`). On the 0.6B q4 model it decoded
-  4.3x the torch backend's tok/s (bench/results/cpu-auto-rerun.json: 12.5 vs 2.9 tok/s); onnxruntime on
-  the standard graph itself took 3.6x the torch backend's CPU time per decode token (it cannot fuse the
-  tied lm_head's `Transpose(DequantizeLinear)` into MatMulNBits, so it dequantizes the vocabulary-wide
-  head every token), so the standard graph is never run there. A graph the passes cannot lower runs on
+  (FUSELM_PREPARED): onnxruntime on the graph lowered for it, prepared once in fuselm's cache folder
+  (ort_prepared.py), several times the torch backend's decode speed; onnxruntime on the standard graph
+  itself is slower than the torch backend (it cannot fuse the tied lm_head's `Transpose(DequantizeLinear)`
+  into MatMulNBits, so it dequantizes the vocabulary-wide head every token), so the standard graph is never
+  run there. A graph the passes cannot lower runs on
   the torch backend, the reason in the header;
 - a CPU and a float graph: the torch backend (the f32 reference);
 - options only runtime_metal honours (--compile, --kv-bits, ...) keep a standard graph there.

@@ -1,8 +1,8 @@
 """The graph lowered for onnxruntime, prepared once beside a standard one (`--backend auto` on a CPU).
 
 `fuselm optimize --target onnxruntime` (MatMulNBits, GroupQueryAttention, SkipSimplifiedLayerNormalization,
-GatherBlockQuantized; its default accuracy level) writes the lowered copy into
-`MODEL/.fuselm-prepared/onnxruntime-<key>/` through runtime_metal/prepared.py's `prepared_dir` (keyed by
+GatherBlockQuantized; its default accuracy level) writes the lowered copy into the prepared store's
+`onnxruntime-<key>/` through runtime_metal/prepared.py's `prepared_dir` (keyed by
 model.onnx's sha256, the data file's size and mtime, fuselm's and onnxruntime's versions and the accuracy
 level; written atomically under a lock, checked on read, rebuilt when stale or damaged). A graph the passes
 cannot lower (optimize refuses it, or no matmul became MatMulNBits, which is where the speed comes from),
@@ -17,12 +17,11 @@ The copy only generates, so its head runs on the prompt's last position (passes/
 0.18 binds a [B, S, vocab] logits buffer and rejects such a graph, so the copy runs on onnxruntime's IO-binding
 loop (engines/ort.py BoundLoop). Its genai_config.json (as every lowered graph's, fuselm/genai_config.py;
 the IO-binding loop reads it) turns onnxruntime's graph optimizations off: the passes already lowered the graph, and onnxruntime's
-optimizer only folds the tied embedding's Reshape into a second 155 MB copy and inlines SwiGLU. Measured on the 0.6B q4 copy
-(onnxruntime-genai 0.18, 2 threads): the same greedy tokens, the same decode CPU time per token (58 vs
-60 ms), 0.3 s less CPU for a load and 8 tokens, and 136 MB less peak RSS (832 vs 968 MB). Saving onnxruntime's optimized
-graph at prepare time (`optimized_model_filepath`, also with its prepacked weights) loads no faster (0.9 s
-of CPU either way: prepacking the MatMulNBits weights, which the saved copy does again) and writes
-that folded copy into the data file (643 MB, or 1.17 GB with the prepacked weights, against 483 MB).
+optimizer only folds the tied embedding's Reshape into a second copy of the table and inlines SwiGLU: with it off
+the greedy tokens and the decode time are the same, and a load costs less CPU and memory. Saving onnxruntime's
+optimized graph at prepare time (`optimized_model_filepath`, also with its prepacked weights) loads no faster
+(prepacking the MatMulNBits weights is most of a load, and the saved copy does it again) and writes that
+folded copy into the data file.
 """
 
 from __future__ import annotations
