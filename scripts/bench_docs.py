@@ -549,7 +549,8 @@ def refusal(r: dict) -> str | None:
         return None
     detail = first_line(r.get("detail"), 400) or ""
     detail = re.sub(r"^model_type '[^']+'(: | is not supported: )", "", detail)
-    return f"{r.get('status')}: {detail.split('; fuselm converts')[0]}"
+    detail = detail.split("; fuselm converts")[0]
+    return f"{r.get('status')}: {detail if len(detail) <= 150 else detail[:149] + '…'}"
 
 
 SWEEP_COLS = [Col("model_type", lambda r: f"`{r['model_type']}`", str),
