@@ -57,6 +57,7 @@ ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 STEP_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # int64 [batch, seq] (the mask: [batch, past + seq])
 LOGITS = "logits"
+LOGITS_TO_KEEP = "logits_to_keep"  # optional int64 [1]: logits of the last N positions only (passes/last_logits.py)
 PAST = "past_key_values"  # past_key_values.{i}.key / .value  float [batch, kv_heads, past, head_dim]
 PRESENT = "present"  # present.{i}.key / .value        float [batch, kv_heads, past + seq, head_dim]
 KINDS = ("key", "value")

@@ -23,22 +23,31 @@ def _logits_dims(model_dir):
 
 @pytest.mark.parametrize("target", [None, "onnxruntime"])
 def test_last_position_logits_are_the_full_graphs_last_row(exported, tmp_path, target):
-    """The same tokens and, at every step, the same logits as the graph computing every position; the
-    prompt's other positions are gone ([batch, 1, vocab]); run twice it fires once."""
+    """The same tokens and, at every step, the same logits as the graph computing every position; the prompt's
+    other positions are gone ([batch, logits_to_keep, vocab], 1 unless fed); run twice it fires once; fed
+    logits_to_keep = 3, the last three rows equal the full graph's (a speculative verification step's)."""
     src = exported("qwen3", "q4")
     full = fuselm.optimize(src, tmp_path / "full", target=target, quiet=True)
     last = fuselm.optimize(src, tmp_path / "last", target=target, last_logits=True, quiet=True)
     dims, g = _logits_dims(last)
-    assert dims[1] == 1 and _logits_dims(full)[0][1] != 1
+    assert dims[1] == "logits_rows" and _logits_dims(full)[0][1] != "logits_rows"
     assert sum(n.op_type == "Slice" and n.name.endswith("LastPosition") for n in g.node) == 1
+    assert [i.name for i in g.input if i.name == "logits_to_keep"] and "logits_to_keep" in {t.name for t in g.initializer}
     _, modified, stats = LastPositionLogits()(graphio.load(last / "model.onnx"))
-    assert not modified and "last position already" in stats.skipped[0][1]
+    assert not modified and "last positions already" in stats.skipped[0][1]
     got = {}
     for name, d in (("full", full), ("last", last)):
         trace = OrtEngine(d, d, Options(threads=1), loop="ort").trace([5, 9, 2, 7, 11, 3], 6)
         got[name] = trace.tokens, np.stack(trace.logits)
     assert got["last"][0] == got["full"][0]
     np.testing.assert_allclose(got["last"][1], got["full"][1], rtol=0, atol=1e-5)
+    rows = {}
+    for name, d in (("full", full), ("last", last)):
+        engine = OrtEngine(d, d, Options(threads=1), loop="ort")
+        engine.reset(16)
+        rows[name] = engine.forward([5, 9, 2, 7, 11, 3], rows=3)
+    assert rows["last"].shape == rows["full"].shape == (3, rows["full"].shape[1])
+    np.testing.assert_allclose(rows["last"], rows["full"], rtol=0, atol=1e-5)
 
 
 def test_last_position_logits_must_not_fire_past_a_tail(tmp_path):

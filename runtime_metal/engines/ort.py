@@ -106,7 +106,8 @@ class BoundLoop:
         self.data = model_dir / contract.DATA_NAME
         with mapped_pages.while_loading(self.data):  # the load's peak, and what MatMulNBits copied (mapped_pages.py)
             self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.inputs = {i.name: i for i in self.sess.get_inputs()}
+        # an input with a default (logits_to_keep) is one of onnxruntime's overridable initializers
+        self.inputs = {i.name: i for i in [*self.sess.get_inputs(), *self.sess.get_overridable_initializers()]}
         self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
         self.shared = _shares_buffer(config, model_dir)
         self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
@@ -132,8 +133,8 @@ class BoundLoop:
         out = []
         for start in range(0, len(ids), PREFILL_CHUNK):
             part = ids[start:start + PREFILL_CHUNK]
-            logits = self._step(part)
             want = min(len(part), rows - (len(ids) - start - len(part)))
+            logits = self._step(part, max(want, 1))
             if want > 0:
                 if logits.shape[0] < want:
                     raise FuselmError(f"this graph gives the logits of its last {logits.shape[0]} position(s) only "
@@ -149,14 +150,16 @@ class BoundLoop:
         if n and not self.shared:  # the presents hold exactly the cached rows: cut them
             self.cache = {k: self._value(v.numpy()[:, :, :self.done]) for k, v in self.cache.items()}
 
-    def _step(self, step: list[int]) -> np.ndarray:
+    def _step(self, step: list[int], keep: int = 1) -> np.ndarray:
         """Run `step`'s tokens after the cached ones: the logits [rows, vocab] the graph gives (all of the step's,
-        or its last position's), the cache after them (the same buffers when they are shared, else the presents)."""
+        or its last `keep` where it takes logits_to_keep), the cache after them (the same buffers when they are
+        shared, else the presents)."""
         io = self.sess.io_binding()
         s, done = len(step), self.done
         feeds = {contract.INPUT_IDS: np.array([step], np.int64),
                  contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
-                 contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None]}
+                 contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None],
+                 contract.LOGITS_TO_KEEP: np.array([keep], np.int64)}
         for name, a in feeds.items():
             if name in self.inputs:
                 io.bind_ortvalue_input(name, self._value(a))
