@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--top-p", type=float, default=1.0)
             r.add_argument("--seed", type=int, default=None)
             r.add_argument("--profile", action="store_true", help="per-op time table")
+            r.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                           help="speculative decoding: draft tokens and check them in one step of the model; ngram: "
+                                "from the prompt and the text so far (prompt lookup), draft: from --draft-model")
+            r.add_argument("--num-draft", type=int, default=4, metavar="K", help="tokens drafted per step (default 4)")
+            r.add_argument("--draft-model", default=None, metavar="DIR",
+                           help="--speculative draft: a fuselm model directory with the same tokenizer (e.g. a q4 graph "
+                                "drafting for a q8 one)")
             r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
                            help="a `fuselm split` output: seconds a rank waits for its neighbour")
         else:

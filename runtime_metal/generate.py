@@ -63,7 +63,7 @@ def stream_generate(model, prompt=None, options: Options | None = None, chat: bo
     detok = Detokenizer(tok)
     t0 = time.perf_counter()
     t_first = None
-    for n, token in enumerate(engine.generate(ids, opts.max_tokens, sampler)):
+    for n, token in enumerate(_tokens(engine, ids, opts, sampler)):
         now = time.perf_counter()
         if t_first is None:
             t_first = now
@@ -73,6 +73,23 @@ def stream_generate(model, prompt=None, options: Options | None = None, chat: bo
                        n / (now - t_first) if n else None, done)
         if done:
             return
+
+
+def _tokens(engine: Engine, ids: list[int], opts: Options, sampler) -> Iterator[int]:
+    """The engine's own generation loop, or speculative decoding over its steps (runtime_metal/speculative.py)."""
+    engine.speculation = None
+    if not opts.speculative:
+        return engine.generate(ids, opts.max_tokens, sampler)
+    from . import speculative
+
+    key = (opts.speculative, opts.draft_model)
+    if key not in engine.drafters:
+        engine.drafters[key] = speculative.drafter_for(opts, sampler, len(ids) + opts.max_tokens + opts.num_draft + 1)
+    drafter = engine.drafters[key]
+    if isinstance(drafter, speculative.ModelDrafter):
+        drafter.sampler, drafter.max_len = sampler, len(ids) + opts.max_tokens + opts.num_draft + 1
+    engine.speculation = speculative.Stats(opts.speculative, opts.num_draft)
+    return speculative.generate(engine, ids, opts.max_tokens, sampler, drafter, opts.num_draft, engine.speculation)
 
 
 def run(model, prompt=None, options: Options | None = None, chat: bool = False, stream=None, quiet: bool = False,
@@ -105,6 +122,9 @@ def run(model, prompt=None, options: Options | None = None, chat: bool = False, 
     decode = f"{result['decode_tok_s']:.1f} tok/s" if decode_n else "n/a (one token)"
     console.print(f"[dim]prefill {last.prompt_tokens} tokens: {result['prefill_tok_s']:.1f} tok/s (to the first token) "
                   f"· decode {decode_n} tokens: {decode} · {engine.describe()}[/dim]")
+    if engine.speculation is not None:
+        result["speculative"] = engine.speculation.as_dict()
+        console.print(f"[dim]{engine.speculation.describe()}[/dim]")
     report = getattr(engine, "report", None)
     if report is not None and (profile := report(console)) is not None:
         result["profile"] = profile

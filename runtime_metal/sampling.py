@@ -44,11 +44,10 @@ class Sampler:
         return sub
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) sampling."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution sampling draws from: softmax(logits / temperature), cut to the top-k, then to the top-p
+    nucleus, renormalised (float64). Speculative decoding's rejection rule reads it too."""
+    z = np.asarray(logits, np.float64).reshape(-1) / temperature
     if top_k and top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)
@@ -60,4 +59,12 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
         cut = order[np.searchsorted(cum, top_p) + 1:]
         p[cut] = 0.0
         p /= p.sum()
+    return p
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) sampling."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    p = probabilities(logits, temperature, top_k, top_p)
     return int(rng.choice(p.size, p=p))

@@ -181,13 +181,16 @@ class Session:
         Tokens are picked on the device and, on a lazy backend (MLX), the next step is queued before
         this token is read (mx.async_eval), so the host builds step n+1 while the device runs step n.
         The cache must have room: reset(len(ids) + max_new) first."""
+        yield from self.decode_from(self.backend.pick_token(self.prefill(ids), sampler), max_new, sampler)
+
+    def decode_from(self, first, n: int, sampler) -> Iterator[int]:
+        """Yield `first` (a picked token on the device, not yet fed) and the n - 1 tokens decoded after it."""
         b = self.backend
-        first = b.pick_token(self.prefill(ids), sampler)
         steady = lambda: self.decoding.choose().mode is Decode.COMPILED  # noqa: E731 - (no host reads)
-        steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, max_new)
-        for n, token in enumerate(steps):
+        steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, n)
+        for i, token in enumerate(steps):
             if token < 0:
-                raise FuselmError(f"the model produced NaN or infinite logits at step {n}; its weights or graph are "
+                raise FuselmError(f"the model produced NaN or infinite logits at step {i}; its weights or graph are "
                                   "broken (`fuselm validate` compares it with the checkpoint)")
             yield token
 

@@ -34,9 +34,11 @@ def load(model, options: Options | None = None, **keywords) -> Engine:
         if flags := options.unhonoured(OrtEngine.HONOURS):
             raise FuselmError(f"--backend onnxruntime does not take {', '.join(flags)}; drop them or use --backend torch")
         # auto's prepared copy was checked when it was written (its stamp says it is unchanged); the IO-binding
-        # loop runs it: its logits are the last position's, which onnxruntime-genai 0.18 refuses
+        # loop runs it (its logits are the last positions', which onnxruntime-genai 0.18 refuses), and speculative
+        # decoding (onnxruntime-genai runs whole generations only)
         copy = path != source
-        return OrtEngine(source, path, options, why, loop="ort" if copy else "auto", checked=copy)
+        return OrtEngine(source, path, options, why, loop="ort" if copy or options.speculative else "auto",
+                         checked=copy)
     from .native import NativeEngine
 
     return NativeEngine(source, options if kind == options.backend else options.replace(backend=kind), why)

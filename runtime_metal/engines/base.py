@@ -37,6 +37,8 @@ class Engine:
             from fuselm.modeldir import read_meta
 
             self.meta = read_meta(self.path)
+        self.drafters: dict = {}  # speculative decoding's drafters, kept across generations (a draft model loads once)
+        self.speculation = None  # what speculation did in the last generation (speculative.Stats)
 
     # --- what it is ----------------------------------------------------------------------------
     def describe(self) -> str:
@@ -66,12 +68,17 @@ class Engine:
         from ..sampling import sample
 
         self.reset(len(ids) + max_new)
-        logits = self.forward(ids)[-1]
-        for i in range(max_new):
-            token = sample(logits, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+        token = sample(self.forward(ids)[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+        yield token
+        yield from self.continue_from(token, max_new - 1, sampler)
+
+    def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
+        """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands."""
+        from ..sampling import sample
+
+        for _ in range(n):
+            token = sample(self.forward([token])[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
             yield token
-            if i + 1 < max_new:
-                logits = self.forward([token])[-1]
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits [len(ids), vocab]: row i predicts ids[i + 1]."""

@@ -65,6 +65,13 @@ class NativeEngine(Engine):
                 self.profiled = max(0, n - PROFILE_SKIP_TOKENS)
             yield token
 
+    def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
+        """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop."""
+        s = self.session
+        steps = s.decode_from(s.backend.asarray(np.array([token], np.int64)), n + 1, sampler)
+        next(steps)  # `token` itself
+        yield from steps
+
     def report(self, console) -> dict | None:
         """The --profile table of the last generation, printed; None without --profile."""
         if not self.options.profile:

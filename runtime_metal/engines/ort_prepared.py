@@ -38,7 +38,7 @@ FORMAT = "onnxruntime"
 
 def _tag() -> str:
     return (f"onnxruntime {onnxruntime_version()}, accuracy level {contract.ORT_ACCURACY_LEVEL}, "
-            f"graph optimization {GRAPH_OPTIMIZATION}, last-position logits")
+            f"graph optimization {GRAPH_OPTIMIZATION}, the last logits_to_keep positions' logits")
 
 
 def onnxruntime_version() -> str:

@@ -1,0 +1,100 @@
+"""Speculative decoding (runtime_metal/speculative.py) on every engine: greedy tokens identical to plain decode with
+n-gram and draft-model drafts, f32 and q4; the rejection rule keeps the target's distribution; drafting turns itself
+off when its drafts are rejected; the CLI's flags and summary."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+import fuselm
+from fuselm.cli import main
+from fuselm.runtime_metal import speculative
+from fuselm.runtime_metal.sampling import Sampler, probabilities
+
+PROMPT = [5, 9, 2, 7, 11, 3, 5, 9, 2, 7]  # recurring n-grams: prompt lookup has something to find
+TOKENS = 24
+
+
+def _run(model, **kw):
+    return fuselm.run(model, PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True, stream=io.StringIO(), **kw)
+
+
+@pytest.mark.parametrize("backend,quant", [("torch", "f32"), ("torch", "q4"), ("numpy", "q4"), ("mlx", "f32"),
+                                           ("onnxruntime", "f32"), ("onnxruntime", "q4")])
+def test_greedy_ngram_equals_plain_decode(optimized, backend, quant):
+    model = optimized("qwen3", quant)
+    plain = _run(model, backend=backend)
+    spec = _run(model, backend=backend, speculative="ngram", num_draft=3)
+    assert spec["tokens"] == plain["tokens"]
+    s = spec["speculative"]
+    assert s["verification_steps"] > 0 and s["target_steps"] < TOKENS, s  # it drafted, and saved target steps
+
+
+def test_greedy_on_the_prepared_lowered_copy(optimized, tmp_path, monkeypatch):
+    """auto's onnxruntime copy keeps only the last logits_to_keep rows: a verification step asks for k + 1."""
+    import shutil
+
+    monkeypatch.setenv("FUSELM_PREPARED", "1")
+    monkeypatch.setattr("fuselm.runtime_metal.engines.auto.gpu", lambda: None)
+    model = tmp_path / "m"
+    shutil.copytree(optimized("qwen3", "q4"), model)
+    plain = _run(model)
+    spec = _run(model, speculative="ngram")
+    assert "lowered for it" in spec["why"] and spec["tokens"] == plain["tokens"]
+    assert spec["speculative"]["verification_steps"] > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_greedy_draft_model_equals_plain_decode(optimized, backend):
+    """The q4 graph drafting for the f32 one (same tokenizer, same checkpoint)."""
+    target, draft = optimized("qwen3", "f32"), optimized("qwen3", "q4")
+    plain = _run(target, backend=backend)
+    spec = _run(target, backend=backend, speculative="draft", draft_model=str(draft), num_draft=4)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["speculative"]["acceptance"] > 0.5  # the q4 graph mostly agrees with the f32 one
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """Over many trials, the token a verification step emits first is distributed as the target's p, for a
+    point-mass draft (n-gram) and for a draft distribution q (a draft model)."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(2, 6)) * 2
+    sampler = Sampler(temperature=1.0, seed=1)
+    p = probabilities(rows[0], 1.0, 0, 1.0)
+    q = probabilities(rng.normal(size=6), 1.0, 0, 1.0)
+    for draft_q in (None, [q]):
+        counts = np.zeros(6)
+        n = 20000
+        for _ in range(n):
+            d = 2 if draft_q is None else int(sampler.rng.choice(6, p=q))
+            kept, nxt = speculative._verify(rows, [d], draft_q, sampler)
+            counts[d if kept else nxt] += 1
+        np.testing.assert_allclose(counts / n, p, atol=0.015)
+
+
+def test_drafting_turns_itself_off_when_rejected(optimized):
+    """A drafter whose drafts are always wrong: after WINDOW steps of rejections the rest is plain decode, and the
+    tokens are still plain decode's."""
+
+    class Wrong(speculative.NgramDrafter):
+        def propose(self, history, k):
+            return [(history[-1] + 1) % 50] * k, None
+
+    engine = fuselm.load(optimized("qwen3", "f32"), backend="torch")
+    want = list(engine.generate(PROMPT, TOKENS, Sampler()))
+    stats = speculative.Stats("wrong", 3)
+    got = list(speculative.generate(engine, PROMPT, TOKENS, Sampler(), Wrong(), 3, stats))
+    assert got == want and stats.off_at is not None and stats.steps == speculative.WINDOW and stats.plain > 0
+
+
+def test_cli_flags(optimized, capsys):
+    model = str(optimized("qwen3", "f32"))
+    assert main(["run", model, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "8", "--ignore-eos",
+                 "--speculative", "ngram", "--num-draft", "2", "--backend", "torch"]) == 0
+    assert "speculative ngram (k=2)" in capsys.readouterr().err
+    assert main(["run", model, "--prompt-ids", "5", "--speculative", "draft"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
+    assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
