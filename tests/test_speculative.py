@@ -8,11 +8,11 @@ import io
 
 import numpy as np
 import pytest
+from fuselm.runtime_metal import speculative
+from fuselm.runtime_metal.sampling import Sampler, probabilities
 
 import fuselm
 from fuselm.cli import main
-from fuselm.runtime_metal import speculative
-from fuselm.runtime_metal.sampling import Sampler, probabilities
 
 PROMPT = [5, 9, 2, 7, 11, 3, 5, 9, 2, 7]  # recurring n-grams: prompt lookup has something to find
 TOKENS = 24
