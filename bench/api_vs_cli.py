@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -34,7 +35,7 @@ for last in fuselm.stream_generate(engine, ids, max_tokens=n, ignore_eos=True):
 print(json.dumps({"prefill_tok_s": last.prompt_tps, "decode_tok_s": last.generation_tps, "what": engine.describe(),
                   "tokens": last.generation_tokens}))
 """
-SUMMARY = re.compile(r"prefill (\d+) tokens: ([\d.]+) tok/s.*decode (\d+) tokens: ([\d.]+) tok/s")
+SUMMARY = re.compile(r"prefill (\d+) tokens:\s+([\d.]+)\s+tok/s.*decode (\d+) tokens:\s+([\d.]+)\s+tok/s")
 
 
 def api(model: Path, ids: list[int], n: int, backend: str) -> dict:
@@ -46,7 +47,8 @@ def api(model: Path, ids: list[int], n: int, backend: str) -> dict:
 
 def cli(model: Path, ids: list[int], n: int, backend: str) -> dict:
     c = run_child([sys.executable, "-m", "fuselm.cli", "run", str(model), "--prompt-ids", ",".join(map(str, ids)),
-                   "--max-tokens", str(n), "--ignore-eos", "--backend", backend])
+                   "--max-tokens", str(n), "--ignore-eos", "--backend", backend],
+                  env={**os.environ, "COLUMNS": "1000"})  # the summary on one line
     m = SUMMARY.search(c.stderr.replace("\n", " "))
     if c.returncode != 0 or m is None:
         return {"error": c.tail()}

@@ -50,10 +50,11 @@ def _convert_module():
 def child(model: Path, tokens_path: Path, threads: int, prompt: int) -> None:
     """Run the f32 model's tokens through `model`: logits at every step, decode step times."""
     import numpy as np
-    from fuselm.runtime_metal.session import Session
+
+    import fuselm
 
     tokens = json.loads(tokens_path.read_text()) if tokens_path.is_file() else None
-    sess = Session(model, backend="torch", device="cpu", threads=threads)
+    sess = fuselm.load(model, backend="torch", device="cpu", threads=threads).session
     vocab = sess.meta["dims"]["vocab"]
     ids = [int(i) for i in np.random.default_rng(0).integers(10, min(vocab, 50000), prompt)]
     sess.reset(prompt + STEPS + 1)

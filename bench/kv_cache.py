@@ -64,9 +64,9 @@ def prepare(name: str, work: Path) -> Path:
 
 # --- children ----------------------------------------------------------------------------------
 def _session(model: str, fmt: str, threads: int | None):
-    from fuselm.runtime_metal.session import Session
+    import fuselm
 
-    return Session(model, backend="torch", device="cpu", kv_bits=FORMATS[fmt], threads=threads)
+    return fuselm.load(model, backend="torch", device="cpu", kv_bits=FORMATS[fmt], threads=threads).session
 
 
 def _rss_mb() -> float:

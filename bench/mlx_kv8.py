@@ -49,9 +49,10 @@ def child(engine: str, model: Path, dtype: str, contexts: list[int], decode: int
         what = "mlx-lm generate_step" + (", kv_bits=8" if kv8 else "")
     else:
         from fuselm.runtime_metal.sampling import Sampler
-        from fuselm.runtime_metal.session import Session
 
-        sess = Session(model, backend="mlx", dtype=dtype, **({"kv_bits": 8, "kv_group_size": GROUP} if kv8 else {}))
+        import fuselm
+
+        sess = fuselm.load(model, backend="mlx", dtype=dtype, **({"kv_bits": 8, "kv_group_size": GROUP} if kv8 else {})).session
         vocab, sampler = sess.meta["dims"]["vocab"], Sampler()
 
         def tokens(prompt, n):

@@ -23,10 +23,10 @@ GB = 1e9
 
 
 def fuselm_probe(args) -> dict:
-    from fuselm.runtime_metal.session import Session
+    import fuselm
 
     out = {}
-    sess = Session(args.model, backend="mlx", dtype=args.dtype)
+    sess = fuselm.load(args.model, backend="mlx", dtype=args.dtype).session
     if args.gpu_like:
         sess.backend.long_sdpa = True
     mx.eval([w for n in sess.graph.nodes if n.op_type == "QMatMul" for w in n.attrs["weight"].data])

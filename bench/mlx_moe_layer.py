@@ -19,9 +19,9 @@ from pathlib import Path
 
 
 def fuselm_layer(model: Path, dtype: str, tokens: int) -> dict:
-    from fuselm.runtime_metal.session import Session
+    import fuselm
 
-    return fuselm_moe_kernels(Session(model, backend="mlx", dtype=dtype, device="cpu"), tokens)
+    return fuselm_moe_kernels(fuselm.load(model, backend="mlx", dtype=dtype, device="cpu").session, tokens)
 
 
 def fuselm_moe_kernels(sess, tokens: int) -> dict:

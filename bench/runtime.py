@@ -49,10 +49,11 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 # --- engines (each runs in a child process) ------------------------------------------------
 def run_fuselm(model: Path, device: str, runs: int, compile_: bool, threads: int | None) -> dict:
     import numpy as np
-    from fuselm.runtime_metal.session import Session
+
+    import fuselm
 
     t0 = time.perf_counter()
-    sess = Session(model, backend="torch", device=device, compile=compile_, threads=threads)
+    sess = fuselm.load(model, backend="torch", device=device, compile=compile_, threads=threads).session
     load = time.perf_counter() - t0
     prompt, long_prompt = _ids(PROMPT), _ids(PREFILL, 1)
     decode, prefill = [], []
@@ -155,8 +156,9 @@ def run_hf(ckpt: Path, device: str, runs: int, dtype: str, cache: str, threads: 
 def count_dispatches(model: Path, device: str) -> dict:
     """Ops the runtime dispatches per decode token (plan steps), and the aten ops they launch."""
     import torch
-    from fuselm.runtime_metal.session import Session
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fuselm
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -167,7 +169,7 @@ def count_dispatches(model: Path, device: str) -> dict:
             self.n += 1
             return func(*args, **(kwargs or {}))
 
-    sess = Session(model, backend="torch", device=device, compile=False)
+    sess = fuselm.load(model, backend="torch", device=device, compile=False).session
     sess.reset(16)
     sess.prefill(_ids(4))
     for _ in range(3):
@@ -191,7 +193,7 @@ def count_dispatches(model: Path, device: str) -> dict:
             return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
         out["cuda_kernels_per_token"] = kernels(lambda: sess.decode(5))
-        comp = Session(model, backend="torch", device=device, compile=True)
+        comp = fuselm.load(model, backend="torch", device=device, compile=True).session
         comp.reset(16)
         comp.prefill(_ids(4))
         for _ in range(4):
