@@ -42,6 +42,7 @@ class Stats:
     emitted: int = 0  # tokens produced by verification steps (kept drafts + the target's own)
     plain: int = 0  # tokens decoded without drafts (no draft found, or drafting off)
     off_at: int | None = None  # the token index where drafting turned itself off
+    exact: bool = True  # the engine's multi-token steps give each row a one-token step's logits
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
 
     @property
@@ -57,13 +58,15 @@ class Stats:
         return {"method": self.method, "num_draft": self.num_draft, "target_steps": self.steps + self.plain,
                 "verification_steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "tokens_per_target_step": self.tokens_per_step,
-                "drafting_off_at": self.off_at}
+                "drafting_off_at": self.off_at, "exact": self.exact}
 
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
         off = f"; drafting turned off at token {self.off_at} (drafts kept too rarely)" if self.off_at is not None else ""
-        return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}"
+        near = "" if self.exact else ("; this engine rounds a multi-token step otherwise than a one-token step (int8 "
+                                      "activations), so greedy tokens may leave plain decode's at a near-tie")
+        return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}{near}"
 
 
 class NgramDrafter:
@@ -157,6 +160,7 @@ def drafter_for(options, sampler, max_len: int):
 def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, stats: Stats) -> Iterator[int]:
     """Prefill `ids` on `engine`, then yield up to `max_new` tokens, drafting `k` at a time (module docstring)."""
     engine.reset(len(ids) + max_new + k + 1)
+    stats.exact = engine.batch_invariant
     drafter.start(ids)
     history = list(ids)
     rows = engine.forward(ids)

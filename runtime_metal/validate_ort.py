@@ -28,20 +28,7 @@ from fuselm.errors import CheckFailed, FuselmError
 from fuselm.reference import OrtRunner, hf_model, hf_steps
 
 from .checks import _first_diff, _int8_drift, _max_diff, check_int8, step_table
-from .engines.ort import OrtEngine, lowered_for_onnxruntime
-
-INT8_LEVEL = 4  # MatMulNBits' accuracy_level for int8 activations (onnxruntime's CPU default)
-
-
-def int8_activations(model_dir: Path) -> bool:
-    """Whether onnxruntime runs the graph's quantized matmuls on int8 activations: a lowered graph's
-    MatMulNBits at level 4, or a standard graph's DequantizeLinear -> MatMul (onnxruntime fuses it at
-    its default level, 4)."""
-    graph = onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph
-    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    if nbits:
-        return any(a.name == "accuracy_level" and a.i >= INT8_LEVEL for n in nbits for a in n.attribute)
-    return any(n.op_type == "DequantizeLinear" for n in graph.node)
+from .engines.ort import OrtEngine, int8_activations, lowered_for_onnxruntime
 
 
 def _precision(q: dict | None) -> str:
@@ -89,7 +76,7 @@ def validate(engine: OrtEngine, ref: Path, ids: list[int], tokens: int, standard
         what = engine.describe()
         engine.close()  # one engine's weights in memory at a time
         plain = OrtRunner(std).greedy(ids, tokens)
-        level4 = OrtRunner(std, optimize=True, accuracy_level=INT8_LEVEL).greedy(ids, tokens) if int8 else None
+        level4 = OrtRunner(std, optimize=True, accuracy_level=contract.ORT_ACCURACY_LEVEL).greedy(ids, tokens) if int8 else None
     hf = hf_steps(hf_model(ref), ids, tokens)
     d_std, d_hf = _max_diff(ours, plain), _max_diff(ours, hf)
     target, target_name = (plain, "the standard graph") if quantized else (hf, "HF transformers")

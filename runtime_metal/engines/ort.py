@@ -41,6 +41,19 @@ def lowered_for_onnxruntime(model_dir) -> bool:
     return any(n.domain == ORT_DOMAIN for n in graph.node)
 
 
+def int8_activations(model_dir: Path) -> bool:
+    """Whether onnxruntime runs the graph's quantized matmuls on int8 activations: a lowered graph's
+    MatMulNBits at level 4, or a standard graph's DequantizeLinear -> MatMul (onnxruntime fuses it at
+    its default level, 4)."""
+    import onnx
+
+    graph = onnx.load(str(model_dir / contract.MODEL_NAME), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    if nbits:
+        return any(a.name == "accuracy_level" and a.i >= contract.ORT_ACCURACY_LEVEL for n in nbits for a in n.attribute)
+    return any(n.op_type == "DequantizeLinear" for n in graph.node)
+
+
 RELEASE_EVERY = 64  # decode steps between two releases of the data file's resident pages
 # prompt tokens per run (bench/cpu_rss.py: a 512-token prompt in one run held 70 MB more of onnxruntime's arena, at the
 # same prefill speed)
@@ -243,6 +256,15 @@ class OrtEngine(Engine):
 
     def describe(self) -> str:
         return self.loop.what
+
+    @property
+    def batch_invariant(self) -> bool:
+        """onnxruntime's int8-activation MatMulNBits (accuracy level 4) rounds a multi-token step's activations
+        otherwise than a one-token step's: a row's logits then depend on the rows beside it (up to ~0.5 on a
+        135M q4 model), where fuselm's own kernels give every row the same numbers either way."""
+        if not hasattr(self, "_invariant"):
+            self._invariant = not int8_activations(self.path)
+        return self._invariant
 
     def _bound(self) -> BoundLoop:
         if not isinstance(self.loop, BoundLoop):

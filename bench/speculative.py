@@ -1,0 +1,169 @@
+"""Speculative decoding on real text: plain decode against n-gram (prompt lookup) and draft-model drafts, on prompts
+grounded in a passage they give (rewrite, summarise, extract, a code edit) and open-ended ones, side by side with
+mlx-lm's speculative decoding (a draft model) on the same prompts where mlx-lm is installed.
+
+    python bench/speculative.py --model Q8_DIR [--draft Q4_DIR] [--mlx-lm MLX_DIR --mlx-lm-draft MLX_Q4_DIR]
+        [--backend auto] [--num-draft 4] [--tokens 128] [--runs 3] [--out FILE]
+
+Each (engine, method) runs in its own process over every prompt, greedy, stopping at the end-of-turn token (the
+chat template applied): `runs` rounds, interleaved, medians per prompt. Decode tok/s excludes the first token (its
+time is the prompt's). Greedy speculation must give plain decode's tokens: a row whose tokens differ is marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _child import run_child  # noqa: E402
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the "
+           "great lens until it shone, and wound the clockwork that turned the light. Ships passing the rocky point "
+           "at night counted the flashes, three short and one long, and knew where they were. In winter the storms "
+           "came in from the north, and the keeper kept a log of every vessel he saw, its name, its course and the "
+           "hour it passed.")
+CODE = ("def total(items):\n    t = 0\n    for x in items:\n        if x > 0:\n            t = t + x\n    return t\n")
+PROMPTS = {
+    "grounded": [
+        f"Rewrite this passage in the present tense, keeping every detail:\n\n{PASSAGE}",
+        f"Copy out every sentence of this passage that mentions the light or the lens:\n\n{PASSAGE}",
+        f"Summarise this passage in two sentences, reusing its own words:\n\n{PASSAGE}",
+        f"Rename the variable `t` to `running_total` in this function and return the whole function:\n\n{CODE}",
+    ],
+    "open": [
+        "Write a short story about a robot who learns to paint.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "List five ideas for a weekend trip and say why each is fun.",
+    ],
+}
+
+FUSELM = """
+import json, sys, time
+import fuselm
+args = json.loads(sys.argv[1])
+engine = fuselm.load(args["model"], backend=args["backend"])
+opts = dict(max_tokens=args["tokens"], chat=True)
+if args["method"] != "plain":
+    opts.update(speculative=args["method"], num_draft=args["k"], draft_model=args.get("draft"))
+out = []
+for prompt in args["prompts"]:
+    list(fuselm.stream_generate(engine, prompt, **{**opts, "max_tokens": 4}))  # warm-up: compiles, allocations
+    toks, t_first, t_last = [], None, None
+    for r in fuselm.stream_generate(engine, prompt, **opts):
+        now = time.perf_counter()
+        t_first = t_first or now
+        t_last = now
+        toks.append(r.token)
+    spec = engine.speculation.as_dict() if engine.speculation else None
+    out.append({"tokens": toks, "decode_tok_s": (len(toks) - 1) / (t_last - t_first) if len(toks) > 1 else None,
+                "speculative": spec})
+print("RESULT " + json.dumps({"what": engine.describe(), "rows": out}))
+"""
+
+MLX_LM = """
+import json, sys, time
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+args = json.loads(sys.argv[1])
+model, tok = load(args["model"])
+draft = load(args["draft"])[0] if args["method"] == "draft" else None
+out = []
+for prompt in args["prompts"]:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    kw = {"draft_model": draft, "num_draft_tokens": args["k"]} if draft is not None else {}
+    for _ in stream_generate(model, tok, text, max_tokens=4, **kw):
+        pass
+    toks, t_first, t_last, drafted = [], None, None, 0
+    for r in stream_generate(model, tok, text, max_tokens=args["tokens"], **kw):
+        now = time.perf_counter()
+        t_first = t_first or now
+        t_last = now
+        toks.append(int(r.token))
+        drafted += bool(getattr(r, "from_draft", False))
+        if r.finish_reason:
+            break
+    out.append({"tokens": toks, "decode_tok_s": (len(toks) - 1) / (t_last - t_first) if len(toks) > 1 else None,
+                "speculative": {"accepted": drafted} if draft is not None else None})
+print("RESULT " + json.dumps({"what": f"mlx-lm on {mx.default_device()}", "rows": out}))
+"""
+
+
+def child(code: str, args: dict) -> dict:
+    c = run_child([sys.executable, "-c", code, json.dumps(args)])
+    line = next((ln for ln in c.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if c.returncode != 0 or line is None:
+        return {"error": c.tail()}
+    return {**json.loads(line[7:]), "wall_s": round(c.wall_s, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="the fuselm model directory to speed up")
+    ap.add_argument("--draft", default=None, help="a fuselm draft model directory (e.g. the same checkpoint at q4)")
+    ap.add_argument("--mlx-lm", default=None, help="the same checkpoint as mlx_lm.convert wrote it (the peer)")
+    ap.add_argument("--mlx-lm-draft", default=None, help="the peer's draft model")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from first_token import processor, versions
+
+    prompts = [p for kind in PROMPTS.values() for p in kind]
+    kinds = [kind for kind, ps in PROMPTS.items() for _ in ps]
+    engines = [("fuselm", "plain"), ("fuselm", "ngram")] + ([("fuselm", "draft")] if args.draft else [])
+    if args.mlx_lm:
+        engines += [("mlx-lm", "plain")] + ([("mlx-lm", "draft")] if args.mlx_lm_draft else [])
+    runs: dict[str, list] = {f"{e}:{m}": [] for e, m in engines}
+    for r in range(args.runs):
+        for e, m in engines if r % 2 == 0 else engines[::-1]:
+            common = {"method": m, "k": args.num_draft, "tokens": args.tokens, "prompts": prompts}
+            if e == "fuselm":
+                got = child(FUSELM, {**common, "model": args.model, "backend": args.backend, "draft": args.draft})
+            else:
+                got = child(MLX_LM, {**common, "model": args.mlx_lm, "draft": args.mlx_lm_draft})
+            runs[f"{e}:{m}"].append(got)
+            print(f"{e}:{m} round {r}: {got.get('error') or got['what']}", flush=True)
+
+    def median(name: str, i: int) -> float | None:
+        got = [x["rows"][i]["decode_tok_s"] for x in runs[name] if "rows" in x and x["rows"][i]["decode_tok_s"]]
+        return statistics.median(got) if got else None
+
+    table = []
+    for i, (kind, prompt) in enumerate(zip(kinds, prompts, strict=True)):
+        row = {"kind": kind, "prompt": prompt[:60]}
+        for name in runs:
+            row[name] = median(name, i)
+            first = next((x for x in runs[name] if "rows" in x), None)
+            if first and first["rows"][i]["speculative"]:
+                row[f"{name}:acceptance"] = first["rows"][i]["speculative"].get("acceptance")
+                row[f"{name}:tokens_per_step"] = first["rows"][i]["speculative"].get("tokens_per_target_step")
+        for e in ("fuselm", "mlx-lm"):
+            base = row.get(f"{e}:plain")
+            for m in ("ngram", "draft"):
+                if row.get(f"{e}:{m}") and base:
+                    row[f"{e}:{m}/plain"] = round(row[f"{e}:{m}"] / base, 3)
+        plain = next((x for x in runs["fuselm:plain"] if "rows" in x), None)
+        for m in ("ngram", "draft"):
+            spec = next((x for x in runs.get(f"fuselm:{m}", []) if "rows" in x), None)
+            if plain and spec:
+                row[f"fuselm:{m}:same_tokens"] = spec["rows"][i]["tokens"] == plain["rows"][i]["tokens"]
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"bench": "speculative", "command": " ".join(["python", "bench/speculative.py", *sys.argv[1:]]),
+              "date": time.strftime("%Y-%m-%d"), "machine": processor(), "versions": versions(), "table": table,
+              "runs": runs}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
