@@ -30,12 +30,19 @@ from .kvcache import CacheView
 N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
 
 
-def static_feeds(b, ids, pos, max_len: int, first: str = contract.INPUT_IDS) -> dict:
-    """The graph's small inputs for one static decode step at 0-d device position `pos`; `ids` goes to
+def static_feeds(b, ids, pos, max_len: int, first: str = contract.INPUT_IDS, rows: int = 1) -> dict:
+    """The graph's small inputs for one static step of `rows` tokens at 0-d device position `pos`; `ids` goes to
     `first` (a pipeline stage's hidden state: contract.HIDDEN)."""
-    mask = b.cast(b.binary("less_equal", b.reshape(b.arange(0, max_len, 1, 7), (1, max_len)), b.cast(pos, 7)), 7)
-    return {first: ids, contract.ATTENTION_MASK: mask,
-            contract.POSITION_IDS: b.reshape(b.cast(pos, 7), (1, 1))}
+    index = b.reshape(b.arange(0, max_len, 1, 7), (1, max_len))
+    last = b.cast(pos, 7) if rows == 1 else b.binary("add", b.cast(pos, 7), b.full((), rows - 1, 7))
+    mask = b.cast(b.binary("less_equal", index, last), 7)
+    return {first: ids, contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions(b, pos, rows)}
+
+
+def positions(b, pos, rows: int):
+    """position_ids [1, rows] from the 0-d device position `pos`."""
+    at = b.cast(pos, 7)
+    return b.reshape(at if rows == 1 else b.binary("add", at, b.arange(0, rows, 1, 7)), (1, rows))
 
 
 class CompiledDecode:
@@ -91,8 +98,8 @@ class PiecewiseDecode:
     new K/V rows with their heads first and take its output that way, so those views are built inside the
     compiled calls. Any other Attention runs through the executor."""
 
-    def __init__(self, sess, plan, max_len: int):
-        self.sess, self.max_len = sess, max_len
+    def __init__(self, sess, plan, max_len: int, rows: int = 1):
+        self.sess, self.max_len, self.rows = sess, max_len, rows  # rows: tokens per step (a verification's k + 1)
         self.names = [c.name for c in sess.caches]
         self.pieces = _pieces(plan)
         read = {x for p in self.pieces for x in p.inputs}
@@ -146,10 +153,10 @@ class PiecewiseDecode:
         views = dict(zip(self.names, bufs, strict=True)) if self.direct else \
             {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
         if self.mask:
-            env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input), **views}
+            env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input, self.rows), **views}
         else:
-            env = {sess.first_input: ids, contract.POSITION_IDS: b.reshape(b.cast(pos_dev, 7), (1, 1)), **views}
-        ex.ctx["logit_rows"] = 1
+            env = {sess.first_input: ids, contract.POSITION_IDS: positions(b, pos_dev, self.rows), **views}
+        ex.ctx["logit_rows"] = self.rows
         b.new_step()
         b.step_memo = {}
         for fn, fast, p, inputs in self.calls:
@@ -218,7 +225,7 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
             view.buffer = env[vn].buffer = buf
         k = b.slice(buf, (slice(None), slice(0, hk), slice(t0, t1)))
         v = b.slice(buf, (slice(None), slice(hk, 2 * hk), slice(t0, t1)))
-        env[yn] = b.sdpa(q, k, v, None, scale)
+        env[yn] = b.sdpa(q, k, v, "causal" if s > 1 else None, scale)  # several queries: a verification step
 
     return run
 
@@ -276,4 +283,4 @@ def agrees(backend, a, b, tol: float = 1e-3) -> bool:
     return bool(close and np.argmax(x) == np.argmax(y))
 
 
-__all__ = ["CompiledDecode", "PiecewiseDecode", "agrees", "static_feeds", "N_INPUTS"]
+__all__ = ["CompiledDecode", "PiecewiseDecode", "agrees", "positions", "static_feeds", "N_INPUTS"]

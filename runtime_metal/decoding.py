@@ -165,6 +165,7 @@ class Decoding:
         self.failed: str | None = None  # why the compiled step was not kept
         self.last: Strategy | None = None  # what the last step ran
         self.pos_dev = None  # (position, the same as a device array) the compiled step handed back
+        self.verifiers: dict[tuple[int, int], PiecewiseDecode | None] = {}  # (cache length, rows): None = not kept
 
     def choose(self) -> Strategy:
         s = self.sess
@@ -190,6 +191,57 @@ class Decoding:
 
     def reset(self) -> None:
         self.pos_dev = None
+
+    def rows(self, ids: list[int]):
+        """A step of several tokens at the session's position (a speculative verification), every row's logits
+        [S, vocab]: where attention reads the filled rows (MLX) and static decode holds, as compiled pieces for
+        this cache length and row count, built from an eager static step once its rows agree with a dynamic
+        step's; elsewhere (and on that first step) the dynamic step."""
+        s = self.sess
+        key = (s.max_len, len(ids))
+        fn = self.verifiers.get(key)
+        if fn is not None:
+            logits, _, bufs = fn(s._ids(ids), self.position(), [s.buffers[c.name] for c in s.caches])
+            s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+            s.pos += len(ids)
+            return s.backend.slice(logits, (0,))
+        if key in self.verifiers or not (s.causal_reads and self.static and self.compile and not s.profiler.enabled):
+            return s._step_dynamic(ids, len(ids))
+        self.verifiers[key] = None  # one try per shape
+        return self._build_rows(ids)
+
+    def _build_rows(self, ids: list[int]):
+        s, b, n = self.sess, self.sess.backend, len(ids)
+        pos = s.pos
+        before = _rows(s, pos, n)
+        dyn = s._step_dynamic(ids, n)
+        after = _rows(s, pos, n)
+        _put(s, before)
+        s.pos = pos
+        token, pos_dev = s._ids(ids), self.position()
+        feeds = static_feeds(b, token, pos_dev, s.max_len, s.first_input, n)
+        views = {c.name: s._view(c, pos, n, static=True) for c in s.caches}
+        eager = s._run(token, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views, n)
+        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos, n, static=True) for c in s.caches}})
+        tol = self.tolerance()
+        if plan is None or not agrees(b, dyn, b.slice(eager, (0,)), tol):
+            _put(s, after)
+            s.pos = pos + n
+            return dyn
+        fn = PiecewiseDecode(s, plan, s.max_len, rows=n)
+        bufs = [s.buffers[c.name] for c in s.caches]
+        try:
+            fn.build((token, pos_dev, *bufs))
+            logits, _, bufs = fn(token, pos_dev, bufs)
+        except Exception:  # noqa: BLE001 - a compiler failure leaves verification on the dynamic step
+            _put(s, after)
+            s.pos = pos + n
+            return dyn
+        s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+        if agrees(b, dyn, b.slice(logits, (0,)), tol):
+            self.verifiers[(s.max_len, n)] = fn
+        s.pos = pos + n
+        return dyn
 
     def position(self):
         """The session's position as a 0-d device integer (the one the compiled step handed back, if it is this one)."""
@@ -235,9 +287,9 @@ class Decoding:
         self.compiled[s.max_len] = fn
 
 
-def _rows(s, pos: int) -> dict:
-    """A host copy of the cache rows the step at `pos` writes (kvcache.snapshot), one per buffer."""
-    return {k: kvcache.snapshot(s.backend, v, pos, pos + 1) for k, v in s.buffers.items() if k not in s.packed}
+def _rows(s, pos: int, n: int = 1) -> dict:
+    """A host copy of the cache rows the step of `n` tokens at `pos` writes (kvcache.snapshot), one per buffer."""
+    return {k: kvcache.snapshot(s.backend, v, pos, pos + n) for k, v in s.buffers.items() if k not in s.packed}
 
 
 def _put(s, saved: dict) -> None:

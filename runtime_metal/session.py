@@ -156,6 +156,14 @@ class Session:
             return b.slice(logits, (0, n - 1))  # [vocab]
         return b.slice(logits, (0, slice(n - min(rows or n, n), None)))  # [rows, vocab]
 
+    def verify(self, ids: list[int]):
+        """A few tokens at once after the cache (a speculative verification step): every row's logits [S, vocab],
+        compiled where decoding.py can (Decoding.rows)."""
+        if self.pos + len(ids) > self.max_len:
+            raise FuselmError(f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); reset with more")
+        self.backend.set_threads(decode=True)
+        return self.decoding.rows(list(ids))
+
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens: in-place buffers are written over from the new position on (every read
         stops at the position, or is masked there); a cache kept as the graph's presents is cut."""

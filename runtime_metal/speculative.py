@@ -183,9 +183,12 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             produced += 1
             yield y
             continue
-        rows = engine.forward([y, *draft], rows=len(draft) + 1)
-        kept, nxt = _verify(rows, draft, q, sampler)
-        engine.rollback(len(draft) - kept)
+        # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
+        # rows are read by no one, later rows never change earlier ones)
+        pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
+        rows = engine.forward([y, *draft, *pad], rows=len(draft) + len(pad) + 1)
+        kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
+        engine.rollback(len(draft) + len(pad) - kept)
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
         stats.steps += 1
         stats.drafted += len(draft)

@@ -98,3 +98,15 @@ def test_cli_flags(optimized, capsys):
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "draft"]) == 2
     assert "--draft-model" in capsys.readouterr().err
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
+
+
+def test_mlx_verifies_on_compiled_pieces(optimized):
+    """Where attention reads the filled rows (MLX), a verification step runs as compiled pieces for its row count
+    (drafts padded to k), built once its rows agree with the dynamic step's; the tokens stay plain decode's."""
+    engine = fuselm.load(optimized("qwen3", "q4"), backend="mlx")
+    plain = list(engine.generate(PROMPT, TOKENS, Sampler()))
+    spec = [r.token for r in fuselm.stream_generate(engine, PROMPT, max_tokens=TOKENS, ignore_eos=True,
+                                                    speculative="ngram", num_draft=3)]
+    assert spec == plain and engine.speculation.steps > 1
+    kept = engine.session.decoding.verifiers
+    assert len(kept) == 1 and all(v is not None for v in kept.values()), kept  # one row count: k + 1

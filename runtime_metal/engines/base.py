@@ -29,6 +29,7 @@ class Engine:
     device = "cpu"
     compute = "f32"  # the compute type of the graph's float32 values
     batch_invariant = True  # a row of a multi-token step gets the logits it gets in a one-token step
+    fixed_rows = False  # its multi-token steps are compiled per row count: speculation verifies k drafts every time
     HONOURS: dict[str, tuple | None] = GENERATION
 
     def __init__(self, source: Path, path: Path, options: Options, why: str | None = None):

@@ -12,6 +12,7 @@ from fuselm.options import GENERATION, Options
 from .base import Engine
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
+VERIFY_ROWS = 16  # a step of at most this many tokens after the prompt is a speculative verification
 
 
 class NativeEngine(Engine):
@@ -33,6 +34,10 @@ class NativeEngine(Engine):
     def describe(self) -> str:
         return self.session.describe()
 
+    @property
+    def fixed_rows(self) -> bool:
+        return self.session.causal_reads  # Decoding.rows compiles a verification step per cache length and rows
+
     def reset(self, max_len: int) -> None:
         self.session.reset(max_len)
 
@@ -40,6 +45,8 @@ class NativeEngine(Engine):
         s = self.session
         if len(ids) == 1 and rows == 1 and s.pos > 0:  # a decode step: the static / compiled strategies
             return s.logits_to_numpy(s.decode(int(ids[0])))[None]
+        if 1 < len(ids) == rows <= VERIFY_ROWS and s.pos > 0:  # a verification step: compiled where it can be
+            return np.asarray(s.backend.to_numpy(s.verify(ids)), np.float32).reshape(rows, -1)
         chunk, out = s.prefill_chunk, []
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
