@@ -14,6 +14,7 @@ is refused instead of exported wrong.
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 
@@ -68,16 +69,45 @@ def translation():
 
 
 class RopeSpec:
-    """One layer kind's rotary: the frequencies (scaling folded in, as the model's module holds them),
-    the pair layout, and whether apply_rotary_pos_emb gets q/k as [B,H,S,D] (else [B,S,H,D], GPT-J)."""
+    """One layer kind's rotary: the frequencies (scaling folded in, as the model's module holds them), and per
+    rotary function of the modeling file (`APPLY_FUNCTIONS`) its Layout. `complex`: the model hands the layers one
+    complex tensor polar(1, position x inv_freq) (Llama 4, DeepSeek-V2) rather than a (cos, sin) pair.
+    `interleaved` / `heads_first` are those of the function the layer calls (`use`, after its trace)."""
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, interleaved: int = 0, heads_first: bool = True):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, layouts: dict[str, Layout], complex_pe: bool = False):
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.attention_scaling = float(attention_scaling)
-        self.interleaved, self.heads_first = interleaved, heads_first
+        self.layouts, self.complex = dict(layouts), complex_pe
+        # the op's attribute per sign, as Python floats made here (inside a trace, tensor math is symbolic)
+        self.signed = {sign: [sign * v for v in self.inv_freq.tolist()] for sign in (1, -1)}
+        self.use(next(iter(self.layouts)))
+
+    def use(self, function: str) -> None:
+        """The layout of `function` (the one the traced layer called) is the spec's."""
+        self.function = function
+        layout = self.layouts[function]
+        self.interleaved, self.heads_first = layout.interleaved, layout.heads_first
 
     def key(self) -> tuple:
-        return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.interleaved, self.heads_first)
+        return (tuple(self.inv_freq.tolist()), self.attention_scaling, self.complex,
+                tuple(sorted((k, tuple(v)) for k, v in self.layouts.items())))
+
+
+class Layout(NamedTuple):
+    """How one rotary function of a modeling file maps to FusedRoPE: the pair layout, whether it takes q/k as
+    [B,H,S,D], the sign of inv_freq, and `permuted`: it returns the interleaved pairs' rotated halves as
+    [evens, odds] (DeepSeek-V3's apply_rotary_pos_emb_interleave). FusedRoPE then leaves the pairs in place:
+    the same permutation of q's and k's rotary dims, so q·kᵀ is unchanged (only q and k are rotated)."""
+
+    interleaved: int
+    heads_first: bool
+    sign: int = 1
+    permuted: bool = False
+
+
+# The modeling files' rotary functions (rotate_half / interleaved on cos and sin; DeepSeek-V3's interleaved
+# variant; the complex form on freqs_cis): each is replaced by FusedRoPE while a layer is traced.
+APPLY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 
 
 def as_written(fn):
@@ -92,87 +122,128 @@ def as_written(fn):
     return fn
 
 
+def _pe_params(params: list[str]) -> list[str]:
+    """The position-embedding parameters of a rotary function: `cos` and `sin`, or one complex `freqs_cis`."""
+    if "cos" in params and "sin" in params:
+        return ["cos", "sin"]
+    return [p for p in params if "freq" in p][:1]
+
+
 def rotated_arguments(apply, model_type: str) -> list[str]:
-    """The parameters of an apply_rotary_pos_emb that it rotates: those before `cos` / `sin`
+    """The parameters of an apply_rotary_pos_emb that it rotates: those before `cos` / `sin` (or `freqs_cis`)
     (q, k for most families; one `tensor` for GPT-J's `apply_rotary_pos_emb(tensor, sin, cos)`)."""
     apply = as_written(apply)
     params = list(inspect.signature(apply).parameters)
-    if "cos" not in params or "sin" not in params or min(params.index("cos"), params.index("sin")) == 0:
-        raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb{inspect.signature(apply)} takes no "
-                          "(tensors, cos, sin); fuselm's traced exporter cannot map it to FusedRoPE")
-    return params[:min(params.index("cos"), params.index("sin"))]
+    pe = _pe_params(params)
+    if not pe or min(params.index(p) for p in pe) == 0:
+        raise FuselmError(f"model_type {model_type!r}: its {apply.__name__}{inspect.signature(apply)} takes no "
+                          "(tensors, cos, sin) or (tensors, freqs_cis); fuselm's traced exporter cannot map it to FusedRoPE")
+    return params[:min(params.index(p) for p in pe)]
 
 
 class Installed:
-    """While active: `apply_rotary_pos_emb` of the family's module calls the custom op with `spec`."""
+    """While active: the family module's rotary functions (APPLY_FUNCTIONS) call the custom op with `spec`."""
 
     def __init__(self, module, positions_marker):
         self.module, self.marker = module, positions_marker
         self.spec: RopeSpec | None = None
-        self.original = getattr(module, "apply_rotary_pos_emb", None)
+        self.originals = {n: getattr(module, n) for n in APPLY_FUNCTIONS if callable(getattr(module, n, None))}
         self.calls = 0
+        self.used: str | None = None  # the function the layer called
 
     def __enter__(self):
-        if self.original is not None:
-            written = as_written(self.original)  # (the module's attribute itself is what __exit__ puts back)
-            self.signature = inspect.signature(written)
-            self.rotated = rotated_arguments(written, self.module.__name__)
-            self.module.apply_rotary_pos_emb = self._apply
+        self.signatures, self.rotated, self.pe = {}, {}, {}
+        for name, original in self.originals.items():
+            written = as_written(original)  # (the module's attribute itself is what __exit__ puts back)
+            self.signatures[name] = inspect.signature(written)
+            self.rotated[name] = rotated_arguments(written, self.module.__name__)
+            self.pe[name] = _pe_params(list(self.signatures[name].parameters))
+            setattr(self.module, name, lambda *a, _name=name, **k: self._apply(_name, *a, **k))
         return self
 
     def __exit__(self, *exc):
-        if self.original is not None:
-            self.module.apply_rotary_pos_emb = self.original
+        for name, original in self.originals.items():
+            setattr(self.module, name, original)
         return False
 
-    def _apply(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
+    def _apply(self, function: str, *args, **kwargs):
+        bound = self.signatures[function].bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        if a["cos"] is not self.marker() or a["sin"] is not self.marker() or self.spec is None:
-            raise FuselmError(f"{self.module.__name__}: the layer changes cos/sin before apply_rotary_pos_emb; "
+        s = self.spec
+        if any(a[p] is not self.marker() for p in self.pe[function]) or s is None or function not in s.layouts:
+            raise FuselmError(f"{self.module.__name__}: the layer changes cos/sin before {function}; "
                               "fuselm's traced exporter cannot map this rotary to FusedRoPE")
         self.calls += 1
-        s = self.spec
-        heads_first = a["unsqueeze_dim"] == 1 if "unsqueeze_dim" in a else s.heads_first
+        self.used = function
+        layout = s.layouts[function]
+        heads_first = a["unsqueeze_dim"] == 1 if "unsqueeze_dim" in a else layout.heads_first
+        inv_freq = s.signed[layout.sign]
         out = []
-        for name in self.rotated:
+        for name in self.rotated[function]:
             t = a[name].transpose(1, 2) if heads_first else a[name]  # HF's [B,H,S,D] -> FusedRoPE's [B,S,H,D]
-            y = torch.ops.fuselm_trace.rope(t, self.marker(), s.inv_freq.tolist(), s.attention_scaling, s.interleaved)
+            y = torch.ops.fuselm_trace.rope(t, self.marker(), inv_freq, s.attention_scaling, layout.interleaved)
             out.append(y.transpose(1, 2) if heads_first else y)
         return tuple(out) if len(out) > 1 else out[0]
 
 
-def rope_layout(module, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_scaling: float, head_dim: int, model_type: str) -> tuple[int, bool, int]:
-    """(interleaved, heads_first, sign of inv_freq): the FusedRoPE layout and q/k layout that make FusedRoPE equal the
-    family's apply_rotary_pos_emb (checked on random tensors, with the rotary module's real cos/sin);
-    refuses anything else."""
-    apply = as_written(getattr(module, "apply_rotary_pos_emb", None))
-    if apply is None:
-        raise FuselmError(f"model_type {model_type!r}: its modeling code has no apply_rotary_pos_emb; fuselm's "
-                          "traced exporter maps only that function to FusedRoPE")
+def rope_layouts(module, pe, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, head_dim: int,
+                 model_type: str) -> dict[str, Layout]:
+    """Per rotary function of the modeling file (APPLY_FUNCTIONS) the Layout that makes FusedRoPE equal it, checked
+    on random tensors with the rotary module's real position embeddings `pe` ((cos, sin), or one complex tensor);
+    a function no layout reproduces is left out, and a file where none is left is refused."""
+    found = {}
+    for name in APPLY_FUNCTIONS:
+        apply = as_written(getattr(module, name, None))
+        if callable(apply):
+            layout = _layout(apply, pe, positions, inv_freq, attention_scaling, head_dim, model_type)
+            if layout is not None:
+                found[name] = layout
+    if not found:
+        present = [n for n in APPLY_FUNCTIONS if callable(getattr(module, n, None))]
+        raise FuselmError(f"model_type {model_type!r}: " + (
+            f"its {', '.join(present)} match neither rotate_half nor interleaved FusedRoPE with the rotary module's "
+            "inv_freq; it cannot be exported as FusedRoPE" if present else
+            f"its modeling code has none of {', '.join(APPLY_FUNCTIONS)}; fuselm's traced exporter maps only those "
+            "to FusedRoPE"))
+    return found
+
+
+def _layout(apply, pe, positions, inv_freq, attention_scaling, head_dim, model_type) -> Layout | None:
     names = rotated_arguments(apply, model_type)
+    pe_names = _pe_params(list(inspect.signature(apply).parameters))
+    if len(pe_names) == 2 and isinstance(pe, torch.Tensor):  # a (cos, sin) function beside a complex rotary
+        pe = (pe.real, pe.imag)
+    if len(pe_names) == 1 and not isinstance(pe, torch.Tensor):
+        return None
+    pe_args = dict(zip(pe_names, pe, strict=True)) if len(pe_names) == 2 else {pe_names[0]: pe}
     gen = torch.Generator().manual_seed(0)
     batch, seq = positions.shape
+    rdim = 2 * len(inv_freq)
+    pairs = torch.cat((torch.arange(0, rdim, 2), torch.arange(1, rdim, 2)))  # [evens, odds]
     # head_dim wide (the function handles partial rotary itself), or only the rotary part (the
-    # attention slices q/k before calling it: Phi, StableLM, Persimmon, GPT-J)
-    for width in dict.fromkeys((head_dim, 2 * len(inv_freq))):
+    # attention slices q/k before calling it: Phi, StableLM, Persimmon, GPT-J, DeepSeek)
+    for width in dict.fromkeys((head_dim, rdim)):
         for heads_first in (True, False):
             # FusedRoPE's [B,S,H,D]; 3 heads for the first tensor, 1 for the others (q and a GQA k)
             xs = [torch.randn(batch, seq, 3 if i == 0 else 1, width, generator=gen) for i in range(len(names))]
             with torch.no_grad():
                 try:
                     want = apply(**{n: x.transpose(1, 2) if heads_first else x for n, x in zip(names, xs, strict=True)},
-                                 cos=cos, sin=sin)
+                                 **pe_args)
                 except RuntimeError:  # shapes it does not take
                     continue
             want = [w.transpose(1, 2) if heads_first else w for w in (want if isinstance(want, tuple) else (want,))]
             # sign -1: the rotation runs the other way (NanoChat's rotate_half is cat(x2, -x1)): FusedRoPE of -inv_freq
             for interleaved, sign in ((0, 1), (1, 1), (0, -1), (1, -1)):
                 got = [reference(x, positions, sign * inv_freq, attention_scaling, interleaved) for x in xs]
-                if len(want) == len(got) and all(
-                        w.shape == g.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(got, want, strict=True)):
-                    return interleaved, heads_first, sign
-    raise FuselmError(f"model_type {model_type!r}: its apply_rotary_pos_emb matches neither rotate_half nor "
-                      "interleaved FusedRoPE with the rotary module's inv_freq; it cannot be exported as FusedRoPE")
+                if _same(got, want):
+                    return Layout(interleaved, heads_first, sign)
+                if interleaved and len(names) == 2 and width == rdim and _same([g[..., pairs] for g in got], want):
+                    return Layout(interleaved, heads_first, sign, permuted=True)
+    return None
+
+
+def _same(got, want) -> bool:
+    return len(want) == len(got) and all(w.shape == g.shape and torch.allclose(g, w.to(g.dtype), atol=1e-5, rtol=1e-5)
+                                         for g, w in zip(got, want, strict=True))

@@ -21,7 +21,7 @@ from torch import nn
 
 from fuselm.errors import FuselmError
 
-from .rope_op import RopeSpec, rope_layout
+from .rope_op import RopeSpec, rope_layouts
 
 # Config keys that mark a model the traced exporter cannot express, and why.
 _REFUSED_KEYS = {
@@ -298,6 +298,8 @@ class Skeleton:
                 out = forward(*args, **kwargs)
                 if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
                     tags[id(out[0])] = (module, args, kwargs, *out)
+                elif isinstance(out, torch.Tensor) and out.is_complex():  # polar(1, freqs): Llama 4, DeepSeek-V2
+                    tags[id(out)] = (module, args, kwargs, out, None)
                 return out
             return run
 
@@ -369,12 +371,13 @@ class Skeleton:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
                                   f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
                                   "decoders only")
-            tag = tags.get(id(pe[0]))
+            first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
+            tag = tags.get(id(first))
             if tag is None:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
                                   "embedding module made; not supported by the traced exporter")
-            if id(pe[0]) not in specs:
-                specs[id(pe[0])] = self._rope_spec(*tag, positions)
+            if id(first) not in specs:
+                specs[id(first)] = self._rope_spec(*tag, positions)
             allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
             if torch.equal(allowed, causal):
                 is_sliding = False
@@ -387,7 +390,7 @@ class Skeleton:
             static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _CACHE_ARGS
                       and k not in ("attention_mask", "position_ids", "position_embeddings")
                       and (v is None or isinstance(v, (bool, int, float, str)))}
-            plans.append(LayerPlan(i, specs[id(pe[0])], is_sliding, kwargs=static, cache_arg=cache_arg))
+            plans.append(LayerPlan(i, specs[id(first)], is_sliding, kwargs=static, cache_arg=cache_arg))
         return plans
 
     def _positions(self, layer_kwargs: dict) -> str:
@@ -403,10 +406,14 @@ class Skeleton:
     def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
         """The frequencies the rotary module used for this call, checked against its own cos/sin. Most
         modules hold them (`inv_freq` or `{layer_type}_inv_freq`, `attention_scaling`); from a module
-        with a sin/cos table (GPT-J's `embed_positions`) they are read back from the table's angles."""
-        # (cos, sin), or (sin, cos) as GPT-J returns them: at position 0 sin is 0
-        sin_first = not first[:, 0].any() and bool(second[:, 0].all())
-        cos, sin = (second, first) if sin_first else (first, second)
+        with a sin/cos table (GPT-J's `embed_positions`) they are read back from the table's angles.
+        `second` None: the module returned one complex tensor (its real and imaginary parts are cos and sin)."""
+        complex_pe = second is None
+        if complex_pe:
+            cos, sin, sin_first = first.real, first.imag, False
+        else:  # (cos, sin), or (sin, cos) as GPT-J returns them: at position 0 sin is 0
+            sin_first = not first[:, 0].any() and bool(second[:, 0].all())
+            cos, sin = (second, first) if sin_first else (first, second)
         layer_type = next((a for a in (*args[2:], *kwargs.values()) if isinstance(a, str)), None)
         prefix = f"{layer_type}_" if layer_type else ""
         inv = getattr(module, f"{prefix}inv_freq", None)
@@ -417,7 +424,7 @@ class Skeleton:
             angles, scaling = self._angles(module, args, kwargs, positions, sin_first), float(cos[0, 0, 0])
             candidates = [angles[: len(angles) // 2], angles[::2], angles]
         # rotate_half tables repeat the angles as [f, f]; interleaved ones (Cohere) as [f0, f0, f1, f1, ...];
-        # GPT-J's hold each once
+        # GPT-J's and the complex ones hold each once
         for inv in candidates:
             freqs = positions[..., None].float() * inv.float()
             tables = (torch.cat((freqs, freqs), dim=-1), freqs.repeat_interleave(2, dim=-1), freqs)
@@ -427,9 +434,8 @@ class Skeleton:
         else:
             raise FuselmError(f"model_type {self.model_type!r}: {type(module).__name__}'s cos/sin are not "
                               "cos/sin(position x inv_freq) x attention_scaling; not supported by the traced exporter")
-        interleaved, heads_first, sign = rope_layout(self.modeling, cos, sin, positions, inv.float(), float(scaling),
-                                                     self.head_dim, self.model_type)
-        return RopeSpec(sign * inv, scaling, interleaved, heads_first)
+        layouts = rope_layouts(self.modeling, first if complex_pe else (cos, sin), positions, inv.float(), float(scaling), self.head_dim, self.model_type)
+        return RopeSpec(inv, scaling, layouts, complex_pe)
 
     def _angles(self, module, args, kwargs, positions, sin_first: bool) -> torch.Tensor:
         """The angle of each cos/sin column per position step (float64), read back at position 1 and

@@ -102,8 +102,9 @@ class _LayerWrapper(nn.Module):
         ctx.present, ctx.calls, ctx.mask = None, 0, attention_mask
         self.rope.positions = position_ids
         kwargs = {**self.plan.kwargs, self.plan.cache_arg: attention_op.TraceCache() if self.inline else None}
+        pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
         out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
-                         position_embeddings=(position_ids, position_ids))
+                         position_embeddings=pe)
         out = out[0] if isinstance(out, tuple) else out
         if ctx.present is None:
             raise _NoAttention(f"{type(self.layer).__name__}: the layer neither called its attention function nor "
@@ -180,6 +181,8 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
         restore(undo)
     if plan.rope is not None and installed.calls == 0:
         plan.rope = None  # the layer skips rope (SmolLM3's no-rope layers): nothing to carry
+    elif plan.rope is not None:
+        plan.rope.use(installed.used)
     return _template(program, "layer.")
 
 
