@@ -218,12 +218,13 @@ def rms_norm(b: Builder, x: str, weight: str, eps: float, scope: str) -> str:
 
 
 def attention_mask(b: Builder, input_ids: str, mask_in: str, sliding_window: int | None = None,
-                   s: str = "/model/attn_mask") -> str:
+                   s: str = "/model/attn_mask", chunk: int | None = None) -> str:
     """The additive mask [B,1,S,T] (0 or float32 min), computed once and shared by every layer.
 
     Causal by cache index (query i sits at index past+i, past = T - S), not by position_ids, so
     arbitrary positions work; padding from attention_mask. Sliding window: key index must be
-    greater than query index - window (HF's sliding_window mask). `s`: the node scope.
+    greater than query index - window (HF's sliding_window mask). Chunked (Llama 4's chunked local
+    attention): key and query index in the same chunk of `chunk` indices. `s`: the node scope.
     """
     seq = b.op("Shape", input_ids, name=f"{s}/seq/Shape", start=1, end=2)
     total = b.op("Shape", mask_in, name=f"{s}/total/Shape", start=1, end=2)
@@ -239,6 +240,11 @@ def attention_mask(b: Builder, input_ids: str, mask_in: str, sliding_window: int
         low = b.op("Sub", q_col, b.const(sliding_window), name=f"{s}/window/Sub")
         inside = b.op("Greater", k_idx, low, name=f"{s}/window/Greater")
         allowed = b.op("And", allowed, inside, name=f"{s}/window/And")
+    if chunk is not None:
+        k_chunk = b.op("Div", k_idx, b.const(chunk), name=f"{s}/chunk/key/Div")  # indices >= 0: Div floors
+        q_chunk = b.op("Div", q_col, b.const(chunk), name=f"{s}/chunk/query/Div")
+        same = b.op("Equal", k_chunk, q_chunk, name=f"{s}/chunk/Equal")
+        allowed = b.op("And", allowed, same, name=f"{s}/chunk/And")
     pad = b.op("Cast", mask_in, name=f"{s}/padding/Cast", to=TensorProto.BOOL)
     pad = b.op("Unsqueeze", pad, b.const([1, 2]), name=f"{s}/padding/Unsqueeze")  # [B,1,1,T]
     allowed = b.op("And", allowed, pad, name=f"{s}/And")  # [B,1,S,T]

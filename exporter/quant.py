@@ -183,9 +183,10 @@ class Plan:
                                                  (f"{out_name}.zero_points", qtype, (nblk, n_out), True)])
         return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=0, block_size=p.block)
 
-    def embedding(self, b: Builder, name: str, ids: str) -> str:
-        """Gather of the embedding table [vocab, hidden] -> float32 [B,S,hidden]."""
-        p, scope = self.embed, "/model/embed_tokens"
+    def embedding(self, b: Builder, name: str, ids: str, scope: str | None = None) -> str:
+        """Gather of the embedding table [vocab, hidden] -> float32 [B,S,hidden]. `scope`: another table gathered
+        by the ids (Gemma's per-layer embeddings) under its own node scope, never shared with the head."""
+        p, head_table, scope = self.embed, scope is None, scope or "/model/embed_tokens"
         vocab, hidden = self.shapes[name]
         if p.kind == "f32":
             w = b.weight(name, None, lambda w: [w], [(name, TensorProto.FLOAT, (vocab, hidden), False)])[0]
@@ -200,7 +201,8 @@ class Plan:
                            [(f"{name}.qweight", qtype, (vocab, hidden), False),
                             (f"{name}.scales", TensorProto.FLOAT, (vocab, nblk), False),
                             (f"{name}.zero_points", qtype, (vocab, nblk), False)])
-        self._table = (q, s, z)
+        if head_table:
+            self._table = (q, s, z)
         if p.bits == 8:
             # Gather the quantized rows first, then dequantize only those (axis 2 of [B,S,hidden]).
             q, s, z = (b.op("Gather", t, ids, name=f"{scope}/{part}/Gather", axis=0)
@@ -208,7 +210,8 @@ class Plan:
             return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=2, block_size=p.block)
         # ONNX Gather has no 4-bit types: dequantize the table, then gather (a runtime folds this).
         table = b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=1, block_size=p.block)
-        self._table_dq = table
+        if head_table:
+            self._table_dq = table
         return b.op("Gather", table, ids, name=f"{scope}/Gather", axis=0)
 
     def logits(self, b: Builder, x: str, embed_name: str, head_name: str | None) -> str:

@@ -54,9 +54,10 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
         _TRACED.pop(next(iter(_TRACED)))
     _TRACED[key] = traced
     plan = Plan(*precisions, traced.expected)
-    stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name, traced.kv_shape)
+    stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name)
     with _unsupported():
-        builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.sliding, traced.window)
+        builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.masks,
+                                {"sliding": traced.window, "chunked": traced.chunk}, traced.sources)
     return Export(builder, ckpt, copy.deepcopy(traced.meta), traced.model_type)  # the cached one stays as traced
 
 
@@ -81,19 +82,35 @@ def _traced(hf_dir: Path, config: dict):
         first = {}
         for p in plans:
             first.setdefault(p.kind, p)
-        templates = [trace_layer(skel, first[kind]) for kind in range(len(kinds))]
-        for p in plans:  # a layer that turned out to skip rope (traced without a FusedRoPE) records none
-            p.rope = first[p.kind].rope
-        outer = trace_outer(skel)
-    traced = Traced(templates, outer, [p.kind for p in plans], [p.sliding for p in plans],
-                    getattr(skel.config, "sliding_window", None), skel.model_type, skel.layers_name,
-                    skel.embed_name(), skel.head_name(), expected, sorted(tied), skel.aliases(),
-                    names, {}, getattr(ckpt, "stacks", {}))
+        shared_rows: dict = {}  # kinds in order of first use: a layer that stores shared keys/values comes first
+        templates = [trace_layer(skel, first[kind], shared_rows) for kind in range(len(kinds))]
+        for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
+            p.rope, p.cache, p.share = first[p.kind].rope, first[p.kind].cache, first[p.kind].share
+        _kv_sources(plans, skel.model_type)
+        outer = trace_outer(skel, plans)
+    traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],
+                    getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
+                    skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
+                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans])
     meta = skel.metadata(plans, len(kinds), traced.kv_shape)
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)
     traced.meta = json.loads(json.dumps(meta))  # as the cache keeps it
     return traced, ckpt
+
+
+def _kv_sources(plans, model_type: str) -> None:
+    """A layer that reuses shared keys/values reads those of the last layer before it that stored them."""
+    stored: dict = {}
+    for p in plans:
+        role, key = p.share or (None, None)
+        if role == "store":
+            stored[key] = p.index
+        elif role == "reuse":
+            if key not in stored:
+                raise FuselmError(f"model_type {model_type!r}: decoder layer {p.index} reads the keys/values of "
+                                  f"{key!r} before any layer stored them; not supported by the traced exporter")
+            p.kv_source = stored[key]
 
 
 @contextlib.contextmanager

@@ -7,6 +7,12 @@ the NEW keys/values only; it takes the layer's past from the trace context and c
 `Attention(q, k, v, mask, past_key, past_value) -> (y, present_key, present_value)` with
 q/kv heads (GQA), `scale`, `softcap`, `is_causal=0`: the mask is the graph's additive
 [B,1,S,T] mask (causal, padding and sliding window in it), as in the builder's optimized graph.
+
+A layer whose cache holds something else than the keys and values attention reads (multi-head latent
+attention: the compressed latent and the rotary key, expanded to K/V after the cache) updates its cache
+itself, through `TraceCache` (the past input concatenated with the new rows, the layer's present); its
+attention then gets the whole K/V and is `fuselm_trace::attention_kv` -> `Attention(q, k, v, mask)`.
+Which way a layer uses its cache is read from one dry run with `ProbeCache` (trace.py).
 """
 
 from __future__ import annotations
@@ -41,6 +47,19 @@ def _(q, k, v, mask, past_key, past_value, scale, softcap):
     return q.new_empty(b, h, s, v.shape[3]), present_k, present_v
 
 
+@torch.library.custom_op("fuselm_trace::attention_kv", mutates_args=())
+def attention_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 softcap: float) -> torch.Tensor:
+    """Attention over complete keys/values (the layer read its own cache): q [B,H,S,D], k/v [B,KV,T,D] -> y."""
+    y, _, _ = attention(q, k, v, mask, k[:, :, :0], v[:, :, :0], scale, softcap)
+    return y
+
+
+@attention_kv.register_fake
+def _(q, k, v, mask, scale, softcap):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
 def translation():
     """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
     from onnxscript import opset23 as op
@@ -50,7 +69,11 @@ def translation():
                                                   softcap=float(softcap), is_causal=0)
         return y, present_k, present_v
 
-    return {torch.ops.fuselm_trace.attention.default: to_onnx}
+    def to_onnx_kv(q, k, v, mask, scale, softcap):
+        y, _, _, _ = op.Attention(q, k, v, mask, scale=float(scale), softcap=float(softcap), is_causal=0)
+        return y
+
+    return {torch.ops.fuselm_trace.attention.default: to_onnx, torch.ops.fuselm_trace.attention_kv.default: to_onnx_kv}
 
 
 class Context:
@@ -62,6 +85,7 @@ class Context:
         self.present: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sliding_window: int | None = None
         self.calls = 0
+        self.read: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values attention got (a dry run)
 
 
 CONTEXT = Context()
@@ -95,8 +119,12 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
                           "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
     ctx.calls += 1
     ctx.sliding_window = kwargs.get("sliding_window")
+    ctx.read = (key, value)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     softcap = float(kwargs.get("softcap") or 0.0)
+    if ctx.present is not None:  # the layer updated its own cache (TraceCache): key/value are whole
+        y = torch.ops.fuselm_trace.attention_kv(query, key, value, attention_mask, scale, softcap)
+        return y.transpose(1, 2).contiguous(), None
     y, present_k, present_v = torch.ops.fuselm_trace.attention(query, key, value, attention_mask, *ctx.past,
                                                                 scale, softcap)
     ctx.present = (present_k, present_v)
@@ -118,6 +146,33 @@ class TraceCache:
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
+
+
+class LengthCache:
+    """The cache of a layer that reads its length (Llama 4's attention temperature: positions from the cache's
+    length): `update` hands the new rows back (attention appends them to the past), the length is the past's."""
+
+    def update(self, key, value, *args, **kwargs):
+        return key, value
+
+    def get_seq_length(self, *args, **kwargs):
+        return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
+
+
+class ProbeCache:
+    """The cache a layer gets in its dry run: records what the layer does with it (trace.py's cache modes)."""
+
+    def __init__(self):
+        self.updated: tuple | None = None
+        self.asked_length = False
+
+    def update(self, key, value, *args, **kwargs):
+        self.updated = (key, value)
+        return key, value
+
+    def get_seq_length(self, *args, **kwargs):
+        self.asked_length = True
+        return 0
 
 
 def register(masks: bool = True) -> None:

@@ -37,7 +37,7 @@ from fuselm import __version__, contract, switches
 
 from .trace import Template
 
-FORMAT = 1
+FORMAT = 2
 _PACKAGES = ("torch", "transformers", "onnxscript", "onnx-ir", "onnx")
 _MANIFEST = "traced.json"
 # config.json fields no modeling code reads (a fine-tune saved elsewhere, by another transformers)
@@ -51,8 +51,9 @@ class Traced:
     templates: list[Template]  # by layer kind
     outer: Template
     kinds: list[int]  # per decoder layer: its kind
-    sliding: list[bool]  # per decoder layer: sliding-window mask
-    window: int | None
+    masks: list[str]  # per decoder layer: its mask kind (skeleton.MASKS)
+    window: int | None  # the sliding layers' window
+    chunk: int | None  # the chunked layers' chunk size
     model_type: str
     layers_name: str
     embed_name: str
@@ -63,11 +64,18 @@ class Traced:
     names: dict[str, str]  # stored checkpoint name -> the model's name for it
     meta: dict  # fuselm.json's model fields
     stacks: dict = field(default_factory=dict)  # stacked MoE expert parameter -> [shape, per expert its stored parts]
+    sources: list = field(default_factory=list)  # per decoder layer: the layer whose keys/values it reads, or None
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        inp = self.templates[0].graph.input
-        return tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
+        """(kv heads, key width, value width) of the first layer (fuselm.json's dims)."""
+        return kv_shape(self.templates[0])
+
+
+def kv_shape(t: Template) -> tuple[int, int, int]:
+    """(kv heads, key width, value width) of a layer template's cache inputs."""
+    inp = t.graph.input
+    return tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
 
 
 def key(config: dict) -> str:

@@ -13,6 +13,8 @@ recorder: which rotary frequencies and which mask (causal or sliding window) eac
 from __future__ import annotations
 
 import contextlib
+import inspect
+from collections import UserDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,12 +37,13 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
                     "Vision": "it has a vision tower"}
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
+PROBE_CHUNK = 4  # attention_chunk_size during the probe: chunked layers show as two 4-token blocks
 
 
 @contextlib.contextmanager
@@ -84,16 +87,32 @@ def restore(undo) -> None:
         m._parameters[name] = p
 
 
+MASKS = ("causal", "sliding", "chunked")  # the mask kinds a layer may get (exporter/graph.py's attention_mask)
+
+
 @dataclass
 class LayerPlan:
-    """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key."""
+    """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key, and how it
+    is called (trace.py): its hidden state's shape in the probe, the other tensors the model hands it
+    (`inputs`: Gemma's per-layer inputs, by name and probe shape) and the name of a shared-KV mapping
+    it gets (`shares`: Gemma 3n / 4 pass the keys and values of one layer to later ones)."""
 
     index: int
     rope: RopeSpec | None
-    sliding: bool
+    mask: str = "causal"
     kind: int = -1
     kwargs: dict = field(default_factory=dict)  # the model's other (non-tensor) arguments to the layer
     cache_arg: str = "past_key_values"  # the layer's name for its cache argument
+    hidden: tuple = ()  # the hidden state's probe shape ([..., 1, PROBE_LEN, hidden]; AltUp's streams lead)
+    inputs: dict = field(default_factory=dict)  # name -> probe shape of the layer's other float tensor inputs
+    shares: str | None = None  # the argument holding the shared keys/values
+    cache: str = "kv"  # how the layer uses its cache (trace.py CACHE_MODES), set by its kind's dry run
+    share: tuple | None = None  # ("store" | "reuse", key) of the shared-KV mapping, set by the dry run
+    kv_source: int | None = None  # a "reuse" layer: the layer whose keys/values it reads
+
+    @property
+    def sliding(self) -> bool:
+        return self.mask == "sliding"
 
 
 class Skeleton:
@@ -156,7 +175,7 @@ class Skeleton:
         from transformers.core_model_loading import WeightRenaming
 
         self._renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = _setting(config, "head_dim") or config.hidden_size // config.num_attention_heads
         import importlib
 
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
@@ -185,7 +204,7 @@ class Skeleton:
         odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
         if odd:
             raise FuselmError(f"model_type {self.model_type!r} is not supported: it has {', '.join(odd)} layers "
-                              "(hybrid attention); fuselm converts full / sliding-window attention layers only")
+                              "(hybrid attention); fuselm converts full / sliding-window / chunked attention layers only")
 
     def _refuse_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -270,7 +289,7 @@ class Skeleton:
             "architecture": (self.raw.get("architectures") or [type(self.model).__name__])[0],
             "dims": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                      "kv_heads": kv_shape[0], "head_dim": kv_shape[1],
-                     "intermediate": getattr(c, "intermediate_size", None), "vocab": c.vocab_size},
+                     "intermediate": _setting(c, "intermediate_size"), "vocab": c.vocab_size},
             "rms_norm_eps": getattr(c, "rms_norm_eps", None),
             "tie_word_embeddings": bool(self.tied_names()),
             "max_position_embeddings": getattr(c, "max_position_embeddings", None),
@@ -310,35 +329,45 @@ class Skeleton:
             pass
 
         class Recorder(nn.Module):
-            def __init__(self, last, returns_tuple):
+            def __init__(self, last, returns_tuple, signature):
                 super().__init__()
-                self.last, self.returns_tuple = last, returns_tuple
+                self.last, self.returns_tuple, self.signature = last, returns_tuple, signature
 
             def forward(self, hidden_states, *args, **kwargs):
-                chained.append(not seen or hidden_states is seen[-1]["_returned"])
-                seen.append({**kwargs, "_returned": hidden_states})
+                chained.append(not seen or _same_tensor(hidden_states, seen[-1]["_returned"]))
+                seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
                 if self.last:
                     raise Stop
                 return (hidden_states,) if self.returns_tuple else hidden_states
 
         originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
+        chunk = getattr(config, "attention_chunk_size", None)
         try:
             for m in rotaries:
                 m.forward = tagged(m, m.forward)
             if window is not None:
                 config.sliding_window = PROBE_WINDOW
+            if chunk is not None:
+                config.attention_chunk_size = PROBE_CHUNK
             positions = torch.arange(PROBE_LEN)[None]
             for returns_tuple in (False, True):  # transformers 5 layers return a tensor; older ones a tuple
                 seen.clear()
                 chained.clear()
                 for i in range(len(originals)):
-                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple)
+                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple,
+                                              inspect.signature(type(originals[i]).forward))
                 undo = placeholders(self.model)  # what runs before the layers (norms, position tables) gets memory
                 try:
                     with torch.no_grad():
-                        base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), position_ids=positions,
-                             attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long), use_cache=False)
+                        common = dict(position_ids=positions, attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long),
+                                      use_cache=False)
+                        try:
+                            base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), **common)
+                        except (RuntimeError, ValueError):  # a model that needs the ids (Gemma 4's per-layer inputs)
+                            seen.clear()
+                            chained.clear()
+                            base(input_ids=torch.zeros(1, PROBE_LEN, dtype=torch.long), **common)
                 except Stop:
                     pass
                 except (RuntimeError, NotImplementedError) as e:
@@ -355,6 +384,8 @@ class Skeleton:
                                   "decoder layers; not supported by the traced exporter")
         finally:
             config.sliding_window = window
+            if chunk is not None:
+                config.attention_chunk_size = chunk
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
             for m in rotaries:
@@ -363,7 +394,9 @@ class Skeleton:
             raise FuselmError(f"model_type {self.model_type!r}: its forward did not call every decoder layer once; "
                               "not supported by the traced exporter")
         causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
-        sliding = causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool()
+        blocks = torch.arange(PROBE_LEN) // PROBE_CHUNK
+        patterns = {"causal": causal, "sliding": causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool(),
+                    "chunked": causal & (blocks[:, None] == blocks[None, :])}
         plans, specs = [], {}
         for i, kwargs in enumerate(seen):
             pe = kwargs.get("position_embeddings")
@@ -372,25 +405,31 @@ class Skeleton:
                                   f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
                                   "decoders only")
             first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
-            tag = tags.get(id(first))
+            # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
+            tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
             if tag is None:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
                                   "embedding module made; not supported by the traced exporter")
+            first = tag[3]
             if id(first) not in specs:
                 specs[id(first)] = self._rope_spec(*tag, positions)
             allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
-            if torch.equal(allowed, causal):
-                is_sliding = False
-            elif window is not None and torch.equal(allowed, sliding):
-                is_sliding = True
-            else:
+            mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
+                         and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
+            if mask is None:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
-                                  "causal nor a sliding window (chunked or bidirectional attention); not supported")
+                                  "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
             cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
-            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _CACHE_ARGS
-                      and k not in ("attention_mask", "position_ids", "position_embeddings")
+            known = ("attention_mask", "position_ids", "position_embeddings", *_CACHE_ARGS)
+            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in known
                       and (v is None or isinstance(v, (bool, int, float, str)))}
-            plans.append(LayerPlan(i, specs[id(first)], is_sliding, kwargs=static, cache_arg=cache_arg))
+            hidden = tuple(kwargs["_returned"].shape)
+            inputs = {k: tuple(v.shape) for k, v in kwargs.items() if k not in known and not k.startswith("_")
+                      and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
+                      and tuple(v.shape[:2]) == (1, PROBE_LEN)}
+            shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
+            plans.append(LayerPlan(i, specs[id(first)], mask, kwargs=static, cache_arg=cache_arg, hidden=hidden,
+                                   inputs=inputs, shares=shares))
         return plans
 
     def _positions(self, layer_kwargs: dict) -> str:
@@ -434,7 +473,15 @@ class Skeleton:
         else:
             raise FuselmError(f"model_type {self.model_type!r}: {type(module).__name__}'s cos/sin are not "
                               "cos/sin(position x inv_freq) x attention_scaling; not supported by the traced exporter")
-        layouts = rope_layouts(self.modeling, first if complex_pe else (cos, sin), positions, inv.float(), float(scaling), self.head_dim, self.model_type)
+        head_dim = self.head_dim
+        per_layer = _setting(self.config, "per_layer_config")  # Gemma 4: head_dim per layer type
+        if layer_type and per_layer is not None:
+            try:
+                head_dim = per_layer[layer_type].head_dim
+            except (KeyError, IndexError, TypeError, AttributeError):
+                pass
+        layouts = rope_layouts(self.modeling, first if complex_pe else (cos, sin), positions, inv.float(), float(scaling),
+                               head_dim, self.model_type)
         return RopeSpec(inv, scaling, layouts, complex_pe)
 
     def _angles(self, module, args, kwargs, positions, sin_first: bool) -> torch.Tensor:
@@ -452,6 +499,35 @@ class Skeleton:
 
         turns = torch.round((angle(1) * far - angle(far)) / (2 * torch.pi))
         return (angle(far) + 2 * torch.pi * turns) / far
+
+
+def _setting(config, name: str):
+    """A config attribute, or None where it is absent or differs per layer (Gemma 4's head_dim raises then)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def _named(signature: inspect.Signature, hidden, args, kwargs) -> dict:
+    """A layer call's arguments by parameter name (Gemma 3n passes position_embeddings by position)."""
+    try:
+        bound = signature.bind(None, hidden, *args, **kwargs)  # (self, hidden_states, ...)
+    except TypeError:
+        return dict(kwargs)
+    named = {}
+    for name, value in list(bound.arguments.items())[2:]:
+        if signature.parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif signature.parameters[name].kind != inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
+
+
+def _same_tensor(a, b) -> bool:
+    """`a` is `b`, or a view of all of it (Gemma 4 slices the hidden state to the kept positions, all of them here)."""
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,21 +33,25 @@ from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
 class Stamper:
     """Builds the final graph into a Builder from the outer template and one template per layer kind."""
 
-    def __init__(self, plan, aliases: dict[str, str], layers_prefix: str, embed_name: str, head_name: str,
-                 kv_shape: tuple[int, int, int]):
+    def __init__(self, plan, aliases: dict[str, str], layers_prefix: str, embed_name: str, head_name: str):
         self.b, self.plan, self.aliases, self.prefix, self.embed = Builder(), plan, aliases, layers_prefix, embed_name
         self.head = head_name
         self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
-        self.kv_heads, self.k_dim, self.v_dim = kv_shape
+        self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> the new key/value rows its Attention appends
         self.used: set[str] = set()  # checkpoint tensors the graph reads
         self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
-    def build(self, outer: Template, layers: list[Template], sliding: list[bool], window: int | None) -> Builder:
+    def build(self, outer: Template, layers: list[Template], kinds: list[str], sizes: dict[str, int | None],
+              sources: list[int | None]) -> Builder:
+        """`kinds`: each layer's mask kind (causal, sliding, chunked: `sizes` has the window and chunk size);
+        `sources`: per layer the layer whose keys and values it reads (KV sharing), or None."""
         b = self.b
         ids, mask_in, position_ids = graph_inputs(b)
-        masks = {s: attention_mask(b, ids, mask_in, window if s else None, "/model/attn_mask" + ("_sliding" if s else ""))
-                 for s in sorted(set(sliding))}
+        masks = {k: attention_mask(b, ids, mask_in, sizes.get("sliding") if k == "sliding" else None,
+                                   "/model/attn_mask" + ("" if k == "causal" else f"_{k}"),
+                                   chunk=sizes.get("chunked") if k == "chunked" else None)
+                 for k in sorted(set(kinds))}
         names = {outer.graph.input[0].name: ids}
         self._constants(outer, "outer", names)
         self._weights(outer, names, "/model", None, lambda rel: self.aliases.get(rel, rel))
@@ -57,8 +61,9 @@ class Stamper:
                 i = node.attribute[0].i
                 if i != markers:
                     raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
-                x = names[node.input[0]]
-                names[node.output[0]] = self._layer(layers[i], i, x, masks[sliding[i]], position_ids)
+                x, inputs = names[node.input[0]], [names[n] for n in node.input[1:]]
+                names[node.output[0]] = self._layer(layers[i], i, x, masks[kinds[i]], position_ids, inputs,
+                                                    sources[i] if sources else None)
                 markers += 1
                 continue
             self._copy(outer, node, names, "/model", prefix_values="/model/")
@@ -71,26 +76,51 @@ class Stamper:
                                                       ["batch_size", "sequence_length", vocab]))
         return b
 
-    def _layer(self, t: Template, i: int, x: str, mask: str, position_ids: str) -> str:
+    def _layer(self, t: Template, i: int, x: str, mask: str, position_ids: str, inputs: list[str],
+               source: int | None) -> str:
+        """Stamp layer `i`; a layer that reads layer `source`'s keys and values (KV sharing) gets that layer's
+        past inputs and new rows and gives no cache outputs of its own."""
+        from .cache import kv_shape
+
         b, scope = self.b, f"/model/layers.{i}"
-        past = [contract.past_name(i, kind) for kind in contract.KINDS]
+        kv_heads, k_dim, v_dim = kv_shape(t)
+        owner = i if source is None else source
+        past = [contract.past_name(owner, kind) for kind in contract.KINDS]
         present = [contract.present_name(i, kind) for kind in contract.KINDS]
-        for name, dim in zip(past, (self.k_dim, self.v_dim), strict=True):
-            b.inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                      ["batch_size", self.kv_heads, "past_sequence_length", dim]))
-        names = dict(zip([v.name for v in t.graph.input], [x, mask, position_ids, *past], strict=True))
+        if source is None:
+            for name, dim in zip(past, (k_dim, v_dim), strict=True):
+                b.inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
+                                                          ["batch_size", kv_heads, "past_sequence_length", dim]))
+        else:
+            if source not in self.kv_rows:
+                raise FuselmError(f"layer {i} reads the keys and values of layer {source}, whose attention does not "
+                                  "append them to its cache in one Attention op; not supported")
+            inputs = [*inputs, *self.kv_rows[source]]
+        given = [v.name for v in t.graph.input]
+        if len(given) != len(LAYER_INPUTS) + len(inputs):
+            raise FuselmError(f"layer {i}: the traced layer takes {len(given) - len(LAYER_INPUTS)} other inputs, the "
+                              f"model gives it {len(inputs)}; not supported")
+        names = dict(zip(given, [x, mask, position_ids, *past, *inputs], strict=True))
         self._constants(t, f"layer_kind_{id(t)}", names)
         self._weights(t, names, scope, i, lambda rel: self.aliases.get(f"{self.prefix}.{i}.{rel}", f"{self.prefix}.{i}.{rel}"))
         outputs = [o.name for o in t.graph.output]
-        assert outputs == LAYER_OUTPUTS and [v.name for v in t.graph.input] == LAYER_INPUTS
-        out_names = {outputs[1]: present[0], outputs[2]: present[1]}
+        assert outputs == LAYER_OUTPUTS and given[:len(LAYER_INPUTS)] == LAYER_INPUTS
+        # a reader's Attention appends the source's rows again: its presents (onnxruntime wants them where a past is
+        # given) are the source's present values, read by nothing
+        out_names = {outputs[1]: present[0], outputs[2]: present[1]} if source is None else {}
+        first = len(b.nodes)
         for node in t.graph.node:
             self._copy(t, node, names, scope, prefix_values=f"{scope}/", fixed=out_names)
-        for out, name, dim in zip(outputs[1:], present, (self.k_dim, self.v_dim), strict=True):
+        if source is not None:
+            return names[outputs[0]]
+        for out, name, dim in zip(outputs[1:], present, (k_dim, v_dim), strict=True):
             if names.get(out) != name:
                 raise FuselmError(f"layer {i}: the traced layer does not produce its cache output directly; not supported")
             b.outputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                       ["batch_size", self.kv_heads, "total_sequence_length", dim]))
+                                                       ["batch_size", kv_heads, "total_sequence_length", dim]))
+        attention = next((n for n in b.nodes[first:] if n.op_type == "Attention" and present[0] in n.output), None)
+        if attention is not None:
+            self.kv_rows[i] = (attention.input[1], attention.input[2])
         return names[outputs[0]]
 
     def _constants(self, t: Template, tag: str, names: dict[str, str]) -> None:
@@ -121,7 +151,8 @@ class Stamper:
                 if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
                     names[node.output[0]] = self._linear(name, node, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
-                    names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]])
+                    other = None if name == self.embed else self._scope(name, scope, layer)  # per-layer embeddings
+                    names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]], other)
                 elif moe.reads_experts(node, value) and experts is None:  # stacked experts: the plan's precision
                     experts = moe.expert_weight(self.plan, self.b, name, self._scope(name, scope, layer), layer)
                     continue

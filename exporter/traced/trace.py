@@ -16,8 +16,10 @@ exporter/traced/stamp.py puts the stamped layers in their place.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
+from collections import UserDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,21 +31,28 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import attention_op, moe, rope_op
-from .skeleton import LayerPlan, Skeleton, placeholders, restore
+from .skeleton import PROBE_LEN, LayerPlan, Skeleton, _named, placeholders, restore
 
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
 LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value"]
+# a layer that reads another layer's keys and values (LayerPlan.share "reuse") also takes that layer's new rows;
+# its past_key / past_value are that layer's past
+SHARED_INPUTS = ["shared_key", "shared_value"]
+# How a layer uses its cache, from its dry run: "kv" (attention appends the new keys/values to the past: cache None
+# while traced), "length" (as kv, and the layer reads the cache's length: LengthCache), "latent" (the layer stores
+# something else and expands it after the cache: multi-head latent attention; TraceCache and Attention over whole K/V)
+CACHE_MODES = ("kv", "length", "latent")
 _SKIPPED_ATTRS = {"layer_idx", "training", "layer_id", "idx"}
 
 
 @torch.library.custom_op("fuselm_trace::layer", mutates_args=())
-def layer_marker(x: torch.Tensor, index: int) -> torch.Tensor:
-    """Where decoder layer `index` goes in the outer graph (never run)."""
+def layer_marker(x: torch.Tensor, inputs: list[torch.Tensor], index: int) -> torch.Tensor:
+    """Where decoder layer `index` goes in the outer graph, with the other tensors the model hands it (never run)."""
     return x.clone()
 
 
 @layer_marker.register_fake
-def _(x, index):
+def _(x, inputs, index):
     return torch.empty_like(x)
 
 
@@ -51,11 +60,20 @@ def _marker_translation():
     from onnx.defs import OpSchema
     from onnxscript import values
 
-    schema = OpSchema("Layer", "fuselm_trace", 1, inputs=[OpSchema.FormalParameter("X", "T")],
-                      outputs=[OpSchema.FormalParameter("Y", "T")], type_constraints=[("T", ["tensor(float)"], "")],
-                      attributes=[OpSchema.Attribute("index", OpSchema.AttrType.INT, "")])
-    marker = values.Op(values.Opset("fuselm_trace", 1), "Layer", schema)
-    return {torch.ops.fuselm_trace.layer.default: lambda x, index: marker(x, index=int(index))}
+    def marker(inputs: list):
+        schema = OpSchema("Layer", "fuselm_trace", 1, inputs=inputs, outputs=[OpSchema.FormalParameter("Y", "T")],
+                          type_constraints=[("T", ["tensor(float)"], "")],
+                          attributes=[OpSchema.Attribute("index", OpSchema.AttrType.INT, "")])
+        return values.Op(values.Opset("fuselm_trace", 1), "Layer", schema)
+
+    plain = marker([OpSchema.FormalParameter("X", "T")])
+    # X and the layer's other inputs as one variadic list (onnxscript binds a leading X twice beside one)
+    variadic = marker([OpSchema.FormalParameter("inputs", "T", param_option=OpSchema.FormalParameterOption.Variadic)])
+
+    def to_onnx(x, inputs, index):
+        return variadic(x, *inputs, index=int(index)) if inputs else plain(x, index=int(index))
+
+    return {torch.ops.fuselm_trace.layer.default: to_onnx}
 
 
 @dataclass
@@ -72,7 +90,8 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     kinds: dict[tuple, int] = {}
     for plan in plans:
         layer = skel.layers[plan.index]
-        key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.sliding, tuple(sorted(plan.kwargs.items())))
+        key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.mask, tuple(sorted(plan.kwargs.items())),
+               plan.hidden, tuple(plan.inputs.items()), plan.shares)
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -88,20 +107,29 @@ def _structure(layer: nn.Module) -> tuple:
 
 
 class _LayerWrapper(nn.Module):
-    """layer(hidden, mask, position_ids, past_key, past_value) -> (hidden, present_key, present_value),
-    called with the arguments the model gave it in the probe (LayerPlan.kwargs), the cache as None
-    (attention through the interface takes the past from the context) or a TraceCache."""
+    """layer(hidden, mask, position_ids, past_key, past_value, *inputs) -> (hidden, present_key, present_value),
+    called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
+    (LayerPlan.inputs, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for (`cache`: None, a
+    LengthCache, a TraceCache, or in the dry run a ProbeCache)."""
 
-    def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool):
+    def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool,
+                 shared_rows=None):
         super().__init__()
         self.layer, self.rope, self.plan, self.inline = layer, rope, plan, inline_attention
+        self.cache = None
+        self.shared_rows = shared_rows or {}  # share key -> (k, v) rows a reuse layer reads in its dry run
+        self.shared: _Shared | None = None
 
-    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value):
+    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, *inputs):
         ctx = attention_op.CONTEXT
         ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
-        ctx.present, ctx.calls, ctx.mask = None, 0, attention_mask
+        ctx.present, ctx.calls, ctx.mask, ctx.read = None, 0, attention_mask, None
         self.rope.positions = position_ids
-        kwargs = {**self.plan.kwargs, self.plan.cache_arg: attention_op.TraceCache() if self.inline else None}
+        cache = attention_op.TraceCache() if self.inline else self.cache
+        kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(self.plan.inputs, inputs, strict=False))}
+        if self.plan.shares:
+            rows = tuple(inputs[len(self.plan.inputs):])
+            self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
         pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
         out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=pe)
@@ -112,17 +140,44 @@ class _LayerWrapper(nn.Module):
         return out, *ctx.present
 
 
+class _Shared(UserDict):
+    """The shared keys/values mapping a layer gets while traced (Gemma 3n / 4's `shared_kv_states`): records the key a
+    layer stores its rows under, or reads another layer's from (`rows(key)`: the traced layer's inputs)."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows, self.stored, self.read = rows, None, None
+
+    def __setitem__(self, key, value):
+        self.stored = key
+        self.data[key] = value
+
+    def __getitem__(self, key):
+        if key in self.data:
+            return self.data[key]
+        self.read = key
+        found = self.rows(key)
+        if found is None:
+            raise FuselmError(f"a decoder layer reads the shared keys/values {key!r} before any layer stored them; "
+                              "not supported by the traced exporter")
+        return found
+
+    def __contains__(self, key):
+        return key in self.data or self.rows(key) is not None
+
+
 class _NoAttention(FuselmError):
     pass
 
 
 class _MarkedLayer(nn.Module):
-    def __init__(self, index: int, returns_tuple: bool):
+    def __init__(self, index: int, returns_tuple: bool, signature, inputs: list[str]):
         super().__init__()
-        self.index, self.returns_tuple = index, returns_tuple
+        self.index, self.returns_tuple, self.signature, self.inputs = index, returns_tuple, signature, inputs
 
     def forward(self, hidden_states, *args, **kwargs):
-        y = torch.ops.fuselm_trace.layer(hidden_states, self.index)
+        named = _named(self.signature, hidden_states, args, kwargs) if self.inputs else {}
+        y = torch.ops.fuselm_trace.layer(hidden_states, [named[n] for n in self.inputs], self.index)
         return (y,) if self.returns_tuple else y
 
 
@@ -135,48 +190,96 @@ class _Outer(nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
+def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the layer once without past: the cache's shapes as the layer makes them (kv heads, key and value
-    widths), whatever the config claims (GPT-NeoX ignores num_key_value_heads). A layer whose attention is
-    not one Attention op (it computes attention itself, calls it twice, has sinks or its own mask) switches
-    to eager attention with its cache update traced (`wrapper.inline`)."""
-    batch = hidden.shape[0]
+    widths), whatever the config claims (GPT-NeoX ignores num_key_value_heads), and how it uses its cache
+    (`plan.cache`, CACHE_MODES; a ProbeCache records it). A layer whose attention is not one Attention op (it
+    computes attention itself, calls it twice, has sinks or its own mask) switches to eager attention with
+    its cache update traced (`wrapper.inline`)."""
     with torch.no_grad():
         try:
-            return wrapper(hidden, torch.zeros(batch, 1, 1, 1), positions, "empty", None)[1:]
+            if not wrapper.inline:
+                mode = _cache_mode(wrapper, args)
+                wrapper.plan.cache = mode
+                wrapper.cache = _cache_for(mode)
+            return wrapper(*args)[1:]
         except (_NoAttention, attention_op.NotOneAttention):
             if wrapper.inline:
                 raise
         wrapper.inline = skel.inline_attention = True
+        wrapper.plan.cache, wrapper.cache = "kv", None
         skel.config._attn_implementation = "eager"  # the modules share the config: all of them go eager
-        return wrapper(hidden, torch.zeros(batch, 1, 1, 1), positions, "empty", None)[1:]
+        return wrapper(*args)[1:]
 
 
-def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
-    """The ONNX template of decoder layer `plan.index` (its kind's representative)."""
+def _cache_mode(wrapper: _LayerWrapper, args: tuple) -> str:
+    """CACHE_MODES: what the layer did with a ProbeCache. The keys/values it gave attention are the ones it
+    stored: kv (length, where it asked for the cache's length); others made from them: latent."""
+    probe = wrapper.cache = attention_op.ProbeCache()
+    try:
+        wrapper(*args)
+    except (AttributeError, TypeError):  # a layer that wants more of a cache than these give: as before, no cache
+        return "kv"
+    finally:
+        wrapper.cache = None
+    read = attention_op.CONTEXT.read
+    if probe.updated is not None and read is not None and (read[0] is not probe.updated[0] or read[1] is not probe.updated[1]):
+        return "latent"
+    return "length" if probe.asked_length else "kv"
+
+
+def _cache_for(mode: str):
+    return {"kv": None, "length": attention_op.LengthCache(), "latent": attention_op.TraceCache()}[mode]
+
+
+def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None) -> Template:
+    """The ONNX template of decoder layer `plan.index` (its kind's representative). `shared_rows`: share key ->
+    the (k, v) rows a layer stored there (filled by the layers that store, read by the ones that reuse)."""
     layer = skel.layers[plan.index]
     cfg = skel.config
     batch, seq, past = 2, 3, 4
-    hidden = torch.randn(batch, seq, cfg.hidden_size)
+    shape = plan.hidden or (1, PROBE_LEN, cfg.hidden_size)  # [..., B, S, hidden]: AltUp's streams lead
+    lead = len(shape) - 3
+    hidden = torch.randn(*shape[:lead], batch, seq, shape[-1])
     positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
+    inputs = [torch.randn(batch, seq, *s[2:]) for s in plan.inputs.values()]
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
-    dynamic = {"hidden_states": {0: b, 1: s}, "attention_mask": {0: b, 2: s, 3: t}, "position_ids": {0: b, 1: s},
-               "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p}}
+    dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
+               "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
+               "inputs": [{0: b, 1: s} for _ in inputs]}
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
+    shared_rows = {} if shared_rows is None else shared_rows
     undo = placeholders(layer)
     try:
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])):
-            wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention).eval()
+            wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
+            one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1), positions[:, :1], "empty", None,
+                   *(x[:, :1] for x in inputs))
             try:
-                key, value = _dry_run(skel, wrapper, hidden[:, :1], positions[:, :1])
+                key, value = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
                 raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
+            shared = wrapper.shared
+            if shared is not None and shared.stored is not None:
+                plan.share = ("store", shared.stored)
+                rows = shared.data[shared.stored]
+                shared_rows[shared.stored] = tuple(torch.randn(batch, r.shape[1], seq, r.shape[3]) for r in rows)
+            elif shared is not None and shared.read is not None:
+                plan.share = ("reuse", shared.read)
+                rows = shared_rows[shared.read]
+                inputs += list(rows)
+                dynamic["inputs"] += [{0: b, 2: s}, {0: b, 2: s}]
             args = (hidden, torch.zeros(batch, 1, seq, past + seq), positions,
-                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]))
+                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]),
+                    *inputs)
             installed.calls = 0
-            program = _export(wrapper, args, dynamic, LAYER_INPUTS, LAYER_OUTPUTS, skel.model_type)
+            names = LAYER_INPUTS + [f"input_{i}" for i in range(len(inputs))]
+            dynamic["inputs"] = tuple(dynamic["inputs"])
+            if not inputs:
+                del dynamic["inputs"]
+            program = _export(wrapper, args, dynamic, names, LAYER_OUTPUTS, skel.model_type)
     finally:
         restore(undo)
     if plan.rope is not None and installed.calls == 0:
@@ -186,11 +289,12 @@ def trace_layer(skel: Skeleton, plan: LayerPlan) -> Template:
     return _template(program, "layer.")
 
 
-def trace_outer(skel: Skeleton) -> Template:
+def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Template:
     """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes."""
     originals = list(skel.layers)
     for i in range(len(originals)):
-        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple)
+        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple, inspect.signature(type(originals[i]).forward),
+                                      list(plans[i].inputs) if plans else [])
     undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     try:
