@@ -289,7 +289,7 @@ class Skeleton:
             "architecture": (self.raw.get("architectures") or [type(self.model).__name__])[0],
             "dims": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                      "kv_heads": kv_shape[0], "head_dim": kv_shape[1],
-                     "intermediate": _setting(c, "intermediate_size"), "vocab": c.vocab_size},
+                     "intermediate": _first(_setting(c, "intermediate_size")), "vocab": c.vocab_size},
             "rms_norm_eps": getattr(c, "rms_norm_eps", None),
             "tie_word_embeddings": bool(self.tied_names()),
             "max_position_embeddings": getattr(c, "max_position_embeddings", None),
@@ -507,6 +507,11 @@ def _setting(config, name: str):
         return getattr(config, name, None)
     except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
         return None
+
+
+def _first(value):
+    """The first layer's value of a per-layer list (Gemma 3n's intermediate_size), else the value."""
+    return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
 def _named(signature: inspect.Signature, hidden, args, kwargs) -> dict:

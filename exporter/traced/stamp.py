@@ -40,6 +40,8 @@ class Stamper:
         self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> the new key/value rows its Attention appends
         self.used: set[str] = set()  # checkpoint tensors the graph reads
         self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
+        self.gathers: dict[tuple[int, str], tuple] = {}  # (template, node): an embedding whose ids the graph computes
+        self.linears: dict[str, str] = {}  # checkpoint weight -> its declared [in, out] form
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
     def build(self, outer: Template, layers: list[Template], kinds: list[str], sizes: dict[str, int | None],
@@ -152,6 +154,9 @@ class Stamper:
                     names[node.output[0]] = self._linear(name, node, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
                     other = None if name == self.embed else self._scope(name, scope, layer)  # per-layer embeddings
+                    if node.input[1] not in names:  # ids computed in the graph (Gemma 3n clips them): stamped in order
+                        self.gathers[(id(t), node.name)] = (name, other)
+                        continue
                     names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]], other)
                 elif moe.reads_experts(node, value) and experts is None:  # stacked experts: the plan's precision
                     experts = moe.expert_weight(self.plan, self.b, name, self._scope(name, scope, layer), layer)
@@ -163,7 +168,7 @@ class Stamper:
                     continue
                 self.skip.add((id(t), node.name))
             if any((id(t), n.name) not in self.skip and (id(t), n.name) not in self.as_matmul and not moe.reads_experts(n, value)
-                   for n in consumers.get(value, [])):
+                   and (id(t), n.name) not in self.gathers for n in consumers.get(value, [])):
                 vector = self.plan.vector(self.b, name, layer)
             names[value] = experts or vector or name
 
@@ -173,6 +178,12 @@ class Stamper:
         return f"{scope}/{rel.removesuffix('.weight').replace('.', '/')}"
 
     def _linear(self, name: str, node: onnx.NodeProto, scope: str, layer: int | None) -> str:
+        """The plan's [in, out] weight for the Linear weight `name`, declared once (Gemma 3n's AltUp router runs twice)."""
+        if name not in self.linears:
+            self.linears[name] = self._declare_linear(name, scope, layer)
+        return self.linears[name]
+
+    def _declare_linear(self, name: str, scope: str, layer: int | None) -> str:
         if layer is None and name == self.head:  # the model's get_output_embeddings() (tied or not)
             return self.plan.head_weight(self.b, self.embed, None if name == self.embed else name)
         if layer is None:  # another Linear around the layers (a projection in or out)
@@ -183,6 +194,10 @@ class Stamper:
     def _copy(self, t: Template, node: onnx.NodeProto, names: dict[str, str], scope: str, prefix_values: str,
               fixed: dict[str, str] | None = None) -> None:
         if (id(t), node.name) in self.skip:
+            return
+        if (id(t), node.name) in self.gathers:
+            name, other = self.gathers[(id(t), node.name)]
+            names[node.output[0]] = self.plan.embedding(self.b, name, names[node.input[1]], other)
             return
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             raise FuselmError(f"the traced graph has a control-flow node ({node.op_type}); not supported")

@@ -310,8 +310,32 @@ def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Templat
     return _template(program, "lm.")
 
 
+def _erfinv_translation():
+    """erfinv in standard ops (ONNX has Erf, not its inverse): Winitzki's closed form (2e-3), then three Newton steps
+    on Erf (float32 exact). Gemma 3n's activation sparsity takes the normal quantile of a constant through it."""
+    import math
+
+    from onnxscript import opset23 as op
+
+    def erfinv(y):
+        def c(v):
+            return op.CastLike(v, y)
+
+        a = 0.147
+        ln = op.Log(op.Sub(c(1.0), op.Mul(y, y)))
+        t = op.Add(c(2.0 / (math.pi * a)), op.Mul(ln, c(0.5)))
+        x = op.Mul(op.Sign(y), op.Sqrt(op.Sub(op.Sqrt(op.Sub(op.Mul(t, t), op.Div(ln, c(a)))), t)))
+        for _ in range(3):
+            slope = op.Mul(c(2.0 / math.sqrt(math.pi)), op.Exp(op.Neg(op.Mul(x, x))))
+            x = op.Sub(x, op.Div(op.Sub(op.Erf(x), y), slope))
+        return x
+
+    return {torch.ops.prims.erf_inv.default: erfinv, torch.ops.aten.erfinv.default: erfinv}
+
+
 def _export(module, args, dynamic, input_names, output_names, model_type):
-    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **_marker_translation()}
+    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **_marker_translation(),
+             **_erfinv_translation()}
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
