@@ -68,8 +68,10 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
             with _progress(quiet, meta["dims"]["layers"]) as advance:
                 write_data(tmp / DATA_NAME, builder.jobs, ckpt, advance)
             # The weights' TensorProtos now point into model.onnx.data; the graph holds no weight bytes.
-            onnx.save_model(builder.model(contract.functions_for(builder.nodes), f"fuselm {__version__} export of {label}"),
-                            tmp / MODEL_NAME)
+            model = builder.model(contract.functions_for(builder.nodes), f"fuselm {__version__} export of {label}")
+            if meta.get("attention"):  # per-layer attention variants, for any runtime that reads the graph alone
+                onnx.helper.set_model_props(model, {contract.ATTENTION_META: json.dumps(meta["attention"])})
+            onnx.save_model(model, tmp / MODEL_NAME)
             onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)
             copy_tokenizer_files(hf_dir, tmp)
             write_meta(tmp, meta)

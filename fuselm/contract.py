@@ -134,6 +134,36 @@ def cache_order(name: str) -> tuple:
     return (c.layer, c.kind) if c else (-1, name)
 
 
+# --- attention variants, per layer ---------------------------------------------------------------
+ATTENTION_META = "fuselm.attention"  # the graph's metadata_props key of fuselm.json's `attention` block (JSON)
+MASK_KINDS = ("causal", "sliding", "chunked")
+CACHE_KINDS = ("kv", "latent", "shared")
+
+
+def attention_meta(layers: list[dict], sliding_window: int | None = None, chunk_size: int | None = None) -> dict:
+    """fuselm.json's `attention` block, also the graph's metadata_props[ATTENTION_META] as JSON: per layer its mask
+    (MASK_KINDS: causal; sliding: the last `sliding_window` cache indices; chunked: causal within its block of
+    `chunk_size` indices), its cache (CACHE_KINDS: kv, its keys and values; latent, multi-head latent attention's
+    compressed latent as `.key` and rotary key as `.value`; shared, it reads layer `kv_source`'s and has none) and
+    that cache's kv_heads, key_dim and value_dim."""
+    for layer in layers:
+        if layer["mask"] not in MASK_KINDS or layer["cache"] not in CACHE_KINDS:
+            raise FuselmError(f"attention layer {layer}: mask must be one of {MASK_KINDS}, cache one of {CACHE_KINDS}")
+    return {"layers": layers, "sliding_window": sliding_window, "chunk_size": chunk_size}
+
+
+def kv_sources(metadata_props: dict[str, str]) -> dict[int, int]:
+    """Layer -> the layer whose keys and values it reads (KV sharing), from a graph's metadata_props; {} without."""
+    import json
+
+    try:
+        layers = json.loads(metadata_props.get(ATTENTION_META, "{}")).get("layers") or []
+        return {i: int(x["kv_source"]) for i, x in enumerate(layers) if x.get("kv_source") is not None}
+    except (ValueError, TypeError, AttributeError, KeyError):
+        raise FuselmError(f"the graph's metadata {ATTENTION_META} is not fuselm's attention block; re-export with "
+                          "`fuselm convert`") from None
+
+
 # --- fuselm::FusedRoPE ---------------------------------------------------------------------------
 ROPE_OP = "FusedRoPE"
 RMS_EPSILON = 1e-5  # FusedRoPE's `epsilon` default: RMSNormalization's

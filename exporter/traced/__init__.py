@@ -63,7 +63,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
 
 def _traced(hf_dir: Path, config: dict):
     """Skeleton, probe, checkpoint check, then one trace per layer kind and one of the model around them."""
-    from .cache import Traced
+    from .cache import Traced, kv_shape
     from .skeleton import Skeleton
     from .trace import layer_kinds, trace_layer, trace_outer
 
@@ -92,7 +92,7 @@ def _traced(hf_dir: Path, config: dict):
                     getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
                     skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
                     skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans])
-    meta = skel.metadata(plans, len(kinds), traced.kv_shape)
+    meta = skel.metadata(plans, len(kinds), [kv_shape(templates[p.kind]) for p in plans])
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)
     traced.meta = json.loads(json.dumps(meta))  # as the cache keeps it

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 from .rope_op import RopeSpec, rope_layouts
@@ -277,11 +278,14 @@ class Skeleton:
     def _param_name(self, module: nn.Module) -> str:
         return next(n for n, p in self.model.named_parameters() if p is module.weight)
 
-    def metadata(self, plans: list[LayerPlan], kinds: int, kv_shape: tuple[int, int, int]) -> dict:
-        """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer."""
+    def metadata(self, plans: list[LayerPlan], kinds: int, kv_shapes: list[tuple[int, int, int]]) -> dict:
+        """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer; dims'
+        kv_heads / head_dim are layer 0's key cache, `attention` has every layer's (contract.attention_meta)."""
         c = self.config
+        kv_shape = kv_shapes[0]
         rope = next((p.rope for p in plans if p.rope is not None), None)
         sliding = any(p.sliding for p in plans)
+        chunked = any(p.mask == "chunked" for p in plans)
         params = getattr(c, "rope_parameters", None) or {}
         return {
             "family": self.model_type,
@@ -301,7 +305,14 @@ class Skeleton:
                      "attention_scaling": rope.attention_scaling if rope else 1.0,
                      "interleaved": rope.interleaved if rope else 0,
                      "layers_without_rope": [p.index for p in plans if p.rope is None]},
-            "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding]},
+            "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding],
+                       "chunked_layers": [p.index for p in plans if p.mask == "chunked"]},
+            "attention": contract.attention_meta(
+                [{"mask": p.mask, "cache": "shared" if p.kv_source is not None else
+                  ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
+                  **({"kv_source": p.kv_source} if p.kv_source is not None else {})} for p, k in zip(plans, kv_shapes, strict=True)],
+                sliding_window=getattr(c, "sliding_window", None) if sliding else None,
+                chunk_size=getattr(c, "attention_chunk_size", None) if chunked else None),
         }
 
     def probe(self) -> list[LayerPlan]:

@@ -440,7 +440,8 @@ def _simplify(graph: onnx.GraphProto) -> None:
 
 def _sequence_to_split(graph: onnx.GraphProto) -> None:
     """SplitToSequence(x, chunk c, axis) read only by SequenceAt(const i) -> Split(x, [c]*n) with
-    outputs i (torch's `chunk` at optimize=False); needs x's axis length static in the trace."""
+    outputs i (torch's `chunk` at optimize=False; needs x's axis length static in the trace), and
+    SplitToSequence(x, sizes [n], axis) -> Split(x, sizes) (torch's `split` with sizes: MLA's nope / rope parts)."""
     from onnx import numpy_helper
 
     consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
@@ -457,15 +458,20 @@ def _sequence_to_split(graph: onnx.GraphProto) -> None:
         axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
         shape, chunk = shapes.get(n.input[0]), consts[n.input[1]]
         seq_users = users.get(n.output[0], [])
-        if (shape is None or chunk.ndim != 0 or not shape[axis] or shape[axis] % int(chunk)
-                or not all(u.op_type == "SequenceAt" and u.input[1] in consts for u in seq_users)):
+        if not all(u.op_type == "SequenceAt" and u.input[1] in consts for u in seq_users):
             continue
-        parts = shape[axis] // int(chunk)
+        if chunk.ndim == 1:
+            split = chunk.astype(np.int64)
+        elif chunk.ndim == 0 and shape is not None and shape[axis] and not shape[axis] % int(chunk):
+            split = np.full(shape[axis] // int(chunk), int(chunk), np.int64)
+        else:
+            continue
+        parts = len(split)
         outputs = [f"{n.output[0]}_split_{k}" for k in range(parts)]
         sizes = f"{n.output[0]}_split_sizes"
         at = list(graph.node).index(n)
         graph.node.insert(at, onnx.helper.make_node("Constant", [], [sizes], name=f"{n.name}_sizes",
-                          value=numpy_helper.from_array(np.full(parts, int(chunk), np.int64))))
+                          value=numpy_helper.from_array(split)))
         graph.node.insert(at + 1, onnx.helper.make_node("Split", [n.input[0], sizes], outputs, name=f"{n.name}_split",
                                                         axis=axis))
         for u in seq_users:
