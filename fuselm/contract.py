@@ -382,14 +382,85 @@ def swiglu_function() -> onnx.FunctionProto:
                             attributes=[], doc_string=swiglu_function.__doc__)
 
 
+# --- fuselm::LatentAttention ---------------------------------------------------------------------
+LATENT_OP = "LatentAttention"
+LATENT_ATTRS = ("num_heads", "qk_nope_head_dim", "v_head_dim")
+
+
+def latent_attention_node(q: str, latent: str, k_rot: str, weight: str, mask: str, y: str, name: str, num_heads: int,
+                          qk_nope_head_dim: int, v_head_dim: int, scale: float) -> onnx.NodeProto:
+    """One `fuselm::LatentAttention` node (multi-head latent attention over its cache; see its function)."""
+    return oh.make_node(LATENT_OP, [q, latent, k_rot, weight, mask], [y], name=name, domain=DOMAIN,
+                        num_heads=int(num_heads), qk_nope_head_dim=int(qk_nope_head_dim), v_head_dim=int(v_head_dim),
+                        scale=float(scale))
+
+
+def latent_attention_schema():
+    """LatentAttention's OpSchema (onnxscript needs one to emit a node of a custom domain)."""
+    from onnx.defs import OpSchema
+
+    return OpSchema(
+        LATENT_OP, DOMAIN, DOMAIN_VERSION,
+        inputs=[OpSchema.FormalParameter(n, "T") for n in ("Q", "latent", "k_rot", "weight", "mask")],
+        outputs=[OpSchema.FormalParameter("Y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[*(OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in LATENT_ATTRS),
+                    OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "")])
+
+
+def latent_attention_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::LatentAttention (domain fuselm, v1): multi-head latent attention (DeepSeek-V2/V3,
+    GLM-4-MoE-lite, MiniCPM3) reading its cache, the compressed latent, in the expanded form (opset-23 ops only).
+
+    Q [B,H,S,n+R] (n = qk_nope_head_dim, the rotary part R last), latent [B,1,T,r] and k_rot [B,1,T,R] (the layer's
+    present: past_key_values.{i}.key / .value and this step's rows), weight [r, H·(n+v)] (kv_b_proj as [in, out],
+    per head n key columns then v = v_head_dim value columns), mask [B,1,S,T] (additive or bool):
+    kv = latent @ weight -> [B,H,T,n+v]; k_nope, V = split(kv, [n, v]); K = concat(k_nope, k_rot over the heads)
+    Y = Attention(Q, K, V, mask, scale)                                   [B,H,S,v]
+    A runtime may compute it absorbed instead (the weight's key columns folded into Q, its value columns applied
+    after attention: attention over the latent itself, one kv head), where that costs fewer multiply-adds (decode).
+    """
+    def c64(name, values):
+        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
+
+    def attr_1d(out, attr):
+        return [_attr_constant(f"{out}_0", "value_int", attr, onnx.AttributeProto.INT),
+                oh.make_node("Reshape", [f"{out}_0", "one_d"], [out])]
+
+    nodes = [
+        c64("one_d", [1]), c64("zero_minus1", [0, -1]), c64("ones_1", [1]),
+        *attr_1d("heads", "num_heads"), *attr_1d("nope", "qk_nope_head_dim"), *attr_1d("vdim", "v_head_dim"),
+        oh.make_node("Add", ["nope", "vdim"], ["head_kv"]),
+        oh.make_node("Squeeze", ["latent", "one_d"], ["latent3"]),  # [B,T,r]
+        oh.make_node("MatMul", ["latent3", "weight"], ["kv"]),  # [B,T,H(n+v)]
+        oh.make_node("Concat", ["zero_minus1", "heads", "head_kv"], ["kv_shape"], axis=0),
+        oh.make_node("Reshape", ["kv", "kv_shape"], ["kv4"]),  # [B,T,H,n+v]
+        oh.make_node("Transpose", ["kv4"], ["kv_heads"], perm=[0, 2, 1, 3]),  # [B,H,T,n+v]
+        oh.make_node("Concat", ["nope", "vdim"], ["sizes"], axis=0),
+        oh.make_node("Split", ["kv_heads", "sizes"], ["k_nope", "V"], axis=-1),
+        oh.make_node("Concat", ["ones_1", "heads", "ones_1", "ones_1"], ["rot_shape"], axis=0),
+        oh.make_node("Expand", ["k_rot", "rot_shape"], ["k_rot_heads"]),  # [B,H,T,R]
+        oh.make_node("Concat", ["k_nope", "k_rot_heads"], ["K"], axis=-1),
+    ]
+    attention = oh.make_node("Attention", ["Q", "K", "V", "mask"], ["Y"])
+    ref = attention.attribute.add()
+    ref.name, ref.type, ref.ref_attr_name = "scale", onnx.AttributeProto.FLOAT, "scale"
+    nodes.append(attention)
+    return oh.make_function(DOMAIN, LATENT_OP, ["Q", "latent", "k_rot", "weight", "mask"], ["Y"], nodes,
+                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[*LATENT_ATTRS, "scale"],
+                            doc_string=latent_attention_function.__doc__)
+
+
 def functions_for(nodes) -> list[onnx.FunctionProto]:
     """The model-local functions a graph with these nodes must carry: FusedRoPE's in its form, SwiGLU's,
-    MoE's in its form."""
+    MoE's in its form, LatentAttention's."""
     nodes = list(nodes)
     form = rope_form(nodes)
     out = [] if form is None else [fused_rope_function(form.interleaved, form.heads, form.normed)]
     if any(n.domain == DOMAIN and n.op_type == SWIGLU_OP for n in nodes):
         out.append(swiglu_function())
+    if any(n.domain == DOMAIN and n.op_type == LATENT_OP for n in nodes):
+        out.append(latent_attention_function())
     moe = moe_form(nodes)
     if moe is not None:
         out.append(moe_function(moe.activation, moe.scoring, moe.biased, moe.selection_bias))

@@ -148,6 +148,7 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
         [contract.RopeForm(*f) for f in itertools.product((False, True), repeat=3)]
     canonical = {contract.ROPE_OP: [contract.fused_rope_function(f.interleaved, f.heads, f.normed) for f in forms],
                  contract.SWIGLU_OP: [contract.swiglu_function()],
+                 contract.LATENT_OP: [contract.latent_attention_function()],
                  contract.MOE_OP: [contract.moe_function(f.activation, f.scoring, f.biased, f.selection_bias)
                                    for f in ([moe] if moe is not None else contract.moe_forms())]}
     for protos in canonical.values():

@@ -1,6 +1,6 @@
 """The graph as the executor runs it: plain Python nodes, converted once from the ONNX graph at load.
 
-Model-local functions (fuselm::FusedRoPE, MoE, SwiGLU) stay one node when the op table has a fused kernel;
+Model-local functions (fuselm::FusedRoPE, MoE, SwiGLU, LatentAttention) stay one node when the op table has a fused kernel;
 otherwise, or with `fused=False`, their FunctionProto body is inlined. Everything else a load does to the graph
 is a rewrite of its own (runtime_metal/rewrites/: listed, skippable, shown by `fuselm diff --target mlx`).
 """
@@ -16,7 +16,7 @@ from onnx import AttributeProto, helper
 
 from fuselm.errors import FuselmError
 
-from . import ops_moe, ops_nn  # noqa: F401 - they register the nn ops and fuselm::MoE into OPS
+from . import ops_latent, ops_moe, ops_nn  # noqa: F401 - they register the nn ops, fuselm::MoE and LatentAttention
 from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
 

@@ -60,9 +60,59 @@ def _(q, k, v, mask, scale, softcap):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
+@torch.library.custom_op("fuselm_trace::latent_attention", mutates_args=())
+def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
+                     scale: float, heads: int, nope: int, v_dim: int) -> torch.Tensor:
+    """fuselm::LatentAttention (fuselm/contract.py): q [B,H,S,n+R], latent [B,1,T,r], k_rot [B,1,T,R], weight
+    [r, H(n+v)] -> y [B,H,S,v]."""
+    b, _, t, _ = latent.shape
+    kv = (latent[:, 0] @ weight).view(b, t, heads, nope + v_dim).transpose(1, 2)
+    k_nope, v = kv.split([nope, v_dim], dim=-1)
+    k = torch.cat((k_nope, k_rot.expand(-1, heads, -1, -1)), dim=-1)
+    return attention_kv(q, k, v, mask, scale, 0.0)
+
+
+@latent_attention.register_fake
+def _(q, latent, k_rot, weight, mask, scale, heads, nope, v_dim):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_dim)
+
+
+def latent_expansion(layer: torch.nn.Module, key, value, latent, k_rot) -> tuple[torch.nn.Module, int, int, int] | None:
+    """(the Linear, heads, nope, v) when `key` / `value` (what the layer gave attention) are LatentAttention's expansion
+    of `latent` / `k_rot` by the one Linear of `layer` that read `latent` (its `seen`, set by `watch_linears`); None
+    for any other expansion (the layer then keeps attention over its own K/V)."""
+    seen = [m for m in layer.modules() if getattr(m, "_fuselm_read_latent", False)]
+    if len(seen) != 1 or key.dim() != 4 or value.dim() != 4:
+        return None
+    heads, rot = key.shape[1], k_rot.shape[-1]
+    nope, v_dim = key.shape[-1] - rot, value.shape[-1]
+    w = seen[0].weight
+    if nope <= 0 or getattr(seen[0], "bias", None) is not None or w.shape != (heads * (nope + v_dim), latent.shape[-1]):
+        return None
+    with torch.no_grad():
+        b, _, t, _ = latent.shape
+        kv = (latent[:, 0] @ w.t()).view(b, t, heads, nope + v_dim).transpose(1, 2)
+        k_nope, v = kv.split([nope, v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, heads, -1, -1)), dim=-1)
+    if k.shape == key.shape and v.shape == value.shape and torch.allclose(k, key, atol=1e-5) and \
+            torch.allclose(v, value, atol=1e-5):
+        return seen[0], heads, nope, v_dim
+    return None
+
+
 def translation():
     """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
     from onnxscript import opset23 as op
+    from onnxscript import values
+
+    from fuselm import contract
+
+    latent_op = values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), contract.LATENT_OP,
+                          contract.latent_attention_schema())
+
+    def to_onnx_latent(q, latent, k_rot, weight, mask, scale, heads, nope, v_dim):
+        return latent_op(q, latent, k_rot, weight, mask, num_heads=int(heads), qk_nope_head_dim=int(nope),
+                         v_head_dim=int(v_dim), scale=float(scale))
 
     def to_onnx(q, k, v, mask, past_key, past_value, scale, softcap):
         y, present_k, present_v, _ = op.Attention(q, k, v, mask, past_key, past_value, scale=float(scale),
@@ -73,7 +123,8 @@ def translation():
         y, _, _, _ = op.Attention(q, k, v, mask, scale=float(scale), softcap=float(softcap), is_causal=0)
         return y
 
-    return {torch.ops.fuselm_trace.attention.default: to_onnx, torch.ops.fuselm_trace.attention_kv.default: to_onnx_kv}
+    return {torch.ops.fuselm_trace.attention.default: to_onnx, torch.ops.fuselm_trace.attention_kv.default: to_onnx_kv,
+            torch.ops.fuselm_trace.latent_attention.default: to_onnx_latent}
 
 
 class Context:
@@ -86,6 +137,7 @@ class Context:
         self.sliding_window: int | None = None
         self.calls = 0
         self.read: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values attention got (a dry run)
+        self.latent: tuple | None = None  # (weight, heads, nope, v): attention is LatentAttention over the presents
 
 
 CONTEXT = Context()
@@ -122,6 +174,11 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     ctx.read = (key, value)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     softcap = float(kwargs.get("softcap") or 0.0)
+    if ctx.present is not None and ctx.latent is not None and not softcap:  # MLA over its latent cache
+        weight, heads, nope, v_dim = ctx.latent
+        y = torch.ops.fuselm_trace.latent_attention(query, *ctx.present, weight.t(), attention_mask, scale, heads,
+                                                    nope, v_dim)
+        return y.transpose(1, 2).contiguous(), None
     if ctx.present is not None:  # the layer updated its own cache (TraceCache): key/value are whole
         y = torch.ops.fuselm_trace.attention_kv(query, key, value, attention_mask, scale, softcap)
         return y.transpose(1, 2).contiguous(), None
@@ -157,6 +214,21 @@ class LengthCache:
 
     def get_seq_length(self, *args, **kwargs):
         return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
+
+
+class LatentProbe:
+    """The cache of a latent-mode layer in its check run: `update` hands back random rows of the stored shapes, so the
+    expansion after the cache is seen on known values (trace.py `_latent_check`)."""
+
+    def __init__(self):
+        self.rows: tuple | None = None
+
+    def update(self, key, value, *args, **kwargs):
+        self.rows = (torch.randn_like(key), torch.randn_like(value))
+        return self.rows
+
+    def get_seq_length(self, *args, **kwargs):
+        return 0
 
 
 class ProbeCache:

@@ -117,6 +117,7 @@ class _LayerWrapper(nn.Module):
         super().__init__()
         self.layer, self.rope, self.plan, self.inline = layer, rope, plan, inline_attention
         self.cache = None
+        self.latent: tuple | None = None  # (Linear, heads, nope, v) of a latent layer's expansion (LatentAttention)
         self.shared_rows = shared_rows or {}  # share key -> (k, v) rows a reuse layer reads in its dry run
         self.shared: _Shared | None = None
 
@@ -124,6 +125,7 @@ class _LayerWrapper(nn.Module):
         ctx = attention_op.CONTEXT
         ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
         ctx.present, ctx.calls, ctx.mask, ctx.read = None, 0, attention_mask, None
+        ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
         self.rope.positions = position_ids
         cache = attention_op.TraceCache() if self.inline else self.cache
         kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(self.plan.inputs, inputs, strict=False))}
@@ -201,6 +203,7 @@ def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> tuple[torch
             if not wrapper.inline:
                 mode = _cache_mode(wrapper, args)
                 wrapper.plan.cache = mode
+                wrapper.latent = _latent_check(wrapper, args) if mode == "latent" else None
                 wrapper.cache = _cache_for(mode)
             return wrapper(*args)[1:]
         except (_NoAttention, attention_op.NotOneAttention):
@@ -226,6 +229,37 @@ def _cache_mode(wrapper: _LayerWrapper, args: tuple) -> str:
     if probe.updated is not None and read is not None and (read[0] is not probe.updated[0] or read[1] is not probe.updated[1]):
         return "latent"
     return "length" if probe.asked_length else "kv"
+
+
+def _latent_check(wrapper: _LayerWrapper, args: tuple):
+    """(Linear, heads, nope, v) when the layer expands its latent cache as fuselm::LatentAttention does: seen in a run
+    with random latent rows (LatentProbe) and a random weight for the one Linear that reads them; None otherwise."""
+    probe = attention_op.LatentProbe()
+    wrapper.cache = probe
+    linears = [m for m in wrapper.layer.modules() if isinstance(m, nn.Linear)]
+
+    def watch(module, inputs):
+        rows = probe.rows
+        x = inputs[0] if inputs else None
+        if rows is not None and isinstance(x, torch.Tensor) and x.numel() == rows[0].numel() and \
+                x.data_ptr() == rows[0].data_ptr():
+            module._fuselm_read_latent = True
+            module.weight.normal_()  # a placeholder: known values for the check
+
+    hooks = [m.register_forward_pre_hook(watch) for m in linears]
+    try:
+        wrapper(*args)
+        read = attention_op.CONTEXT.read
+        return None if read is None or probe.rows is None else \
+            attention_op.latent_expansion(wrapper.layer, *read, *probe.rows)
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+    finally:
+        wrapper.cache = None
+        for h in hooks:
+            h.remove()
+        for m in linears:
+            m.__dict__.pop("_fuselm_read_latent", None)
 
 
 def _cache_for(mode: str):
