@@ -26,6 +26,7 @@ from fuselm import contract
 
 from .executor import Step
 from .kvcache import CacheView
+from .ops_nn import first_row
 
 N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
 
@@ -217,7 +218,7 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
             return
         s = b.shape(q)[2]
         t1 = pos + s
-        t0 = max(0, t1 - window) if window else 0
+        t0 = first_row(t1, window, a.get("causal_chunk"))
         buf = b.cache_write(buf, kv, pos)
         if view is None:
             env[kn] = env[vn] = buf

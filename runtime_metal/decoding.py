@@ -9,9 +9,9 @@
 
 `choose` runs before every step, from what the session knows now:
   - dynamic where the cache cannot live in place, static decode is off, the check disagreed, or a
-    sliding window is shorter than the cache on a backend that reads the whole buffer (the window's
-    mask is computed from the cache index, and static shapes would move the query to the end of the
-    buffer; causal reads cut the window's rows themselves);
+    sliding window or an attention chunk is shorter than the cache on a backend that reads the whole buffer
+    (the band's mask is computed from the cache index, and static shapes would move the query to the end of
+    the buffer; causal reads cut the band's rows themselves);
   - checked until a static step has agreed with dynamic decode;
   - static while the profiler times ops (a compiled step runs no ops to time), and on the step a
     compiled one is built from (kept only if it reproduces that step's logits);
@@ -173,6 +173,9 @@ class Decoding:
             return Dynamic(self, self.why)
         if s.window is not None and s.max_len > s.window and not s.causal_reads:
             return Dynamic(self, f"the sliding window of {s.window} tokens is shorter than the cache ({s.max_len}): "
+                                 "static shapes would shift its mask")
+        if s.chunk is not None and s.max_len > s.chunk and not s.causal_reads:
+            return Dynamic(self, f"the attention chunk of {s.chunk} tokens is shorter than the cache ({s.max_len}): "
                                  "static shapes would shift its mask")
         if self.static is None:
             return Checked(self)

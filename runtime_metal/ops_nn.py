@@ -149,8 +149,8 @@ def _make_bias(b, attn_mask, past, s, t, is_causal, nonpad, left, right):
 
 def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None, kv_rows=None, *,
                is_causal=0, kv_num_heads=0, q_num_heads=0, qk_matmul_output_mode=0, scale=None, softcap=0.0,
-               softmax_precision=None, left_window_size=-1, right_window_size=-1, causal_rows=None, _n_outputs=1,
-               _ctx=None, fused=True):
+               softmax_precision=None, left_window_size=-1, right_window_size=-1, causal_rows=None, causal_chunk=None,
+               _n_outputs=1, _ctx=None, fused=True):
     three_d = len(b.shape(Q)) == 3
     if three_d:
         _check_3d_heads(b, Q, K, V, q_num_heads, kv_num_heads)
@@ -162,8 +162,8 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     s = b.shape(Q)[2]
     blockwise = fused and not softcap and _n_outputs < 4 and softmax_precision in (None, b.dtype(Q))
     scale = float(1.0 / np.sqrt(b.shape(Q)[3])) if scale is None else float(scale)
-    rows = _filled_rows(past_key, past_value, s, causal_rows, _ctx) if blockwise and nonpad_kv_seqlen is None \
-        else None
+    rows = _filled_rows(past_key, past_value, s, causal_rows, _ctx, causal_chunk) \
+        if blockwise and nonpad_kv_seqlen is None else None
     qk_out = None
     if rows is not None:  # the filled rows, and no array mask (rewrites/causal_masks.py)
         (t0, t1), causal = rows
@@ -199,19 +199,27 @@ def _attention(b, Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpa
     return (Y, K, V, qk_out)[:max(_n_outputs, 1)]
 
 
-def _filled_rows(past_key, past_value, s: int, window, ctx) -> tuple | None:
+def _filled_rows(past_key, past_value, s: int, window, ctx, chunk=None) -> tuple | None:
     """((t0, t1), causal) when this Attention may read cache rows t0..t1 without an array mask: the backend
     reads the filled rows (ctx["causal_reads"], set by the session for its plain feeds), the mask is a causal
     band (`causal_rows`, rewrites/causal_masks.py) and the cache position is known on the host. Causal is needed only
-    for a prompt chunk (S > 1); a window cuts the rows at decode and must not cut into a chunk's rows."""
+    for a prompt chunk (S > 1); a window cuts the rows at decode and must not cut into a chunk's rows; a chunked
+    band (`causal_chunk`) starts at its block's first row, and queries in two blocks take the graph's mask."""
     if window is None or not (ctx or {}).get("causal_reads") or not isinstance(past_key, CacheView) or \
             not isinstance(past_value, CacheView) or not isinstance(past_key.pos, int):
         return None
     t1 = past_key.pos + s
-    t0 = max(0, t1 - window) if window else 0
-    if s > 1 and window and t1 > window:  # the band is not one causal triangle: the graph's mask
+    t0 = first_row(t1, window, chunk)
+    if s > 1 and (window and t1 > window or chunk and t0 > t1 - s):  # not one causal triangle: the graph's mask
         return None
     return (t0, t1), s > 1
+
+
+def first_row(t1: int, window: int, chunk: int | None) -> int:
+    """The first cache row the last of the queries ending at row t1 attends (a window, or its chunk's start)."""
+    if chunk:
+        return (t1 - 1) // chunk * chunk
+    return max(0, t1 - window) if window else 0
 
 
 def _same(a, b) -> bool:

@@ -68,6 +68,8 @@ class Session:
         kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
                               self.lm.path)
         self.window = int(self.meta["sliding_window"]) if self.meta.get("sliding_window") else None
+        chunk = (self.meta.get("attention") or {}).get("chunk_size")  # Llama 4's chunked layers
+        self.chunk = int(chunk) if chunk else None
         self.causal_reads = causal_reads(self.backend, self.graph, self.in_place, fused)
         self.executor.ctx["causal_reads"] = self.causal_reads  # the session's feeds are plain (rewrites/causal_masks.py)
         self.packed = kvcache.packed_pairs(self.caches, self.graph.nodes, self.causal_reads, self.kv_formats)

@@ -138,6 +138,7 @@ class Context:
         self.calls = 0
         self.read: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values attention got (a dry run)
         self.latent: tuple | None = None  # (weight, heads, nope, v): attention is LatentAttention over the presents
+        self.positions: torch.Tensor | None = None  # the layer's position_ids
 
 
 CONTEXT = Context()
@@ -207,13 +208,15 @@ class TraceCache:
 
 class LengthCache:
     """The cache of a layer that reads its length (Llama 4's attention temperature: positions from the cache's
-    length): `update` hands the new rows back (attention appends them to the past), the length is the past's."""
+    length): `update` hands the new rows back (attention appends them to the past); the length is the position
+    of the first query (batch row 0). Under plain feeds that is the past's length; unlike the past's shape, it stays
+    right where a runtime feeds a preallocated past of static shape."""
 
     def update(self, key, value, *args, **kwargs):
         return key, value
 
     def get_seq_length(self, *args, **kwargs):
-        return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
+        return CONTEXT.positions[0, 0]
 
 
 class LatentProbe:

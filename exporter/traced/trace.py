@@ -124,7 +124,7 @@ class _LayerWrapper(nn.Module):
     def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, *inputs):
         ctx = attention_op.CONTEXT
         ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
-        ctx.present, ctx.calls, ctx.mask, ctx.read = None, 0, attention_mask, None
+        ctx.present, ctx.calls, ctx.mask, ctx.read, ctx.positions = None, 0, attention_mask, None, position_ids
         ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
         self.rope.positions = position_ids
         cache = attention_op.TraceCache() if self.inline else self.cache

@@ -9,7 +9,10 @@ no mask at decode (the last `window` rows for a sliding window), mask="causal" a
 
 It evaluates each mask's subgraph (the nodes it depends on) on the host with numpy for probe
 shapes and compares it with that band. The Attention node gets the runtime attribute
-`causal_rows` = the window (0: none) when every probe matches. It must not fire (the op keeps the
+`causal_rows` = the window (0: none) when every probe matches. A chunked mask (Llama 4's chunked local
+attention: query i sees the keys of its own block of `chunk` indices up to itself), checked against the chunk
+size fuselm.json names, gets `causal_rows` = 0 and `causal_chunk` = the chunk size: the rows read start at
+the block's first index. It must not fire (the op keeps the
 graph's array mask) when the subgraph reads anything but input_ids / attention_mask / position_ids
 (a cache, a weight-dependent value), fails on the host, holds values other than allowed (True / 0)
 and masked (False / below -1e4), or any probe differs from a causal band; nor for Attention nodes
@@ -34,18 +37,20 @@ PROBES = ((1, 1), (1, 2), (2, 2), (3, 7), (1, 9), (5, 40), (1, 300), (3, 1500), 
 
 
 class CausalMasks(Rewrite):
-    """The module docstring's classification: `causal_rows` on each Attention whose mask is a causal band under
-    plain feeds (fuselm.json's sliding window probed too)."""
+    """The module docstring's classification: `causal_rows` (and `causal_chunk`) on each Attention whose mask is a
+    causal band (or a chunked one) under plain feeds (fuselm.json's sliding window and chunk size probed too)."""
 
     aliases = ("causal-masks", "mask-kind")
 
     def apply(self, graph: Graph, load: Load, stats: Stats) -> bool:
-        window_hint = (load.meta or {}).get("sliding_window")
+        meta = load.meta or {}
+        window_hint, chunk_hint = meta.get("sliding_window"), (meta.get("attention") or {}).get("chunk_size")
         producers = {o: n for n in graph.nodes for o in n.outputs}
         probes = list(PROBES)
-        if window_hint:
-            probes += [(1, window_hint), (1, window_hint + 1), (1, window_hint + 2), (2, window_hint + 3)]
-        seen: dict[str, int | None] = {}
+        for hint in (window_hint, chunk_hint):
+            if hint:
+                probes += [(1, hint), (1, hint + 1), (1, hint + 2), (2, hint + 3)]
+        seen: dict[str, tuple | None] = {}
         for n in graph.nodes:
             if n.key != ("", "Attention"):
                 continue
@@ -55,15 +60,17 @@ class CausalMasks(Rewrite):
                 continue
             mask = n.inputs[3] if len(n.inputs) > 3 else ""
             if not mask:
-                window = 0 if n.attrs.get("is_causal", 0) else None
+                band = (0, None) if n.attrs.get("is_causal", 0) else None
             else:
                 if mask not in seen:
-                    seen[mask] = _band(graph, producers, mask, probes)
-                window = seen[mask]
-            if window is None:
-                stats.skip(n.name, "its mask is not a causal band under plain feeds")
+                    seen[mask] = _band(graph, producers, mask, probes, chunk_hint)
+                band = seen[mask]
+            if band is None:
+                stats.skip(n.name, "its mask is not a causal (or chunked) band under plain feeds")
                 continue
-            n.attrs["causal_rows"] = window
+            n.attrs["causal_rows"] = band[0]
+            if band[1]:
+                n.attrs["causal_chunk"] = band[1]
             stats.fire(n.name)
         return bool(stats.fired)
 
@@ -95,24 +102,42 @@ def _cone(graph: Graph, producers: dict, name: str) -> list[Node] | None:
     return [n for n in graph.nodes if any(o in need for o in n.outputs)]
 
 
-def _band(graph: Graph, producers: dict, mask: str, probes) -> int | None:
-    """The window of the causal band `mask` is under plain feeds (0: no window), or None."""
+def _band(graph: Graph, producers: dict, mask: str, probes, chunk: int | None = None) -> tuple | None:
+    """(window, None) of the causal band `mask` is under plain feeds (window 0: none), (0, chunk) of a chunked band
+    of `chunk`, or None."""
     cone = _cone(graph, producers, mask)
     if cone is None:
         return None
     sub = Executor(Graph(cone, graph.constants, list(SMALL), [mask], graph.opsets, graph.elem_types),
                    NumpyBackend())
-    window = 0
-    for s, t in sorted(probes, key=lambda p: p[1]):
+    values = {}
+    for s, t in probes:
         feeds = {contract.INPUT_IDS: np.zeros((1, s), np.int64), contract.ATTENTION_MASK: np.ones((1, t), np.int64),
                  contract.POSITION_IDS: np.arange(t - s, t, dtype=np.int64).reshape(1, s)}
         try:
-            value = np.asarray(sub.run(feeds)[mask])
+            values[(s, t)] = _allowed(np.asarray(sub.run(feeds)[mask]), s, t)
         except Exception:  # noqa: BLE001 - a subgraph the host cannot run keeps its array mask
             return None
-        allowed = _allowed(value, s, t)
-        if allowed is None:
+        if values[(s, t)] is None:
             return None
+    window = _window(values)
+    if window is not None:
+        return window, None
+    if chunk and all(np.array_equal(a, _chunked(s, t, chunk)) for (s, t), a in values.items()):
+        return 0, chunk
+    return None
+
+
+def _chunked(s: int, t: int, chunk: int) -> np.ndarray:
+    q = np.arange(t - s, t)[:, None]
+    k = np.arange(t)[None, :]
+    return (k <= q) & (k // chunk == q // chunk)
+
+
+def _window(values: dict) -> int | None:
+    """The window of the causal band every probe's allowed [S, T] is (0: no window), or None."""
+    window = 0
+    for (s, t), allowed in sorted(values.items(), key=lambda p: p[0][1]):
         q = np.arange(t - s, t)[:, None]
         k = np.arange(t)[None, :]
         if not window and allowed[-1].sum() < t:  # the last query sees fewer keys than exist: a window
