@@ -17,9 +17,14 @@ k-1, which returns it as `hidden_states_out` (contract.NEXT_HIDDEN); the last st
 Each stage takes `attention_mask`, `position_ids` and the caches of its own layers (their global
 names, `past_key_values.14.key` in stage 1), and returns their presents.
 
+A layer that reads another layer's keys and values (KV sharing, Gemma 3n / 4: contract.kv_sources from the
+graph's metadata) has no cache of its own; its Attention reads the source layer's past and new rows, so the
+source and its readers stay in one stage.
+
 Must not cut (FuselmError, exit 2): a cut where more than one value crosses or a stage reads from a
-stage other than the one before it (a graph whose layers do not chain through one residual value);
-a node whose name and cache disagree on its layer; layers that are not 0..L-1; more stages than layers.
+stage other than the one before it (a graph whose layers do not chain through one residual value); a cut
+between a layer and the layers that read its keys and values; a node whose name and cache disagree on its
+layer; layers that are not 0..L-1; more stages than layers.
 Weights are balanced by bytes (contiguous layer ranges minimizing the largest stage) unless given.
 """
 
@@ -67,14 +72,17 @@ class Graph:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         inputs = {v.name for v in model.graph.inputs}
         pasts = sorted((n for n in inputs if contract.is_past(n)), key=contract.cache_order)
-        self.n_layers = len({contract.parse_cache(n).layer for n in pasts})
+        self.sources = contract.kv_sources(dict(model.metadata_props))  # reader layer -> the layer whose K/V it reads
+        self.cached = sorted({contract.parse_cache(n).layer for n in pasts})
+        layers = sorted({*self.cached, *self.sources})
+        self.n_layers = len(layers)
         missing = [n for n in (*contract.STEP_INPUTS,) if n not in inputs]
         if missing or not pasts or contract.LOGITS not in {v.name for v in model.graph.outputs}:
             raise FuselmError(f"the graph does not follow the fuselm contract (missing {missing or contract.LOGITS}); "
                               f"split needs {contract.NAMES_TEXT}")
-        if sorted({contract.parse_cache(n).layer for n in pasts}) != list(range(self.n_layers)):
-            raise FuselmError(f"the cache inputs name layers {sorted({contract.parse_cache(n).layer for n in pasts})}; "
-                              "split needs layers 0..L-1")
+        if layers != list(range(self.n_layers)) or any(src not in self.cached for src in self.sources.values()):
+            raise FuselmError(f"the cache inputs name layers {self.cached} (and layers {sorted(self.sources)} read "
+                              "another's); split needs layers 0..L-1")
         n = len(self.nodes)
         # act: the node carries the token stream (reads input_ids other than through Shape, a cache, or an
         # act value); every other node is free (weights, mask, positions), recomputed by each stage reading it
@@ -104,6 +112,8 @@ class Graph:
                     for c in [contract.parse_cache(v.name)] if c is not None} | \
                    {c.layer for v in n.outputs for c in [contract.parse_cache(v.name)] if c is not None}
         by_name = node_layer(n)
+        if by_name in self.sources and by_cache == {self.sources[by_name]}:
+            by_cache = {by_name}  # a reader's attention over its source's cache is the reader's
         if len(by_cache) > 1 or (by_cache and by_name is not None and by_name not in by_cache):
             raise FuselmError(f"node {n.name!r} ({n.op_type}) is named for layer {by_name} but reads or writes the "
                               f"caches of layers {sorted(by_cache)}; split cannot tell which stage it belongs to")
@@ -141,7 +151,8 @@ class Graph:
                         if n.op_type != "Shape":
                             raise FuselmError(f"node {n.name!r} ({n.op_type}) reads {v.name}, a cache of another "
                                               "stage; split cannot place it")
-                        st.shape_rewrites[i] = contract.past_name(lo, c.kind)
+                        first_cache = next(layer for layer in self.cached if layer in own)
+                        st.shape_rewrites[i] = contract.past_name(first_cache, c.kind)
                     continue
                 p = self._producer(v)
                 if p is None or p in st.nodes:
@@ -161,7 +172,16 @@ class Graph:
         st.bytes = sum(self.init_bytes.get(name, 0) for name in st.initializers)
         return st
 
+    def apart(self, lo: int, hi: int) -> tuple[int, int] | None:
+        """(reader, source) of a layer in lo..hi-1 whose KV source is outside it, or None."""
+        return next(((j, i) for j, i in sorted(self.sources.items()) if lo <= j < hi and not lo <= i < hi), None)
+
     def plan(self, ranges: list[range]) -> list[Stage]:
+        for r in ranges:
+            if (pair := self.apart(r.start, r.stop)) is not None:
+                raise FuselmError(f"layer {pair[0]} reads the keys and values of layer {pair[1]} (KV sharing), which "
+                                  f"the stage of layers {r.start}-{r.stop - 1} does not hold; a source and its readers "
+                                  "go in one stage: choose other --layers")
         stages = []
         for k, r in enumerate(ranges):
             st = self.stage(r.start, r.stop, k == 0, k == len(ranges) - 1)
@@ -187,20 +207,27 @@ class Graph:
             raise FuselmError(f"--stages {n_stages}: the graph has {L} layers; choose 1..{L} stages")
 
         @functools.cache
-        def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
-            # the largest stage's bytes and the cut points of layers start..L-1 in k stages
+        def best(start: int, k: int) -> tuple[float, tuple[int, ...]]:
+            # the largest stage's bytes and the cut points of layers start..L-1 in k stages (inf: no cut keeps
+            # every KV-sharing reader with its source)
             if k == 1:
-                return self.stage(start, L, start == 0, True).bytes, ()
-            out = None
+                return (float("inf") if self.apart(start, L) else self.stage(start, L, start == 0, True).bytes), ()
+            out = (float("inf"), ())
             for cut in range(start + 1, L - k + 2):
+                if self.apart(start, cut):
+                    continue
                 here = self.stage(start, cut, start == 0, False).bytes
                 rest, cuts = best(cut, k - 1)
                 cand = (max(here, rest), (cut, *cuts))
-                if out is None or cand[0] < out[0]:
+                if cand[0] < out[0]:
                     out = cand
             return out
 
-        cuts = (0, *best(0, n_stages)[1], L)
+        cost, found = best(0, n_stages)
+        if cost == float("inf"):
+            raise FuselmError(f"--stages {n_stages}: no cut into {n_stages} stages keeps every layer that reads another "
+                              f"layer's keys and values (KV sharing: {self.sources}) with that layer; choose fewer stages")
+        cuts = (0, *found, L)
         return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
