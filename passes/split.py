@@ -44,7 +44,7 @@ from fuselm.genai_config import NAME as GENAI_NAME
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
-from .base import attach_functions, node_layer
+from .base import attach_functions, layer_of_name, node_layer
 
 SPLIT_NAME = contract.SPLIT_NAME
 
@@ -111,7 +111,7 @@ class Graph:
         by_cache = {c.layer for v in n.inputs if v is not None and n.op_type != "Shape"
                     for c in [contract.parse_cache(v.name)] if c is not None} | \
                    {c.layer for v in n.outputs for c in [contract.parse_cache(v.name)] if c is not None}
-        by_name = node_layer(n)
+        by_name = node_layer(n) if layer_of_name(n.name) is not None or not self._reads_scalar_only(n) else None
         if by_name in self.sources and by_cache == {self.sources[by_name]}:
             by_cache = {by_name}  # a reader's attention over its source's cache is the reader's
         if len(by_cache) > 1 or (by_cache and by_name is not None and by_name not in by_cache):
@@ -121,6 +121,13 @@ class Graph:
         if layer is not None and not 0 <= layer < self.n_layers:
             return None  # a name like `layers.99` that is no decoder layer of this graph
         return layer
+
+    @staticmethod
+    def _reads_scalar_only(n: ir.Node) -> bool:
+        """The node's only weights are scalars: a pass may have shared such a constant under a layer's name (the
+        final norm's exponent as `/model/layers.0/...`), which says nothing of the node's layer."""
+        weights = [v for v in n.inputs if v is not None and v.is_initializer()]
+        return bool(weights) and all(v.const_value is not None and v.const_value.size <= 1 for v in weights)
 
     @functools.cache  # noqa: B019 - one Graph per split run
     def stage(self, lo: int, hi: int, first: bool, last: bool) -> Stage:
@@ -165,6 +172,11 @@ class Graph:
         if first and crossing:
             raise FuselmError(f"the first stage reads {sorted(crossing)} from later layers; the graph's layers are "
                               "not in order")
+        early = sorted(c for c in crossing if self.pre[self._producer(self._value(c))])
+        if not first and early and len(crossing) > 1:
+            raise FuselmError(f"layer {lo} reads {', '.join(early[:4])}, computed from the token ids before the first "
+                              "layer (per-layer inputs: Gemma 3n / 4), which only the first stage has; a pipeline hands "
+                              "one value from each stage to the next, so this model cannot be split")
         if not first and len(crossing) != 1:
             raise FuselmError(f"{len(crossing)} values cross into layer {lo} ({', '.join(sorted(crossing)[:6])}); "
                               "a stage boundary needs exactly one (the residual stream): choose other --layers")
