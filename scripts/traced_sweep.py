@@ -32,6 +32,9 @@ CANDIDATES = [
     *(MOE_TYPES := ["mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared", "flex_olmo", "cohere2_moe",
                     "hunyuan_v1_moe", "glm4_moe", "minimax_m2", "exaone_moe", "solar_open", "gpt_oss", "phimoe",
                     "ernie4_5_moe", "jetmoe"]),
+    # attention variants: latent (MLA), chunked (Llama 4), per-layer head_dim / KV sharing / per-layer inputs (Gemma)
+    *(ATTENTION_TYPES := ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "deepseek_v32", "glm_moe_dsa",
+                          "longcat_flash", "llama4_text", "gemma4_text", "gemma4_unified_text", "gemma3n_text"]),
 ]
 # Mixtures of experts at the tiny size: 4 experts, top-2, narrow experts (the defaults hold 60-128 experts),
 # under each config's own names for them
@@ -46,7 +49,25 @@ OVERRIDES = {"gptj": {"rotary_dim": 8}, "cwm": {"bos_token_id": 1}, "codegen": {
              "minicpm3": {"head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
                           "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4},
              **{mt: _MOE for mt in MOE_TYPES},
-             "qwen3_moe": {**_MOE, "norm_topk_prob": True}}
+             "qwen3_moe": {**_MOE, "norm_topk_prob": True},
+             # MLA at the tiny size (a dense layer, then a MoE one), its own rope layout (rope_interleave) kept
+             **{mt: {**_MOE, "head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                     "kv_lora_rank": 32, "q_lora_rank": 48, "num_key_value_heads": 4, "first_k_dense_replace": 1}
+                for mt in ATTENTION_TYPES[:7]},
+             # a chunked rope layer and a NoPE layer, chunks and temperature changing inside the check's 16 tokens
+             "llama4_text": {**_MOE, "no_rope_layers": [1, 0], "attention_chunk_size": 4, "floor_scale": 4,
+                             "intermediate_size_mlp": 128, "moe_layers": [1]},
+             # a sliding and two global layers (wider heads, k = v), the last reading the second's keys and values
+             **{mt: {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                     "num_kv_shared_layers": 1, "global_head_dim": 32, "num_global_key_value_heads": 1,
+                     "attention_k_eq_v": True, "sliding_window": 4, "tie_word_embeddings": False,
+                     **({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 384} if mt == "gemma4_text" else {})}
+                for mt in ("gemma4_text", "gemma4_unified_text")},
+             # AltUp, Laurel, per-layer inputs, KV sharing and activation sparsity on one layer
+             "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+                              "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                              "vocab_size_per_layer_input": 384, "sliding_window": 4, "laurel_rank": 8,
+                              "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]}}
 RESULT = Path(__file__).resolve().parent.parent / "bench" / "results" / "traced_sweep.json"
 
 CHILD = r"""

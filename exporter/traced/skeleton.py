@@ -39,6 +39,9 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
                     "Vision": "it has a vision tower"}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
+    "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
+                         "index keys of its own, a third cache tensor per layer beside the latent's two"}
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
@@ -204,8 +207,9 @@ class Skeleton:
         types = getattr(config, "layer_types", None) or []
         odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
         if odd:
+            why = "; ".join(_LAYER_TYPE_REASONS[t] for t in odd if t in _LAYER_TYPE_REASONS) or "hybrid attention"
             raise FuselmError(f"model_type {self.model_type!r} is not supported: it has {', '.join(odd)} layers "
-                              "(hybrid attention); fuselm converts full / sliding-window / chunked attention layers only")
+                              f"({why}); fuselm converts full / sliding-window / chunked attention layers only")
 
     def _refuse_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
