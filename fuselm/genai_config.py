@@ -39,7 +39,7 @@ def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False
     onnxruntime contrib ops (`fuselm optimize --target onnxruntime`)."""
     dims = meta.get("dims") or {}
     if any(not dims.get(k) for k in _NEEDED) or contract.INPUT_IDS not in graph_inputs \
-            or contract.past_name(0, "key") not in graph_inputs:
+            or contract.past_name(0, "key") not in graph_inputs or not _uniform(meta):
         return None
     tokens = meta.get("special_tokens") or {}
     eos = tokens.get("eos_token_id")
@@ -75,6 +75,14 @@ def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False
               "temperature": 1.0, "top_k": 1, "top_p": 1.0, "length_penalty": 1.0, "early_stopping": True,
               "no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
     return {"model": model, "search": search}
+
+
+def _uniform(meta: dict) -> bool:
+    """Every layer caches its own keys and values, all of one shape: genai's decoder takes one head size and kv head
+    count for `past_key_values.%d.*` over every layer (no latent cache, no layer reading another's, one head_dim)."""
+    layers = (meta.get("attention") or {}).get("layers") or []
+    shapes = {(x.get("cache"), x.get("kv_heads"), x.get("key_dim"), x.get("value_dim")) for x in layers}
+    return len(shapes) <= 1 and all(x.get("cache") == "kv" and x.get("key_dim") == x.get("value_dim") for x in layers)
 
 
 def write_genai_config(model_dir: str | os.PathLike, meta: dict) -> Path | None:

@@ -376,7 +376,11 @@ def _checked(block: Block, model_type: str) -> Block:
         parts = list(out) if isinstance(out, tuple) else [out]
         index = next((t for t in parts if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
         if index is None:
-            raise FuselmError(f"model_type {model_type!r}: its router at {block.name} returns no expert indices; not supported")
+            dense = any(isinstance(t, torch.Tensor) and t.shape == (x2.shape[0], n_exp) for t in parts)
+            raise FuselmError(f"model_type {model_type!r}: its router at {block.name} returns no expert indices" + (
+                f" but a score for each of the {n_exp} experts (Llama 4's: zero off its top-k, and the block scales "
+                "each expert's input by it, where fuselm::MoE weights the experts' outputs)" if dense else "") +
+                "; not supported")
         weights = next((t for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()
                         and t.shape == index.shape), None)
         top_k = index.shape[-1]
