@@ -137,10 +137,11 @@ INV = 1.0 / 10000 ** (np.arange(0, D, 2) / D)
 
 
 def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, head_dim: int = D,
-              rotary: int | None = None, packed: str = "no") -> G:
+              rotary: int | None = None, packed: str = "no", reader: bool = False) -> G:
     """One 3-D Attention-23 over a past, q/k rotated by FusedRoPE after a Reshape to heads, the mask
-    computed from attention_mask as fuselm's exporter does (causal and padding, or variants). `packed`
-    "yes": q, k, v are one Split of a fused qkv input (FuseQKV's form); "shared": k is also a graph output."""
+    computed from attention_mask as fuselm's exporter does (causal and padding, or variants: chunked). `packed`
+    "yes": q, k, v are one Split of a fused qkv input (FuseQKV's form); "shared": k is also a graph output.
+    `reader`: its presents are no graph outputs (a layer that reads another layer's cache: KV sharing)."""
     g = G()
     s, p = 3, 4
     hd = head_dim
@@ -173,6 +174,10 @@ def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, he
     if mask != "padding-only":
         causal = g.node("LessOrEqual", [keys, rows])
         allowed = g.node("And", [causal, allowed])
+    if mask == "chunked":  # Llama 4's chunked local attention: keys of the query's own block of 2 indices
+        two = g.init("two", np.array(2, np.int64))
+        same = g.node("Equal", [g.node("Div", [keys, two]), g.node("Div", [rows, two])])
+        allowed = g.node("And", [same, allowed])
     additive = g.node("Where", [allowed, g.init("z0", np.array(0, np.float32)),
                                 g.init("neg", np.array(-3.4e38, np.float32))])
     qk = []
@@ -186,6 +191,8 @@ def attention(mask: str = "causal", rope: str = "both", interleaved: int = 0, he
     y, _, _ = g.node("Attention", [*qk, "v", additive, "past_key_values.0.key", "past_key_values.0.value"], n_out=3,
                        name="/model/layers.0/attn/Attention", q_num_heads=H, kv_num_heads=KV)
     g.out(y, "y")
+    if reader:  # a KV-sharing reader (Gemma 3n / 4): its presents are another layer's, not outputs
+        return g
     g.nodes[-2].output[1:] = ["present.0.key", "present.0.value"]  # the Attention's presents are graph outputs
     for name in ("present.0.key", "present.0.value"):
         g.outputs.append(oh.make_tensor_value_info(name, TensorProto.FLOAT, [1, KV, "total", hd]))
@@ -219,6 +226,8 @@ def test_gqa_fires_and_matches_prefill_and_decode(interleaved, head_dim, rotary,
 
 @pytest.mark.parametrize("kw,why", [
     ({"mask": "padding-only"}, "the mask is not causal + attention_mask padding"),
+    ({"mask": "chunked"}, "the mask is not causal + attention_mask padding"),
+    ({"reader": True}, "no past inputs and present graph outputs"),
     ({"rope": "q-only"}, "only one of q and k is rotated"),
     ({"head_dim": 8}, "head size 8 is not a multiple of 16"),
     ({"rotary": D // 2}, "rotary dim 8 is not a multiple of 16"),
