@@ -66,7 +66,7 @@ class CausalMasks(Rewrite):
                     seen[mask] = _band(graph, producers, mask, probes, chunk_hint)
                 band = seen[mask]
             if band is None:
-                stats.skip(n.name, "its mask is not a causal (or chunked) band under plain feeds")
+                stats.skip(n.name, "its mask is not a causal band under plain feeds")
                 continue
             n.attrs["causal_rows"] = band[0]
             if band[1]:
