@@ -1,11 +1,13 @@
 """The rotary application as a torch custom op that torch.onnx writes as `fuselm::FusedRoPE`.
 
-`install(modeling_module, ...)` swaps the module's `apply_rotary_pos_emb(q, k, cos, sin, ...)`
-for one that calls `fuselm_trace::rope` on q and k. While a layer is traced, the layer receives
-`position_embeddings = (position_ids, position_ids)`, so the replacement sees the positions (not
-cos/sin tables) and the op carries the layer kind's `inv_freq` / `attention_scaling` as attributes.
+`Installed` swaps the module's rotary functions (APPLY_FUNCTIONS: `apply_rotary_pos_emb(q, k, cos, sin,
+...)`, DeepSeek-V3's `apply_rotary_pos_emb_interleave`, the complex `apply_rotary_emb(xq, xk, freqs_cis)`)
+for ones that call `fuselm_trace::rope` on q and k. While a layer is traced, the layer receives
+`position_embeddings = (position_ids, position_ids)` (or `position_ids` alone for a complex rotary), so
+the replacement sees the positions (not cos/sin tables) and the op carries the layer kind's `inv_freq` /
+`attention_scaling` as attributes.
 
-Before anything is traced, `rope_layout` runs the family's own `apply_rotary_pos_emb` on random
+Before anything is traced, `rope_layouts` runs each of the family's own rotary functions on random
 q/k with the rotary module's real cos/sin, and checks which FusedRoPE layout (rotate_half or
 interleaved, full or partial rotary) reproduces it: a family whose rotary application is neither
 is refused instead of exported wrong.
