@@ -85,7 +85,7 @@ def _traced(hf_dir: Path, config: dict):
         shared_rows: dict = {}  # kinds in order of first use: a layer that stores shared keys/values comes first
         templates = [trace_layer(skel, first[kind], shared_rows) for kind in range(len(kinds))]
         for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
-            p.rope, p.cache, p.share = first[p.kind].rope, first[p.kind].cache, first[p.kind].share
+            p.rope, p.cache, p.share, p.attends = (getattr(first[p.kind], f) for f in ("rope", "cache", "share", "attends"))
         _kv_sources(plans, skel.model_type)
         outer = trace_outer(skel, plans)
     traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],

@@ -113,6 +113,7 @@ class LayerPlan:
     cache: str = "kv"  # how the layer uses its cache (trace.py CACHE_MODES), set by its kind's dry run
     share: tuple | None = None  # ("store" | "reuse", key) of the shared-KV mapping, set by the dry run
     kv_source: int | None = None  # a "reuse" layer: the layer whose keys/values it reads
+    attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
 
     @property
     def sliding(self) -> bool:
@@ -284,9 +285,10 @@ class Skeleton:
 
     def metadata(self, plans: list[LayerPlan], kinds: int, kv_shapes: list[tuple[int, int, int]]) -> dict:
         """The model-specific fields of fuselm.json (exporter/README.md); rope from the first rotary layer; dims'
-        kv_heads / head_dim are layer 0's key cache, `attention` has every layer's (contract.attention_meta)."""
+        kv_heads / head_dim are those of the keys layer 0's attention reads (a latent layer's expanded ones),
+        `attention` has every layer's cache (contract.attention_meta)."""
         c = self.config
-        kv_shape = kv_shapes[0]
+        kv_shape = plans[0].attends or kv_shapes[0][:2]
         rope = next((p.rope for p in plans if p.rope is not None), None)
         sliding = any(p.sliding for p in plans)
         chunked = any(p.mask == "chunked" for p in plans)

@@ -295,6 +295,8 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
                 raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
+            read = attention_op.CONTEXT.read  # the keys attention reads: a latent layer's expanded ones
+            plan.attends = (int(read[0].shape[1]), int(read[0].shape[-1])) if read is not None else None
             shared = wrapper.shared
             if shared is not None and shared.stored is not None:
                 plan.share = ("store", shared.stored)
