@@ -111,7 +111,7 @@ class PiecewiseDecode:
                 p.fast = _decode_attention(sess, p.steps[0], self.pieces[i - 1], self.pieces[i + 1],
                                            {x for o in self.pieces if o is not p for x in o.inputs},
                                            {x for o in self.pieces if o is not p and o is not self.pieces[i + 1]
-                                            for x in o.inputs})
+                                            for x in o.inputs}, rows)
         self.seconds = 0.0
         n = sum(p.steps[0].node.op_type != "Attention" for p in self.pieces)
         direct = sum(p.fast is not None for p in self.pieces)
@@ -171,7 +171,7 @@ class PiecewiseDecode:
         return env[sess.output], None, [env[n] if self.direct else views[n].buffer for n in self.names]
 
 
-def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set):
+def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set, rows: int = 1):
     """One decode query's Attention (ops_nn._attention on its filled-rows path, packed K/V: kvcache.append_both)
     as a closure over what is fixed per layer, with `before` handing it Q and the K/V rows heads first and
     `after` taking its output so; None where that path may not be the one taken, or where another piece
@@ -181,7 +181,9 @@ def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, 
     node, b, ex = st.node, sess.backend, sess.executor
     ins, a = list(node.inputs) + [""] * (8 - len(node.inputs)), node.attrs
     qn, kn, vn, kvn, yn = ins[0], ins[4], ins[5], ins[7], node.outputs[0]
+    # several rows under a window or chunk: the band over the rows read is not one causal triangle (the executor's)
     if node.domain or a.get("causal_rows") is None or not kvn or ins[6] or sess.packed.get(vn) != kn or \
+            (rows > 1 and (a.get("causal_rows") or a.get("causal_chunk"))) or \
             a.get("softcap") or a.get("softmax_precision") is not None or len(node.outputs) > 3 or \
             any(o in others for o in (qn, kvn, *node.outputs[1:])) or yn in beyond or not a.get("q_num_heads") or \
             not a.get("kv_num_heads") or "Attention" in (before.steps[0].node.op_type, after.steps[0].node.op_type) \
