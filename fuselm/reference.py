@@ -65,21 +65,24 @@ class OrtRunner:
         inputs = self.session.get_inputs()
         self.inputs = [i.name for i in inputs]
         self.outputs = [o.name for o in self.session.get_outputs()]
-        self._pasts = sorted((i for i in inputs if contract.is_past(i.name)), key=lambda i: contract.cache_order(i.name))
+        self._pasts = sorted((i for i in inputs if contract.is_step_past(i.name)), key=lambda i: contract.step_order(i.name))
         self.reset()
 
     def empty_past(self, batch: int = 1) -> list[np.ndarray]:
-        """Zero-length caches [batch, kv_heads, 0, head_dim], in cache order [k0, v0, k1, v1, ...]."""
+        """Zero-length caches [batch, kv_heads, 0, head_dim] and zero recurrent states, in step order (per layer:
+        key, value, conv, recurrent)."""
         return [np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
-                for i in self._pasts]
+                if contract.is_past(i.name) else contract.zero_state(i.shape, batch) for i in self._pasts]
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past=None):
-        """One step -> (logits [B, S, V], presents [k0, v0, ...]). The mask defaults to ones over past + S and
-        the positions to past..past+S-1; `past` is a list in cache order (default: empty)."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past=None, done: int | None = None):
+        """One step -> (logits [B, S, V], presents in step order). The mask defaults to ones over past + S and
+        the positions to past..past+S-1; `past` is a list in step order (default: empty); `done`: the tokens
+        before this step (default: the KV caches' length; a model of recurrent states only holds no length)."""
         ids = np.asarray(input_ids, np.int64)
         batch, s = ids.shape
         past = self.empty_past(batch) if past is None else list(past)
-        done = int(past[0].shape[2]) if past else 0
+        kv = [p for i, p in zip(self._pasts, past, strict=True) if contract.is_past(i.name)]
+        done = done if done is not None else int(kv[0].shape[2]) if kv else 0
         mask = np.ones((batch, done + s), np.int64) if attention_mask is None else attention_mask
         positions = np.arange(done, done + s, dtype=np.int64)[None].repeat(batch, 0) if position_ids is None \
             else position_ids
@@ -88,14 +91,16 @@ class OrtRunner:
         feeds.update({i.name: p for i, p in zip(self._pasts, past, strict=True)})
         out = dict(zip(self.outputs, self.session.run(None, {k: v for k, v in feeds.items() if k in self.inputs}),
                        strict=True))
-        return out[contract.LOGITS], [out[contract.present_of(i.name)] for i in self._pasts]
+        return out[contract.LOGITS], [out[contract.step_present_of(i.name)] for i in self._pasts]
 
     def reset(self) -> None:
-        self.past = self.empty_past()
+        self.past, self.done = self.empty_past(), 0
 
     def step(self, ids) -> np.ndarray:
         """Run `ids` (batch 1) after what ran since `reset`; returns the logits [1, S, V]."""
-        logits, self.past = self.forward(np.asarray(ids, np.int64).reshape(1, -1), past=self.past)
+        ids = np.asarray(ids, np.int64).reshape(1, -1)
+        logits, self.past = self.forward(ids, past=self.past, done=self.done)
+        self.done += ids.shape[1]
         return logits
 
     def greedy(self, ids: list[int], n: int, force: list[int] | None = None) -> Trace:
@@ -159,8 +164,9 @@ def hf_prefill_decode(model, ids, positions=None):
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.ones(batch, seq, dtype=torch.long),
                     position_ids=torch.tensor(positions), use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        step = model(input_ids=nxt, attention_mask=torch.ones(batch, seq + 1, dtype=torch.long),
-                     position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache, use_cache=True)
+        # no mask on the step (ones over the cache and the token: HF's default): Mamba's layers multiply their
+        # input by the whole [B, past + 1] mask they get
+        step = model(input_ids=nxt, position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache, use_cache=True)
     return out.logits.float().numpy(), nxt.numpy(), step.logits.float().numpy()
 
 

@@ -27,7 +27,7 @@ CANDIDATES = [
     "gemma", "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hunyuan_v1_dense",
     "jais2", "llama", "ministral", "mistral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "persimmon",
     "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
-    "qwen3_moe", "qwen3_next", "minicpm3", "gpt2", "falcon_h1", "lfm2",
+    "qwen3_moe", "minicpm3", "gpt2",
     "gptj", "falcon", "codegen", "gpt_neox_japanese", "bloom", "mpt", "gpt_neo", "gpt_bigcode",
     *(MOE_TYPES := ["mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared", "flex_olmo", "cohere2_moe",
                     "hunyuan_v1_moe", "glm4_moe", "minimax_m2", "exaone_moe", "solar_open", "gpt_oss", "phimoe",
@@ -35,6 +35,10 @@ CANDIDATES = [
     # attention variants: latent (MLA), chunked (Llama 4), per-layer head_dim / KV sharing / per-layer inputs (Gemma)
     *(ATTENTION_TYPES := ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "deepseek_v32", "glm_moe_dsa",
                           "longcat_flash", "llama4_text", "gemma4_text", "gemma4_unified_text", "gemma3n_text"]),
+    # recurrent-state layers (exporter/traced/state_ops.py), at fuselm.synth.TINY's sizes; the last ones refused
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "bamba",
+    "falcon_h1", "nemotron_h", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe",
+    "zamba", "zamba2", "bailing_hybrid", "minimax", "recurrent_gemma", "xlstm", "rwkv",
 ]
 # Mixtures of experts at the tiny size: 4 experts, top-2, narrow experts (the defaults hold 60-128 experts),
 # under each config's own names for them
@@ -108,7 +112,7 @@ print(json.dumps({**out, "status": "ok" if worst <= 1e-4 else "wrong",
                   "max_abs_logit_diff": r["max_abs_logit_diff"], "optimized_max_abs_logit_diff": opt["max_abs_logit_diff"],
                   "layer_kinds": meta["traced"]["layer_kinds"], "moe": meta.get("moe"),
                   "interleaved": meta["rope"]["interleaved"], "rotary_dim": meta["rope"]["rotary_dim"],
-                  "head_dim": meta["dims"]["head_dim"]}))
+                  "head_dim": meta["dims"].get("head_dim", 0), "layer_types": meta.get("layer_types")}))
 """
 
 

@@ -13,6 +13,7 @@ recorder: which rotary frequencies and which mask (causal or sliding window) eac
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections import UserDict
 from dataclasses import dataclass, field
@@ -37,14 +38,25 @@ _REFUSED_KEYS = {
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
-                    "Vision": "it has a vision tower"}
+                    "DeltaAttention": "it has linear-attention layers (Kimi delta attention)",
+                    "Lightning": "it has linear-attention layers (lightning attention)",
+                    "Rglru": "it has recurrent (RG-LRU) layers", "Rwkv": "it has RWKV (recurrent) layers",
+                    "LSTM": "it has xLSTM (recurrent) layers", "Vision": "it has a vision tower"}
+# recurrent-state modules converted where the modeling file has a kernel state_ops.py swaps for a fuselm op
+_STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
+                  "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
+                  "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
+                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",)}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
+_STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
 _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
     "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
                          "index keys of its own, a third cache tensor per layer beside the latent's two"}
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
+_NO_POSITIONS = "it passes the layers no positions"
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
 PROBE_CHUNK = 4  # attention_chunk_size during the probe: chunked layers show as two 4-token blocks
@@ -92,6 +104,7 @@ def restore(undo) -> None:
 
 
 MASKS = ("causal", "sliding", "chunked")  # the mask kinds a layer may get (exporter/graph.py's attention_mask)
+NO_MASK = "none"  # a recurrent-state or feed-forward block: the model gives it no attention mask
 
 
 @dataclass
@@ -114,6 +127,12 @@ class LayerPlan:
     share: tuple | None = None  # ("store" | "reuse", key) of the shared-KV mapping, set by the dry run
     kv_source: int | None = None  # a "reuse" layer: the layer whose keys/values it reads
     attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
+    rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
+    layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
+
+    @property
+    def masked(self) -> bool:
+        return self.mask != NO_MASK
 
     @property
     def sliding(self) -> bool:
@@ -165,8 +184,11 @@ class Skeleton:
 
         self.moe_blocks = moe.find_blocks(model, self.model_type)
         inside_moe = moe.covered(model, self.moe_blocks)
+        modeling = importlib.import_module(type(model).__module__)
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
+                if part in _STATE_KERNELS and any(k in vars(modeling) for k in _STATE_KERNELS[part]):
+                    continue
                 if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
                 if part.lower() in type(module).__name__.lower():
@@ -180,10 +202,12 @@ class Skeleton:
         from transformers.core_model_loading import WeightRenaming
 
         self._renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-        self.head_dim = _setting(config, "head_dim") or config.hidden_size // config.num_attention_heads
-        import importlib
-
+        heads = _setting(config, "num_attention_heads")
+        self.head_dim = _setting(config, "head_dim") or (config.hidden_size // heads if heads else None)
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
+        from . import state_ops
+
+        state_ops.verify(self.modeling, self.model_type)
 
     def _build(self, config, implementation: str):
         from transformers import AutoModelForCausalLM
@@ -206,11 +230,12 @@ class Skeleton:
 
     def _refuse_layer_types(self, config) -> None:
         types = getattr(config, "layer_types", None) or []
-        odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+        odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES + _STATE_LAYER_TYPES})
         if odd:
             why = "; ".join(_LAYER_TYPE_REASONS[t] for t in odd if t in _LAYER_TYPE_REASONS) or "hybrid attention"
             raise FuselmError(f"model_type {self.model_type!r} is not supported: it has {', '.join(odd)} layers "
-                              f"({why}); fuselm converts full / sliding-window / chunked attention layers only")
+                              f"({why}); fuselm converts full / sliding-window / chunked attention, linear-attention, "
+                              "state-space and short-convolution layers")
 
     def _refuse_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -228,8 +253,10 @@ class Skeleton:
         """The decoder layers, found by structure: the one ModuleList of num_hidden_layers modules of
         one class (`model.layers`, GPT-J's `transformer.h`, GPT-NeoX's `gpt_neox.layers`)."""
         n = self.config.num_hidden_layers
-        found = [(name, m) for name, m in self.model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) == n and len({type(x) for x in m}) == 1]
+        lists = [(name, m) for name, m in self.model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+        found = [(name, m) for name, m in lists if len({type(x) for x in m}) == 1]
+        if not found and len(lists) == 1:  # hybrids with a class per layer kind (OLMo-Hybrid, Zamba2)
+            found = lists
         if len(found) != 1:
             lists = ", ".join(name for name, _ in found) or "none"
             raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers (the ModuleLists "
@@ -288,7 +315,8 @@ class Skeleton:
         kv_heads / head_dim are those of the keys layer 0's attention reads (a latent layer's expanded ones),
         `attention` has every layer's cache (contract.attention_meta)."""
         c = self.config
-        kv_shape = plans[0].attends or kv_shapes[0][:2]
+        attending = next((k for k in kv_shapes if any(k)), (0, 0, 0))  # the first layer that attends
+        kv_shape = plans[0].attends or attending[:2]
         rope = next((p.rope for p in plans if p.rope is not None), None)
         sliding = any(p.sliding for p in plans)
         chunked = any(p.mask == "chunked" for p in plans)
@@ -297,9 +325,10 @@ class Skeleton:
             "family": self.model_type,
             "model_type": self.model_type,
             "architecture": (self.raw.get("architectures") or [type(self.model).__name__])[0],
-            "dims": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                     "kv_heads": kv_shape[0], "head_dim": kv_shape[1],
-                     "intermediate": _first(_setting(c, "intermediate_size")), "vocab": c.vocab_size},
+            "dims": {k: v for k, v in {  # attention's dims only where a layer attends (not a pure Mamba-2 model)
+                "layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": _setting(c, "num_attention_heads"),
+                "kv_heads": kv_shape[0], "head_dim": kv_shape[1], "intermediate": _first(_setting(c, "intermediate_size")),
+                "vocab": c.vocab_size}.items() if v or k == "intermediate"},
             "rms_norm_eps": getattr(c, "rms_norm_eps", None),
             "tie_word_embeddings": bool(self.tied_names()),
             "max_position_embeddings": getattr(c, "max_position_embeddings", None),
@@ -313,8 +342,10 @@ class Skeleton:
                      "layers_without_rope": [p.index for p in plans if p.rope is None]},
             "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding],
                        "chunked_layers": [p.index for p in plans if p.mask == "chunked"]},
+            "layer_types": [p.layer_type for p in plans],
             "attention": contract.attention_meta(
-                [{"mask": p.mask, "cache": "shared" if p.kv_source is not None else
+                [{"mask": "none", "cache": "none"} if not any(k) else
+                 {"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
                   **({"kv_source": p.kv_source} if p.kv_source is not None else {})} for p, k in zip(plans, kv_shapes, strict=True)],
                 sliding_window=getattr(c, "sliding_window", None) if sliding else None,
@@ -345,9 +376,9 @@ class Skeleton:
         class Stop(Exception):
             pass
 
-        class Recorder(nn.Module):
-            def __init__(self, last, returns_tuple, signature):
-                super().__init__()
+        class Recorder(StandIn):
+            def __init__(self, original, last, returns_tuple, signature):
+                super().__init__(original)
                 self.last, self.returns_tuple, self.signature = last, returns_tuple, signature
 
             def forward(self, hidden_states, *args, **kwargs):
@@ -355,7 +386,7 @@ class Skeleton:
                 seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
                 if self.last:
                     raise Stop
-                return (hidden_states,) if self.returns_tuple else hidden_states
+                return _layer_output(hidden_states, self.returns_tuple)
 
         originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
@@ -368,11 +399,11 @@ class Skeleton:
             if chunk is not None:
                 config.attention_chunk_size = PROBE_CHUNK
             positions = torch.arange(PROBE_LEN)[None]
-            for returns_tuple in (False, True):  # transformers 5 layers return a tensor; older ones a tuple
+            for returns_tuple in (0, 1, 2):  # transformers 5 layers return a tensor; older ones a tuple (Bamba's a pair)
                 seen.clear()
                 chained.clear()
                 for i in range(len(originals)):
-                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple,
+                    self.layers[i] = Recorder(originals[i], i == len(originals) - 1, returns_tuple,
                                               inspect.signature(type(originals[i]).forward))
                 undo = placeholders(self.model)  # what runs before the layers (norms, position tables) gets memory
                 try:
@@ -387,6 +418,12 @@ class Skeleton:
                             base(input_ids=torch.zeros(1, PROBE_LEN, dtype=torch.long), **common)
                 except Stop:
                     pass
+                except (ValueError, TypeError) as e:  # it unpacks the layer's output otherwise: the next form
+                    if returns_tuple == 2:
+                        raise FuselmError(f"model_type {self.model_type!r}: its forward reads more from a decoder layer "
+                                          f"than its hidden state ({type(e).__name__}: {_first_line(e)}); not "
+                                          "supported by the traced exporter") from None
+                    chained.append(False)
                 except (RuntimeError, NotImplementedError) as e:
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
                                       f"cannot be probed ({type(e).__name__}: {_first_line(e)}); not supported by "
@@ -417,10 +454,17 @@ class Skeleton:
         plans, specs = [], {}
         for i, kwargs in enumerate(seen):
             pe = kwargs.get("position_embeddings")
-            if pe is None:
+            given = kwargs.get("attention_mask")
+            # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
+            unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
+            if pe is None and not unmasked and self._positions(kwargs) != _NO_POSITIONS:
                 raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
                                   f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
                                   "decoders only")
+            if pe is None:  # attention without positions (Nemotron-H's, Granite 4's), or a block that needs none
+                plans.append(self._plan(i, kwargs, None, NO_MASK if unmasked else self._mask(kwargs, i, patterns, window, chunk)))
+                plans[-1].rotary = False
+                continue
             first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
             # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
             tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
@@ -430,24 +474,32 @@ class Skeleton:
             first = tag[3]
             if id(first) not in specs:
                 specs[id(first)] = self._rope_spec(*tag, positions)
-            allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
-            mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
-                         and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
-            if mask is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
-                                  "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
-            cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
-            known = ("attention_mask", "position_ids", "position_embeddings", *_CACHE_ARGS)
-            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in known
-                      and (v is None or isinstance(v, (bool, int, float, str)))}
-            hidden = tuple(kwargs["_returned"].shape)
-            inputs = {k: tuple(v.shape) for k, v in kwargs.items() if k not in known and not k.startswith("_")
-                      and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
-                      and tuple(v.shape[:2]) == (1, PROBE_LEN)}
-            shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
-            plans.append(LayerPlan(i, specs[id(first)], mask, kwargs=static, cache_arg=cache_arg, hidden=hidden,
-                                   inputs=inputs, shares=shares))
+            plans.append(self._plan(i, kwargs, specs[id(first)],
+                                    NO_MASK if unmasked else self._mask(kwargs, i, patterns, window, chunk)))
         return plans
+
+    def _mask(self, kwargs: dict, i: int, patterns: dict, window, chunk) -> str:
+        """The mask kind (MASKS) of the mask a layer got in the probe; anything else is refused."""
+        allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
+        mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
+                     and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
+        if mask is None:
+            raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
+                              "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
+        return mask
+
+    def _plan(self, i: int, kwargs: dict, rope, mask: str) -> LayerPlan:
+        """Layer i's plan from the arguments the model gave it in the probe."""
+        cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
+        known = ("attention_mask", "position_ids", "position_embeddings", *_CACHE_ARGS)
+        static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in known
+                  and (v is None or isinstance(v, (bool, int, float, str)))}
+        hidden = tuple(kwargs["_returned"].shape)
+        inputs = {k: tuple(v.shape) for k, v in kwargs.items() if k not in known and not k.startswith("_")
+                  and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
+                  and tuple(v.shape[:2]) == (1, PROBE_LEN)}
+        shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
+        return LayerPlan(i, rope, mask, kwargs=static, cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares)
 
     def _positions(self, layer_kwargs: dict) -> str:
         """What a non-rotary model uses for positions, for its refusal."""
@@ -457,7 +509,7 @@ class Skeleton:
         inside = {id(m) for layer in self.layers for m in layer.modules()}
         tables = [n for n, m in self.model.named_modules()
                   if isinstance(m, nn.Embedding) and m is not embed and id(m) not in inside]
-        return f"it adds learned absolute positions: {', '.join(tables)}" if tables else "it passes the layers no positions"
+        return f"it adds learned absolute positions: {', '.join(tables)}" if tables else _NO_POSITIONS
 
     def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
         """The frequencies the rotary module used for this call, checked against its own cos/sin. Most
@@ -516,6 +568,26 @@ class Skeleton:
 
         turns = torch.round((angle(1) * far - angle(far)) / (2 * torch.pi))
         return (angle(far) + 2 * torch.pi * turns) / far
+
+
+class StandIn(nn.Module):
+    """A module standing in for a decoder layer: attributes it lacks are the layer's (Nemotron-H's model loop reads
+    each layer's `block_type`)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+def _layer_output(hidden_states, returns_tuple: int):
+    """What a decoder layer returns: the hidden state (0), a 1-tuple of it (1) or it and no attention weights (2)."""
+    return (hidden_states, *(None,) * (returns_tuple - 1)) if returns_tuple else hidden_states
 
 
 def _setting(config, name: str):
