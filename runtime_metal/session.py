@@ -170,6 +170,17 @@ class Session:
         self.backend.set_threads(decode=True)
         return self.decoding.rows(list(ids))
 
+    def checkpoint(self):
+        """Where the cache and the recurrent state stand now, for `restore` (a speculative step of a model with
+        recurrent state: its state cannot roll back, it is put back and the kept tokens run again). Arrays are
+        never written in place but the preallocated KV buffers, whose rows after the position nothing reads."""
+        return self.pos, dict(self.buffers), self.state.snapshot()
+
+    def restore(self, saved) -> None:
+        self.pos, buffers, states = saved
+        self.buffers = dict(buffers) if not self.in_place else self.buffers
+        self.state.restore(states)
+
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens: in-place buffers are written over from the new position on (every read
         stops at the position, or is masked there); a cache kept as the graph's presents is cut."""

@@ -12,7 +12,9 @@ Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the latest ear
 n-gram, n = 3, 2, 1: rewriting, summarising or editing a passage given in the prompt repeats it), `ModelDrafter` (a
 smaller fuselm model with the same tokenizer, run greedily or sampled, its cache kept in step with the target's).
 Drafting turns itself off when it stays unprofitable: after WINDOW verification steps whose drafts were mostly
-rejected, the rest of the run is plain decode (on the engine's own pipelined loop where it has one).
+rejected, the rest of the run is plain decode (on the engine's own pipelined loop where it has one). A model with
+recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each verification;
+when a draft is rejected it is restored and the kept tokens run again.
 """
 
 from __future__ import annotations
@@ -186,9 +188,14 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
         # rows are read by no one, later rows never change earlier ones)
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
+        saved = None if engine.trimmable else engine.checkpoint()
         rows = engine.forward([y, *draft, *pad], rows=len(draft) + len(pad) + 1)
         kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
-        engine.rollback(len(draft) + len(pad) - kept)
+        if saved is None:
+            engine.rollback(len(draft) + len(pad) - kept)
+        elif kept < len(draft) + len(pad):  # a recurrent state holds every draft: put it back, run the kept ones
+            engine.restore(saved)
+            engine.forward([y, *draft[:kept]])
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
         stats.steps += 1
         stats.drafted += len(draft)

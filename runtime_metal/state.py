@@ -20,8 +20,8 @@ import math
 from fuselm import contract
 
 # a state is replaced whole at every step: the tokens of a rejected draft cannot be taken back out of it
-NO_ROLLBACK = ("this model's recurrent states keep no earlier step to roll back to, which speculative decoding needs; "
-               "run it without --speculative")
+NO_ROLLBACK = ("this model's recurrent states keep no earlier step to roll back to; checkpoint() before the tokens "
+               "and restore() after (speculative decoding does)")
 
 
 class RecurrentState:

@@ -159,6 +159,15 @@ class BoundLoop:
                 out.append(logits[-want:])
         return np.concatenate(out)
 
+    def checkpoint(self):
+        """(position, the cache's OrtValues): each step binds new presents and states, and a shared KV buffer's
+        rows after the position are written over, so references suffice (`restore` puts them back)."""
+        return self.done, dict(self.cache)
+
+    def restore(self, saved) -> None:
+        self.done, cache = saved
+        self.cache = dict(cache)
+
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.done:
             raise ValueError(f"cannot roll back {n} of {self.done} cached tokens")
@@ -290,6 +299,16 @@ class OrtEngine(Engine):
 
     def rollback(self, n: int) -> None:
         self._bound().rollback(n)
+
+    @property
+    def trimmable(self) -> bool:
+        return not self._bound().states
+
+    def checkpoint(self):
+        return self._bound().checkpoint()
+
+    def restore(self, saved) -> None:
+        self._bound().restore(saved)
 
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         if isinstance(self.loop, GenaiLoop):
