@@ -6,7 +6,8 @@
   int8 at onnxruntime's default level 4 (~0.3% error: DESIGN.md's measured facts).
 - `OrtRunner`: a contract graph step by step, each step's presents fed back as the next past.
 - `hf_model` / `hf_steps`: HF transformers (eager attention, float32 unless asked), a prefill and
-  decode steps with its cache, greedy or teacher-forced.
+  decode steps with its cache, greedy or teacher-forced; `hf_scores` / `ort_scores`: the logits at every
+  position of one teacher-forced window (quality on text, runtime_metal/evaluate.py).
 - `Trace`: the tokens a run picked and the logits it picked them from.
 convert --check, diff, validate, the benchmarks and the tests all use these.
 """
@@ -168,6 +169,21 @@ def hf_prefill_decode(model, ids, positions=None):
         # input by the whole [B, past + 1] mask they get
         step = model(input_ids=nxt, position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache, use_cache=True)
     return out.logits.float().numpy(), nxt.numpy(), step.logits.float().numpy()
+
+
+def hf_scores(model, ids) -> np.ndarray:
+    """HF's logits [n, vocab] at every position of `ids` (one window, no cache): teacher-forced scoring."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(np.asarray(ids, np.int64).reshape(1, -1)), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def ort_scores(runner: OrtRunner, ids) -> np.ndarray:
+    """onnxruntime's logits [n, vocab] at every position of `ids` (one window, empty past)."""
+    logits, _ = runner.forward(np.asarray(ids, np.int64).reshape(1, -1))
+    return np.asarray(logits[0], np.float32)
 
 
 def ort_prefill_decode(runner: OrtRunner, ids, nxt, positions=None):
