@@ -9,8 +9,8 @@ from pathlib import Path
 from .errors import CheckFailed, FuselmError
 from .options import KVFormat, Options
 
-__all__ = ["convert", "optimize", "diff", "split", "load", "run", "validate", "stream_generate", "Options", "KVFormat",
-           "FuselmError", "CheckFailed"]
+__all__ = ["convert", "optimize", "diff", "split", "load", "run", "validate", "eval", "stream_generate", "Options",
+           "KVFormat", "FuselmError", "CheckFailed"]
 __version__ = "0.1.0"
 
 
@@ -98,3 +98,11 @@ def validate(model, reference, options=None, tokens=16, prompt=None, standard=No
     from .runtime_metal.validate import validate as _validate
 
     return _validate(model, reference, options, tokens, prompt, standard, quiet, **keywords)
+
+
+def eval(model_dir, **kwargs):  # noqa: A001 - the CLI command's name
+    """Perplexity, KL divergence from HF and top-1 agreement on a text, teacher-forced over windows (see
+    `fuselm eval -h`); returns the record (runtime_metal/evaluate.py)."""
+    from .runtime_metal.evaluate import evaluate
+
+    return evaluate(model_dir, **kwargs)

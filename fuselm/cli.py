@@ -37,6 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
                    help="embedding precision (default: tied checkpoints as the lm_head, one tensor for both; "
                         "untied f16 when quantizing, else as --quant)")
+    c.add_argument("--method", choices=["rtn", "mse", "gptq"], default="mse",
+                   help="how each block's scale and zero point are chosen: rtn (min/max), mse (default: the range "
+                        "with the least error, weighted by magnitude, or by input importance with --calib), gptq "
+                        "(errors spread over later columns; calibrates)")
+    c.add_argument("--calib", nargs="?", const=True, default=None, metavar="FILE",
+                   help="measure the weights' importance on a text first (default text: the bundled chapter, "
+                        "fuselm/data/botchan-2.txt); gptq and --bits-per-weight always do")
+    c.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
+                   help="mixed precision: each quantized tensor stored as q4 or q8 in blocks of 32-128, chosen by its "
+                        "measured sensitivity so that data, scales and zero points average B bits per weight")
     c.add_argument("--exporter", choices=["auto", "builder", "torch"], default="auto",
                    help="builder: the hand-written families; torch: trace transformers' modeling code; "
                         "auto (default): the builder where it has the family, else torch")
@@ -56,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", default=None, metavar="FILE")
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+    d.add_argument("--reference", default=None, metavar="HF_DIR",
+                   help="add each stage's KL divergence from HF on a text (onnxruntime scoring)")
+    d.add_argument("--text", default=None, metavar="FILE", help="--reference's text (default: the bundled chapter)")
+    d.add_argument("--max-tokens", type=int, default=None, help="--reference: score only the text's first N tokens")
     for sp, targets in ((o, ["onnxruntime"]), (d, ["onnxruntime", "mlx", "torch", "numpy"])):
         sp.add_argument("--target", choices=targets, default=None,
                         help="after the portable passes, lower to a runtime's own ops (onnxruntime: its com.microsoft "
@@ -65,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--accuracy-level", type=int, choices=range(5), default=4, metavar="{0..4}",
                         help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
                              "int8 activations; 1: float32)")
+
+    e = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement with HF on a text")
+    e.add_argument("model_dir")
+    e.add_argument("--reference", default=None, metavar="HF_DIR",
+                   help="the HF checkpoint to compare with (KL divergence, top-1 agreement); without it, perplexity only")
+    e.add_argument("--text", default=None, metavar="FILE",
+                   help="a UTF-8 text (default: the bundled public-domain chapter, fuselm/data/botchan-1.txt)")
+    e.add_argument("--backend", choices=["onnxruntime", "torch", "mlx"], default="onnxruntime",
+                   help="onnxruntime: the graph as written, its optimizations off; torch, mlx: runtime_metal")
+    e.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window (default 512)")
+    e.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    e.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the record as JSON")
+    e.add_argument("--quiet", action="store_true")
 
     sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
     sp.add_argument("in_path")
@@ -146,7 +173,7 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         command = f"fuselm {args.pop('command')}"
         positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
                       "fuselm diff": ("in_path",), "fuselm split": ("in_path", "out"), "fuselm run": ("model_dir",),
-                      "fuselm validate": ("model_dir", "reference")}[command]
+                      "fuselm validate": ("model_dir", "reference"), "fuselm eval": ("model_dir",)}[command]
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
         os.environ["HF_HUB_OFFLINE"] = "1"
