@@ -26,15 +26,16 @@ from fuselm.errors import FuselmError
 
 from .quant import Precision, Recipe, quantize
 
-CALIB_TOKENS = 2048
+CALIB_TOKENS = 2048  # for GPTQ's E[x xᵀ] and the gradients of mixed precision
+IMPORTANCE_TOKENS = 256  # for the mean squares alone (the default 4-bit convert's): they settle in a few hundred
 # What mixed precision chooses from, cheapest first (bits per weight: 4.28, 4.56, 5.13, 8.63, 9.25)
 OPTIONS = (("q4", 128), ("q4", 64), ("q4", 32), ("q8", 64), ("q8", 32))
 
 
-def calibrate(hf_dir: Path, text: str | None = None, tokens: int = CALIB_TOKENS, hessians: bool = False,
+def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, hessians: bool = False,
               gradients: bool = False, quiet: bool = True) -> dict:
     """Run the checkpoint on the calibration text (default fuselm/data/botchan-2.txt, its first `tokens`
-    tokens in 512-token windows) and return {"importance", "hessians", "gradients", "weights", "text"}:
+    tokens in windows of up to 512; default CALIB_TOKENS, IMPORTANCE_TOKENS for the mean squares alone) and return {"importance", "hessians", "gradients", "weights", "text"}:
     per weight name the input columns' mean squares, E[x xᵀ] (memmaps in a temporary folder, when asked),
     the output rows' mean squared loss gradients (when asked), and the float32 weights (for `allocate`)."""
     import torch
@@ -44,7 +45,8 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int = CALIB_TOKENS,
 
     body, source = text_mod.read_text(text, text_mod.CALIB_TEXT)
     tok = load_tokenizer(Path(hf_dir), required=True)
-    pieces = text_mod.windows(tok.encode(body), text_mod.WINDOW, tokens)
+    tokens = tokens or (CALIB_TOKENS if hessians or gradients else IMPORTANCE_TOKENS)
+    pieces = text_mod.windows(tok.encode(body), min(text_mod.WINDOW, tokens), tokens)
     if not quiet:
         print(f"fuselm convert: calibrating on {sum(map(len, pieces))} tokens of {source}"
               f"{' (forward and backward)' if gradients else ''}")
@@ -70,7 +72,13 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int = CALIB_TOKENS,
         g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float().square().sum(0)
         stats[name]["g"] = g if stats[name]["g"] is None else stats[name]["g"] + g
 
+    head = model.get_output_embeddings()
+    base = model.base_model  # its output is the head's input: forward-only runs stop there (the head is a fifth)
     for module, name in linears.items():
+        if module is head and not gradients:
+            hooks.append(base.register_forward_hook(
+                lambda m, a, o, name=name: forward_hook(m, (o.last_hidden_state,), None, name)))
+            continue
         hooks.append(module.register_forward_hook(lambda m, a, o, name=name: forward_hook(m, a, o, name)))
         if gradients:
             hooks.append(module.register_full_backward_hook(lambda m, gi, go, name=name: backward_hook(m, gi, go, name)))
@@ -84,7 +92,7 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int = CALIB_TOKENS,
                 torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
             else:
                 with torch.no_grad():
-                    model(input_ids=x, use_cache=False)
+                    base(input_ids=x, use_cache=False)
     finally:
         for h in hooks:
             h.remove()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -49,7 +50,9 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     check: afterwards compare onnxruntime with HF transformers (exporter/check.py).
     method: how each block's scale and zero point are chosen (rtn | mse | gptq: exporter/quant.py).
     calib: measure the weights' importance on a text first (a path, or True for the bundled text;
-    exporter/calibrate.py); gptq and `bits_per_weight` always do. bits_per_weight: mixed precision, each
+    exporter/calibrate.py); gptq and `bits_per_weight` always do; False never; None (default): a q4 `mse`
+    convert does when the float32 model fits in a third of the free memory (the calibration holds it whole),
+    else its errors are weighted by magnitude (data-free, streaming). bits_per_weight: mixed precision, each
     quantized tensor's precision chosen by its measured sensitivity within that average.
     """
     t0 = time.perf_counter()
@@ -67,6 +70,8 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     precision = precisions(quant, block_size, lm_head, embed, tied=tied, method=method)
     chosen = choose_exporter(exporter, config)
     recipe = None
+    if calib is None:
+        calib = quant == "q4" and method == "mse" and _fits_in_memory(hf_dir)
     if quant in ("q4", "q8") and (calib or method == "gptq" or bits_per_weight is not None):
         recipe, precision = _calibrated(hf_dir, precision, method, calib, bits_per_weight, tied, quiet)
     try:
@@ -111,6 +116,19 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
 
         run_check(out, hf_dir, quiet=quiet)
     return out
+
+
+def _fits_in_memory(hf_dir: Path) -> bool:
+    """Whether the checkpoint in float32 takes at most a third of the memory free now."""
+    import psutil
+
+    from .weights import Checkpoint
+
+    try:
+        count = sum(math.prod(shape) for _, _, shape in Checkpoint(hf_dir).tensors.values())
+    except FuselmError:
+        return False  # the exporter names the problem
+    return 4 * count <= psutil.virtual_memory().available / 3
 
 
 def _calibrated(hf_dir: Path, precision: tuple, method: str, calib, budget, tied: bool, quiet: bool):

@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(errors spread over later columns; calibrates)")
     c.add_argument("--calib", nargs="?", const=True, default=None, metavar="FILE",
                    help="measure the weights' importance on a text first (default text: the bundled chapter, "
-                        "fuselm/data/botchan-2.txt); gptq and --bits-per-weight always do")
+                        "fuselm/data/botchan-2.txt); gptq and --bits-per-weight always do, and so does a q4 mse "
+                        "convert whose float32 model fits in a third of the free memory")
+    c.add_argument("--no-calib", dest="calib", action="store_false",
+                   help="data-free: weigh errors by magnitude, reading the weights as a stream")
     c.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
                    help="mixed precision: each quantized tensor stored as q4 or q8 in blocks of 32-128, chosen by its "
                         "measured sensitivity so that data, scales and zero points average B bits per weight")
