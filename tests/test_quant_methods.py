@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
-
-from fuselm import cli
 from fuselm.exporter.calibrate import OPTIONS, allocate
 from fuselm.exporter.quant import Precision, gptq, quantize
+
+from fuselm import cli
 
 
 def _weights(seed=0, shape=(48, 256)):
