@@ -34,7 +34,7 @@ def read_text(path: str | Path | None, default: Path = EVAL_TEXT) -> tuple[str, 
 
 
 def windows(ids: list[int], window: int = WINDOW, max_tokens: int | None = None) -> list[np.ndarray]:
-    """Consecutive `window`-token pieces of `ids` (the first `max_tokens` of them); a remainder shorter than
+    """Consecutive `window`-token pieces of `ids` (int64 arrays; the first `max_tokens` of them); a remainder shorter than
     a window is dropped, unless the text is shorter than one window (then it is the one piece)."""
     ids = np.asarray(ids[:max_tokens] if max_tokens else ids, np.int64)
     if len(ids) < 2:

@@ -281,7 +281,7 @@ def _text_kl(in_path, onnx_path, reference, text, max_tokens):
     def kl(path) -> float:
         scorer, metrics = scorer_for(path, "onnxruntime"), Metrics()
         for ids in pieces:
-            metrics.add(ids, scorer.score(ids), ref.score(ids))
+            metrics.add(ids, scorer.score(ids.tolist()), ref.score(ids))
         return metrics.summary()["kl_mean"]
 
     kl.first = kl(onnx_path)

@@ -19,7 +19,7 @@ import numpy as np
 from fuselm import text as text_mod
 from fuselm.errors import FuselmError
 
-BACKENDS = ("onnxruntime", "torch", "mlx")
+BACKENDS = ("onnxruntime", "torch", "mlx")  # onnxruntime: the standard graph as written, f32 activations
 
 
 class _OrtScorer:
@@ -36,33 +36,6 @@ class _OrtScorer:
         return ort_scores(self.runner, ids)
 
 
-class _SessionScorer:
-    """runtime_metal's Session on a backend, the lm_head run at every position (ctx["all_logits"])."""
-
-    def __init__(self, model_dir, backend: str):
-        from fuselm import contract
-
-        from .session import Session
-
-        self.contract = contract
-        self.sess = Session(model_dir, backend=backend, compile=False)
-
-    def score(self, ids) -> np.ndarray:
-        s, n = self.sess, len(ids)
-        s.reset(n)
-        b = s.backend
-        views = {c.name: s._view(c, 0, n) for c in s.caches} if s.in_place else dict(s.buffers)
-        feeds = {s.first_input: s._ids(list(map(int, ids))),
-                 self.contract.ATTENTION_MASK: b.asarray(np.ones((1, n), np.int64)),
-                 self.contract.POSITION_IDS: b.asarray(np.arange(n, dtype=np.int64).reshape(1, -1)), **views}
-        s.executor.ctx.update(rope_offset=0, all_logits=True, inflight=None)
-        try:
-            logits = s.executor.run(feeds)[s.output]
-        finally:
-            s.executor.ctx["all_logits"] = False
-        return np.asarray(b.to_numpy(logits), np.float32).reshape(n, -1)
-
-
 def scorer_for(model_dir, backend: str = "onnxruntime"):
     """The engine that scores `model_dir`: an object with `score(ids) -> np.ndarray [n, vocab]`, the
     teacher-forced logits at every position of one window."""
@@ -70,7 +43,9 @@ def scorer_for(model_dir, backend: str = "onnxruntime"):
         raise FuselmError(f"--backend {backend!r} cannot score a text; choose one of {', '.join(BACKENDS)}")
     if backend == "onnxruntime":
         return _OrtScorer(model_dir)
-    return _SessionScorer(model_dir, backend)
+    import fuselm
+
+    return fuselm.load(model_dir, backend=backend, compile=False)  # runtime_metal's engine: Engine.score
 
 
 class Reference:
@@ -161,7 +136,7 @@ def evaluate(model_dir, reference=None, text=None, backend: str = "onnxruntime",
     ref = Reference(reference) if reference is not None and not isinstance(reference, Reference) else reference
     metrics, t0 = Metrics(), time.perf_counter()
     for ids in pieces:
-        metrics.add(ids, scorer.score(ids), ref.score(ids) if ref is not None else None)
+        metrics.add(ids, scorer.score(ids.tolist()), ref.score(ids) if ref is not None else None)
     record = {"model": str(model_dir), "backend": backend, "reference": str(ref.dir) if ref is not None else None,
               "text": source, "window": int(len(pieces[0])), "windows": len(pieces), **metrics.summary(),
               "weight_bytes": weight_bytes(model_dir), "quantization": meta.get("quantization"),

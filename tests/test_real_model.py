@@ -30,7 +30,7 @@ def test_chat_template_gives_hf_ids(smollm2, f32):
 
     from fuselm.tokenizer import encode_prompt, load_tokenizer
 
-    ours = encode_prompt(load_tokenizer(f32, required=True, chat=True), PROMPT, None, chat=True)
+    ours = encode_prompt(load_tokenizer(f32, required=True, chat=True), PROMPT, chat=True)
     hf = AutoTokenizer.from_pretrained(str(smollm2)).apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
     hf = hf["input_ids"] if hasattr(hf, "keys") else hf
@@ -49,7 +49,7 @@ def test_f32_greedy_chat_equals_hf_and_stops_at_end_of_turn(smollm2, f32):
     out = list(fuselm.stream_generate(f32, prompt=PROMPT, chat=True, max_tokens=40, backend="torch"))
     tokens = [r.token for r in out]
     assert out[-1].finish_reason == "stop" and tokens[-1] == eot
-    ids = encode_prompt(tok, PROMPT, None, chat=True)
+    ids = encode_prompt(tok, PROMPT, chat=True)
     assert hf_steps(hf_model(smollm2), ids, len(tokens)).tokens == tokens
     text = "".join(r.text for r in out)
     assert "Paris" in text and "<|" not in text
