@@ -105,16 +105,20 @@ class Metrics:
 
 
 def weight_bytes(model_dir) -> int:
-    """Bytes of the model's stored tensors: its external data file plus the tensors inside model.onnx."""
+    """Bytes of the model's stored tensors (quantized data, scales, zero points, norms; the data file's
+    alignment padding left out): each external tensor's recorded length plus the tensors inside model.onnx."""
     import onnx
 
     from fuselm import contract
 
-    d = Path(model_dir)
-    model = onnx.load(str(d / contract.MODEL_NAME), load_external_data=False)
-    inline = sum(len(t.raw_data) for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
-    data = d / contract.DATA_NAME
-    return inline + (data.stat().st_size if data.is_file() else 0)
+    model = onnx.load(str(Path(model_dir) / contract.MODEL_NAME), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += int(next(e.value for e in t.external_data if e.key == "length"))
+        else:
+            total += len(onnx.numpy_helper.to_array(t).tobytes())
+    return total
 
 
 def evaluate(model_dir, reference=None, text=None, backend: str = "onnxruntime", window: int = text_mod.WINDOW,
