@@ -14,9 +14,10 @@ import fuselm
 from fuselm import contract
 
 PROMPT = "What is the capital of France? Answer in one short sentence."
-# The default q4's perplexity rise on the first 1024 tokens of the bundled text, at most: mlx-lm 0.32's 4-bit g32
-# of this model rises +32 % there (bench/results/quality-smollm2-135m-instruct-*.json, the same windows).
-Q4_BOUND = 0.25
+# mlx-lm 0.32's 4-bit g32 of this model raises perplexity by 25.1 % on the first 1024 tokens of the bundled text
+# (bench/quality.py's peer on those windows); the default q4 stays within three quarters of that (16.4 % measured).
+MLX_Q4_RISE = 0.251
+Q4_BOUND = 0.75 * MLX_Q4_RISE
 
 
 @pytest.fixture(scope="module")
