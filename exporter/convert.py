@@ -70,10 +70,18 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     precision = precisions(quant, block_size, lm_head, embed, tied=tied, method=method)
     chosen = choose_exporter(exporter, config)
     recipe = None
+    auto = calib is None and method == "mse" and bits_per_weight is None
     if calib is None:
         calib = quant == "q4" and method == "mse" and _fits_in_memory(hf_dir)
     if quant in ("q4", "q8") and (calib or method == "gptq" or bits_per_weight is not None):
-        recipe, precision = _calibrated(hf_dir, precision, method, calib, bits_per_weight, tied, quiet)
+        try:
+            recipe, precision = _calibrated(hf_dir, precision, method, calib, bits_per_weight, tied, quiet)
+        except Exception as e:  # noqa: BLE001 - the default's calibration is a refinement: data-free still converts
+            if not auto:
+                raise
+            if not quiet:
+                print(f"fuselm convert: calibration failed ({type(e).__name__}: {str(e)[:200]}); blocks weighted by "
+                      "magnitude instead (data-free)")
     try:
         builder, ckpt, meta, label = _exporter(chosen)(hf_dir, config, precision)
     except Unsupported as e:

@@ -45,7 +45,7 @@ SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py",
 # last and the other worker idles while it runs. The longest files go first instead (longest processing time
 # first), by their seconds in a whole-suite run on 2 workers (order only: a file not listed
 # follows them in xdist's order).
-LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_convert_traced.py": 178,
+LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_real_model.py": 75, "tests/test_convert_traced.py": 178,
                  "tests/reliability/test_interrupt.py": 132, "tests/test_convert_traced_families.py": 117,
                  "tests/passes/test_passes_models.py": 112, "tests/reliability/test_fuzz_graph.py": 80,
                  "tests/test_bench_cpu_peer.py": 76, "tests/test_pipeline_run.py": 74,
