@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "untied f16 when quantizing, else as --quant)")
     c.add_argument("--method", choices=["rtn", "mse", "gptq"], default="mse",
                    help="how each block's scale and zero point are chosen: rtn (min/max), mse (default: the range "
-                        "with the least error, weighted by magnitude, or by input importance with --calib), gptq "
-                        "(errors spread over later columns; calibrates)")
+                        "with the least error, weighted by the input's importance measured on a text, see --calib, or "
+                        "by magnitude), gptq (errors spread over later columns; calibrates)")
     c.add_argument("--calib", nargs="?", const=True, default=None, metavar="FILE",
                    help="measure the weights' importance on a text first (default text: the bundled chapter, "
                         "fuselm/data/botchan-2.txt); gptq and --bits-per-weight always do, and so does a q4 mse "
