@@ -11,6 +11,7 @@ so convert reads it like any HF checkpoint and writes the same graph.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -51,7 +52,8 @@ def checkpoint_for(gguf: str | os.PathLike, quiet: bool = True) -> Path:
     try:
         if not quiet:
             print(f"fuselm: dequantizing {gguf.name} into an HF checkpoint (once; cached in {out})")
-        write_checkpoint(gguf, tmp, digest)
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            write_checkpoint(gguf, tmp, digest)  # (transformers' GGUF reader draws its own progress bar)
         with contextlib.suppress(OSError):  # another process finished first: its copy is the same
             os.rename(tmp, out)
     finally:
