@@ -169,7 +169,7 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         seconds = time.perf_counter() - t0
-        rec = evaluate(out, ref, max_tokens=max_tokens, quiet=True)
+        rec = evaluate(out, ref, max_tokens=max_tokens, quiet=True, backend="onnxruntime")
         checked = check_ppl(ort_logits(out), pieces) if spec in CHECKED else None
         rows.append({"name": f"fuselm {spec}", "convert_seconds": round(seconds, 1), "perplexity": rec["perplexity"],
                      "check_perplexity": checked, "kl_mean": rec["kl_mean"],

@@ -100,9 +100,11 @@ def validate(model, reference, options=None, tokens=16, prompt=None, standard=No
     return _validate(model, reference, options, tokens, prompt, standard, quiet, **keywords)
 
 
-def eval(model_dir, **kwargs):  # noqa: A001 - the CLI command's name
-    """Perplexity, KL divergence from HF and top-1 agreement on a text, teacher-forced over windows (see
-    `fuselm eval -h`); returns the record (runtime_metal/evaluate.py)."""
+def eval(model, reference=None, options=None, text=None, window=512, max_tokens=None, quiet=False,  # noqa: A001
+         **keywords):
+    """Perplexity, KL divergence from HF and top-1 agreement on a text, teacher-forced over windows (see `fuselm eval
+    -h`), on the engine `load` gives `model` under `options` (backend "onnxruntime": the graph as written); returns
+    the record (runtime_metal/evaluate.py)."""
     from .runtime_metal.evaluate import evaluate
 
-    return evaluate(model_dir, **kwargs)
+    return evaluate(model, reference, options, text, window, max_tokens, quiet, **keywords)

@@ -83,19 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--target onnxruntime: MatMulNBits' accuracy level (4, onnxruntime-genai's CPU default: "
                              "int8 activations; 1: float32)")
 
-    e = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement with HF on a text")
-    e.add_argument("model_dir")
-    e.add_argument("--reference", default=None, metavar="HF_DIR",
-                   help="the HF checkpoint to compare with (KL divergence, top-1 agreement); without it, perplexity only")
-    e.add_argument("--text", default=None, metavar="FILE",
-                   help="a UTF-8 text (default: the bundled public-domain chapter, fuselm/data/botchan-1.txt)")
-    e.add_argument("--backend", choices=["onnxruntime", "torch", "mlx"], default="onnxruntime",
-                   help="onnxruntime: the graph as written, its optimizations off; torch, mlx: runtime_metal")
-    e.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window (default 512)")
-    e.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
-    e.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the record as JSON")
-    e.add_argument("--quiet", action="store_true")
-
     sp = sub.add_parser("split", help="cut the graph into pipeline stages (one per machine) at layer boundaries")
     sp.add_argument("in_path")
     sp.add_argument("-o", "--out", required=True)
@@ -105,13 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true")
     sp.add_argument("--quiet", action="store_true")
 
-    for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
+    for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF"),
+                           ("eval", "perplexity, KL divergence and top-1 agreement with HF on a text")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
         r.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="auto (default): onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph "
                             "(lowered once, kept in fuselm's cache folder), else MLX on Metal, torch elsewhere (the f32 "
-                            "reference on CPU); onnxruntime: onnxruntime's CPU engine (a 4-/8-bit graph on its lowered copy)")
+                            "reference on CPU); onnxruntime: onnxruntime's CPU engine (a 4-/8-bit graph on its lowered copy)"
+                            + ("; for eval, the graph as written in plain onnxruntime (f32 activations)" if name == "eval"
+                               else ""))
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
@@ -151,13 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 "drafting for a q8 one)")
             r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
                            help="a `fuselm split` output: seconds a rank waits for its neighbour")
-        else:
+        elif name == "validate":
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
             r.add_argument("--prompt-ids", type=_ids, default=None)
             r.add_argument("--standard", default=None, metavar="DIR",
                            help="the onnxruntime engine on a lowered graph: the un-lowered model directory to compare "
                                 "with (default: --reference converted again as DIR's fuselm.json records, then optimized)")
+        else:
+            r.add_argument("--reference", default=None, metavar="HF_DIR",
+                           help="the HF checkpoint to compare with (KL divergence, top-1 agreement); without it, "
+                                "perplexity only")
+            r.add_argument("--text", default=None, metavar="FILE",
+                           help="a UTF-8 text (default: the bundled public-domain chapter, fuselm/data/botchan-1.txt)")
+            r.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window (default 512)")
+            r.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the text's first N tokens")
+            r.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the record as JSON")
+            r.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -180,7 +180,7 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
         os.environ["HF_HUB_OFFLINE"] = "1"
-        if command in ("fuselm run", "fuselm validate"):
+        if command in OWN:
             _run_command(command, pos, args)
         else:
             getattr(fuselm, command.split()[1])(*pos, **args)
@@ -202,18 +202,26 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
 
 
 # run's / validate's own arguments; every other one is a field of fuselm.Options
-OWN = {"fuselm run": ("prompt", "prompt_ids", "chat"), "fuselm validate": ("tokens", "prompt_ids", "standard")}
+OWN = {"fuselm run": ("prompt", "prompt_ids", "chat"), "fuselm validate": ("tokens", "prompt_ids", "standard"),
+       "fuselm eval": ("reference", "text", "window", "max_tokens", "json_path", "quiet")}
 
 
 def _run_command(command: str, pos: list, args: dict) -> None:
-    """`fuselm run` / `validate`: their own arguments, and the rest built once into Options."""
+    """`fuselm run` / `validate` / `eval`: their own arguments, and the rest built once into Options."""
     own = {k: args.pop(k) for k in OWN[command]}
-    ids = own.pop("prompt_ids")
     options = Options.of(**args)
     if command == "fuselm run":
+        ids = own.pop("prompt_ids")
         fuselm.run(*pos, own["prompt"] if ids is None else ids, options, chat=own["chat"])
+    elif command == "fuselm validate":
+        fuselm.validate(*pos, options, tokens=own["tokens"], prompt=own["prompt_ids"], standard=own["standard"])
     else:
-        fuselm.validate(*pos, options, tokens=own["tokens"], prompt=ids, standard=own["standard"])
+        json_path = own.pop("json_path")
+        record = fuselm.eval(*pos, own.pop("reference"), options, **own)
+        if json_path:
+            from fuselm.passes.report import write_json
+
+            write_json(record, json_path)
 
 
 @contextlib.contextmanager

@@ -194,3 +194,71 @@ def ort_prefill_decode(runner: OrtRunner, ids, nxt, positions=None):
     logits, present = runner.forward(ids, position_ids=positions)
     step, _ = runner.forward(np.asarray(nxt, np.int64), position_ids=positions[:, -1:] + 1, past=present)
     return logits, step
+
+
+# --- quality on text: a model's teacher-forced scores against the reference's (eval, diff --reference) ---------
+class OrtScorer:
+    """onnxruntime on the graph as written (its graph optimizations off, f32 activations)."""
+
+    name = "onnxruntime (the graph as written, f32 activations)"
+
+    def __init__(self, model_dir):
+        self.runner = OrtRunner(model_dir)
+
+    def score(self, ids) -> np.ndarray:
+        return ort_scores(self.runner, ids)
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Reference:
+    """HF transformers (float32, CPU) on a checkpoint; scores of a window are kept, so several models
+    measured in one process against the same text run the reference once."""
+
+    def __init__(self, hf_dir):
+        self.dir = Path(hf_dir)
+        self.model = hf_model(hf_dir)
+        self._kept: dict[bytes, np.ndarray] = {}
+
+    def score(self, ids) -> np.ndarray:
+        key = np.asarray(ids, np.int64).tobytes()
+        if key not in self._kept:
+            self._kept[key] = log_softmax(hf_scores(self.model, ids))
+        return self._kept[key]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class Metrics:
+    """Per-position figures accumulated window by window."""
+
+    def __init__(self):
+        self.nll, self.ref_nll, self.kl, self.top1 = [], [], [], []
+
+    def add(self, ids, logits: np.ndarray, ref_logp: np.ndarray | None = None) -> None:
+        ids = np.asarray(ids, np.int64)
+        logp = log_softmax(logits)[:-1]
+        targets = ids[1:]
+        rows = np.arange(len(targets))
+        self.nll.append(-logp[rows, targets])
+        if ref_logp is not None:
+            ref = ref_logp[:-1]
+            self.ref_nll.append(-ref[rows, targets])
+            self.kl.append((np.exp(ref) * (ref - logp)).sum(-1))
+            self.top1.append(ref.argmax(-1) == logp.argmax(-1))
+
+    def summary(self) -> dict:
+        nll = np.concatenate(self.nll)
+        out = {"positions": int(nll.size), "perplexity": float(np.exp(nll.mean()))}
+        if self.kl:
+            kl = np.concatenate(self.kl)
+            ref_ppl = float(np.exp(np.concatenate(self.ref_nll).mean()))
+            out.update(reference_perplexity=ref_ppl, perplexity_change=out["perplexity"] / ref_ppl - 1,
+                       kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl, 99)),
+                       top1_agreement=float(np.concatenate(self.top1).mean()))
+        return out

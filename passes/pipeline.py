@@ -269,9 +269,8 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
 
 def _text_kl(in_path, onnx_path, reference, text, max_tokens):
     """kl(path) -> the mean KL divergence of a stage from HF on the text's windows; `.first`: the input's."""
-    from fuselm.runtime_metal.evaluate import Metrics, Reference, scorer_for
-
     from fuselm import text as text_mod
+    from fuselm.reference import Metrics, OrtScorer, Reference
     from fuselm.tokenizer import load_tokenizer
 
     tok = load_tokenizer(Path(in_path), required=True)
@@ -279,7 +278,7 @@ def _text_kl(in_path, onnx_path, reference, text, max_tokens):
     ref = Reference(reference)
 
     def kl(path) -> float:
-        scorer, metrics = scorer_for(path, "onnxruntime"), Metrics()
+        scorer, metrics = OrtScorer(path), Metrics()
         for ids in pieces:
             metrics.add(ids, scorer.score(ids.tolist()), ref.score(ids))
         return metrics.summary()["kl_mean"]

@@ -321,6 +321,12 @@ class OrtEngine(Engine):
                 mapped_pages.release(data)
             yield token
 
+    def score(self, ids: list[int]) -> np.ndarray:
+        if isinstance(self.loop, BoundLoop):
+            return super().score(ids)
+        # onnxruntime-genai has no teacher-forced step: the same graph on the IO-binding loop scores it
+        return OrtEngine(self.source, self.path, self.options, loop="ort", checked=True).score(ids)
+
     def trace(self, ids: list[int], n: int, force: list[int] | None = None):
         if isinstance(self.loop, BoundLoop):
             return super().trace(ids, n, force)
