@@ -40,7 +40,9 @@ pytest_plugins = ["reliability_report"]
 # (`--dist loadgroup` and xdist_group marks would say the same, but xdist 3.8 sets item._nodeid, which pytest 9
 # no longer reads: the marks have no effect there.)
 SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py",
-               "tests/test_runtime_state.py": "tests/test_convert_hybrid.py"}  # the `hybrid` fixture's converts
+               # the `hybrid` fixture's converts, made once
+               "tests/test_runtime_state.py": "tests/test_convert_hybrid.py",
+               "tests/test_speculative.py": "tests/test_convert_hybrid.py"}
 # xdist hands out files with the most tests first, so a long file of one test (a bench's smoke test) starts
 # last and the other worker idles while it runs. The longest files go first instead (longest processing time
 # first), by their seconds in a whole-suite run on 2 workers (order only: a file not listed
