@@ -35,6 +35,7 @@ from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
 from .rewrites.causal_masks import causal_reads
 
+CACHE_STEP = 256  # (as mlx-lm's KVCache grows)
 _LONG_RUN = 64  # rows from which a lazy backend's run is queued a few layers at a time (executor.InFlight)
 
 __all__ = ["Decode", "Session"]
@@ -97,8 +98,13 @@ class Session:
 
     # --- state -----------------------------------------------------------------------------
     def reset(self, max_len: int) -> None:
-        """Empty the cache and preallocate room for `max_len` tokens."""
-        self.max_len, self.pos = int(max_len), 0
+        """Empty the cache and preallocate room for `max_len` tokens: where attention reads only the filled rows,
+        rounded up to a multiple of CACHE_STEP, so that generations of about the same length reuse one compiled
+        step (compiled steps are per cache length; the rows beyond are never read)."""
+        max_len = int(max_len)
+        if self.causal_reads:
+            max_len = -(-max_len // CACHE_STEP) * CACHE_STEP
+        self.max_len, self.pos = max_len, 0
         self.buffers = kvcache.allocate(self.backend, self.caches, self.kv_formats, self.packed,
                                         self.max_len if self.in_place else 0)
         self.state.reset()

@@ -120,22 +120,25 @@ class ModelDrafter:
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
         from .sampling import sample
 
-        logits = self.engine.forward(history[self.fed:])[-1]
-        self.fed = len(history)
-        tokens, dists = [], []
+        if len(history) - 1 > self.fed:  # catch up with the text the target accepted, all but its last token
+            self.engine.forward(history[self.fed:-1])
+        self.fed = len(history) - 1
         s = self.sampler
+        if s.greedy:  # on the engine's own loop (MLX: the steps queued ahead, one read per token)
+            tokens = list(self.engine.continue_from(history[-1], k, s))
+            self.fed += k  # the last token and the first k - 1 drafts
+            return tokens, None
+        tokens, dists = [], []
+        logits = self.engine.forward([history[-1]])[-1]
+        self.fed += 1
         for i in range(k):
-            if s.greedy:
-                t = int(np.argmax(logits))
-            else:
-                dists.append(probabilities(logits, s.temperature, s.top_k, s.top_p))
-                t = sample(logits, s.temperature, s.top_k, s.top_p, s.rng)
-            tokens.append(t)
+            dists.append(probabilities(logits, s.temperature, s.top_k, s.top_p))
+            tokens.append(sample(logits, s.temperature, s.top_k, s.top_p, s.rng))
             if i + 1 < k:
-                logits = self.engine.forward([t])[-1]
+                logits = self.engine.forward([tokens[-1]])[-1]
                 self.fed += 1
         # the last draft was never fed: the draft's cache holds history + tokens[:-1]
-        return tokens, (dists if not s.greedy else None)
+        return tokens, dists
 
     def verified(self, kept: int, drafted: int, emitted: list[int]) -> None:
         """Forget the rejected drafts the draft model fed itself (it fed drafted - 1 of them)."""
