@@ -3,13 +3,18 @@ mlx-lm's gated_delta_ops / ssm step), so a decode step's recurrence is one fused
 dozen ops; shapeless, so one compile serves every model and prompt.
 
 Same semantics and layouts as state_kernels.py (fuselm/contract.py's ops); the state stays float32 (the inputs'
-bfloat16 promotes to it inside the step) and each output is cast back to its input's dtype. Mamba-2's prompt
-keeps the chunked dual form of state_kernels.py (matmuls, already few kernels).
+bfloat16 promotes to it inside the step) and each output is cast back to its input's dtype. A gated delta rule
+prompt runs in chunks (state_kernels.gated_delta_chunked's algorithm: a chunk's work and each step between chunks
+one compiled function), Mamba-2's in the chunked dual form of state_kernels.py (matmuls, already few kernels).
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
+
+from . import state_kernels
 
 _COMPILED: dict = {}
 
@@ -53,12 +58,65 @@ def gated_delta(q, k, v, decay, beta, state):
     hv = v.shape[2]
     if hv != hk:  # each key head serves hv / hk consecutive value heads
         q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
+    if s >= state_kernels.GDN_CHUNKED_FROM and decay.ndim == 3:
+        return gated_delta_chunked(q, k, v, decay, beta, state)
     g = mx.exp(decay.astype(mx.float32)).reshape(bsz, s, hv, -1)
     ys = []
     for t in range(s):
         y, state = _fused(_delta_step)(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         ys.append(y)
     return mx.stack(ys, axis=1).astype(v.dtype), state
+
+
+@cache
+def _masks():
+    causal, strict, levels = state_kernels.chunk_masks(state_kernels.GDN_CHUNK)
+    return mx.array(causal), mx.array(strict), [mx.array(m) for m in levels]
+
+
+def _delta_chunks(q, k, v, g, beta, causal, strict, *levels):
+    """Every chunk's share of state_kernels.gated_delta_chunked at once: q, k [B,H,N,L,Dk], v [B,H,N,L,Dv], g (the
+    log decay), beta [B,H,N,L] -> (U, W, the intra-chunk scores, q·exp(cum), (k·exp(cum_L - cum))^T, exp(cum_L))."""
+    cum = mx.cumsum(g, axis=-1)
+    gaps = cum[..., :, None] - cum[..., None, :]
+    within = mx.where(causal, mx.exp(mx.where(causal, gaps, 0.0)), 0.0)
+    kt = k.swapaxes(-1, -2)
+    kb = k * beta[..., None]
+    t = mx.where(strict, (kb @ kt) * within, 0.0)
+    inv = mx.broadcast_to(causal & ~strict, t.shape).astype(t.dtype)  # (I + t)^-1 by block doubling
+    for mask in levels:
+        inv = inv - inv @ (mx.where(mask, t, 0.0) @ inv)
+    last = g.sum(axis=-1, keepdims=True)  # cum's last column (a slice would keep it from compiling shapeless)
+    return (inv @ (v * beta[..., None]), inv @ (kb * mx.exp(cum)[..., None]), (q @ kt) * within,
+            q * mx.exp(cum)[..., None], (k * mx.exp(last - cum)[..., None]).swapaxes(-1, -2), mx.exp(last)[..., None])
+
+
+def _delta_carry(st, u, w, scores, qd, kd, carry):
+    """One chunk after the state St [B,H,Dk,Dv] it starts from -> (y [B,H,L,Dv], the state after it)."""
+    v_new = u - w @ st
+    return qd @ st + scores @ v_new, st * carry + kd @ v_new
+
+
+def gated_delta_chunked(q, k, v, decay, beta, state):
+    """state_kernels.gated_delta_chunked in mx ops (q, k one per value head)."""
+    bsz, s, h, _ = q.shape
+    length = state_kernels.GDN_CHUNK
+    n = -(-s // length)
+    pad = n * length - s
+
+    def chunks(x):  # [B,S,H,...] -> [B,H,N,L,...] float32, zero-padded to whole chunks
+        x = mx.pad(x.astype(mx.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x.astype(mx.float32)
+        x = x.reshape(bsz, n, length, *x.shape[2:])
+        return x.transpose(0, 3, 1, 2, 4) if x.ndim == 5 else x.transpose(0, 3, 1, 2)
+
+    causal, strict, levels = _masks()
+    parts = _fused(_delta_chunks)(chunks(q), chunks(k), chunks(v), chunks(decay), chunks(beta), causal, strict, *levels)
+    st, ys = state.swapaxes(-1, -2), []
+    for i in range(n):
+        y, st = _fused(_delta_carry)(st, *(p[:, :, i] for p in parts))
+        ys.append(y)
+    y = (ys[0] if n == 1 else mx.concatenate(ys, axis=2))[:, :, :s]
+    return y.swapaxes(1, 2).astype(v.dtype), st.swapaxes(-1, -2)
 
 
 def _ssm_step(state, x, dt, a_log, b, c, d, dt_bias, lo, hi):

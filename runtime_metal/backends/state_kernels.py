@@ -2,8 +2,9 @@
 
 Each takes its state as the graph gives it (float32, fuselm/contract.py's layouts) and returns the output in the
 compute dtype of its input and the new state in float32, never writing the old state (a caller may keep it:
-Session.snapshot). A prompt runs one recurrence step per token, as mlx-lm's ops fallback does; Mamba-2's prompt
-runs in chunks of the state-space dual form (quadratic within a chunk, the state carried between chunks).
+Session.snapshot). Prompts run in chunks, matmuls within a chunk and the state carried between chunks: the gated
+delta rule's (one decay per head) in the WY form of transformers' torch_chunk_gated_delta_rule, Mamba-2's in the
+state-space dual form; Mamba-1 and a decay per key channel run one recurrence step per token.
 
     causal_conv1d: full = [past; x]; y_s = sum_k full[s + k] * w[:, 0, k]; present = last K-1 rows of full
     gated_delta:   S = S * exp(decay_t); S += (beta_t (v_t - S k_t)) k_t^T; y_t = S q_t     (S: [Dv, Dk] per head)
@@ -18,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 SSM_CHUNK = 64  # Mamba-2 prompt chunk: the dual form's [chunk, chunk] matrices per head
+GDN_CHUNK = 64  # gated delta rule prompt chunk (transformers' and FLA's)
+GDN_CHUNKED_FROM = 16  # tokens from which a prompt runs in chunks (fewer: the per-token steps are fewer kernels)
 
 
 def causal_conv1d(b, x, past, weight):
@@ -49,6 +52,8 @@ def gated_delta(b, q, k, v, decay, beta, state):
     bsz, s, _, dk = b.shape(q)
     hv, dv = b.shape(v)[2:]
     q, k = repeat_heads(b, q, hv), repeat_heads(b, k, hv)
+    if s >= GDN_CHUNKED_FROM and len(b.shape(decay)) == 3:
+        return gated_delta_chunked(b, q, k, v, decay, beta, state)
     g = b.unary("exp", decay)
     width = b.shape(g)[3] if len(b.shape(g)) == 4 else 1  # one decay per head, or per key channel (Kimi)
     ys = []
@@ -63,6 +68,83 @@ def gated_delta(b, q, k, v, decay, beta, state):
         y = b.reduce("sum", b.binary("mul", state, b.reshape(b.slice(q, at), (bsz, hv, 1, dk))), (3,), False)
         ys.append(b.reshape(y, (bsz, 1, hv, dv)))
     return b.cast(ys[0] if s == 1 else b.concat(ys, 1), b.dtype(v)), state
+
+
+def chunk_masks(length: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """For a chunk of `length` (a power of two): the causal mask (i >= j), the strict one (i > j), and per level
+    b = 1, 2, 4, ... the b-blocks just below the diagonal of each 2b-block (`unit_lower_inverse`)."""
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    levels, width = [], 1
+    while width < length:
+        levels.append(((i // width) % 2 == 1) & (j // width == i // width - 1))
+        width *= 2
+    return i >= j, i > j, levels
+
+
+def unit_lower_inverse(b, a, levels: list):
+    """(I + a)^-1 for `a` [..., L, L] strictly lower triangular, by block doubling: X inverts the diagonal b-blocks
+    of I + a; with E the blocks just below them in each 2b-block, (X^-1 + E)^-1 = X - X E X (E X E = 0). Matmuls
+    only, as a blocked forward substitution (no triangular solve, which not every device has)."""
+    length = b.shape(a)[-1]
+    x = b.cast(b.asarray(np.eye(length, dtype=bool)), b.dtype(a))  # (a float32 constant may become the compute dtype)
+    zero = b.full((), 0.0, b.dtype(a))
+    for mask in levels:
+        e = b.where(b.asarray(mask), a, zero)
+        x = b.binary("sub", x, b.matmul(x, b.matmul(e, x)))
+    return x
+
+
+def gated_delta_chunked(b, q, k, v, decay, beta, state):
+    """The gated delta rule over a prompt in chunks of GDN_CHUNK (one decay per head; q, k already one per value
+    head), per head with St = state^T [Dk, Dv], cum = cumsum(decay) within the chunk and Γ[i, j] = exp(cum_i - cum_j)
+    for i >= j:
+      T = I + strict_lower((β k) k^T Γ); U = T^-1 (β v); W = T^-1 (β k exp(cum))
+      v_new = U - W St;  y = (q exp(cum)) St + ((q k^T) Γ) v_new;  St = exp(cum_L) St + (k exp(cum_L - cum))^T v_new
+    equal to the per-token recurrence (the updates of a chunk solved at once: the WY representation)."""
+    bsz, s, h, dk = b.shape(q)
+    dv = b.shape(v)[3]
+    f32, length = b.dtype(state), GDN_CHUNK
+    n = -(-s // length)
+    pad = n * length - s
+    causal, strict, levels = chunk_masks(length)
+
+    def chunks(x, width):  # [B,S,H(,D)] -> [B,H,N,L(,D)] float32, zero-padded to whole chunks
+        x = b.cast(x, f32)
+        if pad:
+            x = b.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (len(b.shape(x)) - 2), "constant", 0.0)
+        if width is None:
+            return b.reshape(b.transpose(x, (0, 2, 1)), (bsz, h, n, length))
+        return b.reshape(b.transpose(x, (0, 2, 1, 3)), (bsz, h, n, length, width))
+
+    q, k, v, g, beta = chunks(q, dk), chunks(k, dk), chunks(v, dv), chunks(decay, None), chunks(beta, None)
+    zero = b.full((), 0.0, f32)
+    cum = b.cumsum(g, 3, False, False)  # [B,H,N,L]
+    gaps = b.binary("sub", b.reshape(cum, (bsz, h, n, length, 1)), b.reshape(cum, (bsz, h, n, 1, length)))
+    within = b.where(b.asarray(causal), b.unary("exp", b.where(b.asarray(causal), gaps, zero)), zero)  # Γ
+    col = lambda x: b.reshape(x, (bsz, h, n, length, 1))  # noqa: E731 - a per-token factor over the last dim
+    kt = b.transpose(k, (0, 1, 2, 4, 3))
+    kb = b.binary("mul", k, col(beta))
+    t = b.where(b.asarray(strict), b.binary("mul", b.matmul(kb, kt), within), zero)
+    inv = unit_lower_inverse(b, t, levels)
+    u = b.matmul(inv, b.binary("mul", v, col(beta)))
+    w = b.matmul(inv, b.binary("mul", kb, col(b.unary("exp", cum))))
+    scores = b.binary("mul", b.matmul(q, kt), within)
+    qd = b.binary("mul", q, col(b.unary("exp", cum)))
+    last = b.slice(cum, (slice(None), slice(None), slice(None), slice(length - 1, length)))  # [B,H,N,1]
+    kd = b.transpose(b.binary("mul", k, col(b.unary("exp", b.binary("sub", last, cum)))), (0, 1, 2, 4, 3))
+    carry = b.reshape(b.unary("exp", last), (bsz, h, n, 1, 1))
+    st = b.transpose(state, (0, 1, 3, 2))  # [B,H,Dk,Dv]
+    ys = []
+    for i in range(n):
+        u_i, w_i, qd_i, scores_i, kd_i, carry_i = (
+            b.reshape(b.slice(x, (slice(None), slice(None), slice(i, i + 1))), (bsz, h, *b.shape(x)[3:]))
+            for x in (u, w, qd, scores, kd, carry))
+        v_new = b.binary("sub", u_i, b.matmul(w_i, st))
+        ys.append(b.binary("add", b.matmul(qd_i, st), b.matmul(scores_i, v_new)))
+        st = b.binary("add", b.binary("mul", st, carry_i), b.matmul(kd_i, v_new))
+    y = ys[0] if n == 1 else b.concat(ys, 2)  # [B,H,N·L,Dv]
+    y = b.transpose(b.slice(y, (slice(None), slice(None), slice(0, s))), (0, 2, 1, 3))
+    return b.cast(y, b.dtype(v)), b.transpose(st, (0, 1, 3, 2))
 
 
 def ssm_scan(b, x, dt, a_log, bm, cm, d, dt_bias, state, dt_min: float, dt_max: float):
