@@ -10,7 +10,7 @@ one compiled function), Mamba-2's in the chunked dual form of state_kernels.py (
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
@@ -46,11 +46,12 @@ def causal_conv1d(x, past, weight):
 
 
 def _delta_step(state, q, k, v, g, beta):
-    """state [B,H,Dv,Dk]; q, k [B,H,Dk]; v [B,H,Dv]; g [B,H,1|Dk] (the decay, exp'd); beta [B,H]."""
-    state = state * g[:, :, None, :]
-    recalled = (state * k[:, :, None, :]).sum(axis=-1)
-    state = state + ((v - recalled) * beta[..., None])[..., None] * k[:, :, None, :]
-    return (state * q[:, :, None, :]).sum(axis=-1), state
+    """state [B,H,Dv,Dk]; q, k [B,H,Dk]; v [B,H,Dv]; g [B,H,1|Dk] (the decay, exp'd); beta [B,H] -> (y [B,H,Dv,1],
+    state). Three kernels: the decay folded into the first product ((S g) k = S (g k)), the update one elementwise
+    kernel, the read a product."""
+    recalled = state @ (g * k)[..., None]  # [B,H,Dv,1]
+    state = state * g[:, :, None, :] + ((v[..., None] - recalled) * beta[..., None, None]) * k[:, :, None, :]
+    return state @ q[..., None], state
 
 
 def gated_delta(q, k, v, decay, beta, state):
@@ -64,13 +65,13 @@ def gated_delta(q, k, v, decay, beta, state):
     ys = []
     for t in range(s):
         y, state = _fused(_delta_step)(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-        ys.append(y)
+        ys.append(y[..., 0])
     return mx.stack(ys, axis=1).astype(v.dtype), state
 
 
 @cache
-def _masks():
-    causal, strict, levels = state_kernels.chunk_masks(state_kernels.GDN_CHUNK)
+def _masks(length: int):
+    causal, strict, levels = state_kernels.chunk_masks(length)
     return mx.array(causal), mx.array(strict), [mx.array(m) for m in levels]
 
 
@@ -109,7 +110,7 @@ def gated_delta_chunked(q, k, v, decay, beta, state):
         x = x.reshape(bsz, n, length, *x.shape[2:])
         return x.transpose(0, 3, 1, 2, 4) if x.ndim == 5 else x.transpose(0, 3, 1, 2)
 
-    causal, strict, levels = _masks()
+    causal, strict, levels = _masks(length)
     parts = _fused(_delta_chunks)(chunks(q), chunks(k), chunks(v), chunks(decay), chunks(beta), causal, strict, *levels)
     st, ys = state.swapaxes(-1, -2), []
     for i in range(n):
@@ -125,6 +126,57 @@ def _ssm_step(state, x, dt, a_log, b, c, d, dt_bias, lo, hi):
     decay = mx.exp(-mx.exp(a_log.astype(mx.float32)) * dt)
     state = state * decay[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]
     return (state * c[:, :, None, :]).sum(axis=-1) + d[:, None] * x, state
+
+
+@lru_cache(maxsize=64)
+def _tri(n: int, k: int):
+    """The mask j <= i + k of an [n, n] matrix, evaluated once (a constant, no kernels per prompt)."""
+    mask = mx.tri(n, n, k, dtype=mx.bool_)
+    mx.eval(mask)
+    return mask
+
+
+def _ssd(state, log_decay, xdt, b, c, causal, earlier):
+    """state_kernels._ssm_chunks' every-chunk-at-once form with no reshape (it compiles shapeless): state [B,H,P,N],
+    log_decay [B,H,n,L], xdt [B,H,n,L,P], b, c [B,H,n,L,N]; causal [L,L], earlier [n,n] (j < c) -> (y, state)."""
+    cum = mx.cumsum(log_decay, axis=-1)
+    within = mx.where(causal, mx.exp(mx.where(causal, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    y = ((c @ b.swapaxes(-1, -2)) * within) @ xdt
+    own = log_decay.sum(axis=-1)  # [B,H,n]: each chunk's log decay
+    carried = (xdt * mx.exp(own[..., None] - cum)[..., None]).swapaxes(-1, -2) @ b  # [B,H,n,P,N]
+    ends = mx.cumsum(own, axis=-1)
+    starts = ends - own
+    weights = mx.where(earlier, mx.exp(mx.where(earlier, starts[..., :, None] - ends[..., None, :], 0.0)), 0.0)
+    entering = (weights[:, :, None] @ carried.swapaxes(2, 3)).swapaxes(2, 3)  # [B,H,n,P,N]: over the chunk axis
+    entering = entering + state[:, :, None] * mx.exp(starts)[..., None, None]
+    y = y + (c @ entering.swapaxes(-1, -2)) * mx.exp(cum)[..., None]
+    total = own.sum(axis=-1, keepdims=True)
+    state = state * mx.exp(total)[..., None] + (carried * mx.exp(total - ends)[..., None, None]).sum(axis=2)
+    return y, state
+
+
+def ssm_chunked(x, dt, a_log, b, c, d, dt_bias, state, dt_min: float, dt_max: float):
+    """Mamba-2 over a prompt: x [B,S,H,P], dt [B,S,H], B / C [B,S,G,N] -> (y, state), in chunks of
+    state_kernels.SSM_CHUNK in the dual form, every chunk at once (`_ssd`)."""
+    bsz, s, h, p = x.shape
+    length = min(state_kernels.SSM_CHUNK, s)
+    n = -(-s // length)
+    pad = n * length - s
+    dt = mx.clip(mx.logaddexp(dt.astype(mx.float32) + dt_bias, 0.0), dt_min, dt_max)
+    x32 = x.astype(mx.float32)
+    b, c = (mx.repeat(t.astype(mx.float32), h // t.shape[2], axis=2) for t in (b, c))
+
+    def chunks(t):  # [B,S,H,...] -> [B,H,n,L,...], zero-padded to whole chunks (no decay, no input)
+        t = mx.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2)) if pad else t
+        t = t.reshape(bsz, n, length, *t.shape[2:])
+        return t.transpose(0, 3, 1, 2, 4) if t.ndim == 5 else t.transpose(0, 3, 1, 2)
+
+    causal, earlier = _tri(length, 0), _tri(n, -1)
+    # (MLX 0.32's shapeless compile crashes on a sum over an axis of size 1: one chunk runs as written)
+    y, state = (_fused(_ssd) if n > 1 else _ssd)(state, chunks(-mx.exp(a_log.astype(mx.float32)) * dt), chunks(x32 * dt[..., None]),
+                            chunks(b), chunks(c), causal, earlier)
+    y = y.transpose(0, 2, 3, 1, 4).reshape(bsz, n * length, h, p)[:, :s]
+    return (y + d[:, None] * x32).astype(x.dtype), state
 
 
 def ssm_step(x, dt, a_log, b, c, d, dt_bias, state, dt_min: float, dt_max: float):

@@ -161,12 +161,7 @@ def ssm_scan(b, x, dt, a_log, bm, cm, d, dt_bias, state, dt_min: float, dt_max: 
     if s == 1:
         y, state = _ssm_step(b, state, log_decay, xdt, bm, cm)
     else:
-        ys = []
-        for start in range(0, s, SSM_CHUNK):
-            part = (slice(None), slice(start, min(s, start + SSM_CHUNK)))
-            y, state = _ssm_chunk(b, state, *(b.slice(t, part) for t in (log_decay, xdt, bm, cm)))
-            ys.append(y)
-        y = ys[0] if len(ys) == 1 else b.concat(ys, 1)
+        y, state = _ssm_chunks(b, state, log_decay, xdt, bm, cm)
     y = b.binary("add", y, b.binary("mul", x32, b.reshape(b.cast(d, f32), (h, 1))))
     return b.cast(y, b.dtype(x)), state
 
@@ -182,27 +177,56 @@ def _ssm_step(b, state, log_decay, xdt, bm, cm):
     return b.reshape(y, (bsz, 1, h, p)), state
 
 
-def _ssm_chunk(b, state, log_decay, xdt, bm, cm):
-    """A chunk of L tokens in the state-space dual form (Mamba-2's SSD), per head:
-    cum = cumsum(log_decay); y = ((C B^T) * exp(cum_l - cum_s) [s <= l]) xdt + exp(cum_l) C state;
-    state = exp(cum_L) state + sum_s exp(cum_L - cum_s) xdt_s B_s^T."""
-    bsz, length, h, _ = b.shape(xdt)
+def _ssm_chunks(b, state, log_decay, xdt, bm, cm):
+    """A prompt in chunks of L = SSM_CHUNK tokens in the state-space dual form (Mamba-2's SSD), every chunk at once,
+    per head: within chunk c, cum = cumsum(log_decay) and
+      y = ((C B^T) * exp(cum_l - cum_s) [s <= l]) xdt + exp(cum_l) C S_c,  R_c = sum_s exp(cum_L - cum_s) xdt_s B_s^T;
+    between chunks, with e_c = the log decay up to chunk c's end and a_c = its own (e_c - a_c: up to its start), the
+    state entering chunk c is S_c = exp(e_c - a_c) S + sum_{j<c} exp(e_c - a_c - e_j) R_j (a linear recurrence: one
+    [n, n] weighting of the chunks' R, no loop). log_decay [B,S,H], xdt [B,S,H,P], B / C [B,S,H,N] -> (y, state)."""
+    bsz, s, h, p = b.shape(xdt)
+    n_state = b.shape(bm)[3]
     f32 = b.dtype(state)
-    heads_first = (0, 2, 1, 3)
-    cum = b.transpose(b.cumsum(log_decay, 1, False, False), (0, 2, 1))  # [B,H,L]
-    gaps = b.binary("sub", b.reshape(cum, (bsz, h, length, 1)), b.reshape(cum, (bsz, h, 1, length)))  # cum_l - cum_s
+    length = min(SSM_CHUNK, s)
+    n = -(-s // length)
+    pad = n * length - s
+
+    def chunks(t):  # [B,S,H,...] -> [B,H,n,L,...], zero-padded to whole chunks (no decay, no input)
+        rest = b.shape(t)[3:]
+        if pad:
+            t = b.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (1 + len(rest)), "constant", 0.0)
+        t = b.reshape(t, (bsz, n, length, h, *rest))
+        return b.transpose(t, (0, 3, 1, 2, 4) if rest else (0, 3, 1, 2))
+
+    def decays(to, since, mask):  # exp(to - since) where `mask`, else 0
+        zero = b.full((), 0.0, f32)
+        return b.where(mask, b.unary("exp", b.where(mask, b.binary("sub", to, since), zero)), zero)
+
+    log_decay, xdt, bm, cm = chunks(log_decay), chunks(xdt), chunks(bm), chunks(cm)
+    cum = b.cumsum(log_decay, 3, False, False)  # [B,H,n,L]
     causal = b.asarray(np.tril(np.ones((length, length), bool)))
-    weights = b.where(causal, b.unary("exp", b.where(causal, gaps, b.full((), 0.0, f32))), b.full((), 0.0, f32))
-    bh, ch, xh = (b.transpose(t, heads_first) for t in (bm, cm, xdt))  # [B,H,L,N], [B,H,L,N], [B,H,L,P]
-    scores = b.binary("mul", b.matmul(ch, b.transpose(bh, (0, 1, 3, 2))), weights)  # [B,H,L,L]
-    y = b.matmul(scores, xh)  # [B,H,L,P]
-    y = b.binary("add", y, b.binary("mul", b.matmul(ch, b.transpose(state, (0, 1, 3, 2))),
-                                    b.reshape(b.unary("exp", cum), (bsz, h, length, 1))))
-    last = b.slice(cum, (slice(None), slice(None), slice(length - 1, length)))  # [B,H,1]
-    to_end = b.unary("exp", b.binary("sub", last, cum))  # [B,H,L]
-    carried = b.matmul(b.transpose(b.binary("mul", xh, b.reshape(to_end, (bsz, h, length, 1))), (0, 1, 3, 2)), bh)
-    state = b.binary("add", b.binary("mul", state, b.reshape(b.unary("exp", last), (bsz, h, 1, 1))), carried)
-    return b.transpose(y, heads_first), state
+    weights = decays(b.reshape(cum, (bsz, h, n, length, 1)), b.reshape(cum, (bsz, h, n, 1, length)), causal)
+    y = b.matmul(b.binary("mul", b.matmul(cm, b.transpose(bm, (0, 1, 2, 4, 3))), weights), xdt)  # [B,H,n,L,P]
+    own = b.slice(cum, (slice(None), slice(None), slice(None), slice(length - 1, length)))  # [B,H,n,1]
+    to_end = b.reshape(b.unary("exp", b.binary("sub", own, cum)), (bsz, h, n, length, 1))
+    carried = b.matmul(b.transpose(b.binary("mul", xdt, to_end), (0, 1, 2, 4, 3)), bm)  # R: [B,H,n,P,N]
+    own = b.reshape(own, (bsz, h, n))
+    ends = b.cumsum(own, 2, False, False)
+    starts = b.binary("sub", ends, own)
+    flat = b.reshape(carried, (bsz, h, n, p * n_state))
+    earlier = b.asarray(np.tril(np.ones((n, n), bool), -1))
+    entering = b.matmul(decays(b.reshape(starts, (bsz, h, n, 1)), b.reshape(ends, (bsz, h, 1, n)), earlier), flat)
+    entering = b.binary("add", b.reshape(entering, (bsz, h, n, p, n_state)),
+                        b.binary("mul", b.reshape(state, (bsz, h, 1, p, n_state)),
+                                 b.reshape(b.unary("exp", starts), (bsz, h, n, 1, 1))))
+    inter = b.matmul(cm, b.transpose(entering, (0, 1, 2, 4, 3)))  # [B,H,n,L,P]
+    y = b.binary("add", y, b.binary("mul", inter, b.reshape(b.unary("exp", cum), (bsz, h, n, length, 1))))
+    last = b.slice(ends, (slice(None), slice(None), slice(n - 1, n)))  # [B,H,1]
+    tail = b.matmul(b.reshape(b.unary("exp", b.binary("sub", last, ends)), (bsz, h, 1, n)), flat)
+    state = b.binary("add", b.reshape(tail, (bsz, h, p, n_state)),
+                     b.binary("mul", state, b.reshape(b.unary("exp", last), (bsz, h, 1, 1))))
+    y = b.reshape(b.transpose(y, (0, 2, 3, 1, 4)), (bsz, n * length, h, p))
+    return (b.slice(y, (slice(None), slice(0, s))) if pad else y), state
 
 
 def selective_scan(b, x, dt, a_log, bm, cm, d, dt_bias, state):
