@@ -78,7 +78,7 @@ class Static(Strategy):
         self.build, self.note = build, note
 
     def step(self, token):
-        before = self.sess.state.snapshot()  # (the compiled step is built from the state this step started with)
+        before = self.sess.state.snapshot() if self.build else None  # (a compiled step starts from this step's state)
         ids, pos_dev, logits = self.eager(token)
         if self.build:
             self.decoding.build(ids, pos_dev, logits, before)
