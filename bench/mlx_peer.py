@@ -219,13 +219,16 @@ def spread(values: list[float]) -> dict:
 CHECK_PROMPT = 64  # prompt tokens of the token check on a benchmarked (random-weight) checkpoint
 
 
-def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[int], str]:
+def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[int], str, list[float] | None]:
     """Greedy tokens after the check's prompt: fuselm's on `backend` (mlx, or torch on CUDA when there) on a fuselm
     graph, or mlx-lm's generate_step on its directory (`mlx-lm`). The demo model's prompt is text; a benchmarked
-    checkpoint's is CHECK_PROMPT random ids, the same ids for every engine."""
+    checkpoint's is CHECK_PROMPT random ids, the same ids for every engine, and torch also gives the margin between
+    its two largest logits at each token (where another engine parts from it, a near tie or not)."""
     if backend == "mlx-lm":
         engine = MlxLmEngine(model)
-        return [int(t) for t in engine.tokens(_ids(CHECK_PROMPT, engine.vocab, 3), n)], engine.what()
+        return [int(t) for t in engine.tokens(_ids(CHECK_PROMPT, engine.vocab, 3), n)], engine.what(), None
+    import numpy as np
+
     import fuselm
     from fuselm.modeldir import read_meta
 
@@ -238,14 +241,25 @@ def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[i
     prompt = "the capital of france is" if demo else _ids(CHECK_PROMPT, read_meta(model)["dims"]["vocab"], 3)
     r = fuselm.run(model, prompt=prompt, max_tokens=n, ignore_eos=True, backend=backend, device=device, dtype=dtype,
                    quiet=True, stream=io.StringIO())
-    return r["tokens"], r["what"]
+    margins = None
+    if backend == "torch" and not demo:  # the same steps teacher-forced through a session, for its logits
+        sess = fuselm.load(model, backend=backend, device=device, dtype=dtype).session
+        sess.reset(len(prompt) + n)
+        logits, margins = sess.prefill(prompt), []
+        for t in r["tokens"]:
+            top = np.sort(sess.logits_to_numpy(logits))[-2:]
+            margins.append(round(float(top[1] - top[0]), 6))
+            logits = sess.decode(t)
+    return r["tokens"], r["what"], margins
 
 
 def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32) -> dict:
     """Greedy tokens against fuselm torch f32 (CUDA where there) on one q4 graph: fuselm MLX in f32 and bf16 on the
     trained demo model and on each benchmarked checkpoint (`points`: its name and prepare()'s paths), where mlx-lm's
-    tokens on its own q4 directory (in `dtype`) are compared too. Random weights give near-tied logits, where two
-    kernels may pick differently: `first_difference` says where the tokens part."""
+    tokens on its own q4 directory (in `dtype`) are compared too (its own quantization: other weights). Random weights
+    give near-tied logits, where two kernels may pick differently: `first_difference` says where the tokens part and
+    `reference_margin` torch's top-two logit gap there. On a CPU torch dequantizes the weights (FUSELM_NO_CPU_KERNELS:
+    its int8-activation kernels drift by ~1e-2, more than such ties)."""
     import fuselm
     from fuselm.synth import make_checkpoint
 
@@ -261,15 +275,19 @@ def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int =
         runs += [("mlx-lm", dtype, paths["mlx-lm"])] if "mlx-lm" in paths else []
         for backend, dt, model in runs:
             res = subprocess.run([sys.executable, __file__, "--child", f"tokens-{backend}", "--model", str(model),
-                                  "--dtype", dt, "--runs", str(n)], capture_output=True, text=True)
+                                  "--dtype", dt, "--runs", str(n)], capture_output=True, text=True,
+                                 env={**os.environ, "FUSELM_NO_CPU_KERNELS": "1"} if backend == "torch" else None)
             line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
             out[f"{name} {backend}-{dt}"] = json.loads(line[7:]) if line else {"error": res.stderr.strip()[-500:]}
+        margins = {k: out[k].pop("margins", None) for k in out if k.startswith(f"{name} ")}[f"{name} torch-f32"]
         ref = out[f"{name} torch-f32"].get("tokens")
         for key, v in out.items():
             if key.startswith(f"{name} ") and "tokens" in v and ref and not key.endswith("torch-f32"):
                 v["equal_to_torch_f32"] = v["tokens"] == ref
                 v["first_difference"] = next((i for i, (a, b) in enumerate(zip(v["tokens"], ref, strict=False))
                                               if a != b), None)
+                if v["first_difference"] is not None and margins:
+                    v["reference_margin"] = margins[v["first_difference"]]
     return out
 
 
@@ -282,8 +300,8 @@ def child(args) -> None:
         print("RESULT " + json.dumps({"load_s": e.load_s, "prepared": e.sess.graph.prepared}), flush=True)
         return
     if engine.startswith("tokens-"):
-        tokens, what = greedy_tokens(Path(args.model), engine.split("-", 1)[1], args.dtype, args.runs)
-        print("RESULT " + json.dumps({"tokens": tokens, "what": what}), flush=True)
+        tokens, what, margins = greedy_tokens(Path(args.model), engine.split("-", 1)[1], args.dtype, args.runs)
+        print("RESULT " + json.dumps({"tokens": tokens, "what": what, "margins": margins}), flush=True)
         return
     import mlx.core as mx
 
