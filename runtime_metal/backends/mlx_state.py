@@ -4,8 +4,8 @@ dozen ops; shapeless, so one compile serves every model and prompt.
 
 Same semantics and layouts as state_kernels.py (fuselm/contract.py's ops); the state stays float32 (the inputs'
 bfloat16 promotes to it inside the step) and each output is cast back to its input's dtype. A gated delta rule
-prompt runs in chunks (state_kernels.gated_delta_chunked's algorithm: a chunk's work and each step between chunks
-one compiled function), Mamba-2's in the chunked dual form of state_kernels.py (matmuls, already few kernels).
+prompt runs in chunks (state_kernels.gated_delta_chunked's algorithm: every chunk's own work one compiled function,
+each step between chunks another), a Mamba-2 prompt in the dual form with every chunk at once (one compiled function).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _delta_chunks(q, k, v, g, beta, causal, strict, *levels):
     kt = k.swapaxes(-1, -2)
     kb = k * beta[..., None]
     t = mx.where(strict, (kb @ kt) * within, 0.0)
-    inv = mx.broadcast_to(causal & ~strict, t.shape).astype(t.dtype)  # (I + t)^-1 by block doubling
+    inv = (causal & ~strict).astype(t.dtype)  # (I + t)^-1 by block doubling, from I (broadcast by the first level)
     for mask in levels:
         inv = inv - inv @ (mx.where(mask, t, 0.0) @ inv)
     last = g.sum(axis=-1, keepdims=True)  # cum's last column (a slice would keep it from compiling shapeless)
