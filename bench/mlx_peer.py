@@ -556,20 +556,26 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"[{shape} g{group}] {r['engine']}: " + json.dumps(
                     {k: v for k, v in r.items() if not k.endswith("_runs") and k != "per_token"}), flush=True)
-    checks = token_check(args.work, points, dtype) if args.token_check else None
-    if checks:
-        print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in checks.items()}))
     summary = report(rows)
     out = args.out or RESULTS / f"mlx-peer-{'gpu' if gpu else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     import mlx_lm
 
-    out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "mlx": mx.__version__, "mlx_device": device, "mlx_lm": mlx_lm.__version__},
-        "protocol": {"decode_tokens": args.decode, "contexts": args.contexts, "prefill": args.prefill, "runs": args.runs,
-                     "dtype": dtype, "command": " ".join(["python", "bench/mlx_peer.py", *(argv or sys.argv[1:])])},
-        "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
+    def write(checks: dict | None) -> None:  # written before the token check too: a run cut off there keeps its rows
+        out.write_text(json.dumps({
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "mlx": mx.__version__, "mlx_device": device, "mlx_lm": mlx_lm.__version__},
+            "protocol": {"decode_tokens": args.decode, "contexts": args.contexts, "prefill": args.prefill,
+                         "runs": args.runs, "dtype": dtype,
+                         "command": " ".join(["python", "bench/mlx_peer.py", *(argv or sys.argv[1:])])},
+            "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
+
+    write(None)
+    if args.token_check:
+        checks = token_check(args.work, points, dtype)
+        print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
+                                            for k, v in checks.items()}))
+        write(checks)
     print(f"wrote {out}")
     return 0
 

@@ -215,7 +215,9 @@ class Decoding:
             s.state.put(states)
             s.pos += len(ids)
             return s.backend.slice(logits, (0,))
-        if key in self.verifiers or not (s.causal_reads and self.static and self.compile and not s.profiler.enabled):
+        # (static decode unchecked yet is fine: the build checks its own rows against a dynamic step's)
+        if key in self.verifiers or not (s.causal_reads and self.static is not False and self.compile
+                                         and not s.profiler.enabled):
             return s._step_dynamic(ids, len(ids))
         self.verifiers[key] = None  # one try per shape
         return self._build_rows(ids)

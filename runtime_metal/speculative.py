@@ -13,11 +13,13 @@ n-gram, n = 3, 2, 1: rewriting, summarising or editing a passage given in the pr
 smaller fuselm model with the same tokenizer, run greedily or sampled, its cache kept in step with the target's).
 How many tokens to draft is decided before every step (`Policy`): from the drafts' measured acceptance α (each
 draft token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α) tokens) and the measured time of a
-step of k + 1 tokens against a one-token step, the k that gives the most tokens per unit of time, or none when no k
-beats a plain step by PAYS: drafting pauses while its drafts keep being rejected (n-gram drafts are still compared
-with the tokens plain decode then gives, so it resumes when they start to match; a draft model is tried again every
-PROBE_EVERY tokens). A model with recurrent state (its state holds every token fed, and cannot roll back) is
-checkpointed before each verification; when a draft is rejected it is restored and the kept tokens run again.
+step of k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or
+none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
+(plain tokens then run PLAIN_RUN at a time on the engine's own loop; n-gram drafts are still compared with them, so
+drafting resumes when they start to match; a draft model is tried again every PROBE_EVERY tokens unless even
+drafts always kept would not pay for its cost). A model with recurrent state (its state holds every token fed, and
+cannot roll back) is checkpointed before each verification; when a draft is rejected it is restored and the kept
+tokens run again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .sampling import probabilities
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
 PROBE_EVERY = 16  # plain tokens after which a paused draft model is tried again
+PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses (the policy is asked again after them)
 PAYS = 1.1  # a drafting step must promise 10 % more tokens per second than a plain one (step times are noisy)
 
 
@@ -118,7 +121,8 @@ class ModelDrafter:
 
     def start(self, prompt: list[int]) -> None:
         self.engine.reset(self.max_len)
-        self.fed = 0  # the first proposal feeds the whole prompt
+        self.engine.forward(prompt)  # beside the target's prefill, not inside the first draft's time
+        self.fed = len(prompt)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
         from .sampling import sample
@@ -163,14 +167,23 @@ class Policy:
         self.k_max, self.fixed = k_max, fixed  # fixed: the engine verifies k_max drafts every time (padded)
         self.kept = self.rejected = 0.0
         self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self.draft_s = 0.0  # seconds per drafted token (a draft model's steps; n-gram lookups cost about none)
 
     @property
     def alpha(self) -> float:
         return (self.kept + 0.375) / (self.kept + self.rejected + 0.5)  # a light prior of 0.75 while nothing is known
 
     def timed(self, rows: int, seconds: float) -> None:
+        """A step of `rows` tokens took `seconds`; the first of each row count is not kept (it compiles, allocates)."""
+        self.samples[rows] = self.samples.get(rows, 0) + 1
+        if self.samples[rows] == 1:
+            return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def drafting(self, k: int, seconds: float) -> None:
+        self.draft_s = DECAY * self.draft_s + (1 - DECAY) * seconds / k if self.draft_s else seconds / k
 
     def drafts(self, kept: int, drafted: int) -> None:
         self.kept = DECAY * self.kept + kept
@@ -192,12 +205,23 @@ class Policy:
 
     def choose(self, left: int) -> int:
         """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more)."""
+        if 1 not in self.seconds:
+            return 0  # a plain step first: what drafting is weighed against
         a, best, k_best = self.alpha, PAYS, 0
         for k in ([self.k_max] if self.fixed else range(1, self.k_max + 1)):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.cost(k + 1)
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k)
             if gain > best:
                 best, k_best = gain, k
         return min(k_best, left - 1)
+
+    def step_cost(self, k: int) -> float:
+        """Drafting k tokens and verifying them, in plain steps."""
+        one = self.seconds.get(1)
+        return self.cost(k + 1) + (k * self.draft_s / one if one else 0.0)
+
+    def could_pay(self) -> bool:
+        """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
+        return any((k + 1) / self.step_cost(k) > PAYS for k in range(1, self.k_max + 1))
 
 
 def drafter_for(options, sampler, max_len: int):
@@ -227,29 +251,35 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     while produced < max_new:
         left = max_new - produced
         want = policy.choose(left)
-        if not want and isinstance(drafter, ModelDrafter) and since_probe >= PROBE_EVERY and left > 1:
+        if (not want and isinstance(drafter, ModelDrafter) and since_probe >= PROBE_EVERY and left > 1
+                and policy.could_pay()):
             want = min(k, left - 1)  # a paused draft model is tried again
+        t0 = time.perf_counter()
         draft, q = drafter.propose(history, want) if want else ([], None)
-        if not want and left > 1:
-            stats.paused += 1
-            if not shadow and isinstance(drafter, NgramDrafter):
-                shadow = drafter.propose(history, k)[0]
-        if not draft:
+        if draft:
+            policy.drafting(len(draft), time.perf_counter() - t0)
+        if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued); paused: a run
+            run = PLAIN_RUN if isinstance(drafter, NgramDrafter) else PROBE_EVERY - since_probe
+            n = 1 if want or 1 not in policy.seconds else min(left, run)
             t0 = time.perf_counter()
-            y = _pick(engine.forward([y])[-1], sampler)
-            policy.timed(1, time.perf_counter() - t0)
-            stats.plain += 1
-            since_probe += 1
-            if shadow:
-                if shadow[0] == y:
-                    shadow.pop(0)
-                    policy.drafts(1, 1)
-                else:
-                    policy.drafts(0, 1)
-                    shadow = []
-            history.append(y)
-            produced += 1
-            yield y
+            for token in engine.continue_from(y, max(n, 1), sampler):
+                y = token
+                stats.plain += 1
+                stats.paused += not want and left > 1
+                since_probe += 1
+                if isinstance(drafter, NgramDrafter):
+                    if shadow and shadow[0] == y:
+                        shadow.pop(0)
+                        policy.drafts(1, 1)
+                    elif shadow:
+                        policy.drafts(0, 1)
+                        shadow = []
+                history.append(y)
+                produced += 1
+                yield y
+                if isinstance(drafter, NgramDrafter) and not shadow:
+                    shadow = drafter.propose(history, k)[0]
+            policy.timed(1, (time.perf_counter() - t0) / max(n, 1))
             continue
         shadow, since_probe = [], 0
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's

@@ -91,18 +91,27 @@ def test_drafting_pauses_when_rejected(optimized):
 
 
 def test_policy_drafts_what_pays():
-    """The policy's choice: no drafts when every one is rejected, many when all are kept and a step of many tokens
-    costs about one token's; few when long steps cost their length (a CPU)."""
+    """The policy's choice: a plain step first (timed twice: the first compiles), no drafts when every one is
+    rejected, many when all are kept and a step of many tokens costs about one token's; few when long steps cost
+    their length (a CPU) or drafting costs a plain step per token (a draft model as large as the target)."""
+    def timed(p, rows, seconds):
+        p.timed(rows, 100.0)  # the first step of a row count (a compile) is not kept
+        p.timed(rows, seconds)
+
     p = speculative.Policy(4, fixed=False)
-    p.timed(1, 0.01)
+    assert p.choose(100) == 0
+    timed(p, 1, 0.01)
     for _ in range(20):
         p.drafts(0, 4)
     assert p.choose(100) == 0
     p = speculative.Policy(4, fixed=False)
-    p.timed(1, 0.01), p.timed(5, 0.011)
+    timed(p, 1, 0.01), timed(p, 5, 0.011)
     for _ in range(8):
         p.drafts(4, 4)
     assert p.choose(100) == 4 and p.choose(3) == 2
+    p.drafting(4, 0.04)  # four draft-model steps as slow as the target's: no k pays
+    assert p.choose(100) == 0
+    p.draft_s = 0.0
     p.timed(5, 0.05)  # rows cost about their number: drafting cannot pay for itself
     p.seconds[5] = 0.05
     assert p.choose(100) < 4
