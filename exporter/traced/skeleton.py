@@ -193,7 +193,7 @@ class Skeleton:
                     continue
                 if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
-                if part.lower() in kind:
+                if part.lower() in kind or part.lower() == family.lower():  # (RWKV: the family is the kind)
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
