@@ -363,16 +363,17 @@ def _checked(block: Block, model_type: str) -> Block:
             shape = getattr(*block.bias_at).shape
             stack.enter_context(_tensor_swapped(block.bias_at, torch.rand(shape, generator=gen)))
         router = block.router
-        try:
+        # [tokens, hidden], or [1, tokens, hidden] for a router that unpacks (batch, seq, hidden) (AFMoE); the
+        # block's selection bias as an argument where the router takes it (MiniMax-M2, AFMoE)
+        calls = [(x, *extra) for extra in ((), (block.bias,))[:2 if block.bias is not None else 1] for x in (x2, x2[None])]
+        for k, args in enumerate(calls):
             try:
-                out = router(x2)
-            except TypeError:  # MiniMax-M2's router takes the block's bias as an argument
-                if block.bias is None:
-                    raise
-                out = router(x2, block.bias)
-        except Exception as e:
-            raise FuselmError(f"model_type {model_type!r}: its router at {block.name} does not run on [tokens, hidden] "
-                              f"({type(e).__name__}: {str(e)[:120]}); not supported") from None
+                out = router(*args)
+                break
+            except (TypeError, ValueError, RuntimeError) as e:
+                if k == len(calls) - 1:
+                    raise FuselmError(f"model_type {model_type!r}: its router at {block.name} does not run on [tokens, "
+                                      f"hidden] ({type(e).__name__}: {str(e)[:120]}); not supported") from None
         parts = list(out) if isinstance(out, tuple) else [out]
         index = next((t for t in parts if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
         if index is None:
@@ -495,12 +496,15 @@ def _near_ties(router: torch.Tensor, gen) -> torch.Tensor:
 
 
 def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
-    """A persistent float buffer [E] of the router (or of the block itself): the bias added to the scores
-    when choosing experts (DeepSeek-V3's e_score_correction_bias)."""
+    """A persistent float buffer [E] of the router (or of the block itself), else a frozen parameter [E] of the
+    block: the bias added to the scores when choosing experts (DeepSeek-V3's e_score_correction_bias)."""
     n_exp = block.num_experts
     owners = [(m, n) for m in block.router.modules() for n in m._buffers] + [(block.module, n) for n in block.module._buffers]
     found = [(m, n) for m, n in owners if m._buffers[n] is not None and tuple(m._buffers[n].shape) == (n_exp,)
              and m._buffers[n].is_floating_point() and n not in m._non_persistent_buffers_set]
+    if not found:  # a frozen parameter of the block itself (AFMoE's expert_bias)
+        found = [(block.module, n) for n, p in block.module._parameters.items()
+                 if p is not None and tuple(p.shape) == (n_exp,) and p.is_floating_point() and not p.requires_grad]
     return found[0] if len(found) == 1 else None
 
 

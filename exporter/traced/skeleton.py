@@ -3,11 +3,13 @@
 `Skeleton(hf_dir)` reads config.json with transformers (local files, no remote code), builds
 transformers' own class for the model_type with every parameter on the meta device (buffers stay
 real: inv_freq, embed scales), and refuses what it cannot export: remote code, vision/audio towers,
-mixture of experts, hybrid (linear attention / state space) layers, non-rotary position schemes,
-rope types whose frequencies change with the sequence length.
+mixture-of-experts blocks it does not recognise, hybrid (linear attention / state space) layers,
+rope types whose frequencies change with the sequence length, models without a key/value cache.
 
 `probe()` runs the model's own forward once on CPU with every decoder layer replaced by a
-recorder: which rotary frequencies and which mask (causal or sliding window) each layer gets.
+recorder: which rotary frequencies (if any: learned position tables and ALiBi biases are computed by
+the model around the layers) and which mask (causal, sliding window, chunked) each layer gets, and
+which other tensors the model hands every layer (side inputs: ALiBi biases).
 """
 
 from __future__ import annotations
@@ -26,18 +28,14 @@ from fuselm.errors import FuselmError
 
 from .rope_op import RopeSpec, rope_layouts
 
-# Config keys that mark a model the traced exporter cannot express, and why.
-_REFUSED_KEYS = {
-    "vision_config": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
-    "audio_config": "it has an audio tower (a multimodal model); convert its text-only checkpoint",
-}
 # Module class names (substrings) of what the exporter refuses, found in the built model (a config's
 # num_experts alone does not make a model sparse: Doge keeps it with is_moe false).
 # Sparse MoE blocks that moe.py recognises are exported (fuselm::MoE); any other "Moe" / "Experts" module is refused.
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
-                    "Vision": "it has a vision tower"}
+                    "Vision": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
+                    "Audio": "it has an audio tower (a multimodal model); convert its text-only checkpoint"}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
     "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
@@ -45,6 +43,8 @@ _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does 
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
+# what the traced layer takes from the graph itself (the rest of its tensor arguments are per-token or side inputs)
+_LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings", "cache_position", *_CACHE_ARGS)
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
 PROBE_CHUNK = 4  # attention_chunk_size during the probe: chunked layers show as two 4-token blocks
@@ -86,6 +86,13 @@ def placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]
     return undo
 
 
+def plain_attributes(module: nn.Module) -> dict:
+    """A layer's public settings (str, number, bool, None): what a model's forward may read off the layers it
+    calls (Dory's `layer.attention_type`), for the stand-ins that replace them."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"
+            and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
 def restore(undo) -> None:
     for m, name, p in undo:
         m._parameters[name] = p
@@ -98,8 +105,9 @@ MASKS = ("causal", "sliding", "chunked")  # the mask kinds a layer may get (expo
 class LayerPlan:
     """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key, and how it
     is called (trace.py): its hidden state's shape in the probe, the other tensors the model hands it
-    (`inputs`: Gemma's per-layer inputs, by name and probe shape) and the name of a shared-KV mapping
-    it gets (`shares`: Gemma 3n / 4 pass the keys and values of one layer to later ones)."""
+    (`inputs`: Gemma's per-layer inputs, by name and probe shape; `side`: any other, ALiBi's biases) and the
+    name of a shared-KV mapping it gets (`shares`: Gemma 3n / 4 pass the keys and values of one layer to later
+    ones)."""
 
     index: int
     rope: RopeSpec | None
@@ -114,6 +122,8 @@ class LayerPlan:
     share: tuple | None = None  # ("store" | "reuse", key) of the shared-KV mapping, set by the dry run
     kv_source: int | None = None  # a "reuse" layer: the layer whose keys/values it reads
     attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
+    side: tuple[str, ...] = ()  # other tensors the model computes for the layer (ALiBi biases), by name
+    mask_form: str = "additive"  # or "masked": a boolean mask, True where attention is masked (MPT)
 
     @property
     def sliding(self) -> bool:
@@ -134,9 +144,6 @@ class Skeleton:
             raise FuselmError(f"config.json: auto_map names remote code ({', '.join(config_dict['auto_map'])}); fuselm "
                               "never runs a checkpoint's own code (trust_remote_code); use a model_type that the "
                               "installed transformers implements")
-        for key, why in _REFUSED_KEYS.items():
-            if config_dict.get(key):
-                raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} (config.json has {key})")
         try:
             config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as e:
@@ -161,6 +168,11 @@ class Skeleton:
             self.inline_attention = True
             model = self._build(config, "eager")
         self.config, self.model = config, model.eval()
+        forward = inspect.signature(type(model).forward).parameters
+        if not any(k in forward for k in (*_CACHE_ARGS, "cache_params", "state")):
+            raise FuselmError(f"model_type {self.model_type!r} is not supported: transformers' {type(model).__name__} "
+                              "keeps no key/value cache (its forward takes none, and its causal mask is cut for the "
+                              "whole sequence at once); fuselm graphs decode one step at a time from a cache")
         from . import moe
 
         self.moe_blocks = moe.find_blocks(model, self.model_type)
@@ -173,6 +185,11 @@ class Skeleton:
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
+                    if part == "Experts":  # experts of another layout than the stacked one fuselm::MoE reads
+                        tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters())
+                        why = (f"it is a mixture-of-experts model whose experts ({tensors}) are not the stacked "
+                               "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H] "
+                               "that fuselm::MoE reads")
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__}{f' at {name}' if name else ''})")
         self.layers_name, self.layers = self._find_layers()
@@ -228,12 +245,14 @@ class Skeleton:
         """The decoder layers, found by structure: the one ModuleList of num_hidden_layers modules of
         one class (`model.layers`, GPT-J's `transformer.h`, GPT-NeoX's `gpt_neox.layers`)."""
         n = self.config.num_hidden_layers
-        found = [(name, m) for name, m in self.model.named_modules()
-                 if isinstance(m, nn.ModuleList) and len(m) == n and len({type(x) for x in m}) == 1]
+        lists = [(name, m) for name, m in self.model.named_modules() if isinstance(m, nn.ModuleList)]
+        found = [(name, m) for name, m in lists if len(m) == n and len({type(x) for x in m}) == 1]
         if len(found) != 1:
-            lists = ", ".join(name for name, _ in found) or "none"
-            raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers (the ModuleLists "
-                              f"of {n} modules of one class: {lists}); not supported by the traced exporter")
+            stacks = ", ".join(f"{name} ({len(m)} x {'/'.join(sorted({type(x).__name__ for x in m}))})"
+                               for name, m in lists if len(m)) or "none"
+            raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers: "
+                              f"{'no' if not found else 'more than one'} ModuleList of {n} modules of one class "
+                              f"(its module lists: {stacks}); the traced exporter converts one stack of decoder layers")
         return found[0]
 
     @property
@@ -311,8 +330,10 @@ class Skeleton:
                      "attention_scaling": rope.attention_scaling if rope else 1.0,
                      "interleaved": rope.interleaved if rope else 0,
                      "layers_without_rope": [p.index for p in plans if p.rope is None]},
+            "positions": self.positions,
             "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding],
-                       "chunked_layers": [p.index for p in plans if p.mask == "chunked"]},
+                       "chunked_layers": [p.index for p in plans if p.mask == "chunked"],
+                       "side_inputs": sorted({k for p in plans for k in p.side})},
             "attention": contract.attention_meta(
                 [{"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
@@ -323,10 +344,10 @@ class Skeleton:
 
     def probe(self) -> list[LayerPlan]:
         """Run the base model's forward once with recorder layers; one LayerPlan per decoder layer."""
-        base, config = self.base, self.config
+        config = self.config
         # the rotary module is whichever module outside the layers returns the pair the layers receive
         inside = {id(m) for layer in self.layers for m in layer.modules()}
-        rotaries = [m for m in base.modules() if id(m) not in inside and m is not base and m is not self.layers]
+        rotaries = [m for m in self.base.modules() if id(m) not in inside and m is not self.base and m is not self.layers]
         tags: dict[int, tuple] = {}
 
         def tagged(module, forward):
@@ -339,25 +360,6 @@ class Skeleton:
                 return out
             return run
 
-        seen: list[dict] = []
-        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
-
-        class Stop(Exception):
-            pass
-
-        class Recorder(nn.Module):
-            def __init__(self, last, returns_tuple, signature):
-                super().__init__()
-                self.last, self.returns_tuple, self.signature = last, returns_tuple, signature
-
-            def forward(self, hidden_states, *args, **kwargs):
-                chained.append(not seen or _same_tensor(hidden_states, seen[-1]["_returned"]))
-                seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
-                if self.last:
-                    raise Stop
-                return (hidden_states,) if self.returns_tuple else hidden_states
-
-        originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
         chunk = getattr(config, "attention_chunk_size", None)
         try:
@@ -367,27 +369,107 @@ class Skeleton:
                 config.sliding_window = PROBE_WINDOW
             if chunk is not None:
                 config.attention_chunk_size = PROBE_CHUNK
-            positions = torch.arange(PROBE_LEN)[None]
-            for returns_tuple in (False, True):  # transformers 5 layers return a tensor; older ones a tuple
+            seen = self._record(1, PROBE_LEN, find_returns=True)
+        finally:
+            config.sliding_window = window
+            if chunk is not None:
+                config.attention_chunk_size = chunk
+            for m in rotaries:
+                del m.forward  # back to the class's
+        positions = self.positions_fed  # the tensor itself: _angles finds it among the rotary module's arguments
+        causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
+        blocks = torch.arange(PROBE_LEN) // PROBE_CHUNK
+        patterns = {"causal": causal, "sliding": causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool(),
+                    "chunked": causal & (blocks[:, None] == blocks[None, :])}
+        plans, specs = [], {}
+        for i, kwargs in enumerate(seen):
+            pe = kwargs.get("position_embeddings")
+            first = None  # no rotary from the model: positions enter around the layers (tables, ALiBi) or in them
+            if pe is not None:
+                first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
+                # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
+                tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
+                if tag is None:
+                    raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
+                                      "embedding module made; not supported by the traced exporter")
+                first = tag[3]
+                if id(first) not in specs:
+                    specs[id(first)] = self._rope_spec(*tag, positions)
+            allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
+            # a boolean mask that marks the masked positions (MPT casts the additive mask to bool)
+            mask_form = "masked" if allowed.dtype == torch.bool and not allowed[0, 0] else "additive"
+            allowed = ~allowed if mask_form == "masked" else allowed
+            mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
+                         and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
+            if mask is None:
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
+                                  "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
+            cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
+            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _LAYER_ARGS
+                      and (v is None or isinstance(v, (bool, int, float, str)))}
+            hidden = tuple(kwargs["_returned"].shape)
+            tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS and not k.startswith("_")
+                       and isinstance(v, torch.Tensor)}
+            inputs = {k: tuple(v.shape) for k, v in tensors.items()
+                      if v.is_floating_point() and v.dim() >= 3 and tuple(v.shape[:2]) == (1, PROBE_LEN)}
+            shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
+            plans.append(LayerPlan(i, specs[id(first)] if first is not None else None, mask, kwargs=static,
+                                   cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares,
+                                   side=tuple(k for k in tensors if k not in inputs), mask_form=mask_form))
+        self.positions = self._positions(seen[0]) if all(p.rope is None for p in plans) else "rotary"
+        return plans
+
+    def side_inputs(self, batch: int, total: int) -> list[dict[str, torch.Tensor]]:
+        """Per decoder layer, the tensors the model hands it beside the hidden state, mask and positions
+        (LayerPlan.side: ALiBi biases), as the model computes them for `total` tokens of `batch` rows."""
+        return [{k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} for kwargs in self._record(batch, total)]
+
+    def _record(self, batch: int, length: int, find_returns: bool = False) -> list[dict]:
+        """The base model's forward on `length` zero embeddings (or ids), every decoder layer replaced by a
+        recorder: per layer, its arguments by name."""
+        base, config = self.base, self.config
+        seen: list[dict] = []
+        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
+
+        class Stop(Exception):
+            pass
+
+        class Recorder(nn.Module):
+            def __init__(self, last, returns_tuple, layer):
+                super().__init__()
+                self.__dict__.update(plain_attributes(layer))  # what the model reads off its layers (attention_type)
+                self.last, self.returns_tuple = last, returns_tuple
+                self.signature = inspect.signature(type(layer).forward)
+
+            def forward(self, hidden_states, *args, **kwargs):
+                chained.append(not seen or _same_tensor(hidden_states, seen[-1]["_returned"]))
+                seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
+                if self.last:
+                    raise Stop
+                return (hidden_states,) if self.returns_tuple else hidden_states
+
+        originals = list(self.layers)
+        positions = self.positions_fed = torch.arange(length)[None].repeat(batch, 1)
+        common = dict(position_ids=positions, attention_mask=torch.ones(batch, length, dtype=torch.long), use_cache=False)
+        try:
+            # transformers 5 layers return a tensor; older ones a tuple
+            for returns_tuple in ((False, True) if find_returns else (self.returns_tuple,)):
                 seen.clear()
                 chained.clear()
                 for i in range(len(originals)):
-                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple,
-                                              inspect.signature(type(originals[i]).forward))
+                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple, originals[i])
                 undo = placeholders(self.model)  # what runs before the layers (norms, position tables) gets memory
                 try:
                     with torch.no_grad():
-                        common = dict(position_ids=positions, attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long),
-                                      use_cache=False)
                         try:
-                            base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), **common)
+                            base(inputs_embeds=torch.zeros(batch, length, config.hidden_size), **common)
                         except (RuntimeError, ValueError):  # a model that needs the ids (Gemma 4's per-layer inputs)
                             seen.clear()
                             chained.clear()
-                            base(input_ids=torch.zeros(1, PROBE_LEN, dtype=torch.long), **common)
+                            base(input_ids=torch.zeros(batch, length, dtype=torch.long), **common)
                 except Stop:
                     pass
-                except (RuntimeError, NotImplementedError) as e:
+                except Exception as e:  # noqa: BLE001 - any failure of the model's own code is the refusal's reason
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
                                       f"cannot be probed ({type(e).__name__}: {_first_line(e)}); not supported by "
                                       "the traced exporter") from None
@@ -400,64 +482,23 @@ class Skeleton:
                 raise FuselmError(f"model_type {self.model_type!r}: its forward changes the hidden state between "
                                   "decoder layers; not supported by the traced exporter")
         finally:
-            config.sliding_window = window
-            if chunk is not None:
-                config.attention_chunk_size = chunk
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
-            for m in rotaries:
-                del m.forward  # back to the class's
         if len(seen) != len(originals):
             raise FuselmError(f"model_type {self.model_type!r}: its forward did not call every decoder layer once; "
                               "not supported by the traced exporter")
-        causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
-        blocks = torch.arange(PROBE_LEN) // PROBE_CHUNK
-        patterns = {"causal": causal, "sliding": causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool(),
-                    "chunked": causal & (blocks[:, None] == blocks[None, :])}
-        plans, specs = [], {}
-        for i, kwargs in enumerate(seen):
-            pe = kwargs.get("position_embeddings")
-            if pe is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
-                                  f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
-                                  "decoders only")
-            first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
-            # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
-            tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
-            if tag is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
-                                  "embedding module made; not supported by the traced exporter")
-            first = tag[3]
-            if id(first) not in specs:
-                specs[id(first)] = self._rope_spec(*tag, positions)
-            allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
-            mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
-                         and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
-            if mask is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
-                                  "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
-            cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
-            known = ("attention_mask", "position_ids", "position_embeddings", *_CACHE_ARGS)
-            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in known
-                      and (v is None or isinstance(v, (bool, int, float, str)))}
-            hidden = tuple(kwargs["_returned"].shape)
-            inputs = {k: tuple(v.shape) for k, v in kwargs.items() if k not in known and not k.startswith("_")
-                      and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
-                      and tuple(v.shape[:2]) == (1, PROBE_LEN)}
-            shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
-            plans.append(LayerPlan(i, specs[id(first)], mask, kwargs=static, cache_arg=cache_arg, hidden=hidden,
-                                   inputs=inputs, shares=shares))
-        return plans
+        return seen
 
     def _positions(self, layer_kwargs: dict) -> str:
-        """What a non-rotary model uses for positions, for its refusal."""
-        if any(k in ("alibi", "position_bias") and v is not None for k, v in layer_kwargs.items()):
-            return "it adds ALiBi biases to the attention scores"
+        """How a model without rotary layers places tokens, for fuselm.json: ALiBi biases, learned (or fixed
+        sinusoidal) position tables gathered by position_ids before the layers, or none the probe sees."""
+        if any(k in ("alibi", "position_bias") and isinstance(v, torch.Tensor) for k, v in layer_kwargs.items()):
+            return "alibi"
         embed = self.model.get_input_embeddings()
         inside = {id(m) for layer in self.layers for m in layer.modules()}
         tables = [n for n, m in self.model.named_modules()
                   if isinstance(m, nn.Embedding) and m is not embed and id(m) not in inside]
-        return f"it adds learned absolute positions: {', '.join(tables)}" if tables else "it passes the layers no positions"
+        return f"learned: {', '.join(tables)}" if tables else "none outside the layers"
 
     def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
         """The frequencies the rotary module used for this call, checked against its own cos/sin. Most
@@ -557,7 +598,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
-    """The boolean [S, T] pattern of the mask a layer received (additive float or boolean)."""
+    """The boolean [S, T] pattern of the mask a layer received: where an additive float mask is 0, a boolean
+    mask as it is (True at the allowed positions, or at the masked ones: the caller tells by the first key)."""
     if not isinstance(mask, torch.Tensor):
         raise FuselmError(f"model_type {model_type!r}: decoder layer {i} got no attention mask tensor; "
                           "not supported by the traced exporter")

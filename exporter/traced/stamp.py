@@ -3,14 +3,14 @@
 The outer template's `fuselm_trace::Layer` markers are replaced, in order, by copies of each
 layer's kind template: values and nodes renamed under `/model/layers.{i}/`, the layer inputs wired
 to the previous hidden state, the shared mask of its kind (exporter/graph.py's `attention_mask`,
-sliding window or not), `position_ids`, `past_key_values.{i}.*`, and its outputs to
-`present.{i}.*`. Node names follow the module scopes torch.onnx records
+sliding window or not), `position_ids`, `past_key_values.{i}.*`, the other tensors the model computes
+for it (the marker's inputs: per-token inputs, ALiBi biases), and its outputs to `present.{i}.*`. Node names follow the module scopes torch.onnx records
 (`/model/layers.3/self_attn/q_proj/MatMul`).
 
 Parameters become the builder's weights (exporter/quant.py's Plan, so f32/f16/q8/q4 are
 stored exactly as the builder stores them), named by their HF tensor names:
 - `Transpose(W, perm=[1,0])` (torch's Linear) -> the plan's [in, out] weight (Cast / DQ for f16 / q8 / q4);
-- `Gather(W, ids)` in the outer graph (the embedding) -> the plan's embedding;
+- `Gather(W, ids)` in the outer graph (the embedding, per-layer or position tables) -> the plan's embedding;
 - anything else (norm weights, biases, scales) -> float32 as in the checkpoint.
 Non-parameter initializers (buffers, traced constants) are copied once per template.
 """
@@ -54,13 +54,18 @@ class Stamper:
                                    "/model/attn_mask" + ("" if k == "causal" else f"_{k}"),
                                    chunk=sizes.get("chunked") if k == "chunked" else None)
                  for k in sorted(set(kinds))}
-        names = {outer.graph.input[0].name: ids}
+        given = {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask_in, contract.POSITION_IDS: position_ids}
+        names = {v.name: given[v.name] for v in outer.graph.input}  # (mask and positions where the model reads them)
         self._constants(outer, "outer", names)
         self._weights(outer, names, "/model", None, lambda rel: self.aliases.get(rel, rel))
         markers = 0
         for node in outer.graph.node:
             if node.domain == "fuselm_trace" and node.op_type == "Layer":
                 i = node.attribute[0].i
+                if i < markers:  # a looped (recurrent-depth) model runs its layers again
+                    raise FuselmError(f"the traced model calls decoder layer {i} again after layer {markers - 1}: its "
+                                      "layers run more than once per token, each run with a cache of its own, and the "
+                                      "graph contract holds one cache per layer; not supported")
                 if i != markers:
                     raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
                 x, inputs = names[node.input[0]], [names[n] for n in node.input[1:]]

@@ -31,7 +31,7 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 
 from . import attention_op, moe, rope_op
-from .skeleton import PROBE_LEN, LayerPlan, Skeleton, _named, placeholders, restore
+from .skeleton import PROBE_LEN, LayerPlan, Skeleton, _named, placeholders, plain_attributes, restore
 
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
 LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value"]
@@ -91,7 +91,7 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     for plan in plans:
         layer = skel.layers[plan.index]
         key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.mask, tuple(sorted(plan.kwargs.items())),
-               plan.hidden, tuple(plan.inputs.items()), plan.shares)
+               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form)
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -109,8 +109,8 @@ def _structure(layer: nn.Module) -> tuple:
 class _LayerWrapper(nn.Module):
     """layer(hidden, mask, position_ids, past_key, past_value, *inputs) -> (hidden, present_key, present_value),
     called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
-    (LayerPlan.inputs, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for (`cache`: None, a
-    LengthCache, a TraceCache, or in the dry run a ProbeCache)."""
+    (LayerPlan.inputs, LayerPlan.side, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for
+    (`cache`: None, a LengthCache, a TraceCache, or in the dry run a ProbeCache)."""
 
     def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool,
                  shared_rows=None):
@@ -124,15 +124,20 @@ class _LayerWrapper(nn.Module):
     def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, *inputs):
         ctx = attention_op.CONTEXT
         ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
+        if self.plan.mask_form == "masked":  # the layer's own form of the graph's additive mask
+            attention_mask = attention_mask != 0
         ctx.present, ctx.calls, ctx.mask, ctx.read, ctx.positions = None, 0, attention_mask, None, position_ids
         ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
         self.rope.positions = position_ids
         cache = attention_op.TraceCache() if self.inline else self.cache
-        kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(self.plan.inputs, inputs, strict=False))}
+        given = [*self.plan.inputs, *self.plan.side]
+        kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(given, inputs, strict=False))}
         if self.plan.shares:
-            rows = tuple(inputs[len(self.plan.inputs):])
+            rows = tuple(inputs[len(given):])
             self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
+        # the rope op's marker for cos/sin where the model hands the layer a rotary, else nothing (NoPE layers)
         pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
+        pe = pe if self.plan.rope is not None else None
         out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=pe)
         out = out[0] if isinstance(out, tuple) else out
@@ -173,8 +178,9 @@ class _NoAttention(FuselmError):
 
 
 class _MarkedLayer(nn.Module):
-    def __init__(self, index: int, returns_tuple: bool, signature, inputs: list[str]):
+    def __init__(self, index: int, returns_tuple: bool, signature, inputs: list[str], layer: nn.Module):
         super().__init__()
+        self.__dict__.update(plain_attributes(layer))  # what the model reads off its layers (attention_type)
         self.index, self.returns_tuple, self.signature, self.inputs = index, returns_tuple, signature, inputs
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -184,12 +190,16 @@ class _MarkedLayer(nn.Module):
 
 
 class _Outer(nn.Module):
+    """The causal LM on the graph's inputs: input_ids, and where the model needs them before its layers
+    (position tables, ALiBi biases), the graph's attention_mask and position_ids."""
+
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids):
-        return self.lm(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        return self.lm(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, use_cache=False).logits
 
 
 def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,6 +287,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     hidden = torch.randn(*shape[:lead], batch, seq, shape[-1])
     positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
     inputs = [torch.randn(batch, seq, *s[2:]) for s in plan.inputs.values()]
+    small = [skel.side_inputs(1, 1)[plan.index][k] for k in plan.side] if plan.side else []
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
                "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
@@ -289,7 +300,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
             one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1), positions[:, :1], "empty", None,
-                   *(x[:, :1] for x in inputs))
+                   *(x[:, :1] for x in inputs), *small)
             try:
                 key, value = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
@@ -307,15 +318,26 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                 rows = shared_rows[shared.read]
                 inputs += list(rows)
                 dynamic["inputs"] += [{0: b, 2: s}, {0: b, 2: s}]
+            shared_rows_in = inputs[len(plan.inputs):]  # a reuse layer's rows come after the side inputs
+            inputs, shared_dims = inputs[:len(plan.inputs)], dynamic["inputs"][len(plan.inputs):]
+            dynamic["inputs"] = dynamic["inputs"][:len(plan.inputs)]
             args = (hidden, torch.zeros(batch, 1, seq, past + seq), positions,
-                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]),
-                    *inputs)
-            installed.calls = 0
-            names = LAYER_INPUTS + [f"input_{i}" for i in range(len(inputs))]
-            dynamic["inputs"] = tuple(dynamic["inputs"])
-            if not inputs:
-                del dynamic["inputs"]
-            program = _export(wrapper, args, dynamic, names, LAYER_OUTPUTS, skel.model_type)
+                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]))
+            # a side input's length is the cache's (ALiBi over the keys) or, if that fails, the step's (a query scaling)
+            for length, dim in ((past + seq, t), (seq, s))[:2 if plan.side else 1]:
+                side, side_dims = _side_examples(skel, plan, batch, length, b, dim)
+                extra = [*inputs, *side, *shared_rows_in]
+                dynamic["inputs"] = (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims)
+                if not extra:
+                    dynamic.pop("inputs", None)  # (torch.export names the *inputs argument only when it gets some)
+                installed.calls = 0
+                names = LAYER_INPUTS + [f"input_{i}" for i in range(len(extra))]
+                try:
+                    program = _export(wrapper, (*args, *extra), dynamic, names, LAYER_OUTPUTS, skel.model_type)
+                    break
+                except FuselmError:
+                    if length == seq or not plan.side:
+                        raise
     finally:
         restore(undo)
     if plan.rope is not None and installed.calls == 0:
@@ -325,20 +347,57 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     return _template(program, "layer.")
 
 
+def _side_examples(skel: Skeleton, plan: LayerPlan, batch: int, total: int, b, t) -> tuple[list, tuple]:
+    """The layer's side inputs as the model computes them for `total` tokens of `batch` rows (ALiBi's
+    [B*H, 1, T]), and their dynamic dims, told apart by computing them again at other sizes: a multiple of the
+    batch, the length `t` plus a constant, or fixed."""
+    if not plan.side:
+        return [], ()
+    here = skel.side_inputs(batch, total)[plan.index]
+    there = skel.side_inputs(batch + 1, total + 3)[plan.index]
+    shapes = []
+    for k in plan.side:
+        dims = {}
+        for d, (n, m) in enumerate(zip(here[k].shape, there[k].shape, strict=True)):
+            if n == m:
+                continue
+            if n % batch == 0 and m == n // batch * (batch + 1):
+                dims[d] = b if n == batch else n // batch * b
+            elif m - n == 3:
+                dims[d] = t if n == total else t + (n - total)
+            else:
+                dims[d] = torch.export.Dim.AUTO
+        shapes.append(dims)
+    return [here[k] for k in plan.side], tuple(shapes)
+
+
 def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Template:
-    """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes."""
+    """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes (which take the other
+    tensors the model computes for each layer). The graph's attention_mask and position_ids go in where the layers
+    need what the model computes from them (side inputs; positions outside rotary layers)."""
+    plans = plans or []
     originals = list(skel.layers)
     for i in range(len(originals)):
-        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple, inspect.signature(type(originals[i]).forward),
-                                      list(plans[i].inputs) if plans else [])
+        given = [*plans[i].inputs, *plans[i].side] if plans else []
+        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple, inspect.signature(type(originals[i]).forward), given,
+                                      originals[i])
     undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
+    implementation = skel.config._attn_implementation
+    skel.config._attn_implementation = attention_op.NAME  # (an eager model's too: its mask code is not traced either)
+    batch, seq, total = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("total", min=1)
+    inputs = {contract.INPUT_IDS: (torch.zeros(2, 3, dtype=torch.long), {0: batch, 1: seq}),
+              contract.ATTENTION_MASK: (None, None), contract.POSITION_IDS: (None, None)}
+    if any(p.side for p in plans):  # the side inputs cover the whole cache: the model reads the graph's mask
+        inputs[contract.ATTENTION_MASK] = (torch.ones(2, 7, dtype=torch.long), {0: batch, 1: total})
+    if any(p.rope is None for p in plans):  # positions enter before the layers (tables) or in them
+        inputs[contract.POSITION_IDS] = (torch.arange(4, 7)[None].repeat(2, 1), {0: batch, 1: seq})
     try:
-        ids = torch.zeros(2, 3, dtype=torch.long)
-        dynamic = {contract.INPUT_IDS: {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
-        program = _export(_Outer(skel.model).eval(), (ids,), dynamic, [contract.INPUT_IDS], [contract.LOGITS],
-                           skel.model_type)
+        program = _export(_Outer(skel.model).eval(), tuple(x for x, _ in inputs.values()),
+                          {k: d for k, (_, d) in inputs.items()}, [k for k, (x, _) in inputs.items() if x is not None],
+                          [contract.LOGITS], skel.model_type)
     finally:
+        skel.config._attn_implementation = implementation
         attention_op.register()
         restore(undo)
         for i, layer in enumerate(originals):
