@@ -534,6 +534,8 @@ ORT_PROFILE_COLS = [Col("graph", "graph", str), Col("decode step ms (median)", "
 
 # the traced exporter's sweep (scripts/traced_sweep.py): the model table
 def rope_of(r: dict) -> str:
+    if r.get("positions", "rotary") != "rotary":  # learned position tables, ALiBi biases
+        return f"none ({r['positions']})"
     rope = "interleaved" if r.get("interleaved") else "rotate_half"
     if r.get("rotary_dim") and r.get("head_dim") and r["rotary_dim"] < r["head_dim"]:
         rope += f", partial {r['rotary_dim']}/{r['head_dim']}"

@@ -287,7 +287,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     hidden = torch.randn(*shape[:lead], batch, seq, shape[-1])
     positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
     inputs = [torch.randn(batch, seq, *s[2:]) for s in plan.inputs.values()]
-    small = [skel.side_inputs(1, 1)[plan.index][k] for k in plan.side] if plan.side else []
+    small = [skel.side_inputs(batch, 1)[plan.index][k] for k in plan.side] if plan.side else []  # the dry run's
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
                "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
