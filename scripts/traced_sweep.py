@@ -17,8 +17,9 @@ from fuselm.synth (GENERIC_TINY sizes with the tiny overrides below), HF transfo
 (a prefill), `fuselm.convert(..., exporter="torch")` at f32, then exporter/check.py
 (onnxruntime vs HF transformers, prefill + a decode step with past), then `fuselm optimize` and the
 same check on the optimized graph. Result per model_type: ok (both max abs logit diffs <= 1e-4),
-wrong (converts, differs), refused (the FuselmError, i.e. what the user sees), failed (anything else:
-a bug to fix), no tiny config (transformers cannot build or run the tiny checkpoint: a bug of this
+wrong (converts, differs), refused (the FuselmError, i.e. what the user sees), unforeseen (a clean error
+too, but for a failure of transformers' code no refusal foresaw: to look into), failed (anything else, a
+Python traceback: a bug to fix), no tiny config (transformers cannot build or run the tiny checkpoint: a bug of this
 script's overrides). Writes bench/results/traced_sweep.json; scripts/bench_docs.py makes the README's model
 table from it.
 """
@@ -194,6 +195,7 @@ warnings.simplefilter("ignore")
 import fuselm
 from fuselm.errors import FuselmError
 from fuselm.exporter.check import check
+from fuselm.exporter.traced import TraceFailed
 from fuselm.reference import hf_model
 import torch
 import fuselm.synth as synth
@@ -212,6 +214,8 @@ except Exception as e:
 t = time.perf_counter()
 try:
     fuselm.convert(hf, work / "out", exporter="torch", quiet=True)
+except TraceFailed as e:
+    print(json.dumps({**out, "status": "unforeseen", "detail": str(e)[:400]})); sys.exit()
 except FuselmError as e:
     print(json.dumps({**out, "status": "refused", "detail": str(e)[:400]})); sys.exit()
 except Exception as e:
