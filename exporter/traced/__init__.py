@@ -78,7 +78,14 @@ def _traced(hf_dir: Path, config: dict):
         ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
         expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
         tied = skel.tied_names()
-        ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
+        try:
+            ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
+        except FuselmError:
+            if why := skel.conversions_not_applied(ckpt.tensors):  # the names differ because transformers converts
+                raise Unsupported(f"model_type {model_type!r}: transformers converts checkpoint tensors as it loads "
+                                  f"them in a way fuselm's checkpoint reader does not ({why}); not supported by the "
+                                  "traced exporter") from None
+            raise
     with _unsupported(model_type):
         kinds = layer_kinds(skel, plans)
         first = {}

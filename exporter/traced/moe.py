@@ -303,13 +303,22 @@ def _router_params(module: nn.Module, shape: tuple[int, int]):
     return at(weights[0]), (at(bias[0]) if bias else None)
 
 
-def unrecognised(model: nn.Module, blocks: list[Block]) -> str | None:
+def dense_experts(model: nn.Module, blocks: list[Block]) -> list[nn.Module]:
+    """transformers' experts modules outside `blocks` (its `use_experts_implementation` classes: non-gated experts,
+    a norm per expert, as Ergo's): traced in standard ops through transformers' own `batched_mm` implementation
+    (each token's top-k experts' weights gathered and multiplied: shapes that do not depend on the routing)."""
+    inside = covered(model, blocks)
+    return [m for m in model.modules() if id(m) not in inside and hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] = ()) -> str | None:
     """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
     (None: no 3-D expert stacks outside the blocks). Experts inside an attention module (JetMoE's MoA: each
     token's top-k query and output projections) are a mixture of attention experts, which no fuselm op expresses;
     others are stacks fuselm::MoE does not read (JetMoE's MLP: `input_linear` / `output_linear` experts beside a
     router that returns tokens sorted by expert)."""
-    inside = covered(model, blocks)
+    inside = covered(model, blocks) | {id(m) for d in dense for m in d.modules()}
     owners: dict[str, tuple[nn.Module, list[str]]] = {}
     for name, m in model.named_modules():
         if id(m) in inside:

@@ -176,13 +176,16 @@ class Skeleton:
         from . import moe
 
         self.moe_blocks = moe.find_blocks(model, self.model_type)
-        inside_moe = moe.covered(model, self.moe_blocks)
+        dense = moe.dense_experts(model, self.moe_blocks)
+        if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
+            config._experts_implementation = "batched_mm"
+        inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
-                if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
+                if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
                 if part.lower() in type(module).__name__.lower():
-                    if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks)):
+                    if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
                     if part == "Experts":  # experts of another layout than the stacked one fuselm::MoE reads
@@ -267,6 +270,23 @@ class Skeleton:
         for renaming in self._renamings:  # each in turn (transformers' apply_renamings, not in 5.17)
             name, _ = renaming.rename_source_key(name)
         return name
+
+    def conversions_not_applied(self, stored) -> str | None:
+        """transformers' load-time conversions for this architecture other than renames and expert stacking
+        (moe.stack_experts) that apply to some of the `stored` tensor names, as "source -> target: operations"."""
+        import re
+
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        found = []
+        for c in get_model_conversion_mapping(self.model):
+            ops = [type(o).__name__ for o in getattr(c, "operations", [])]
+            if not isinstance(c, WeightConverter) or set(ops) <= {"MergeModulelist", "Concatenate"}:
+                continue
+            if any(re.search(src, name) for src in c.source_patterns for name in stored):
+                found.append(f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}: {', '.join(ops)}")
+        return "; ".join(found) or None
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
