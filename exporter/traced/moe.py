@@ -341,7 +341,8 @@ def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] =
     parts = []
     if attention:
         parts.append(f"attention experts at {', '.join(attention)}: each token's top-k query and output "
-                     "projections (a mixture of attention heads), which no fuselm op expresses")
+                     "projections (a mixture of attention heads), computed on token groups sorted by expert whose "
+                     "sizes depend on the routing (not traceable), and no fuselm op expresses them")
     if other:
         parts.append(f"experts at {', '.join(other)} that fuselm::MoE does not read (it takes transformers' stacked "
                      "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H])")
