@@ -489,6 +489,18 @@ class Skeleton:
                             base(input_ids=torch.zeros(batch, length, dtype=torch.long), **common)
                 except Stop:
                     pass
+                except TypeError as e:
+                    params = inspect.signature(type(base).forward).parameters
+                    if "inputs_embeds" in params or "input_ids" in params:
+                        raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
+                                          f"cannot be probed (TypeError: {_first_line(e)}); not supported by the traced "
+                                          "exporter") from None
+                    needs = [n for n, p in list(params.items())[1:] if p.default is inspect.Parameter.empty
+                             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                    raise FuselmError(f"model_type {self.model_type!r}: its decoder layers sit in "
+                                      f"{type(base).__name__}, whose forward takes {', '.join(needs)} from the model "
+                                      f"around it ({type(self.model).__name__}), not token embeddings; the traced "
+                                      "exporter feeds the module that holds the layers and cannot trace this one") from None
                 except Exception as e:  # noqa: BLE001 - any failure of the model's own code is the refusal's reason
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
                                       f"cannot be probed ({type(e).__name__}: {_first_line(e)}); not supported by "
