@@ -34,8 +34,7 @@ from .rope_op import RopeSpec, rope_layouts
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
-                    "Vision": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
-                    "Audio": "it has an audio tower (a multimodal model); convert its text-only checkpoint"}
+                    "Vision": "it has a vision tower (a multimodal model)", "Audio": "it has an audio tower (a multimodal model)"}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
     "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
@@ -188,6 +187,8 @@ class Skeleton:
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
+                    if part in ("Vision", "Audio") and _setting(config, "text_config") is not None:
+                        why += "; convert its text-only checkpoint"
                     if part == "Experts":  # experts of another layout than the stacked one fuselm::MoE reads
                         tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters())
                         why = (f"it is a mixture-of-experts model whose experts ({tensors}) are not the stacked "
