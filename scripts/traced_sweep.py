@@ -93,6 +93,7 @@ OVERRIDES = {
                             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                 "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}},
     "dots3_note_text": {"num_key_value_heads": 4},  # its config wants kv heads == heads
+    "kolibri1_1": {"index_num_heads": 2},  # at most the query heads of one kv head
     # BLT: patcher, local encoder / decoder and global transformer each sized; the hashed n-gram tables small
     "blt": {"encoder_hash_byte_group_vocab": 64,
             **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
@@ -185,6 +186,8 @@ def _derived(config) -> dict:
     if "kv_lora_rank" in fields:
         out.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
     out["bos_token_id"] = 1 if isinstance(vars(config).get("bos_token_id"), int) else None
+    # other vocabulary sizes (Inkling 2's unpadded head) at the tokenizer's
+    out.update({k: 384 for k in fields if k.endswith("vocab_size") and k != "vocab_size"})
     return out
 
 
