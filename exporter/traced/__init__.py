@@ -48,6 +48,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
         cache.store(key, traced)
     else:
         ckpt.rename(traced.names.__getitem__)
+        ckpt.convert(traced.views)
         ckpt = moe.cached_stacks(ckpt, traced.stacks)
         ckpt.validate(traced.expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in traced.tied)
     while len(_TRACED) >= _CACHED and key not in _TRACED:
@@ -75,16 +76,18 @@ def _traced(hf_dir: Path, config: dict):
         ckpt = Checkpoint(hf_dir)
         names = {stored: skel.model_name(stored) for stored in ckpt.tensors}
         ckpt.rename(names.__getitem__)
+        views, unapplied = skel.conversions(ckpt.tensors)
+        ckpt.convert(views)  # tensors transformers converts as it loads them (transposed, split)
         ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
         expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
         tied = skel.tied_names()
         try:
             ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
         except FuselmError:
-            if why := skel.conversions_not_applied(ckpt.tensors):  # the names differ because transformers converts
+            if unapplied:  # the names differ because transformers converts them
                 raise Unsupported(f"model_type {model_type!r}: transformers converts checkpoint tensors as it loads "
-                                  f"them in a way fuselm's checkpoint reader does not ({why}); not supported by the "
-                                  "traced exporter") from None
+                                  f"them in a way fuselm's checkpoint reader does not ({unapplied}); not supported by "
+                                  "the traced exporter") from None
             raise
     with _unsupported(model_type):
         kinds = layer_kinds(skel, plans)
@@ -100,7 +103,7 @@ def _traced(hf_dir: Path, config: dict):
     traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],
                     getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
                     skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
-                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans])
+                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], views)
     meta = skel.metadata(plans, len(kinds), [kv_shape(templates[p.kind]) for p in plans])
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)

@@ -272,22 +272,44 @@ class Skeleton:
             name, _ = renaming.rename_source_key(name)
         return name
 
-    def conversions_not_applied(self, stored) -> str | None:
-        """transformers' load-time conversions for this architecture other than renames and expert stacking
-        (moe.stack_experts) that apply to some of the `stored` tensor names, as "source -> target: operations"."""
+    def conversions(self, stored: dict[str, tuple]) -> tuple[dict[str, list], str | None]:
+        """transformers' load-time conversions of this architecture that make one model tensor from one `stored`
+        one (its Transpose, Chunk, Split: Ergo's router kept [H, E], a fused qkv kept whole), as Checkpoint.convert's
+        views; and, as "source -> target: operations", the others that apply to `stored` and that fuselm does not
+        (expert stacking aside: moe.stack_experts)."""
         import re
 
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
+        from transformers.core_model_loading import Chunk, Split, Transpose, WeightConverter
 
-        found = []
+        expected = self.expected_tensors()
+        views, others = {}, []
         for c in get_model_conversion_mapping(self.model):
-            ops = [type(o).__name__ for o in getattr(c, "operations", [])]
-            if not isinstance(c, WeightConverter) or set(ops) <= {"MergeModulelist", "Concatenate"}:
+            ops = list(getattr(c, "operations", []))
+            names = [type(o).__name__ for o in ops]
+            if not isinstance(c, WeightConverter) or set(names) <= {"MergeModulelist", "Concatenate"}:
                 continue
-            if any(re.search(src, name) for src in c.source_patterns for name in stored):
-                found.append(f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}: {', '.join(ops)}")
-        return "; ".join(found) or None
+            matched = [n for n in stored for src in c.source_patterns if re.search(src, n)]
+            if not matched:
+                continue
+            op = ops[0] if len(ops) == 1 and len(c.source_patterns) == 1 else None
+            if isinstance(op, Transpose | Chunk | Split) and getattr(op, "num_shards_attribute", None) is None:
+                for n in matched:
+                    targets = [re.sub(c.source_patterns[0], t, n) for t in c.target_patterns]
+                    shape = stored[n][2]
+                    if isinstance(op, Transpose):
+                        if not (op.check_dims and tuple(shape) == tuple(expected.get(targets[0], ()))):
+                            views[targets[0]] = [n, "transpose", op.dim0, op.dim1]
+                        continue
+                    sizes = ([shape[op.dim] // len(targets)] * len(targets) if isinstance(op, Chunk)
+                             else [expected.get(t, (0,) * (op.dim + 1))[op.dim] for t in targets])
+                    at = 0
+                    for t, size in zip(targets, sizes, strict=True):
+                        views[t] = [n, "slice", op.dim, at, at + size]
+                        at += size
+                continue
+            others.append(f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}: {', '.join(names)}")
+        return views, "; ".join(others) or None
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
