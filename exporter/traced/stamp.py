@@ -41,6 +41,7 @@ class Stamper:
         self.used: set[str] = set()  # checkpoint tensors the graph reads
         self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
         self.gathers: dict[tuple[int, str], tuple] = {}  # (template, node): an embedding whose ids the graph computes
+        self.late: dict[tuple[int, str], tuple] = {}  # (template, node): the Transpose of a head tied to such an embedding
         self.linears: dict[str, str] = {}  # checkpoint weight -> its declared [in, out] form
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
@@ -156,6 +157,10 @@ class Stamper:
             vector = experts = None
             for node in consumers.get(value, []):
                 if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
+                    if layer is None and name == self.embed and any(
+                            n.op_type == "Gather" and n.input[1] not in names for n in consumers[value]):
+                        self.late[(id(t), node.name)] = (name, scope)  # a tied head: declared after its embedding
+                        continue
                     names[node.output[0]] = self._linear(name, node, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
                     other = None if name == self.embed else self._scope(name, scope, layer)  # per-layer embeddings
@@ -173,7 +178,8 @@ class Stamper:
                     continue
                 self.skip.add((id(t), node.name))
             if any((id(t), n.name) not in self.skip and (id(t), n.name) not in self.as_matmul and not moe.reads_experts(n, value)
-                   and (id(t), n.name) not in self.gathers for n in consumers.get(value, [])):
+                   and (id(t), n.name) not in self.gathers and (id(t), n.name) not in self.late
+                   for n in consumers.get(value, [])):
                 vector = self.plan.vector(self.b, name, layer)
             names[value] = experts or vector or name
 
@@ -199,6 +205,10 @@ class Stamper:
     def _copy(self, t: Template, node: onnx.NodeProto, names: dict[str, str], scope: str, prefix_values: str,
               fixed: dict[str, str] | None = None) -> None:
         if (id(t), node.name) in self.skip:
+            return
+        if (id(t), node.name) in self.late:
+            name, at = self.late[(id(t), node.name)]
+            names[node.output[0]] = self._linear(name, node, at, None)
             return
         if (id(t), node.name) in self.gathers:
             name, other = self.gathers[(id(t), node.name)]
