@@ -94,6 +94,10 @@ OVERRIDES = {
                                                 "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}},
     "dots3_note_text": {"num_key_value_heads": 4},  # its config wants kv heads == heads
     "kolibri1_1": {"index_num_heads": 2},  # at most the query heads of one kv head
+    # its _init_weights zeroes the embedding's padding row even after loading: no padding row, as a random
+    # checkpoint's row 0 is not zero (a trained one's is)
+    "youtu": {"pad_token_id": None},
+    "zaya": {"num_experts_per_tok": 1},  # its only top-k
     # BLT: patcher, local encoder / decoder and global transformer each sized; the hashed n-gram tables small
     "blt": {"encoder_hash_byte_group_vocab": 64,
             **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
