@@ -78,7 +78,7 @@ def _traced(hf_dir: Path, config: dict):
         ckpt.rename(names.__getitem__)
         views, unapplied = skel.conversions(ckpt.tensors)
         ckpt.convert(views)  # tensors transformers converts as it loads them (transposed, split)
-        ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
+        ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks, skel.dense_experts)  # per-expert tensors -> stacks
         expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
         tied = skel.tied_names()
         try:

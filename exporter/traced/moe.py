@@ -269,6 +269,8 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
         n_exp = ex.gate_up_proj.shape[0]
         hidden = ex.down_proj.shape[2 if layouts[1].transposed else 1]
         routers = [(c, at) for c in m.children() if c is not ex and (at := _router_params(c, (n_exp, hidden)))]
+        if len(routers) != 1 and _dense(ex):
+            continue  # a router of its own: traced as written, the experts through transformers' batched_mm
         if len(routers) != 1:
             raise FuselmError(f"model_type {model_type!r}: the experts at {where} have no router of one weight "
                               f"[{n_exp}, {hidden}] (and a bias [{n_exp}]) beside them (a router of its own layout); "
@@ -281,8 +283,19 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
         # candidate selection bias (Ernie-4.5-MoE's moe_statics.e_score_correction_bias): _checked tells
         block = Block(name, m, router, ex, weight_at, bias_at=None if biases else extra_at,
                       router_bias_at=extra_at if biases else None, gate_up_layout=layouts[0], down_layout=layouts[1])
-        blocks.append(_checked(block, model_type))
+        try:
+            blocks.append(_checked(block, model_type))
+        except FuselmError:
+            if not _dense(ex):
+                raise
+            # routing or experts of a form fuselm::MoE does not have (Kolibri's top-k on logits + bias, then
+            # sigmoid): the router traced as written, the experts through transformers' batched_mm (dense_experts)
     return blocks
+
+
+def _dense(experts: nn.Module) -> bool:
+    """transformers' experts class (use_experts_implementation): its batched_mm implementation traces in standard ops."""
+    return hasattr(experts, "has_gate") and hasattr(experts, "is_transposed")
 
 
 def _router_params(module: nn.Module, shape: tuple[int, int]):
@@ -308,7 +321,7 @@ def dense_experts(model: nn.Module, blocks: list[Block]) -> list[nn.Module]:
     a norm per expert, as Ergo's): traced in standard ops through transformers' own `batched_mm` implementation
     (each token's top-k experts' weights gathered and multiplied: shapes that do not depend on the routing)."""
     inside = covered(model, blocks)
-    return [m for m in model.modules() if id(m) not in inside and hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+    return [m for m in model.modules() if id(m) not in inside and _dense(m)
             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
@@ -668,9 +681,10 @@ class ExpertCheckpoint(Checkpoint):
                                          for p in experts[e]]) for e in range(start, stop)])
 
 
-def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
-    """The checkpoint with each block's stacked expert parameters as virtual tensors (ExpertCheckpoint)."""
-    if not blocks:
+def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block], dense: list[nn.Module] = ()) -> Checkpoint:
+    """The checkpoint with each block's stacked expert parameters (and the `dense` experts', in their own layout)
+    as virtual tensors (ExpertCheckpoint)."""
+    if not blocks and not dense:
         return ckpt
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
@@ -678,11 +692,13 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
     converters = [c for c in get_model_conversion_mapping(skel.model) if isinstance(c, WeightConverter)]
     names = {id(p): n for n, p in skel.model.named_parameters()}
     stacks: dict[str, tuple] = {}
-    for b in blocks:
-        relayout = {"gate_up_proj": b.gate_up_layout, "down_proj": b.down_layout,
-                    "gate_up_proj_bias": Layout(interleaved=b.gate_up_layout.interleaved)}
-        for attr in EXPERT_PARAMS + (("gate_up_proj_bias",) if b.biased else ()):
-            param = getattr(b.experts, attr)
+    entries = [(b.experts, {"gate_up_proj": b.gate_up_layout, "down_proj": b.down_layout,
+                            **({"gate_up_proj_bias": Layout(interleaved=b.gate_up_layout.interleaved)} if b.biased else {})})
+               for b in blocks]
+    entries += [(d, {n: Layout() for n, p in d.named_parameters(recurse=False) if p.dim() == 3}) for d in dense]
+    for module, relayout in entries:
+        for attr in relayout:
+            param = getattr(module, attr)
             name, shape = names[id(param)], tuple(param.shape)
             layout = relayout[attr]
             if name not in ckpt.tensors and f"{name}_blocks" in ckpt.tensors:
@@ -700,7 +716,7 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
                 canonical = tuple(layout.canonical(torch.empty(shape, device="meta")).shape)
                 stacks[name] = (canonical, [[name]], [int(layout.transposed), int(layout.interleaved)])
                 continue
-            if attr not in EXPERT_PARAMS:
+            if attr not in EXPERT_PARAMS and module not in dense:
                 continue
             if name in ckpt.tensors:  # stored stacked (Granite-MoE's input_linear after transformers' rename)
                 stacks[name] = (shape, [[name]])

@@ -175,7 +175,7 @@ class Skeleton:
         from . import moe
 
         self.moe_blocks = moe.find_blocks(model, self.model_type)
-        dense = moe.dense_experts(model, self.moe_blocks)
+        self.dense_experts = dense = moe.dense_experts(model, self.moe_blocks)
         if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
             config._experts_implementation = "batched_mm"
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
