@@ -61,6 +61,26 @@ SHAPES.update({
                  "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 256,
                  "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 2048},
 })
+# Hybrids with recurrent state (bench/mlx_peer.py), random weights at about 1B parameters: a Qwen3.5-shaped one (gated
+# delta rule in 3 of every 4 layers, gated full attention in the 4th) and a Granite-4-shaped one (Mamba-2 layers, 4 of
+# 32 attending, a dense shared MLP). Written by transformers' own model class (their state layers' weights have
+# shapes and initial values of their own: A_log, dt_bias, the convolutions).
+_QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=24, hidden_size=1536, intermediate_size=4608,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+               linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention"] * 3 + ["full_attention"], vocab_size=151936, tie_word_embeddings=True,
+               rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=1e7)
+_GRANITE4 = dict(model_type="granitemoehybrid", num_hidden_layers=32, hidden_size=1536, intermediate_size=3072,
+                 shared_intermediate_size=3072, num_local_experts=0, num_experts_per_tok=0, num_attention_heads=12,
+                 num_key_value_heads=4, mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                 mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                 layer_types=["mamba"] * 5 + ["attention"] + ["mamba"] * 2, vocab_size=100352, tie_word_embeddings=True,
+                 rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1e4)
+SHAPES.update({"qwen3.5-1b": _QWEN35, "granite4-1b": _GRANITE4,
+               "qwen3.5-tiny": {**_QWEN35, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
+                                "vocab_size": 2048, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}})
+FROM_CONFIG = ("qwen3_5_text", "granitemoehybrid")
 SHARD_BYTES = 2 * 1024**3
 EXPORTERS = {"builder": "fuselm convert", "torch": "fuselm convert --exporter torch",
              "torch-cached": "fuselm convert --exporter torch (trace cached)"}
@@ -116,6 +136,8 @@ def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
     tok.save_pretrained(out)
     c = {"rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1e6, **SHAPES[shape]}
     kind, theta = c.pop("model_type", "qwen3"), c.pop("rope_theta")
+    if kind in FROM_CONFIG:
+        return _from_config(out, kind, c, theta, seed)
     config = AutoConfig.for_model(kind, **c, rope_parameters={"rope_type": "default", "rope_theta": theta},
                                   dtype="bfloat16", bos_token_id=None, eos_token_id=2, pad_token_id=0)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
@@ -155,6 +177,29 @@ def write_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(2 * int(torch.tensor(s).prod()) for s in shapes.values())},
          "weight_map": weight_map}, indent=2))
+    return out
+
+
+def _from_config(out: Path, kind: str, c: dict, theta: float, seed: int) -> Path:
+    """A random bf16 checkpoint made by transformers' own class for `kind` (its initialisation), saved sharded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = c["num_hidden_layers"]
+    c["layer_types"] = (c["layer_types"] * layers)[:layers]
+    config = AutoConfig.for_model(kind, **c, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                  bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, max_shard_size="2GB")
+    if not (out / "model.safetensors.index.json").is_file():  # one file: the index the other shapes have too
+        from safetensors import safe_open
+
+        with safe_open(out / "model.safetensors", "pt") as f:
+            names = list(f.keys())
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}, indent=2))
     return out
 
 

@@ -11,6 +11,14 @@
 #   bash bench/h200_mlx.sh wheels          # carry .mlxcuda/p1 .mlxcuda/w: keep half 1 only (no checkpoints)
 #   bash bench/h200_mlx.sh pipeline        # carry .mlxcuda/p2: install MLX; bench/pipeline.py on the GPU (0.6b
 #                                          # layers, q4, 2 and 3 ranks on the one GPU) and on the host's cores (tiny)
+#   bash bench/h200_mlx.sh carry           # carry .c1/ .c2/ ...: keep their files (wheels, parts of a large file)
+#   bash bench/h200_mlx.sh deps            # after carry: the wheels kept (transformers and what it needs at the
+#                                          # version fuselm is tested with), installed without an index
+#   bash bench/h200_mlx.sh spec            # after bench: SmolLM2-135M-Instruct from its GGUF file (carried in parts
+#                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
+#                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
+#                                          # bench/api_vs_cli.py, on MLX
+# Any phase first keeps what the carried .c*/ folders hold (wheels, the GGUF parts) in the stash.
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
 # Results land in $OUT (the device tool brings them back): mlx-peer-gpu.json and the logs.
@@ -24,13 +32,23 @@ export PYTHONPATH=/root/fl HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_
 mkdir -p "$stash" "$work" "${OUT:-/tmp/out}"
 # fuselm itself, installed outside the checkout, from this call's tree (a warm machine keeps the last call's)
 rm -rf /root/fl && python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
+for d in .c[0-9]*; do [ -d "$d" ] && cp -n "$d"/* "$stash/" 2>/dev/null; done
 case $phase in
+carry)
+    ls -la "$stash"
+    ;;
+deps)
+    python3 -m pip install -q --no-index --find-links "$stash" "transformers==${TRANSFORMERS:-5.25.0}" gguf accelerate \
+        2>&1 | tail -3
+    python3 -c "import transformers, huggingface_hub; print('transformers', transformers.__version__, huggingface_hub.__version__)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    ;;
 wheels)
-    cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
+    cp .mlxcuda/p1/part00 "$stash/" && mkdir -p "$stash/mlxw" && cp .mlxcuda/w/*.whl "$stash/mlxw/"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ;;
 stash)
-    cp .mlxcuda/p1/part00 "$stash/" && cp .mlxcuda/w/*.whl "$stash/"
+    cp .mlxcuda/p1/part00 "$stash/" && mkdir -p "$stash/mlxw" && cp .mlxcuda/w/*.whl "$stash/mlxw/"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     # the CPU half of the preparation (checkpoints, fuselm convert + optimize): no GPU needed
     # (the MoE shapes too: olmoe-1b-7b, olmoe-1b-7b-4l, qwen3-30b-a3b-8l; each step timed with its peak RSS,
@@ -39,10 +57,43 @@ stash)
     python3 "$repo/bench/mlx_peer.py" --stash --shapes $shapes --groups ${QGROUPS:-32 64} --work "$work" \
         2>&1 | tee "${OUT:-/tmp/out}/stash.log" || exit 1
     ;;
-bench|probe|kv8|pipeline)
+bench|probe|kv8|pipeline|spec)
     if ! python3 -c "import mlx.core" 2>/dev/null; then
         cat "$stash/part00" .mlxcuda/p2/part01 > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
-        python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/*.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile /tmp/mlx_cuda_13-*.whl "$stash"/mlxw/*.whl || exit 1
+    fi
+    if [ "$phase" = spec ]; then
+        cd /root
+        cat "$stash"/smollm2.gguf.part* > /root/smollm2.gguf || exit 1
+        sha256sum /root/smollm2.gguf
+        python3 - <<'PY' || exit 1
+import fuselm
+fuselm.convert("/root/smollm2.gguf", "/root/smol/q8-exp", quant="q8", quiet=True, force=True)
+fuselm.optimize("/root/smol/q8-exp", "/root/smol/q8", quiet=True, force=True)
+fuselm.convert("/root/smollm2.gguf", "/root/smol/q4-exp", quant="q4", quiet=True, force=True)
+fuselm.optimize("/root/smol/q4-exp", "/root/smol/q4", quiet=True, force=True)
+from fuselm.exporter.gguf import checkpoint_for
+print("hf", checkpoint_for("/root/smollm2.gguf"))
+PY
+        hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
+        # mlx-lm 0.32 reads rope_theta only at the top of config.json (transformers 5 writes it in rope_parameters)
+        python3 - "$hf" <<'PY'
+import json, sys, shutil, pathlib
+src = pathlib.Path(sys.argv[1]); dst = pathlib.Path("/root/smol/hf-for-mlx-lm")
+shutil.copytree(src, dst, dirs_exist_ok=True)
+c = json.loads((dst / "config.json").read_text()); c["rope_theta"] = c.get("rope_parameters", {}).get("rope_theta", 10000.0)
+(dst / "config.json").write_text(json.dumps(c, indent=2))
+PY
+        python3 -m mlx_lm convert --hf-path /root/smol/hf-for-mlx-lm --mlx-path /root/smol/mlx-q8 -q --q-bits 8 \
+            --q-group-size 32 >/dev/null 2>&1 || exit 1
+        python3 -m mlx_lm convert --hf-path /root/smol/hf-for-mlx-lm --mlx-path /root/smol/mlx-q4 -q --q-bits 4 \
+            --q-group-size 32 >/dev/null 2>&1 || exit 1
+        python3 "$repo/bench/speculative.py" --model /root/smol/q8 --draft /root/smol/q4 --mlx-lm /root/smol/mlx-q8 \
+            --mlx-lm-draft /root/smol/mlx-q4 --backend mlx --tokens ${SPEC_TOKENS:-128} --runs ${SPEC_RUNS:-3} \
+            --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
+        python3 "$repo/bench/api_vs_cli.py" /root/smol/q4 --backend mlx --runs ${API_RUNS:-5} \
+            --out "$OUT/api-vs-cli-h200-smollm2-q4.json" 2>&1 | tail -14
+        exit 0
     fi
     if [ "$phase" = kv8 ]; then
         cd /root && python3 "$repo/bench/mlx_kv8.py" --shapes $shapes --contexts 8192 32768 --runs ${KV8_RUNS:-2} \

@@ -154,7 +154,8 @@ class MlxLmEngine:
         logprobs = logits[:, -1, :] - mx.logsumexp(logits[:, -1, :], keepdims=True)
         y = mx.argmax(logprobs, axis=-1)
         host = time.perf_counter() - t
-        return [y, logprobs, *[a for c in cache for a in c.state[:2]]], [], host
+        state = [a for c in cache for a in c.state[:2] if isinstance(a, mx.array)]  # (a recurrent layer's ArraysCache)
+        return [y, logprobs, *state], [], host
 
     def what(self) -> str:
         import mlx_lm
@@ -349,7 +350,7 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_on
     if dtype is None:
         return out
     _timed(work, shape, f"mlx-lm convert g{group} {dtype}", out["mlx-lm"] / "config.json",
-           [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(ckpt), "--mlx-path", str(out["mlx-lm"]), "-q", "--q-bits", "4", "--q-group-size",
+           [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(_for_mlx_lm(ckpt)), "--mlx-path", str(out["mlx-lm"]), "-q", "--q-bits", "4", "--q-group-size",
             str(group), "--dtype", {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]])
     log = work / f"{s}-prepare.json"
     steps = json.loads(log.read_text()) if log.is_file() else {}
@@ -363,6 +364,21 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_on
                             "--dtype", dtype], check=True, capture_output=True, text=True).stdout
     out["first_load"] = json.loads(next(x for x in first.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     return out
+
+
+def _for_mlx_lm(ckpt: Path) -> Path:
+    """The checkpoint as mlx-lm 0.32 reads it: it has no `qwen3_5_text` model (its `qwen3_5` takes the text config
+    itself), so that one gets a copy of config.json naming `qwen3_5` beside links to its other files."""
+    config = json.loads((ckpt / "config.json").read_text())
+    if config.get("model_type") != "qwen3_5_text":
+        return ckpt
+    peer = ckpt.with_name(ckpt.name + "-for-mlx-lm")
+    peer.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.name != "config.json" and not (peer / f.name).exists():
+            (peer / f.name).symlink_to(f.resolve())
+    (peer / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}, indent=2))
+    return peer
 
 
 class Child:

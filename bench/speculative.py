@@ -51,7 +51,9 @@ args = json.loads(sys.argv[1])
 engine = fuselm.load(args["model"], backend=args["backend"])
 opts = dict(max_tokens=args["tokens"], chat=True)
 if args["method"] != "plain":
-    opts.update(speculative=args["method"], num_draft=args["k"], draft_model=args.get("draft"))
+    opts.update(speculative=args["method"], num_draft=args["k"])
+if args["method"] == "draft":
+    opts["draft_model"] = args["draft"]
 out = []
 for prompt in args["prompts"]:
     list(fuselm.stream_generate(engine, prompt, **{**opts, "max_tokens": 4}))  # warm-up: compiles, allocations

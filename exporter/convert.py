@@ -12,7 +12,10 @@ temporary directory that is renamed to OUT only at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import shutil
 import time
 from pathlib import Path
 
@@ -23,17 +26,21 @@ from fuselm.contract import DATA_NAME, MODEL_NAME
 from fuselm.errors import FuselmError, Unsupported
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
-from . import families
+from . import families, gguf
 from .quant import Precision, precisions
 from .weights import write_data
 
 EXPORTERS = ("auto", "builder", "torch")
+DEFAULT_METHOD = "mse"
 
 
 def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str | None = None,
             embed: str | None = None, force: bool = False, check: bool = False, quiet: bool = False,
-            exporter: str = "auto") -> Path:
-    """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`.
+            exporter: str = "auto", method: str = DEFAULT_METHOD, calib: str | bool | None = None,
+            bits_per_weight: float | None = None) -> Path:
+    """Convert the HF checkpoint at `hf_dir` to a model directory at `out`; returns `out`. `hf_dir` may be a
+    GGUF file (or a directory holding one): its dequantized HF checkpoint is converted (exporter/gguf.py), and
+    fuselm.json's `source` says what the file stored.
 
     quant: f32 | f16 | q8 | q4 for linear layers (blockwise asymmetric, `block_size` 32/64/128);
     lm_head / embed: their precision (default: the head q8 when quantizing, else as `quant`; a tied embedding as the head,
@@ -41,14 +48,40 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     exporter: builder (the hand-written families), torch (trace transformers' modeling code,
     exporter/traced/) or auto (the builder where a family exists, else torch).
     check: afterwards compare onnxruntime with HF transformers (exporter/check.py).
+    method: how each block's scale and zero point are chosen (rtn | mse | gptq: exporter/quant.py).
+    calib: measure the weights' importance on a text first (a path, or True for the bundled text;
+    exporter/calibrate.py); gptq and `bits_per_weight` always do; False never; None (default): a q4 `mse`
+    convert does when the float32 model fits in a third of the free memory (the calibration holds it whole),
+    else its errors are weighted by magnitude (data-free, streaming). bits_per_weight: mixed precision, each
+    quantized tensor's precision chosen by its measured sensitivity within that average.
     """
     t0 = time.perf_counter()
     hf_dir = Path(hf_dir)
-    precisions(quant, block_size, lm_head, embed)  # bad flags fail before the checkpoint is read
+    precisions(quant, block_size, lm_head, embed, method=method)  # bad flags fail before the checkpoint is read
+    if bits_per_weight is not None and (quant not in ("q4", "q8") or not bits_per_weight > 0):
+        raise FuselmError(f"--bits-per-weight {bits_per_weight} spends a budget over quantized tensors; pass a "
+                          "positive number with --quant q4 or q8")
+    source = None
+    if (gguf_file := gguf.find_gguf(hf_dir)) is not None:  # llama.cpp's format: its dequantized HF checkpoint
+        hf_dir = gguf.checkpoint_for(gguf_file, quiet=quiet)
+        source = gguf.source_of(hf_dir)
     config = read_config(hf_dir)
     tied = bool(config.get("tie_word_embeddings", False))
-    precision = precisions(quant, block_size, lm_head, embed, tied=tied)
+    precision = precisions(quant, block_size, lm_head, embed, tied=tied, method=method)
     chosen = choose_exporter(exporter, config)
+    recipe = None
+    auto = calib is None and method == "mse" and bits_per_weight is None
+    if calib is None:
+        calib = quant == "q4" and method == "mse" and _fits_in_memory(hf_dir)
+    if quant in ("q4", "q8") and (calib or method == "gptq" or bits_per_weight is not None):
+        try:
+            recipe, precision = _calibrated(hf_dir, precision, method, calib, bits_per_weight, tied, quiet)
+        except Exception as e:  # noqa: BLE001 - the default's calibration is a refinement: data-free still converts
+            if not auto:
+                raise
+            if not quiet:
+                print(f"fuselm convert: calibration failed ({type(e).__name__}: {str(e)[:200]}); blocks weighted by "
+                      "magnitude instead (data-free)")
     try:
         builder, ckpt, meta, label = _exporter(chosen)(hf_dir, config, precision)
     except Unsupported as e:
@@ -57,11 +90,12 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
         arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
         raise Unsupported(f"model_type {config.get('model_type')!r} ({arch}) is not supported: the builder has "
                           f"{', '.join(families.SUPPORTED)}, and the traced exporter refused it: {e}") from None
-    plan_meta = {"quantization": quantization_meta(quant, *precision, tied=tied), "special_tokens": special_tokens(hf_dir, config),
+    plan_meta = {"quantization": quantization_meta(quant, *precision, tied=tied, recipe=recipe),
+                 "special_tokens": special_tokens(hf_dir, config),
                  "graph": {"opset": contract.OPSET, "domains": {contract.DOMAIN: contract.DOMAIN_VERSION}, "kv_dtype": "float32", "logits_dtype": "float32",
                            "linear_layout": "[in, out]"},
                  "exporter": {"fuselm_version": __version__, "kind": chosen}}
-    meta = {"stage": "exported", "passes": [], **meta, **plan_meta}
+    meta = {"stage": "exported", "passes": [], **meta, **plan_meta, **({"source": source} if source else {})}
     out = Path(out)
     try:
         with atomic_output_dir(out, force=force) as tmp:
@@ -78,6 +112,9 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
     except OSError as e:  # disk full, permissions, a shard that vanished: nothing was left at OUT
         raise FuselmError(f"converting to {out} failed: {e.strerror or e} ({e.filename or 'I/O'}); "
                           "free disk space or choose another OUT, then run again") from None
+    finally:
+        if recipe is not None and recipe.describe.get("folder"):
+            shutil.rmtree(recipe.describe["folder"], ignore_errors=True)  # the calibration's E[x xᵀ] arrays
     if not quiet:
         size = sum(p.stat().st_size for p in out.iterdir()) / 2**20
         print(f"fuselm convert: wrote {out} ({label}, {chosen} exporter, {quant}, {size:.1f} MiB) in "
@@ -87,6 +124,32 @@ def convert(hf_dir, out, quant: str = "f32", block_size: int = 32, lm_head: str 
 
         run_check(out, hf_dir, quiet=quiet)
     return out
+
+
+def _fits_in_memory(hf_dir: Path) -> bool:
+    """Whether the checkpoint in float32 takes at most a third of the memory free now."""
+    import psutil
+
+    from .weights import Checkpoint
+
+    try:
+        count = sum(math.prod(shape) for _, _, shape in Checkpoint(hf_dir).tensors.values())
+    except FuselmError:
+        return False  # the exporter names the problem
+    return 4 * count <= psutil.virtual_memory().available / 3
+
+
+def _calibrated(hf_dir: Path, precision: tuple, method: str, calib, budget, tied: bool, quiet: bool):
+    """(recipe, precisions) after a calibration pass: the recipe rides on the three precisions (quant.Plan reads
+    it); a tied table's chosen precision becomes the embedding's and the head's (one tensor serves both)."""
+    from .calibrate import recipe as calibrated
+
+    linear, embed, head = precision
+    rec = calibrated(hf_dir, method, calib if isinstance(calib, (str, Path)) else None, budget, linear, quiet=quiet)
+    table = families.hf_name("embed")
+    if tied and table in rec.tensors:
+        embed = head = rec.tensors.pop(table)
+    return rec, tuple(dataclasses.replace(p, recipe=rec) for p in (linear, embed, head))
 
 
 def _exporter(kind: str):
@@ -126,10 +189,16 @@ def read_config(hf_dir: Path) -> dict:
     return config
 
 
-def quantization_meta(quant: str, linear: Precision, embed: Precision, lm_head: Precision, tied: bool = False) -> dict:
+def quantization_meta(quant: str, linear: Precision, embed: Precision, lm_head: Precision, tied: bool = False,
+                      recipe=None) -> dict:
     shares = {"shares": "embed"} if tied and lm_head == embed else {}  # one stored tensor for both (quant.Plan)
-    return {"mode": quant, "linear": linear.describe(), "embed": embed.describe(), "lm_head": {**lm_head.describe(), **shares},
-            "norms": {"bits": 32, "dtype": "float32"}, "biases": {"bits": 32, "dtype": "float32"}}
+    out = {"mode": quant, "linear": linear.describe(), "embed": embed.describe(), "lm_head": {**lm_head.describe(), **shares},
+           "norms": {"bits": 32, "dtype": "float32"}, "biases": {"bits": 32, "dtype": "float32"}}
+    if recipe is not None:
+        out["calibration"] = recipe.describe["calibration"]
+        # mixed precision: every tensor stored otherwise than its class, as "q8/32" (kind / block size)
+        out["tensors"] = {name: p.name() for name, p in sorted(recipe.tensors.items()) if p != linear}
+    return out
 
 
 def special_tokens(hf_dir: Path, config: dict) -> dict:

@@ -6,11 +6,21 @@ integer type per block of `block_size` consecutive values along the INPUT dimens
 stored for a linear layer as [in, out] (`.qweight`), scales and zero points [ceil(in/block), out]
 (`.scales`, `.zero_points`) and written as `DequantizeLinear(axis=0, block_size) -> MatMul`.
 uint4 is packed two per byte, the first element in the low nibble (ONNX's layout).
+
+How a block's scale and zero point are chosen is the method (the format stays the same):
+- `rtn`: the block's min/max range (round to nearest);
+- `mse`: the range, shrunk by up to 10 %, that gives the least squared error of the dequantized block,
+  each value's error weighted by its importance: the mean square of the input it multiplies, measured on
+  a calibration text (`Recipe.importance`, exporter/calibrate.py), or without calibration its own
+  magnitude plus the block's RMS (llama.cpp's weighting: large weights matter more); 8-bit blocks keep
+  min/max (with 255 steps clipping did not pay on any block measured, and the search costs time);
+- `gptq`: GPTQ (columns quantized in order, each one's error spread over the columns not yet quantized
+  through the inverse of the input's second-moment matrix), each block's range chosen as `mse` does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import TensorProto
@@ -21,12 +31,15 @@ from fuselm.errors import FuselmError
 from .graph import Builder
 
 PRECISIONS = ("f32", "f16", "q8", "q4")
+METHODS = ("rtn", "mse", "gptq")
+SHRINK = tuple(1.0 - 0.02 * k for k in range(6))  # the ranges `mse` tries: min/max shrunk by 0 .. 10 %
 BLOCK_SIZES = (32, 64, 128)
 _BITS = {"q8": 8, "q4": 4}
 _QTYPE = {8: TensorProto.UINT8, 4: TensorProto.UINT4}
 
 
-def quantize(w: np.ndarray, bits: int, block: int, axis: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, bits: int, block: int, axis: int = 0, method: str = "rtn",
+             importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w [rows, cols] in blocks of `block` consecutive values along `axis` -> (q like w, scales,
     zero_points with that axis shrunk to ceil(n/block)); q and zero points are uint8 holding
     `bits`-bit values. axis 0 suits the [in, out] storage of linear weights, 1 the embedding rows
@@ -35,7 +48,12 @@ def quantize(w: np.ndarray, bits: int, block: int, axis: int = 0) -> tuple[np.nd
     Each block's range is widened to include 0, so 0 is exact and the zero point fits. Both axes
     work in place of the layout they get (no float32 transpose: that was most of a convert's time),
     with one arithmetic, so quantize(w.T, axis=0) is quantize(w, axis=1) transposed, bit for bit.
+    method `mse` searches each block's range (module docstring), its errors weighted by `importance`
+    ([n] along `axis`) when given; `gptq` needs the input's second moments: `gptq` below.
     """
+    if method == "mse" and axis == 0:  # the search runs on blocks along rows; the transposes are uint8 / small
+        q, s, z = quantize(transpose(w), bits, block, 1, method, importance)
+        return transpose(q), transpose(s), transpose(z)
     n = w.shape[axis]
     nblk = -(-n // block)
     if n % block:  # a ragged last block: pad with copies of its first value (changes no min/max)
@@ -53,6 +71,10 @@ def quantize(w: np.ndarray, bits: int, block: int, axis: int = 0) -> tuple[np.nd
         lo, hi = t.amin(-1).numpy(), t.amax(-1).numpy()
         expand = (Ellipsis, None)
     scale, zp = _scale_zero_point(lo, hi, float(2**bits - 1))
+    if method == "mse" and bits < 8:
+        scale, zp = _search(blocks, scale, zp, lo, hi, float(2**bits - 1), importance, n)
+    elif method not in ("rtn", "mse"):
+        raise ValueError(f"quantize: method {method!r} (gptq runs through `gptq`)")
     q = blocks / scale[expand]
     np.round(q, out=q)
     q += zp[expand]
@@ -69,11 +91,94 @@ def _scale_zero_point(lo: np.ndarray, hi: np.ndarray, qmax: float) -> tuple[np.n
     return scale, np.clip(np.round(-lo / scale), 0, qmax)
 
 
-def quantize_linear(w: np.ndarray, bits: int, block: int) -> list:
+def _search(blocks: np.ndarray, scale, zp, lo, hi, qmax: float, importance, n: int):
+    """Each block's (scale, zero point) among the SHRINK ranges with the least weighted squared error.
+    blocks [rows, nblk, block]; the candidates are min/max's arithmetic on the shrunk range, so the
+    first one is `rtn`'s result exactly. In place on two buffers (the stream's encode threads run it)."""
+    import torch
+
+    t = torch.from_numpy(blocks)
+    if importance is None:  # a value's error counts by its magnitude plus the block's RMS (llama.cpp)
+        weight = t.abs() + t.square().mean(-1, keepdim=True).sqrt_()
+    else:
+        imp = np.asarray(importance, np.float32)
+        imp = np.concatenate([imp, np.zeros(blocks.shape[1] * blocks.shape[2] - n, np.float32)])  # ragged: padding
+        weight = torch.from_numpy(imp.reshape(1, *blocks.shape[1:]))
+    lo_t, hi_t = torch.from_numpy(np.minimum(lo, 0)), torch.from_numpy(np.maximum(hi, 0))
+    best_s, best_z = torch.from_numpy(scale), torch.from_numpy(np.asarray(zp, np.float32))
+    r, d = torch.empty_like(t), torch.empty_like(t)
+
+    def error(s, z):  # sum of weight * (s (clamp(round(t/s) + z) - z) - t)^2 = s^2 sum weight (q - z - t/s)^2
+        torch.mul(t, (1.0 / s)[..., None], out=r)
+        torch.round(r, out=d)
+        d.add_(z[..., None]).clamp_(0, qmax).sub_(z[..., None]).sub_(r).square_().mul_(weight)
+        return d.sum(-1).mul_(s.square())
+
+    best_e = error(best_s, best_z)
+    for p in SHRINK[1:]:
+        s = (hi_t - lo_t) * p / qmax
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        z = torch.clamp(torch.round(-lo_t * p / s), 0, qmax)
+        e = error(s, z)
+        better = e < best_e
+        best_s, best_z, best_e = torch.where(better, s, best_s), torch.where(better, z, best_z), torch.minimum(e, best_e)
+    return best_s.numpy(), best_z.numpy()
+
+
+def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, block: int, damp: float = 0.01, columns: int = 128):
+    """GPTQ (Frantar et al. 2022) of an HF Linear weight w [rows, in] given H = E[x xᵀ] of its input [in, in]:
+    -> (q, scales, zero_points) as `quantize(w, axis=1)` returns them. Columns are quantized in order, each
+    block's range chosen by `mse` (weighted by diag(H)) when the block is reached; each column's rounding
+    error is spread over the later columns through the Cholesky factor of H⁻¹ (lazy updates `columns` wide)."""
+    import torch
+
+    rows, n = w.shape
+    qmax = float(2**bits - 1)
+    W = torch.from_numpy(np.array(w, np.float32))
+    H = torch.from_numpy(np.array(hessian, np.float32))
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    diag = torch.diagonal(H).clone()
+    H += damp * diag.mean() * torch.eye(n)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    nblk = -(-n // block)
+    Q = torch.zeros(rows, n)
+    S, Z = np.zeros((rows, nblk), np.float32), np.zeros((rows, nblk), np.float32)
+    for c0 in range(0, n, columns):
+        c1 = min(n, c0 + columns)
+        Wc, Err, Uc = W[:, c0:c1].clone(), torch.zeros(rows, c1 - c0), U[c0:c1, c0:c1]
+        for i in range(c1 - c0):
+            col = c0 + i
+            if col % block == 0:  # this block's range, from its columns as the earlier errors left them
+                b = col // block
+                part = Wc[:, i:i + block].numpy()
+                width = part.shape[1]
+                if width < block:  # a ragged last block, padded as `quantize` pads it
+                    part = np.concatenate([part, np.repeat(part[:, :1], block - width, axis=1)], axis=1)
+                _, s_b, z_b = quantize(part, bits, block, axis=1, method="mse",
+                                       importance=np.pad(diag[col:col + width].numpy(), (0, block - width)))
+                S[:, b], Z[:, b] = s_b[:, 0], z_b[:, 0]
+                s, z = torch.from_numpy(S[:, b]), torch.from_numpy(Z[:, b].astype(np.float32))
+            x = Wc[:, i]
+            q = torch.clamp(torch.round(x / s) + z, 0, qmax)
+            Q[:, col] = q
+            err = (x - (q - z) * s) / Uc[i, i]
+            Wc[:, i:] -= err[:, None] * Uc[i, i:][None]
+            Err[:, i] = err
+        W[:, c1:] -= Err @ U[c0:c1, c1:]
+    return Q.numpy().astype(np.uint8), S, Z.astype(np.uint8)
+
+
+def quantize_linear(w: np.ndarray, bits: int, block: int, method: str = "rtn", importance: np.ndarray | None = None,
+                    hessian: np.ndarray | None = None) -> list:
     """An HF Linear weight [out, in] -> (q, scales, zero_points) of its [in, out] storage, blocks along
     in: quantized in HF's layout, then only the uint8 / small results transposed (4-bit ones packed
-    first, so the transpose moves half the bytes)."""
-    q, s, z = quantize(w, bits, block, axis=1)
+    first, so the transpose moves half the bytes). `gptq` needs `hessian`."""
+    if method == "gptq":
+        q, s, z = gptq(w, hessian, bits, block)
+    else:
+        q, s, z = quantize(w, bits, block, axis=1, method=method, importance=importance)
     if bits == 4:
         return [_packed_transpose(q), transpose(s), _packed_transpose(z)]
     return [transpose(q), transpose(s), transpose(z)]
@@ -125,20 +230,50 @@ def unpack_uint4(data: bytes, count: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Precision:
-    """How one class of tensors is stored: f32, f16 or quantized (bits, block)."""
+    """How one class of tensors is stored: f32, f16 or quantized (bits, block, the method that picks each
+    block's scale and zero point). `recipe`: what a calibration pass measured and the tensors it stores
+    otherwise (mixed precision), shared by the three classes of a convert."""
 
     kind: str  # f32 | f16 | q8 | q4
     block: int = 32
+    method: str = "rtn"
+    recipe: Recipe | None = field(default=None, compare=False, repr=False)
 
     @property
     def bits(self) -> int:
         return {"f32": 32, "f16": 16}.get(self.kind) or _BITS[self.kind]
 
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: data, plus a float32 scale and a zero point per block when quantized."""
+        return self.bits + (32 + self.bits) / self.block if self.kind in _BITS else float(self.bits)
+
+    def name(self) -> str:
+        return f"{self.kind}/{self.block}" if self.kind in _BITS else self.kind
+
     def describe(self) -> dict:
         if self.kind in _BITS:
-            return {"bits": self.bits, "block_size": self.block, "symmetric": False,
+            return {"bits": self.bits, "block_size": self.block, "symmetric": False, "method": self.method,
                     "dtype": f"uint{self.bits}", "scale_dtype": "float32", "zero_point_dtype": f"uint{self.bits}"}
         return {"bits": self.bits, "dtype": {"f32": "float32", "f16": "float16"}[self.kind]}
+
+
+@dataclass
+class Recipe:
+    """What exporter/calibrate.py measured on a text, for the quantizer: per HF weight name the mean square of
+    each input column (`importance`), the input's second moments for GPTQ (`hessians`, arrays on disk), the
+    precision of the tensors stored otherwise than their class (`tensors`, mixed precision) and a description
+    for fuselm.json."""
+
+    importance: dict[str, np.ndarray] = field(default_factory=dict)
+    hessians: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: dict[str, Precision] = field(default_factory=dict)
+    describe: dict = field(default_factory=dict)
+
+    def encoder(self, name: str, p: Precision):
+        """encode(w rows [r, in]) -> [q, scales, zero points] of `name`'s [in, out] storage at `p`."""
+        imp, hess = self.importance.get(name), self.hessians.get(name)
+        method = "mse" if p.method == "gptq" and hess is None else p.method
+        return lambda w: quantize_linear(w, p.bits, p.block, method, imp, hess)
 
 
 class Plan:
@@ -150,6 +285,7 @@ class Plan:
 
     def __init__(self, linear: Precision, embed: Precision, lm_head: Precision, shapes: dict[str, tuple]):
         self.linear, self.embed, self.lm_head, self.shapes = linear, embed, lm_head, shapes
+        self.recipe = linear.recipe or Recipe()
         self._table: tuple[str, ...] | None = None  # the quantized embedding's initializers (q, scales, zp)
         self._table_dq: str | None = None  # their DequantizeLinear over the whole table, when there is one
 
@@ -163,7 +299,7 @@ class Plan:
     def linear_weight(self, b: Builder, name: str, scope: str, layer: int | None,
                       precision: Precision | None = None, out_name: str | None = None) -> str:
         """An HF Linear weight [out, in] as a float32 [in, out] value for MatMul."""
-        p = precision or self.linear
+        p = self.recipe.tensors.get(name) or precision or self.linear
         out_name = out_name or name
         n_out, n_in = self.shapes[name]
         if p.kind == "f32":
@@ -173,12 +309,8 @@ class Plan:
                            [(out_name, TensorProto.FLOAT16, (n_in, n_out), True)])[0]
             return b.op("Cast", w16, name=f"{scope}/Cast", to=TensorProto.FLOAT)
         nblk = -(-n_in // p.block)
-
-        def encode(w, p=p):
-            return quantize_linear(w, p.bits, p.block)
-
         qtype = _QTYPE[p.bits]
-        q, s, z = b.weight(name, layer, encode, [(f"{out_name}.qweight", qtype, (n_in, n_out), True),
+        q, s, z = b.weight(name, layer, self.recipe.encoder(name, p), [(f"{out_name}.qweight", qtype, (n_in, n_out), True),
                                                  (f"{out_name}.scales", TensorProto.FLOAT, (nblk, n_out), True),
                                                  (f"{out_name}.zero_points", qtype, (nblk, n_out), True)])
         return b.op("DequantizeLinear", q, s, z, name=f"{scope}/DequantizeLinear", axis=0, block_size=p.block)
@@ -197,7 +329,15 @@ class Plan:
             return b.op("Cast", rows, name=f"{scope}/Cast", to=TensorProto.FLOAT)
         nblk = -(-hidden // p.block)
         qtype = _QTYPE[p.bits]
-        q, s, z = b.weight(name, None, lambda w: list(quantize(w, p.bits, p.block, axis=1)),
+        # A tied table is also the head: quantized for its products with the final norm's output (gptq: as a head)
+        imp, hess = self.recipe.importance.get(name), self.recipe.hessians.get(name)
+        method = "mse" if p.method == "gptq" and hess is None else p.method
+
+        def encode(w, p=p, method=method):
+            return list(gptq(w, hess, p.bits, p.block) if method == "gptq"
+                        else quantize(w, p.bits, p.block, axis=1, method=method, importance=imp))
+
+        q, s, z = b.weight(name, None, encode,
                            [(f"{name}.qweight", qtype, (vocab, hidden), False),
                             (f"{name}.scales", TensorProto.FLOAT, (vocab, nblk), False),
                             (f"{name}.zero_points", qtype, (vocab, nblk), False)])
@@ -237,7 +377,7 @@ class Plan:
 
 
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None,
-               tied: bool = False) -> tuple[Precision, Precision, Precision]:
+               tied: bool = False, method: str = "rtn") -> tuple[Precision, Precision, Precision]:
     """(linear, embed, lm_head) precisions from the CLI flags, with the documented defaults
     (chosen by bench/head_formats.py; README "Defaults"): the lm_head q8 when quantizing, else as --quant;
     the embedding of a
@@ -246,9 +386,11 @@ def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | No
     for flag, value in (("--quant", quant), ("--lm-head", lm_head), ("--embed", embed)):
         if value is not None and value not in PRECISIONS:
             raise FuselmError(f"{flag} {value!r} is not a precision; choose one of {', '.join(PRECISIONS)}")
+    if method not in METHODS:
+        raise FuselmError(f"--method {method!r} is not a quantization method; choose one of {', '.join(METHODS)}")
     if block_size not in BLOCK_SIZES:
         raise FuselmError(f"--block-size {block_size} is not supported; choose one of {', '.join(map(str, BLOCK_SIZES))}")
     quantized = quant in _BITS
     head = lm_head or ("q8" if quantized else quant)  # q4 flattened a trained tiny model's greedy text
     emb = embed or (head if tied else "f16" if quantized else quant)
-    return Precision(quant, block_size), Precision(emb, block_size), Precision(head, block_size)
+    return tuple(Precision(kind, block_size, method if kind in _BITS else "rtn") for kind in (quant, emb, head))

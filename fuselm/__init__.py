@@ -9,8 +9,8 @@ from pathlib import Path
 from .errors import CheckFailed, FuselmError
 from .options import KVFormat, Options
 
-__all__ = ["convert", "optimize", "diff", "split", "load", "run", "validate", "stream_generate", "Options", "KVFormat",
-           "FuselmError", "CheckFailed"]
+__all__ = ["convert", "optimize", "diff", "split", "load", "run", "validate", "eval", "stream_generate", "Options",
+           "KVFormat", "FuselmError", "CheckFailed"]
 __version__ = "0.1.0"
 
 
@@ -98,3 +98,13 @@ def validate(model, reference, options=None, tokens=16, prompt=None, standard=No
     from .runtime_metal.validate import validate as _validate
 
     return _validate(model, reference, options, tokens, prompt, standard, quiet, **keywords)
+
+
+def eval(model, reference=None, options=None, text=None, window=512, max_tokens=None, quiet=False,  # noqa: A001
+         **keywords):
+    """Perplexity, KL divergence from HF and top-1 agreement on a text, teacher-forced over windows (see `fuselm eval
+    -h`), on the engine `load` gives `model` under `options` (backend "onnxruntime": the graph as written); returns
+    the record (runtime_metal/evaluate.py)."""
+    from .runtime_metal.evaluate import evaluate
+
+    return evaluate(model, reference, options, text, window, max_tokens, quiet, **keywords)

@@ -37,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--embed", choices=["f32", "f16", "q8", "q4"], default=None,
                    help="embedding precision (default: tied checkpoints as the lm_head, one tensor for both; "
                         "untied f16 when quantizing, else as --quant)")
+    c.add_argument("--method", choices=["rtn", "mse", "gptq"], default="mse",
+                   help="how each block's scale and zero point are chosen: rtn (min/max), mse (default: the range "
+                        "with the least error, weighted by the input's importance measured on a text, see --calib, or "
+                        "by magnitude), gptq (errors spread over later columns; calibrates)")
+    c.add_argument("--calib", nargs="?", const=True, default=None, metavar="FILE",
+                   help="measure the weights' importance on a text first (default text: the bundled chapter, "
+                        "fuselm/data/botchan-2.txt); gptq and --bits-per-weight always do, and so does a q4 mse "
+                        "convert whose float32 model fits in a third of the free memory")
+    c.add_argument("--no-calib", dest="calib", action="store_false",
+                   help="data-free: weigh errors by magnitude, reading the weights as a stream")
+    c.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
+                   help="mixed precision: each quantized tensor stored as q4 or q8 in blocks of 32-128, chosen by its "
+                        "measured sensitivity so that data, scales and zero points average B bits per weight")
     c.add_argument("--exporter", choices=["auto", "builder", "torch"], default="auto",
                    help="builder: the hand-written families; torch: trace transformers' modeling code; "
                         "auto (default): the builder where it has the family, else torch")
@@ -56,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--html", default=None, metavar="FILE")
     d.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     d.add_argument("--skip", nargs="*", default=[], metavar="PASS")
+    d.add_argument("--reference", default=None, metavar="HF_DIR",
+                   help="add each stage's KL divergence from HF on a text (onnxruntime scoring)")
+    d.add_argument("--text", default=None, metavar="FILE", help="--reference's text (default: the bundled chapter)")
+    d.add_argument("--max-tokens", type=int, default=None, help="--reference: score only the text's first N tokens")
     for sp, targets in ((o, ["onnxruntime"]), (d, ["onnxruntime", "mlx", "torch", "numpy"])):
         sp.add_argument("--target", choices=targets, default=None,
                         help="after the portable passes, lower to a runtime's own ops (onnxruntime: its com.microsoft "
@@ -75,13 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true")
     sp.add_argument("--quiet", action="store_true")
 
-    for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF")):
+    for name, helptext in (("run", "generate text"), ("validate", "check greedy tokens against HF"),
+                           ("eval", "perplexity, KL divergence and top-1 agreement with HF on a text")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("model_dir")
         r.add_argument("--backend", choices=BACKENDS, default="auto",
                        help="auto (default): onnxruntime for a graph lowered for it, and on a CPU for a 4-/8-bit graph "
                             "(lowered once, kept in fuselm's cache folder), else MLX on Metal, torch elsewhere (the f32 "
-                            "reference on CPU); onnxruntime: onnxruntime's CPU engine (a 4-/8-bit graph on its lowered copy)")
+                            "reference on CPU); onnxruntime: onnxruntime's CPU engine (a 4-/8-bit graph on its lowered copy)"
+                            + ("; for eval, the graph as written in plain onnxruntime (f32 activations)" if name == "eval"
+                               else ""))
         r.add_argument("--device", default=None, help="torch device (cpu, cuda, cuda:1, mps) or mlx device (gpu, cpu)")
         r.add_argument("--no-fused-kernels", action="store_true",
                        help="run fused ops through their ONNX function bodies (A/B check)")
@@ -121,13 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 "drafting for a q8 one)")
             r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
                            help="a `fuselm split` output: seconds a rank waits for its neighbour")
-        else:
+        elif name == "validate":
             r.add_argument("--reference", required=True, metavar="HF_DIR")
             r.add_argument("--tokens", type=int, default=16)
             r.add_argument("--prompt-ids", type=_ids, default=None)
             r.add_argument("--standard", default=None, metavar="DIR",
                            help="the onnxruntime engine on a lowered graph: the un-lowered model directory to compare "
                                 "with (default: --reference converted again as DIR's fuselm.json records, then optimized)")
+        else:
+            r.add_argument("--reference", default=None, metavar="HF_DIR",
+                           help="the HF checkpoint to compare with (KL divergence, top-1 agreement); without it, "
+                                "perplexity only")
+            r.add_argument("--text", default=None, metavar="FILE",
+                           help="a UTF-8 text (default: the bundled public-domain chapter, fuselm/data/botchan-1.txt)")
+            r.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window (default 512)")
+            r.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score only the text's first N tokens")
+            r.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the record as JSON")
+            r.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -146,11 +176,11 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
         command = f"fuselm {args.pop('command')}"
         positional = {"fuselm convert": ("hf_dir", "out"), "fuselm optimize": ("in_path", "out"),
                       "fuselm diff": ("in_path",), "fuselm split": ("in_path", "out"), "fuselm run": ("model_dir",),
-                      "fuselm validate": ("model_dir", "reference")}[command]
+                      "fuselm validate": ("model_dir", "reference"), "fuselm eval": ("model_dir",)}[command]
         pos = [args.pop(k) for k in positional]
         # fuselm never downloads: transformers (reference, tokenizer, chat template) reads local files only.
         os.environ["HF_HUB_OFFLINE"] = "1"
-        if command in ("fuselm run", "fuselm validate"):
+        if command in OWN:
             _run_command(command, pos, args)
         else:
             getattr(fuselm, command.split()[1])(*pos, **args)
@@ -172,18 +202,26 @@ def _main(argv: list[str] | None, signals: list[int]) -> int:
 
 
 # run's / validate's own arguments; every other one is a field of fuselm.Options
-OWN = {"fuselm run": ("prompt", "prompt_ids", "chat"), "fuselm validate": ("tokens", "prompt_ids", "standard")}
+OWN = {"fuselm run": ("prompt", "prompt_ids", "chat"), "fuselm validate": ("tokens", "prompt_ids", "standard"),
+       "fuselm eval": ("reference", "text", "window", "max_tokens", "json_path", "quiet")}
 
 
 def _run_command(command: str, pos: list, args: dict) -> None:
-    """`fuselm run` / `validate`: their own arguments, and the rest built once into Options."""
+    """`fuselm run` / `validate` / `eval`: their own arguments, and the rest built once into Options."""
     own = {k: args.pop(k) for k in OWN[command]}
-    ids = own.pop("prompt_ids")
     options = Options.of(**args)
     if command == "fuselm run":
+        ids = own.pop("prompt_ids")
         fuselm.run(*pos, own["prompt"] if ids is None else ids, options, chat=own["chat"])
+    elif command == "fuselm validate":
+        fuselm.validate(*pos, options, tokens=own["tokens"], prompt=own["prompt_ids"], standard=own["standard"])
     else:
-        fuselm.validate(*pos, options, tokens=own["tokens"], prompt=ids, standard=own["standard"])
+        json_path = own.pop("json_path")
+        record = fuselm.eval(*pos, own.pop("reference"), options, **own)
+        if json_path:
+            from fuselm.passes.report import write_json
+
+            write_json(record, json_path)
 
 
 @contextlib.contextmanager

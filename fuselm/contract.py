@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -136,8 +136,8 @@ def cache_order(name: str) -> tuple:
 
 # --- attention variants, per layer ---------------------------------------------------------------
 ATTENTION_META = "fuselm.attention"  # the graph's metadata_props key of fuselm.json's `attention` block (JSON)
-MASK_KINDS = ("causal", "sliding", "chunked")
-CACHE_KINDS = ("kv", "latent", "shared")
+MASK_KINDS = ("causal", "sliding", "chunked", "none")
+CACHE_KINDS = ("kv", "latent", "shared", "none")  # none (and mask none): a layer that does not attend
 
 
 def attention_meta(layers: list[dict], sliding_window: int | None = None, chunk_size: int | None = None) -> dict:
@@ -145,7 +145,8 @@ def attention_meta(layers: list[dict], sliding_window: int | None = None, chunk_
     (MASK_KINDS: causal; sliding: the last `sliding_window` cache indices; chunked: causal within its block of
     `chunk_size` indices), its cache (CACHE_KINDS: kv, its keys and values; latent, multi-head latent attention's
     compressed latent as `.key` and rotary key as `.value`; shared, it reads layer `kv_source`'s and has none) and
-    that cache's kv_heads, key_dim and value_dim."""
+    that cache's kv_heads, key_dim and value_dim; mask and cache `none` for a layer that does not attend (a
+    recurrent-state or feed-forward block)."""
     for layer in layers:
         if layer["mask"] not in MASK_KINDS or layer["cache"] not in CACHE_KINDS:
             raise FuselmError(f"attention layer {layer}: mask must be one of {MASK_KINDS}, cache one of {CACHE_KINDS}")
@@ -162,6 +163,89 @@ def kv_sources(metadata_props: dict[str, str]) -> dict[int, int]:
     except (ValueError, TypeError, AttributeError, KeyError):
         raise FuselmError(f"the graph's metadata {ATTENTION_META} is not fuselm's attention block; re-export with "
                           "`fuselm convert`") from None
+
+
+# --- recurrent state (linear attention, state-space and short-convolution layers) -----------------
+# A layer whose memory is a fixed-size state carries it as past_state.{i}.{kind} -> present_state.{i}.{kind}
+# (i: the decoder layer), beside the KV cache: float, no axis that grows, replaced whole at every step.
+# "conv": the last K-1 inputs of a causal depthwise convolution, [batch, K-1, channels] (channels last: a step
+# appends rows); "recurrent": the scan's state as the layer's op defines it (GatedDeltaNet [batch, v_heads, v_dim,
+# k_dim], Mamba2 [batch, heads, head_dim, state], Mamba [batch, channels, state]: mlx-lm's layouts). Named apart
+# from past_key_values, so tools that read every past_key_values.* input as a growing KV cache (optimum,
+# onnxruntime-genai) never take a state for one.
+STATE_PAST = "past_state"
+STATE_PRESENT = "present_state"
+STATE_KINDS = ("conv", "recurrent")
+_STATE = re.compile(rf"^({STATE_PAST}|{STATE_PRESENT})\.(\d+)\.(conv|recurrent)$")
+
+
+@dataclass(frozen=True)
+class StateName:
+    """One parsed state tensor name: role 'past' or 'present', its layer and kind ('conv' / 'recurrent')."""
+
+    role: str
+    layer: int
+    kind: str
+
+    @property
+    def past(self) -> str:
+        return state_name(self.layer, self.kind)
+
+    @property
+    def present(self) -> str:
+        return state_name(self.layer, self.kind, STATE_PRESENT)
+
+
+def state_name(layer: int, kind: str, role: str = STATE_PAST) -> str:
+    return f"{role}.{layer}.{kind}"
+
+
+def parse_state(name: str | None) -> StateName | None:
+    """The parts of a `past_state.{i}.{conv,recurrent}` or `present_state.{i}.{...}` name; None otherwise."""
+    m = _STATE.match(name or "")
+    if not m:
+        return None
+    return StateName("past" if m.group(1) == STATE_PAST else "present", int(m.group(2)), m.group(3))
+
+
+def is_state_past(name: str | None) -> bool:
+    s = parse_state(name)
+    return s is not None and s.role == "past"
+
+
+def is_state_present(name: str | None) -> bool:
+    s = parse_state(name)
+    return s is not None and s.role == "present"
+
+
+def is_step_past(name: str | None) -> bool:
+    """A graph input a step feeds back from the previous step's outputs: a KV cache or a recurrent state."""
+    return is_past(name) or is_state_past(name)
+
+
+def is_step_present(name: str | None) -> bool:
+    """A graph output the next step feeds back: a KV cache's or a recurrent state's present."""
+    return is_present(name) or is_state_present(name)
+
+
+def step_present_of(past: str) -> str:
+    """The output a KV cache or state input comes back as (past_state.2.conv -> present_state.2.conv)."""
+    s = parse_state(past)
+    return s.present if s is not None and s.role == "past" else present_of(past)
+
+
+def step_order(name: str) -> tuple:
+    """Sort key of the step's fed-back inputs: by layer, KV (key, value) before state (conv, recurrent)."""
+    c, s = parse_cache(name), parse_state(name)
+    if c is not None:
+        return (c.layer, 0, c.kind)
+    return (s.layer, 1, s.kind) if s is not None else (-1, 0, name)
+
+
+def layer_of(name: str | None) -> int | None:
+    """The decoder layer a KV cache or state name belongs to (None for any other name)."""
+    c = parse_cache(name) or parse_state(name)
+    return c.layer if c is not None else None
 
 
 # --- fuselm::FusedRoPE ---------------------------------------------------------------------------
@@ -451,9 +535,229 @@ def latent_attention_function() -> onnx.FunctionProto:
                             doc_string=latent_attention_function.__doc__)
 
 
+# --- recurrent-state ops: fuselm::CausalConv1D, fuselm::GatedDeltaNet, fuselm::Mamba2, fuselm::Mamba -----
+# Each takes its layer's past state as its last input and returns the present state as its second output; the
+# bodies run a Scan over the sequence (a step per token: the reference semantics; a runtime that knows the op
+# prefills in chunks). Their states are float32 (DESIGN.md: states stay float whatever the KV cache's format).
+CONV_OP = "CausalConv1D"
+GDN_OP = "GatedDeltaNet"
+MAMBA2_OP = "Mamba2"
+MAMBA_OP = "Mamba"  # Mamba-1's selective scan
+CONV_INPUTS = ("X", "past_state", "weight")
+GDN_INPUTS = ("query", "key", "value", "decay", "beta", "past_state")
+MAMBA2_INPUTS = ("X", "dt", "A_log", "B", "C", "D", "dt_bias", "past_state")
+STATE_OPS = {CONV_OP: CONV_INPUTS, GDN_OP: GDN_INPUTS, MAMBA2_OP: MAMBA2_INPUTS, MAMBA_OP: MAMBA2_INPUTS}
+
+
+def state_op_schema(op: str):
+    """The OpSchema of a recurrent-state op (onnxscript needs one to emit a node of a custom domain)."""
+    from onnx.defs import OpSchema
+
+    attributes = [OpSchema.Attribute("dt_min", oh.make_attribute("dt_min", 0.0), ""),
+                  OpSchema.Attribute("dt_max", oh.make_attribute("dt_max", float("inf")), "")] if op == MAMBA2_OP else []
+    return OpSchema(op, DOMAIN, DOMAIN_VERSION, inputs=[OpSchema.FormalParameter(n, "T") for n in STATE_OPS[op]],
+                    outputs=[OpSchema.FormalParameter("Y", "T"), OpSchema.FormalParameter("present_state", "T")],
+                    type_constraints=[("T", ["tensor(float)"], "")], attributes=attributes)
+
+
+def state_op_node(op: str, inputs: list[str], outputs: list[str], name: str, **attrs) -> onnx.NodeProto:
+    """One recurrent-state op node (inputs in STATE_OPS[op]'s order; outputs Y, present_state)."""
+    return oh.make_node(op, inputs, outputs, name=name, domain=DOMAIN, **attrs)
+
+
+def _scan_graph(name: str, inputs: dict[str, int], outputs: dict[str, int], nodes: list) -> onnx.GraphProto:
+    """A Scan body over float32 values of the given ranks (name -> rank), their dims free."""
+    def info(values):
+        return [oh.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}_{d}" for d in range(rank)])
+                for n, rank in values.items()]
+    return oh.make_graph(nodes, name, info(inputs), info(outputs))
+
+
+def _heads_of(x: str, heads_shape: str, out: str) -> list[onnx.NodeProto]:
+    """x [B,S,G,D] -> [B,S,H,D], each of the G groups repeated H/G times in place (torch's repeat_interleave over
+    dim 2); `heads_shape` is the Shape of a [B,S,H,...] tensor."""
+    return [oh.make_node("Shape", [x], [f"{out}_shape"]),
+            oh.make_node("Slice", [f"{out}_shape", "zero_1", "three_1"], [f"{out}_lead"]),
+            oh.make_node("Slice", [f"{out}_shape", "two_1", "three_1"], [f"{out}_groups"]),
+            oh.make_node("Slice", [f"{out}_shape", "three_1", "four_1"], [f"{out}_dim"]),
+            oh.make_node("Slice", [heads_shape, "two_1", "three_1"], [f"{out}_heads"]),
+            oh.make_node("Div", [f"{out}_heads", f"{out}_groups"], [f"{out}_rep"]),
+            oh.make_node("Concat", [f"{out}_lead", f"{out}_rep", f"{out}_dim"], [f"{out}_wide"], axis=0),
+            oh.make_node("Concat", ["zero_zero", "minus_one", f"{out}_dim"], [f"{out}_flat"], axis=0),
+            oh.make_node("Unsqueeze", [x, "three_1"], [f"{out}_5d"]),
+            oh.make_node("Expand", [f"{out}_5d", f"{out}_wide"], [f"{out}_x"]),
+            oh.make_node("Reshape", [f"{out}_x", f"{out}_flat"], [out])]
+
+
+_INDEX_CONSTANTS = (("zero_1", [0]), ("one_1", [1]), ("two_1", [2]), ("three_1", [3]), ("four_1", [4]),
+                    ("zero_zero", [0, 0]), ("minus_one", [-1]), ("axes_23", [2, 3]), ("big", [2**62]))
+
+
+def causal_conv1d_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::CausalConv1D (domain fuselm, v1): a causal depthwise convolution that keeps
+    its last inputs as state (short convolutions: Mamba, GatedDeltaNet, LFM2).
+
+    X [B,S,C], past_state [B,K-1,C] (the K-1 inputs before X; zeros before the first), weight [C,1,K] (ONNX
+    Conv's depthwise layout) -> Y [B,S,C], present_state [B,K-1,C]
+    full = concat(past_state, X) over time [B,K-1+S,C]; Y[:, s] = sum_k full[:, s+k] * weight[:, 0, k]
+    present_state = the last K-1 rows of full. No bias or activation: the graph adds them after the op.
+    """
+    nodes = [*(_c64(n, v) for n, v in _INDEX_CONSTANTS),
+             oh.make_node("Constant", [], ["zero_i"], value_int=0), oh.make_node("Constant", [], ["one_i"], value_int=1),
+             oh.make_node("Concat", ["past_state", "X"], ["full"], axis=1),
+             oh.make_node("Shape", ["X"], ["x_shape"]),
+             oh.make_node("Slice", ["x_shape", "one_1", "two_1"], ["seq_1"]),
+             oh.make_node("Squeeze", ["seq_1", "zero_1"], ["seq"]),
+             oh.make_node("Shape", ["weight"], ["w_shape"]),
+             oh.make_node("Slice", ["w_shape", "two_1", "three_1"], ["taps_1"]),
+             oh.make_node("Squeeze", ["taps_1", "zero_1"], ["taps"]),
+             oh.make_node("Range", ["zero_i", "seq", "one_i"], ["rows"]),
+             oh.make_node("Range", ["zero_i", "taps", "one_i"], ["cols"]),
+             oh.make_node("Unsqueeze", ["rows", "one_1"], ["rows_2d"]),
+             oh.make_node("Unsqueeze", ["cols", "zero_1"], ["cols_2d"]),
+             oh.make_node("Add", ["rows_2d", "cols_2d"], ["window_index"]),  # [S, K]
+             oh.make_node("Gather", ["full", "window_index"], ["windows"], axis=1),  # [B, S, K, C]
+             oh.make_node("Squeeze", ["weight", "one_1"], ["w_ck"]),
+             oh.make_node("Transpose", ["w_ck"], ["w_kc"], perm=[1, 0]),
+             oh.make_node("Mul", ["windows", "w_kc"], ["taps_x"]),
+             oh.make_node("ReduceSum", ["taps_x", "two_1"], ["Y"], keepdims=0),
+             oh.make_node("Slice", ["full", "seq_1", "big", "one_1"], ["present_state"])]
+    return oh.make_function(DOMAIN, CONV_OP, list(CONV_INPUTS), ["Y", "present_state"], nodes,
+                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
+                            doc_string=causal_conv1d_function.__doc__)
+
+
+def gated_delta_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::GatedDeltaNet (domain fuselm, v1): the gated delta rule (Qwen3-Next,
+    Qwen3.5, OLMo-Hybrid linear attention; Kimi delta attention with its per-channel decay).
+
+    query, key [B,S,Hk,Dk] (already normalized and scaled as the layer does), value [B,S,Hv,Dv], decay (the log of
+    the state's decay, <= 0: [B,S,Hv], or [B,S,Hv,Dk] per key channel: Kimi delta attention) and beta [B,S,Hv],
+    past_state [B,Hv,Dv,Dk] -> Y [B,S,Hv,Dv], present_state. Each key head serves Hv/Hk consecutive value heads.
+    Per token t, per value head (S: [Dv, Dk]; the decay scales S's columns, all of them when it is one number):
+    S = S · exp(decay_t); S = S + (beta_t · (v_t - S k_t)) ⊗ k_t; y_t = S q_t.
+    (The state's layout is mlx-lm's and onnxruntime's GatedDeltaNet's: value rows, key columns.)
+    """
+    step = [oh.make_node("Constant", [], ["ax2"], value_ints=[2]), oh.make_node("Constant", [], ["ax3"], value_ints=[3]),
+            oh.make_node("Exp", ["g_t"], ["decay_t"]),  # [B,Hv,1] or [B,Hv,Dk]
+            oh.make_node("Unsqueeze", ["decay_t", "ax2"], ["decay_4d"]),
+            oh.make_node("Mul", ["s_in", "decay_4d"], ["s_decayed"]),
+            oh.make_node("Unsqueeze", ["k_t", "ax2"], ["k_row"]),  # [B,Hv,1,Dk]
+            oh.make_node("Mul", ["s_decayed", "k_row"], ["s_k"]),
+            oh.make_node("ReduceSum", ["s_k", "ax3"], ["recalled"], keepdims=0),  # [B,Hv,Dv]
+            oh.make_node("Sub", ["v_t", "recalled"], ["error"]),
+            oh.make_node("Unsqueeze", ["b_t", "ax2"], ["b_col"]),
+            oh.make_node("Mul", ["error", "b_col"], ["delta"]),
+            oh.make_node("Unsqueeze", ["delta", "ax3"], ["delta_col"]),  # [B,Hv,Dv,1]
+            oh.make_node("Mul", ["delta_col", "k_row"], ["update"]),
+            oh.make_node("Add", ["s_decayed", "update"], ["s_out"]),
+            oh.make_node("Unsqueeze", ["q_t", "ax2"], ["q_row"]),
+            oh.make_node("Mul", ["s_out", "q_row"], ["s_q"]),
+            oh.make_node("ReduceSum", ["s_q", "ax3"], ["y_t"], keepdims=0)]
+    body = _scan_graph("gated_delta_step", {"s_in": 4, "q_t": 3, "k_t": 3, "v_t": 3, "g_t": 3, "b_t": 2},
+                       {"s_out": 4, "y_t": 3}, step)
+    nodes = [*(_c64(n, v) for n, v in _INDEX_CONSTANTS), _c64("per_channel", [0, 0, 0, -1]),
+             oh.make_node("Shape", ["value"], ["v_shape"]),
+             *_heads_of("query", "v_shape", "q_heads"),
+             *_heads_of("key", "v_shape", "k_heads"),
+             oh.make_node("Reshape", ["decay", "per_channel"], ["decay_heads"]),  # [B,S,Hv,1] or [B,S,Hv,Dk]
+             oh.make_node("Scan", ["past_state", "q_heads", "k_heads", "value", "decay_heads", "beta"], ["present_state", "Y"],
+                          body=body, num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])]
+    return oh.make_function(DOMAIN, GDN_OP, list(GDN_INPUTS), ["Y", "present_state"], nodes,
+                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
+                            doc_string=gated_delta_function.__doc__)
+
+
+def mamba2_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::Mamba2 (domain fuselm, v1): Mamba-2's selective state-space scan (SSD) with its
+    D skip (Mamba2, Bamba, Granite-4 hybrids, Nemotron-H, Falcon-H1, Zamba2).
+
+    X [B,S,H,P], dt [B,S,H] (before its bias), A_log [H], B and C [B,S,G,N] (each group serves H/G consecutive
+    heads), D [H], dt_bias [H], past_state [B,H,P,N] -> Y [B,S,H,P], present_state; attributes dt_min, dt_max.
+    dt = clip(softplus(dt + dt_bias), dt_min, dt_max); per token t and head h:
+    S = S · exp(-exp(A_log) · dt_t) + (dt_t · x_t) ⊗ B_t; y_t = S · C_t + D · x_t.
+    """
+    step = [oh.make_node("Constant", [], ["ax2"], value_ints=[2]), oh.make_node("Constant", [], ["ax3"], value_ints=[3]),
+            oh.make_node("Constant", [], ["ax23"], value_ints=[2, 3]),
+            oh.make_node("Unsqueeze", ["a_t", "ax23"], ["a_4d"]),
+            oh.make_node("Mul", ["s_in", "a_4d"], ["s_decayed"]),
+            oh.make_node("Unsqueeze", ["x_t", "ax3"], ["x_col"]),  # [B,H,P,1]
+            oh.make_node("Unsqueeze", ["b_t", "ax2"], ["b_row"]),  # [B,H,1,N]
+            oh.make_node("Mul", ["x_col", "b_row"], ["update"]),
+            oh.make_node("Add", ["s_decayed", "update"], ["s_out"]),
+            oh.make_node("Unsqueeze", ["c_t", "ax2"], ["c_row"]),
+            oh.make_node("Mul", ["s_out", "c_row"], ["s_c"]),
+            oh.make_node("ReduceSum", ["s_c", "ax3"], ["y_t"], keepdims=0)]
+    body = _scan_graph("mamba2_step", {"s_in": 4, "a_t": 2, "x_t": 3, "b_t": 3, "c_t": 3}, {"s_out": 4, "y_t": 3}, step)
+    nodes = [*(_c64(n, v) for n, v in _INDEX_CONSTANTS),
+             _attr_constant("dt_lo", "value_float", "dt_min", onnx.AttributeProto.FLOAT),
+             _attr_constant("dt_hi", "value_float", "dt_max", onnx.AttributeProto.FLOAT),
+             oh.make_node("Add", ["dt", "dt_bias"], ["dt_biased"]),
+             oh.make_node("Softplus", ["dt_biased"], ["dt_soft"]),
+             oh.make_node("Clip", ["dt_soft", "dt_lo", "dt_hi"], ["dt_step"]),  # [B,S,H]
+             oh.make_node("Exp", ["A_log"], ["a_exp"]),
+             oh.make_node("Neg", ["a_exp"], ["a"]),
+             oh.make_node("Mul", ["dt_step", "a"], ["dt_a"]),
+             oh.make_node("Exp", ["dt_a"], ["decay"]),  # [B,S,H]
+             oh.make_node("Unsqueeze", ["dt_step", "minus_one"], ["dt_col"]),
+             oh.make_node("Mul", ["X", "dt_col"], ["x_dt"]),  # [B,S,H,P]
+             oh.make_node("Shape", ["X"], ["x_shape"]),
+             *_heads_of("B", "x_shape", "b_heads"),
+             *_heads_of("C", "x_shape", "c_heads"),
+             oh.make_node("Scan", ["past_state", "decay", "x_dt", "b_heads", "c_heads"], ["present_state", "y_scan"],
+                          body=body, num_scan_inputs=4, scan_input_axes=[1] * 4, scan_output_axes=[1]),
+             oh.make_node("Unsqueeze", ["D", "minus_one"], ["d_col"]),  # [H, 1]
+             oh.make_node("Mul", ["X", "d_col"], ["skip"]),
+             oh.make_node("Add", ["y_scan", "skip"], ["Y"])]
+    return oh.make_function(DOMAIN, MAMBA2_OP, list(MAMBA2_INPUTS), ["Y", "present_state"], nodes,
+                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
+                            attribute_protos=[oh.make_attribute("dt_min", 0.0), oh.make_attribute("dt_max", float("inf"))],
+                            doc_string=mamba2_function.__doc__)
+
+
+def mamba_function() -> onnx.FunctionProto:
+    """The FunctionProto of fuselm::Mamba (domain fuselm, v1): Mamba-1's selective scan with its D skip (Mamba,
+    Falcon-Mamba, Jamba); the gate after it is the graph's.
+
+    X [B,S,D], dt [B,S,D] (before its bias), A_log [D,N], B and C [B,S,N], D [D], dt_bias [D], past_state [B,D,N]
+    -> Y [B,S,D], present_state. dt = softplus(dt + dt_bias); per token t and channel d:
+    S = S · exp(-exp(A_log) · dt_t) + dt_t · x_t · B_t; y_t = S · C_t + D · x_t.
+    """
+    step = [oh.make_node("Constant", [], ["ax1"], value_ints=[1]), oh.make_node("Constant", [], ["ax2"], value_ints=[2]),
+            oh.make_node("Mul", ["s_in", "a_t"], ["s_decayed"]),
+            oh.make_node("Unsqueeze", ["x_t", "ax2"], ["x_col"]),  # [B,D,1]
+            oh.make_node("Unsqueeze", ["b_t", "ax1"], ["b_row"]),  # [B,1,N]
+            oh.make_node("Mul", ["x_col", "b_row"], ["update"]),
+            oh.make_node("Add", ["s_decayed", "update"], ["s_out"]),
+            oh.make_node("Unsqueeze", ["c_t", "ax1"], ["c_row"]),
+            oh.make_node("Mul", ["s_out", "c_row"], ["s_c"]),
+            oh.make_node("ReduceSum", ["s_c", "ax2"], ["y_t"], keepdims=0)]
+    body = _scan_graph("mamba_step", {"s_in": 3, "a_t": 3, "x_t": 2, "b_t": 2, "c_t": 2}, {"s_out": 3, "y_t": 2}, step)
+    nodes = [_c64("minus_one", [-1]),
+             oh.make_node("Add", ["dt", "dt_bias"], ["dt_biased"]),
+             oh.make_node("Softplus", ["dt_biased"], ["dt_step"]),  # [B,S,D]
+             oh.make_node("Exp", ["A_log"], ["a_exp"]),
+             oh.make_node("Neg", ["a_exp"], ["a"]),  # [D,N]
+             oh.make_node("Unsqueeze", ["dt_step", "minus_one"], ["dt_col"]),
+             oh.make_node("Mul", ["dt_col", "a"], ["dt_a"]),
+             oh.make_node("Exp", ["dt_a"], ["decay"]),  # [B,S,D,N]
+             oh.make_node("Mul", ["X", "dt_step"], ["x_dt"]),
+             oh.make_node("Scan", ["past_state", "decay", "x_dt", "B", "C"], ["present_state", "y_scan"],
+                          body=body, num_scan_inputs=4, scan_input_axes=[1] * 4, scan_output_axes=[1]),
+             oh.make_node("Mul", ["X", "D"], ["skip"]),
+             oh.make_node("Add", ["y_scan", "skip"], ["Y"])]
+    return oh.make_function(DOMAIN, MAMBA_OP, list(MAMBA2_INPUTS), ["Y", "present_state"], nodes,
+                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
+                            doc_string=mamba_function.__doc__)
+
+
+STATE_FUNCTIONS = {CONV_OP: causal_conv1d_function, GDN_OP: gated_delta_function, MAMBA2_OP: mamba2_function,
+                   MAMBA_OP: mamba_function}
+
+
 def functions_for(nodes) -> list[onnx.FunctionProto]:
     """The model-local functions a graph with these nodes must carry: FusedRoPE's in its form, SwiGLU's,
-    MoE's in its form, LatentAttention's."""
+    MoE's in its form, LatentAttention's, and each recurrent-state op's."""
     nodes = list(nodes)
     form = rope_form(nodes)
     out = [] if form is None else [fused_rope_function(form.interleaved, form.heads, form.normed)]
@@ -464,6 +768,8 @@ def functions_for(nodes) -> list[onnx.FunctionProto]:
     moe = moe_form(nodes)
     if moe is not None:
         out.append(moe_function(moe.activation, moe.scoring, moe.biased, moe.selection_bias))
+    used = {n.op_type for n in nodes if n.domain == DOMAIN}
+    out += [make() for op, make in STATE_FUNCTIONS.items() if op in used]
     return out
 
 
@@ -749,8 +1055,8 @@ def step_feeds(inputs, seq: int, past: int, vocab: int, seed: int = 0, past_valu
                head_dim: int | None = None, ids=None) -> dict[str, np.ndarray]:
     """Inputs of one step of a contract graph (`inputs`: its graph.input ValueInfoProtos), batch 1:
     `ids` (else seeded random ids below `vocab`), a mask of ones over past + seq, consecutive positions,
-    and the caches from `past_values` (past name -> array; else seeded random). `head_dim` stands in
-    for a symbolic last dim of the cache inputs."""
+    and the caches and states from `past_values` (past name -> array; else seeded random, states zero at
+    past 0). `head_dim` stands in for a symbolic last dim of the cache inputs."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for inp in inputs:
@@ -772,10 +1078,25 @@ def step_feeds(inputs, seq: int, past: int, vocab: int, seed: int = 0, past_valu
                 raise FuselmError(f"input {name} has shape {shape}; expected [batch, kv_heads, past, head_dim] "
                                   "with static kv_heads and head_dim (graph contract v1)")
             out[name] = rng.standard_normal((1, shape[1], past, shape[3])).astype(np.float32)
+        elif is_state_past(name):
+            if past_values is not None:
+                out[name] = past_values[name]
+            elif past == 0:
+                out[name] = zero_state(shape)
+            else:
+                out[name] = (0.5 * rng.standard_normal(zero_state(shape).shape)).astype(np.float32)
         else:
             raise FuselmError(f"cannot make an input for graph input {name!r}: the graph contract's inputs are "
-                              f"{', '.join(STEP_INPUTS)} and {PAST}.{{i}}.key/.value")
+                              f"{', '.join(STEP_INPUTS)}, {PAST}.{{i}}.key/.value and {STATE_PAST}.{{i}}.conv/.recurrent")
     return out
+
+
+def zero_state(shape, batch: int = 1, dtype=np.float32) -> np.ndarray:
+    """A recurrent state before the first token: zeros of its declared shape (batch first, the rest fixed)."""
+    if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+        raise FuselmError(f"a {STATE_PAST} input has shape {shape}; the contract needs [batch, ...] with every other "
+                          "dim fixed; re-export with `fuselm convert`")
+    return np.zeros((batch, *shape[1:]), dtype)
 
 
 def empty_dims(inputs) -> str | None:
@@ -788,14 +1109,16 @@ def empty_dims(inputs) -> str | None:
 
 
 def empty_past(inputs, batch: int = 1) -> dict[str, np.ndarray]:
-    """Zero-length caches for every past input (its element type: float16 or float32)."""
+    """Zero-length caches for every past input (its element type: float16 or float32) and zero states."""
     out = {}
     for inp in inputs:
+        shape = dims(inp)
+        elem = inp.type.tensor_type.elem_type
         if is_past(inp.name):
-            shape = dims(inp)
-            elem = inp.type.tensor_type.elem_type
             out[inp.name] = np.zeros((batch, shape[1], 0, shape[3]),
                                      np.float16 if elem == TensorProto.FLOAT16 else np.float32)
+        elif is_state_past(inp.name):
+            out[inp.name] = zero_state(shape, batch)
     return out
 
 
@@ -826,13 +1149,25 @@ class CacheSpec:
 
 
 @dataclass
+class StateSpec:
+    """One recurrent-state input of a contract graph: its name, the output it comes back as, its shape past
+    the batch and its element type."""
+
+    name: str
+    present: str
+    shape: tuple[int, ...]
+    dtype: int
+
+
+@dataclass
 class StepIO:
     """The names one step of a graph takes and returns: input_ids or a pipeline stage's hidden state,
-    logits or the next stage's hidden state, and the caches in layer order."""
+    logits or the next stage's hidden state, the caches in layer order and the recurrent states."""
 
     first: str
     output: str
     caches: list[CacheSpec]
+    states: list[StateSpec] = field(default_factory=list)
 
 
 def check_step_io(ins: dict[str, tuple[int, list]], outs, path) -> StepIO:
@@ -853,16 +1188,27 @@ def check_step_io(ins: dict[str, tuple[int, list]], outs, path) -> StepIO:
             raise FuselmError(f"graph input {name} has shape {shape}; the contract needs [batch, kv_heads, past, "
                               "head_dim] with fixed kv_heads and head_dim")
         specs.append(CacheSpec(name, present_of(name), shape[1], shape[3], elem))
-    if not specs:
+    states = []
+    for name, (elem, shape) in sorted(ins.items(), key=lambda kv: step_order(kv[0])):
+        if not is_state_past(name):
+            continue
+        if step_present_of(name) not in outs:
+            missing.append(step_present_of(name))
+        states.append(StateSpec(name, step_present_of(name), tuple(zero_state(shape).shape[1:]), elem))
+    if not specs and not states:
         missing.append(past_name("{i}", "key/.value"))
-    unknown = [n for n in ins if n not in step_inputs and not is_past(n)]
+    unknown = [n for n in ins if n not in step_inputs and not is_step_past(n)]
     if missing or unknown:
         what = (f"missing {', '.join(missing)}" if missing else "") + \
                ("; " if missing and unknown else "") + (f"unexpected inputs {unknown}" if unknown else "")
         raise FuselmError(f"{path} does not follow the fuselm graph contract ({what}); it needs {NAMES_TEXT} "
                           "(DESIGN.md); re-export with `fuselm convert`")
-    _check_declared({n: t for n, t in ins.items() if n != HIDDEN})
-    return StepIO(first, output, specs)
+    _check_declared({n: t for n, t in ins.items() if n != HIDDEN and not is_state_past(n)})
+    bad = next((st for st in states if st.dtype != TensorProto.FLOAT), None)
+    if bad is not None:
+        raise FuselmError(f"graph input {bad.name} is not float32; the contract's recurrent states are float32 "
+                          "[batch, ...] (DESIGN.md); re-export with `fuselm convert`")
+    return StepIO(first, output, specs, states)
 
 
 def _check_declared(ins: dict) -> None:

@@ -41,6 +41,8 @@ def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False
     if any(not dims.get(k) for k in _NEEDED) or contract.INPUT_IDS not in graph_inputs \
             or contract.past_name(0, "key") not in graph_inputs or not _uniform(meta):
         return None
+    if any(contract.is_state_past(n) for n in graph_inputs):
+        return None  # recurrent states: onnxruntime-genai 0.18's decoder feeds none
     tokens = meta.get("special_tokens") or {}
     eos = tokens.get("eos_token_id")
     eos = eos if eos is not None else tokens.get("pad_token_id")

@@ -150,7 +150,8 @@ def _check_functions(model: onnx.ModelProto, path: Path) -> None:
                  contract.SWIGLU_OP: [contract.swiglu_function()],
                  contract.LATENT_OP: [contract.latent_attention_function()],
                  contract.MOE_OP: [contract.moe_function(f.activation, f.scoring, f.biased, f.selection_bias)
-                                   for f in ([moe] if moe is not None else contract.moe_forms())]}
+                                   for f in ([moe] if moe is not None else contract.moe_forms())],
+                 **{op: [make()] for op, make in contract.STATE_FUNCTIONS.items()}}
     for protos in canonical.values():
         for proto in protos:
             proto.doc_string = ""

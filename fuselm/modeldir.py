@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -104,6 +105,15 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
             shutil.copyfile(s, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file, read a MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def within_checkpoint(path: str | os.PathLike, root: str | os.PathLike) -> bool:

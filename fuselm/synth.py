@@ -83,6 +83,50 @@ TINY = {
 GENERIC_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16)
 
+# Recurrent-state hybrids (exporter/traced/state_ops.py): a state layer then an attention layer. Gated DeltaNet
+# with 2 key heads serving 4 value heads; Mamba-2 with 2 groups of B/C serving 4 heads and chunks shorter than the
+# tests' prompts (transformers' chunked scan carries its state across them); experts at the MoE tests' size.
+_EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, shared_intermediate_size=48)
+_GDN = dict(GENERIC_TINY, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+_MAMBA2 = dict(GENERIC_TINY, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+               mamba_expand=2, mamba_chunk_size=8)
+TINY.update({
+    "qwen3_5_text": _GDN, "qwen3_next": dict(_GDN, **_EXPERTS, decoder_sparse_step=1),
+    "qwen3_5_moe_text": dict(_GDN, **_EXPERTS), "olmo_hybrid": _GDN,
+    "granitemoehybrid": dict(_MAMBA2, **_EXPERTS, layer_types=["mamba", "attention"]),
+    "bamba": dict(_MAMBA2, attn_layer_indices=[1]), "falcon_h1": dict(_MAMBA2, mamba_d_ssm=128),
+    # Nemotron-H: Mamba-2, MLP, attention (no rope), MLP blocks
+    "nemotron_h": dict(GENERIC_TINY, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                       expand=2, chunk_size=8, num_hidden_layers=4, layers_block_type=["mamba", "mlp", "attention", "mlp"]),
+    # attention-free state-space models: Mamba-2 (2 groups of B/C), Mamba-1 and Falcon-Mamba's selective scans
+    "mamba2": dict(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, state_size=16, n_groups=2, expand=2,
+                   conv_kernel=4, chunk_size=8),
+    "mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
+    "falcon_mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
+    # Jamba: a Mamba-1 layer, then attention (no rope) with experts
+    "jamba": dict(GENERIC_TINY, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+                  use_mamba_kernels=False),
+    # Kimi-Linear: Kimi delta attention (a decay per key channel), then latent attention without rope; experts
+    "kimi_linear": dict(GENERIC_TINY, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                        v_head_dim=16, qk_nope_head_dim=8, qk_head_dim=16, num_experts=4, num_experts_per_token=2,
+                        num_shared_experts=1, moe_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+                        mlp_layer_types=["dense", "sparse"], linear_head_dim=16, linear_num_heads=4,
+                        linear_conv_kernel_dim=4),
+    # Zamba / Zamba2: a Mamba layer, then hybrid ones (shared attention over the embeddings and the stream; Zamba ties
+    # its shared block across two of them)
+    "zamba": dict(GENERIC_TINY, num_key_value_heads=4, attention_head_dim=32, attn_layer_period=2, attn_layer_offset=1,
+                  num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"], n_mamba_heads=2,
+                  mamba_d_state=8, mamba_dt_rank=8),
+    "zamba2": dict(GENERIC_TINY, num_key_value_heads=4, attention_head_dim=32, layers_block_type=["mamba", "hybrid"],
+                   hybrid_layer_ids=[1], mamba_d_state=16, n_mamba_heads=4, chunk_size=8),
+    # LFM2: a short-convolution layer, then attention
+    "lfm2": dict(GENERIC_TINY, layer_types=["conv", "full_attention"], conv_L_cache=3, block_auto_adjust_ff_dim=False),
+    "lfm2_moe": dict(GENERIC_TINY, **_EXPERTS, layer_types=["conv", "full_attention"], conv_L_cache=3, num_dense_layers=1),
+})
+
 
 def train_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on the built-in corpus, as a transformers fast tokenizer."""

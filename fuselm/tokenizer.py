@@ -105,7 +105,24 @@ def eos_ids(model_dir: Path, meta: dict, tok) -> set[int]:
     add((meta.get("special_tokens") or {}).get("eos_token_id"))
     if tok is not None:
         add(tok.eos_token_id)
+        add(end_of_turn_id(tok))
     return ids
+
+
+def end_of_turn_id(tok) -> int | None:
+    """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>): the first token after the reply in a rendered turn, when it is special."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    mark = "fuselm-reply-mark"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}],
+                                       tokenize=False)
+        after = text.split(mark, 1)[1].lstrip(" ")
+        ids = tok.encode(after, add_special_tokens=False) if after else []
+    except Exception:  # noqa: BLE001 - a template that refuses this turn (or fails in the sandbox) names no token
+        return None
+    return int(ids[0]) if ids and ids[0] in set(getattr(tok, "all_special_ids", ())) else None
 
 
 def encode_prompt(tok, prompt: str | list[int] | None, chat: bool) -> list[int]:
@@ -134,7 +151,8 @@ def encode_prompt(tok, prompt: str | list[int] | None, chat: bool) -> list[int]:
 
 
 class Detokenizer:
-    """The text each new token adds; holds back an incomplete UTF-8 sequence. Without a tokenizer, the ids.
+    """The text each new token adds; holds back an incomplete UTF-8 sequence; special tokens (an eos, the chat
+    template's end of turn) add nothing. Without a tokenizer, the ids.
 
     Decodes a window (the tokens since the last text shown, plus the few before them for context: a
     sentencepiece tokenizer drops a word's leading space when the word starts a decode), not the whole
@@ -150,8 +168,8 @@ class Detokenizer:
         if self.tok is None:
             return f"{token} "
         self.ids.append(token)
-        shown = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        shown = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
         if text.endswith("\ufffd") or text == shown:
             return ""
         new = text[len(shown):] if text.startswith(shown) else text

@@ -60,9 +60,9 @@ def run_steps(path: str | os.PathLike, model: onnx.ModelProto | None = None, see
         prefill = _complete(model, steps["prefill"]["feeds"])
     out = dict(zip(names, sess.run(None, prefill), strict=False))
     result["prefill"] = {"feeds": prefill, "outputs": out}
-    if any(contract.is_past(n) for n in prefill):
+    if any(contract.is_step_past(n) for n in prefill):
         if steps is None:
-            past = {n: out[contract.present_of(n)] for n in prefill if contract.is_past(n)}
+            past = {n: out[contract.step_present_of(n)] for n in prefill if contract.is_step_past(n)}
             decode = contract.step_feeds(model.graph.input, 1, PREFILL_TOKENS, contract.vocab_size(model), seed + 1,
                                          past_values=past)
         else:

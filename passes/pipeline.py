@@ -267,8 +267,29 @@ def graph_meta(model: ir.Model, source: Path, src_dir: Path | None = None) -> di
             "graph": {"opset": contract.OPSET, "domains": dict(model.opset_imports)}, **extra}
 
 
+def _text_kl(in_path, onnx_path, reference, text, max_tokens):
+    """kl(path) -> the mean KL divergence of a stage from HF on the text's windows; `.first`: the input's."""
+    from fuselm import text as text_mod
+    from fuselm.reference import Metrics, OrtScorer, Reference
+    from fuselm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(in_path), required=True)
+    pieces = text_mod.windows(tok.encode(text_mod.read_text(text)[0]), text_mod.WINDOW, max_tokens)
+    ref = Reference(reference)
+
+    def kl(path) -> float:
+        scorer, metrics = OrtScorer(path), Metrics()
+        for ids in pieces:
+            metrics.add(ids, scorer.score(ids.tolist()), ref.score(ids))
+        return metrics.summary()["kl_mean"]
+
+    kl.first = kl(onnx_path)
+    return kl
+
+
 def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, target: str | None = None,
-         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, runtime=None) -> dict:
+         accuracy_level: int = DEFAULT_ACCURACY_LEVEL, runtime=None, reference=None, text=None,
+         max_tokens: int | None = None) -> dict:
     """Walk the pipeline on a model directory or .onnx file and report, pass by pass, what changed.
 
     Per pass: changed or not, node counts before -> after by op type, matches fired and skipped
@@ -278,7 +299,10 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
     decoder layer before and after each pass; `json_path` the same data as JSON. `target` adds
     the lowering passes (`optimize`'s), each with its drift. `runtime(path, outputs) -> records`, when given,
     adds a runtime's load-time rewrites after the passes (fuselm.diff's `--target mlx`: the last stage's graph
-    file and its onnxruntime outputs go in).
+    file and its onnxruntime outputs go in). `reference` (an HF checkpoint directory) adds the mean KL divergence
+    of each pass's graph from HF on a text (the bundled one unless `text`; onnxruntime scoring,
+    runtime_metal/evaluate.py), the input's first. A model directory's quantization (its mixed-precision tensors
+    included) is shown too.
     """
     from . import check, draw
     from .diff_page import write_html
@@ -290,6 +314,7 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
     model = graphio.load(onnx_path)
     pictures = draw.Stages(model.graph)
     nodes_in = model.graph.num_nodes()
+    text_kl = _text_kl(in_path, onnx_path, reference, text, max_tokens) if reference is not None else None
     with tempfile.TemporaryDirectory(prefix="fuselm-diff-") as work:
         state = {"n": 0}
         try:
@@ -318,6 +343,8 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
                     state["outputs"] = outputs
                 except Exception as e:
                     record["drift"] = {"error": f"{type(e).__name__}: {e}"}
+                if text_kl is not None:
+                    record["text_kl"] = text_kl(path)
                 record["check_seconds"] = time.perf_counter() - t0
                 if state.get("stage") is not None:  # one stage on disk at a time (a 4B model is GBs)
                     shutil.rmtree(state["stage"], ignore_errors=True)
@@ -333,7 +360,8 @@ def diff(in_path, html=None, json_path=None, skip=(), quiet: bool = False, targe
     data = {"input": os.fspath(in_path), "family": (meta or {}).get("family"), "layer_drawn": pictures.first_layer,
             "nodes_in": nodes_in, "nodes_out": model.graph.num_nodes(),
             "nodes_per_layer_in": pictures.counts[0], "nodes_per_layer_out": pictures.counts[-1],
-            "passes": records, "_stages": pictures.stages,
+            "passes": records, "_stages": pictures.stages, "quantization": (meta or {}).get("quantization"),
+            "text_kl": text_kl.first if text_kl is not None else None,
             "opset_upgrade": upgrade_note(records).removeprefix("; ") or None}
     if not quiet:
         print_report(data)

@@ -72,17 +72,24 @@ def print_report(data: dict) -> None:
     t = Table(title=f"fuselm diff: {data['input']}  ({data['nodes_in']} -> {data['nodes_out']} nodes; "
               f"per layer {per_layer_text(data.get('nodes_per_layer_in'))} -> "
               f"{per_layer_text(data.get('nodes_per_layer_out'), shared=True)})", title_justify="left")
-    for col in ("pass", "changed", "nodes", "per layer", "fired", "skipped", "drift prefill", "drift decode", "ms"):
+    kl = data.get("text_kl") is not None  # `diff --reference`: each stage's KL divergence from HF on a text
+    cols = ("pass", "changed", "nodes", "per layer", "fired", "skipped", "drift prefill", "drift decode")
+    for col in (*cols, *(("KL vs HF",) if kl else ()), "ms"):
         t.add_column(col)
     for r in data["passes"]:
         if r.get("skipped_by_user"):
-            t.add_row(r["pass"], "[dim]--skip[/dim]", *[""] * 7)
+            t.add_row(r["pass"], "[dim]--skip[/dim]", *[""] * (7 + kl))
             continue
+        kl_cell = (f"{r['text_kl']:.5f}" if r.get("text_kl") is not None else "unchanged",) if kl else ()
         t.add_row(r["pass"], "yes" if r["changed"] else "no", f"{r['nodes_before']} -> {r['nodes_after']}",
                   f"{per_layer_text(r.get('nodes_per_layer_before'))} -> {per_layer_text(r.get('nodes_per_layer_after'))}",
                   str(r["fired"]), str(len(r["skipped"])), _drift_text(r.get("drift"), "prefill"),
-                  _drift_text(r.get("drift"), "decode"), f"{1000 * r['seconds']:.0f}")
+                  _drift_text(r.get("drift"), "decode"), *kl_cell, f"{1000 * r['seconds']:.0f}")
     console.print(t)
+    if kl:
+        console.print(f"KL divergence from HF on the text before any pass: {data['text_kl']:.5f} nats")
+    if data.get("quantization"):
+        console.print(quantization_text(data["quantization"]))
     for r in data["passes"]:
         changes, reasons = op_changes(r), skip_reasons(r)
         if not changes and not reasons:
@@ -95,6 +102,24 @@ def print_report(data: dict) -> None:
         for reason, n, where in reasons:
             d.add_row(f"[yellow]skipped[/yellow] {reason}", f"{n}x (first: {where})")
         console.print(d)
+
+
+def quantization_text(q: dict) -> str:
+    """fuselm.json's quantization in a line or two: the classes, and the tensors mixed precision stored otherwise."""
+    def one(c: dict) -> str:
+        return f"q{c['bits']}/{c['block_size']} {c.get('method', 'rtn')}" if "block_size" in c else c.get("dtype", "?")
+
+    line = (f"quantization {q.get('mode')}: linear {one(q.get('linear', {}))}, embedding {one(q.get('embed', {}))}, "
+            f"lm_head {one(q.get('lm_head', {}))}")
+    if q.get("calibration"):
+        line += f"; calibrated on {q['calibration'].get('tokens')} tokens of {q['calibration'].get('text')}"
+    tensors = q.get("tensors") or {}
+    if tensors:
+        kinds = Counter(tensors.values())
+        line += f"\n  mixed precision, {len(tensors)} tensors stored otherwise: " + ", ".join(
+            f"{k} x{n}" for k, n in sorted(kinds.items()))
+        line += "".join(f"\n    {name}: {kind}" for name, kind in sorted(tensors.items()))
+    return line
 
 
 def _jsonable(obj):

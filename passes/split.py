@@ -14,8 +14,8 @@ in a later stage `Shape(input_ids)` reads the first two dims of the hidden state
 
 Stage k > 0 takes `hidden_states` (contract.HIDDEN) where exactly one activation crosses from stage
 k-1, which returns it as `hidden_states_out` (contract.NEXT_HIDDEN); the last stage returns `logits`.
-Each stage takes `attention_mask`, `position_ids` and the caches of its own layers (their global
-names, `past_key_values.14.key` in stage 1), and returns their presents.
+Each stage takes `attention_mask`, `position_ids` and the caches and recurrent states of its own layers
+(their global names, `past_key_values.14.key` / `past_state.15.conv` in stage 1), and returns their presents.
 
 A layer that reads another layer's keys and values (KV sharing, Gemma 3n / 4: contract.kv_sources from the
 graph's metadata) has no cache of its own; its Attention reads the source layer's past and new rows, so the
@@ -71,11 +71,16 @@ class Graph:
         self.nodes = list(model.graph)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         inputs = {v.name for v in model.graph.inputs}
-        pasts = sorted((n for n in inputs if contract.is_past(n)), key=contract.cache_order)
+        pasts = sorted((n for n in inputs if contract.is_step_past(n)), key=contract.step_order)
         self.sources = contract.kv_sources(dict(model.metadata_props))  # reader layer -> the layer whose K/V it reads
-        self.cached = sorted({contract.parse_cache(n).layer for n in pasts})
-        layers = sorted({*self.cached, *self.sources})
-        self.n_layers = len(layers)
+        self.cached = sorted({contract.parse_cache(n).layer for n in pasts if contract.is_past(n)})
+        held = {contract.layer_of(n) for n in pasts} | set(self.sources)  # a KV cache, a recurrent state, a KV source
+        # layers without a cache or state (Nemotron-H's MLP blocks) count by their nodes' names, up to the first gap
+        named = {x for x in (node_layer(node) for node in self.nodes) if x is not None}
+        self.n_layers = max(held, default=-1) + 1
+        while self.n_layers in named:
+            self.n_layers += 1
+        layers = sorted(held | {x for x in named if x < self.n_layers})
         missing = [n for n in (*contract.STEP_INPUTS,) if n not in inputs]
         if missing or not pasts or contract.LOGITS not in {v.name for v in model.graph.outputs}:
             raise FuselmError(f"the graph does not follow the fuselm contract (missing {missing or contract.LOGITS}); "
@@ -93,8 +98,8 @@ class Graph:
             prods = [self._producer(v) for v in node.inputs if v is not None]
             reads = [v.name for v in node.inputs if v is not None]
             self.act[i] = any(p is not None and self.act[p] for p in prods) or \
-                any(contract.is_present(v.name) for v in node.outputs) or \
-                (node.op_type != "Shape" and any(r == contract.INPUT_IDS or contract.is_past(r) for r in reads))
+                any(contract.is_step_present(v.name) for v in node.outputs) or \
+                (node.op_type != "Shape" and any(r == contract.INPUT_IDS or contract.is_step_past(r) for r in reads))
             if self.act[i]:
                 self.layer[i] = self._layer_of(node)
                 if self.layer[i] is None:
@@ -108,9 +113,9 @@ class Graph:
         return self.index.get(p) if p is not None else None
 
     def _layer_of(self, n: ir.Node) -> int | None:
-        by_cache = {c.layer for v in n.inputs if v is not None and n.op_type != "Shape"
-                    for c in [contract.parse_cache(v.name)] if c is not None} | \
-                   {c.layer for v in n.outputs for c in [contract.parse_cache(v.name)] if c is not None}
+        by_cache = {c for v in n.inputs if v is not None and n.op_type != "Shape"
+                    for c in [contract.layer_of(v.name)] if c is not None} | \
+                   {c for v in n.outputs for c in [contract.layer_of(v.name)] if c is not None}
         by_name = node_layer(n) if layer_of_name(n.name) is not None or not self._reads_scalar_only(n) else None
         if by_name in self.sources and by_cache == {self.sources[by_name]}:
             by_cache = {by_name}  # a reader's attention over its source's cache is the reader's
@@ -148,7 +153,7 @@ class Graph:
                     st.initializers.add(v.name)
                     continue
                 if v.is_graph_input():
-                    c = contract.parse_cache(v.name)
+                    c = contract.parse_cache(v.name) or contract.parse_state(v.name)
                     if v.name == contract.INPUT_IDS and not first:
                         if n.op_type != "Shape":
                             raise FuselmError(f"node {n.name!r} ({n.op_type}) of layer {self.layer[i]} reads "
@@ -158,7 +163,10 @@ class Graph:
                         if n.op_type != "Shape":
                             raise FuselmError(f"node {n.name!r} ({n.op_type}) reads {v.name}, a cache of another "
                                               "stage; split cannot place it")
-                        first_cache = next(layer for layer in self.cached if layer in own)
+                        first_cache = next((layer for layer in self.cached if layer in own), None)
+                        if first_cache is None or contract.is_state_past(v.name):
+                            raise FuselmError(f"node {n.name!r} reads the shape of {v.name}, which the stage of layers "
+                                              f"{lo}-{hi - 1} does not hold; split cannot place it")
                         st.shape_rewrites[i] = contract.past_name(first_cache, c.kind)
                     continue
                 p = self._producer(v)
@@ -308,8 +316,8 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
         else:  # Shape of another stage's cache -> of this stage's first (one shape for every layer)
             node.replace_input_with(0, inputs[target])
     new_inputs += [inputs[contract.ATTENTION_MASK], inputs[contract.POSITION_IDS]]
-    new_inputs += sorted((v for v in g.inputs if contract.is_past(v.name) and contract.parse_cache(v.name).layer in own),
-                         key=lambda v: contract.cache_order(v.name))
+    new_inputs += sorted((v for v in g.inputs if contract.is_step_past(v.name) and contract.layer_of(v.name) in own),
+                         key=lambda v: contract.step_order(v.name))
     outputs = {v.name: v for v in g.outputs}
     if st.last:
         head = outputs[contract.LOGITS]
@@ -319,8 +327,8 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
         if head.type is None:
             head.type = ir.TensorType(_hidden_dtype(g))
             head.shape = ir.Shape([*inputs[contract.INPUT_IDS].shape, width])
-    presents = sorted((v for v in g.outputs if contract.is_present(v.name) and contract.parse_cache(v.name).layer in own),
-                      key=lambda v: contract.cache_order(v.name))
+    presents = sorted((v for v in g.outputs if contract.is_step_present(v.name) and contract.layer_of(v.name) in own),
+                      key=lambda v: contract.step_order(v.name))
     g.outputs.clear()
     g.outputs.extend([head, *presents])
     g.inputs.clear()
@@ -340,7 +348,8 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
 
 def _hidden_dtype(g: ir.Graph) -> ir.DataType:
     """The activations' type: the contract writes the caches in the compute type."""
-    past = next(v for v in g.inputs if contract.is_past(v.name))
+    past = next((v for v in g.inputs if contract.is_past(v.name)), None) or \
+        next(v for v in g.inputs if contract.is_step_past(v.name))
     return past.dtype
 
 

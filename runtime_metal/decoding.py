@@ -126,10 +126,11 @@ class Checked(Strategy):
     def step(self, token):
         s, d, b = self.sess, self.decoding, self.sess.backend
         pos = s.pos
-        before = _rows(s, pos)
+        before, state_before = _rows(s, pos), s.state.snapshot()
         dyn = s._step_dynamic(token)
-        after = _rows(s, pos)
+        after, state_after = _rows(s, pos), s.state.snapshot()
         _put(s, before)
+        s.state.restore(state_before)
         s.pos = pos
         ids, pos_dev, logits = Static(d).eager(token)
         out = b.slice(logits, (0, 0))
@@ -138,6 +139,7 @@ class Checked(Strategy):
         if not diff <= d.tolerance() * max(1.0, float(np.abs(x).max())):  # (NaN: not kept)
             d.static, d.why = False, f"static-shape decode differed from it by {diff:.3g} on the first step"
             _put(s, after)
+            s.state.restore(state_after)
             s.pos = pos + 1
             self.ran = d.choose()
             return dyn
@@ -158,6 +160,7 @@ class Decoding:
         self.sess = sess
         env = switches.setting("FUSELM_COMPILE")
         self.compile = (sess.backend.compile_default if env is None else env) if compile is None else bool(compile)
+        self.compile = self.compile and not sess.state  # the compiled step carries the KV buffers, not recurrent states
         self.static: bool | None = None if static and sess.in_place else False  # None: not checked yet
         self.why = "static-shape decode is off" if not static else \
             "the graph reads its cache with other ops than Attention/KVAppend, so the cache cannot live in place"

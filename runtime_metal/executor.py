@@ -274,14 +274,14 @@ class InFlight:
 
 
 def _layer_marks(nodes: list[Node]) -> set[str]:
-    """The node that first reads each layer's past key (its attention, or the append into its cache): one
-    per decoder layer, after that layer's input is made."""
+    """The node that first reads each layer's past key (its attention, or the append into its cache) or recurrent
+    state (its convolution or scan): one per decoder layer that has either, after that layer's input is made."""
     seen, out = set(), set()
     for n in nodes:
         for x in n.inputs:
-            c = contract.parse_cache(x)
-            if c is not None and c.role == "past" and c.kind == "key" and c.layer not in seen:
-                seen.add(c.layer)
+            layer = contract.layer_of(x) if contract.is_step_past(x) and not x.endswith(".value") else None
+            if layer is not None and layer not in seen:
+                seen.add(layer)
                 out.add(n.name)
     return out
 

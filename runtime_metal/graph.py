@@ -16,7 +16,8 @@ from onnx import AttributeProto, helper
 
 from fuselm.errors import FuselmError
 
-from . import ops_latent, ops_moe, ops_nn  # noqa: F401 - they register the nn ops, fuselm::MoE and LatentAttention
+# (they register the nn ops, fuselm::MoE, LatentAttention and the recurrent-state ops into OPS)
+from . import ops_latent, ops_moe, ops_nn, ops_state  # noqa: F401
 from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
 

@@ -260,7 +260,7 @@ class Pipe:
         self.deadline = deadline(options.pipe_timeout, rank)
         ins = self.sess.lm.input_types
         elem = ins[contract.HIDDEN][0] if contract.HIDDEN in ins else \
-            next(v for k, v in ins.items() if contract.is_past(k))[0]
+            next(v for k, v in ins.items() if contract.is_step_past(k))[0]
         if elem not in DTYPES:
             raise FuselmError(f"{self.dir}: hidden state of type {elem}; the pipe carries float32 / float16 / bfloat16")
         self.dtype_code, np_dtype = DTYPES[elem]

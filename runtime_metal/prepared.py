@@ -308,8 +308,6 @@ def _check_dir(folder: Path, key: str) -> str:
 
 
 def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    from fuselm.modeldir import file_sha256
+
+    return file_sha256(path)

@@ -29,11 +29,13 @@ from fuselm.errors import FuselmError
 from fuselm.options import Options
 
 from . import kvcache, loader, rewrites
+from . import state as state_mod
 from .backends import make_backend
 from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
 from .rewrites.causal_masks import causal_reads
 
+CACHE_STEP = 256  # (as mlx-lm's KVCache grows)
 _LONG_RUN = 64  # rows from which a lazy backend's run is queued a few layers at a time (executor.InFlight)
 
 __all__ = ["Decode", "Session"]
@@ -55,6 +57,7 @@ class Session:
         fused = options.fused_kernels
         io = loader.check_contract(self.lm)
         self.first_input, self.output, self.caches = io.first, io.output, io.caches
+        self.state = state_mod.RecurrentState(self.backend, io.states)
         try:
             self.graph = rewrites.prepare(self.lm, self.backend, fused, options.skip)
         except FuselmError:
@@ -95,10 +98,16 @@ class Session:
 
     # --- state -----------------------------------------------------------------------------
     def reset(self, max_len: int) -> None:
-        """Empty the cache and preallocate room for `max_len` tokens."""
-        self.max_len, self.pos = int(max_len), 0
+        """Empty the cache and preallocate room for `max_len` tokens: where attention reads only the filled rows,
+        rounded up to a multiple of CACHE_STEP, so that generations of about the same length reuse one compiled
+        step (compiled steps are per cache length; the rows beyond are never read)."""
+        max_len = int(max_len)
+        if self.causal_reads:
+            max_len = -(-max_len // CACHE_STEP) * CACHE_STEP
+        self.max_len, self.pos = max_len, 0
         self.buffers = kvcache.allocate(self.backend, self.caches, self.kv_formats, self.packed,
                                         self.max_len if self.in_place else 0)
+        self.state.reset()
         self.decoding.reset()
 
     def _ids(self, ids):
@@ -111,11 +120,12 @@ class Session:
 
     def _run(self, ids, pos, mask, positions, views: dict, rows: int | None = 1) -> object:
         feeds = {self.first_input: self._ids(ids), contract.ATTENTION_MASK: mask, contract.POSITION_IDS: positions,
-                 **views}
+                 **views, **self.state.feeds()}
         self.executor.ctx.update(rope_offset=pos, logit_rows=rows)
         out = self.executor.run(feeds)
         self.buffers.update({n: v.buffer for n, v in views.items()} if self.in_place
                             else {c.name: out[c.present] for c in self.caches})
+        self.state.update(out)
         return out[self.output]
 
     def prefill(self, ids: list[int], chunk: int | None = None, rows: int | None = 1):
@@ -134,7 +144,7 @@ class Session:
             part = ids[start : start + chunk]
             logits = self._step_dynamic(part, rows if rows is None or rows == 1 else min(rows, len(part)))
             if self.backend.lazy and start + chunk < len(ids):  # compute the cache, never these logits
-                self.backend.sync(list(self.buffers.values()))
+                self.backend.sync([*self.buffers.values(), *self.state.arrays.values()])
         return logits
 
     def _step_dynamic(self, part, rows: int | None = 1):
@@ -166,11 +176,24 @@ class Session:
         self.backend.set_threads(decode=True)
         return self.decoding.rows(list(ids))
 
+    def checkpoint(self):
+        """Where the cache and the recurrent state stand now, for `restore` (a speculative step of a model with
+        recurrent state: its state cannot roll back, it is put back and the kept tokens run again). Arrays are
+        never written in place but the preallocated KV buffers, whose rows after the position nothing reads."""
+        return self.pos, dict(self.buffers), self.state.snapshot()
+
+    def restore(self, saved) -> None:
+        self.pos, buffers, states = saved
+        self.buffers = dict(buffers) if not self.in_place else self.buffers
+        self.state.restore(states)
+
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens: in-place buffers are written over from the new position on (every read
         stops at the position, or is masked there); a cache kept as the graph's presents is cut."""
         if not 0 <= n <= self.pos:
             raise ValueError(f"cannot roll back {n} of {self.pos} cached tokens")
+        if n and self.state:
+            raise FuselmError(state_mod.NO_ROLLBACK)
         self.pos -= n
         if n and not self.in_place:
             b = self.backend
@@ -220,6 +243,7 @@ class Session:
         mode += ", K and V in one buffer per layer" if self.packed else ""
         mode += f", {queued}" if (queued := b.step_queue().what) else ""
         kv = kvcache.describe(self.kv_formats, self.caches[0].dtype, self.caches[0].head_dim) if self.caches else "-"
+        kv += f", {self.state.describe()}" if self.state else ""
         state = self.graph.prepared.split(" ")[0]
         prepared = f", prepared weights {state}" if state in ("read", "written") else ""
         return (f"{b.name} on {b.device} ({'fused kernels' if self.fused else 'no fused kernels'}, {mode}{dtype}{extra}, "

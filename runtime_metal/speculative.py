@@ -12,7 +12,9 @@ Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the latest ear
 n-gram, n = 3, 2, 1: rewriting, summarising or editing a passage given in the prompt repeats it), `ModelDrafter` (a
 smaller fuselm model with the same tokenizer, run greedily or sampled, its cache kept in step with the target's).
 Drafting turns itself off when it stays unprofitable: after WINDOW verification steps whose drafts were mostly
-rejected, the rest of the run is plain decode (on the engine's own pipelined loop where it has one).
+rejected, the rest of the run is plain decode (on the engine's own pipelined loop where it has one). A model with
+recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each verification;
+when a draft is rejected it is restored and the kept tokens run again.
 """
 
 from __future__ import annotations
@@ -118,22 +120,25 @@ class ModelDrafter:
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
         from .sampling import sample
 
-        logits = self.engine.forward(history[self.fed:])[-1]
-        self.fed = len(history)
-        tokens, dists = [], []
+        if len(history) - 1 > self.fed:  # catch up with the text the target accepted, all but its last token
+            self.engine.forward(history[self.fed:-1])
+        self.fed = len(history) - 1
         s = self.sampler
+        if s.greedy:  # on the engine's own loop (MLX: the steps queued ahead, one read per token)
+            tokens = list(self.engine.continue_from(history[-1], k, s))
+            self.fed += k  # the last token and the first k - 1 drafts
+            return tokens, None
+        tokens, dists = [], []
+        logits = self.engine.forward([history[-1]])[-1]
+        self.fed += 1
         for i in range(k):
-            if s.greedy:
-                t = int(np.argmax(logits))
-            else:
-                dists.append(probabilities(logits, s.temperature, s.top_k, s.top_p))
-                t = sample(logits, s.temperature, s.top_k, s.top_p, s.rng)
-            tokens.append(t)
+            dists.append(probabilities(logits, s.temperature, s.top_k, s.top_p))
+            tokens.append(sample(logits, s.temperature, s.top_k, s.top_p, s.rng))
             if i + 1 < k:
-                logits = self.engine.forward([t])[-1]
+                logits = self.engine.forward([tokens[-1]])[-1]
                 self.fed += 1
         # the last draft was never fed: the draft's cache holds history + tokens[:-1]
-        return tokens, (dists if not s.greedy else None)
+        return tokens, dists
 
     def verified(self, kept: int, drafted: int, emitted: list[int]) -> None:
         """Forget the rejected drafts the draft model fed itself (it fed drafted - 1 of them)."""
@@ -186,9 +191,14 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
         # rows are read by no one, later rows never change earlier ones)
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
+        saved = None if engine.trimmable else engine.checkpoint()
         rows = engine.forward([y, *draft, *pad], rows=len(draft) + len(pad) + 1)
         kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
-        engine.rollback(len(draft) + len(pad) - kept)
+        if saved is None:
+            engine.rollback(len(draft) + len(pad) - kept)
+        elif kept < len(draft) + len(pad):  # a recurrent state holds every draft: put it back, run the kept ones
+            engine.restore(saved)
+            engine.forward([y, *draft[:kept]])
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
         stats.steps += 1
         stats.drafted += len(draft)

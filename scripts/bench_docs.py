@@ -564,6 +564,26 @@ SWEEP_COLS = [Col("model_type", lambda r: f"`{r['model_type']}`", str),
               Col("rope", lambda r: rope_of(r) if r.get("status") == "ok" else None, str)]
 
 
+def pct(v: Any) -> str:
+    return f"{100 * v:+.2f} %" if isinstance(v, (int, float)) else str(v)
+
+
+QUALITY_COLS = [Col("model", "name", str), Col("perplexity", "perplexity"), Col("change", "perplexity_change", pct),
+                Col("KL mean", "kl_mean"), Col("KL p99", "kl_p99"),
+                Col("top-1", lambda r: r.get("top1_agreement"), lambda v: f"{100 * v:.1f} %"),
+                Col("weight MB", lambda r: r["weight_bytes"] / 1e6 if r.get("weight_bytes") else None),
+                Col("convert s", "convert_seconds")]
+SPECULATIVE_COLS = [Col("prompt", lambda r: f"{r['kind']}: {r['prompt']}", str),
+                    Col("plain tok/s", "fuselm:plain"), Col("ngram tok/s", "fuselm:ngram"),
+                    Col("ngram / plain", "fuselm:ngram/plain"), Col("accepted", "fuselm:ngram:acceptance",
+                                                                     lambda v: f"{100 * v:.0f} %"),
+                    Col("tokens / step", "fuselm:ngram:tokens_per_step"), Col("draft / plain", "fuselm:draft/plain"),
+                    Col("mlx-lm draft / plain", "mlx-lm:draft/plain"),
+                    Col("same tokens", "fuselm:ngram:same_tokens")]
+API_CLI_COLS = [Col("figure", "figure", str), Col("fuselm.stream_generate", "api"), Col("fuselm run", "cli"),
+                Col("ratio", "api_over_cli")]
+
+
 def fixed(cols: list[Col]) -> Callable[[list[dict]], list[Col]]:
     return lambda rows: cols
 
@@ -603,11 +623,18 @@ VIEWS: dict[str, View] = {
     "kv_cache": View(kv_rows, fixed(KV_COLS)),
     "mnn_convert": View(listed("rows"), fixed(MNN_CONVERT_COLS)),
     "sweep": View(sweep_rows, fixed(SWEEP_COLS)),
+    "quality": View(listed("rows"), fixed(QUALITY_COLS)),
+    "speculative": View(listed("table"), fixed(SPECULATIVE_COLS)),
+    "api_vs_cli": View(lambda d: [{"figure": k, **v} for k, v in d["median"].items()], fixed(API_CLI_COLS)),
 }
 
 # Which family a result file belongs to (first match), and the section of docs/benchmarks.md that reads it.
 FAMILIES: list[tuple[str, str, str]] = [
     (r"traced_sweep.*\.json", "traced sweep (scripts/traced_sweep.py)", "which-model-types-convert"),
+    (r"quality-.*\.json", "quality on real text (bench/quality.py)", "quality-on-real-text"),
+    (r"(h200/)?speculative.*\.json", "speculative decoding (bench/speculative.py)", "speculative-decoding"),
+    (r"(h200/)?api-vs-cli.*\.json", "the Python iterator against the command line (bench/api_vs_cli.py)",
+     "one-seam-for-running"),
     (r"convert_traced_prewrite.*\.json", "convert experiment (bench/convert.py)", "convert"),
     (r"convert.*\.json", "convert (bench/convert.py)", "convert"),
     (r"moe-convert\.json", "MoE convert (bench/moe_convert.py)", "convert"),

@@ -244,7 +244,7 @@ print(json.dumps({**out, "status": "ok" if worst <= 1e-4 else "wrong",
                   "layer_kinds": meta["traced"]["layer_kinds"], "moe": meta.get("moe"),
                   "positions": meta.get("positions", "rotary"),
                   "interleaved": meta["rope"]["interleaved"], "rotary_dim": meta["rope"]["rotary_dim"],
-                  "head_dim": meta["dims"]["head_dim"]}))
+                  "head_dim": meta["dims"].get("head_dim", 0), "layer_types": meta.get("layer_types")}))
 """
 
 

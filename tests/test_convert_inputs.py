@@ -162,6 +162,7 @@ def test_check_flag(make_ckpt, tmp_path, capsys, monkeypatch):
     assert cli.main(["convert", str(hf), "-o", str(tmp_path / "ok"), "--check"]) == 0
     assert "greedy tokens agree at 17/17" in capsys.readouterr().out
     monkeypatch.setattr(check_mod, "F32_TOLERANCE", 0.0)  # any float difference now fails
+    monkeypatch.setattr(check_mod, "F32_RELATIVE", 0.0)
     assert cli.main(["convert", str(hf), "-o", str(tmp_path / "strict"), "--check", "--quiet"]) == 1
     assert "check failed: f32 export differs" in capsys.readouterr().err
 

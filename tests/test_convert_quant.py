@@ -127,8 +127,10 @@ def test_file_size_near_theoretical(quant, exported):
 def test_metadata_records_precisions(exported):
     q = read_meta(exported("qwen3", "q4"))["quantization"]
     assert q["mode"] == "q4"
-    assert q["linear"] == {"bits": 4, "block_size": 32, "symmetric": False, "dtype": "uint4",
+    assert q["linear"] == {"bits": 4, "block_size": 32, "symmetric": False, "dtype": "uint4", "method": "mse",
                            "scale_dtype": "float32", "zero_point_dtype": "uint4"}
+    # q4 by default searches each block's range, weighted by the importance measured on the bundled text
+    assert q["calibration"]["text"] == "bundled botchan-2.txt" and q["calibration"]["tokens"] > 0
     # the defaults (README "Defaults"): a tied checkpoint's head as --quant, its embedding the same tensor
     assert q["lm_head"]["bits"] == 8 and q["lm_head"]["shares"] == "embed" and q["embed"] == {
         k: v for k, v in q["lm_head"].items() if k != "shares"}

@@ -223,7 +223,7 @@ def _config_only(tmp_path, model_type, **kwargs):
 
 
 @pytest.mark.parametrize("model_type,kwargs,message", [
-    ("lfm2", dict(num_hidden_layers=2, hidden_size=64, layer_types=["conv", "full_attention"]), "hybrid attention"),
+    ("rwkv", dict(num_hidden_layers=2, hidden_size=64, vocab_size=128), "RWKV (recurrent) layers"),
     ("gemma3", {}, "vision tower"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope type 'dynamic' is not supported by the traced exporter"),

@@ -71,3 +71,12 @@ def test_fuselm_reaches_the_runtime_only_through_its_facade_and_cli():
                 not any(name.startswith(p) for p in ("fuselm.exporter", "fuselm.passes", "fuselm.runtime_metal")):
             reached = {m for m in _imports(name, path, modules) if m.startswith("fuselm.runtime_metal")}
             assert not reached, f"{name} imports {sorted(reached)}"
+
+
+def test_passes_import_neither_the_exporter_nor_the_runtime():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("fuselm.passes"):
+            reached = {m for m in _imports(name, path, modules)
+                       if m.startswith(("fuselm.runtime_metal", "fuselm.exporter"))}
+            assert not reached, f"{name} imports {sorted(reached)}"

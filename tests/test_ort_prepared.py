@@ -95,12 +95,12 @@ def test_off_switch_and_a_graph_that_cannot_be_lowered(cpu, optimized, tmp_path,
 
 
 def test_validate_by_auto_checks_the_lowered_copy_against_the_standard_graph(cpu, optimized, make_ckpt, tmp_path):
-    from fuselm.runtime_metal.checks import INT8_DRIFT_FACTOR
+    from fuselm.runtime_metal.checks import INT8_KL_FACTOR
 
     model = _copy(optimized("qwen2", "q4"), tmp_path)
     r = fuselm.validate(model, make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT, quiet=True)
     assert r["lowered"] and "prepared once in" in r["describe"] and _lowered_dirs(model)
-    assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
+    assert r["int8"]["kl"] <= INT8_KL_FACTOR * r["int8"]["ort_level4_kl"] + 1e-6
 
 
 def test_four_loaders_at_once_build_it_once(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from fuselm.runtime_metal.checks import INT8_DRIFT_FACTOR
+from fuselm.runtime_metal.checks import INT8_KL_FACTOR
 from fuselm.runtime_metal.engines import ort
 from fuselm.runtime_metal.engines.auto import Facts, choose, graph_facts, resolve
 
@@ -52,7 +52,7 @@ def test_validate_standard_graph(optimized, make_ckpt, loop):
     r = fuselm.validate(optimized("qwen2", "q4"), make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT,
                         backend="onnxruntime", quiet=True)
     assert r["backend"] == "onnxruntime" and r["quantized"] and not r["lowered"] and r["activations"] == "int8"
-    assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
+    assert r["int8"]["kl"] <= INT8_KL_FACTOR * r["int8"]["ort_level4_kl"] + 1e-6
     assert len(r["hf"]) == len(r["standard"]) == TOKENS
 
 
@@ -71,7 +71,7 @@ def test_validate_lowered_graph_int8_by_auto_against_the_given_standard(lowered,
     r = fuselm.validate(lowered(4), make_ckpt("qwen2"), tokens=TOKENS, prompt=PROMPT,
                         standard=optimized("qwen2", "q4"), quiet=True)
     assert r["lowered"] and r["activations"] == "int8" and "lowered for onnxruntime" in r["describe"]
-    assert r["int8"]["drift"] <= INT8_DRIFT_FACTOR * r["int8"]["ort_level4_drift"] + 1e-6
+    assert r["int8"]["kl"] <= INT8_KL_FACTOR * r["int8"]["ort_level4_kl"] + 1e-6
 
 
 def test_validate_float_graph_equals_hf(optimized, make_ckpt):

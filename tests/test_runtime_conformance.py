@@ -3,7 +3,7 @@
 The torch backend on CPU is the reference the issue names; MLX (its CPU backend here) runs the
 same cases, since the same op table drives it.
 
-Each case runs through `FuselmBackend` (runtime_metal/conformance.py) and is compared with the
+Each case runs through `FuselmBackend` (tests/onnx_backend.py) and is compared with the
 expected outputs ONNX ships with the case, at the case's own tolerances. Exclusions are listed
 below, each with its reason; a test checks that every exclusion still matches a case.
 """
@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from fuselm.runtime_metal.conformance import FuselmBackend
+from onnx_backend import FuselmBackend
 from fuselm.runtime_metal.loader import tensor_to_array
 from fuselm.runtime_metal.ops import OPS
 

@@ -188,7 +188,7 @@ def test_quantized_matmul_matches_dequantized(backend, bits, block):
 def test_graph_from_another_exporter(make_ckpt, tmp_path):
     """torch.onnx.export(dynamo=True) of a plain HF model (eager attention, decomposed) runs and
     matches HF, as written and after `fuselm optimize`."""
-    from fuselm.passes.torch_export import export_hf
+    from torch_export import export_hf
 
     ckpt = make_ckpt("qwen2")
     path = export_hf(ckpt, tmp_path / "hf" / "model.onnx")

@@ -110,3 +110,24 @@ def test_mlx_verifies_on_compiled_pieces(optimized):
     assert spec == plain and engine.speculation.steps > 1
     kept = engine.session.decoding.verifiers
     assert len(kept) == 1 and all(v is not None for v in kept.values()), kept  # one row count: k + 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_recurrent_state_is_restored_and_replayed(hybrid, backend):
+    """A hybrid with recurrent state (Qwen3.5's gated delta rule beside attention): its state cannot roll back, so a
+    verification step is checkpointed, and on a rejected draft restored and the kept tokens run again; the greedy
+    tokens stay plain decode's. The drafter knows plain decode's text and gets its last draft token wrong: every
+    step keeps some drafts and rejects one."""
+    engine = fuselm.load(hybrid("qwen3_5_text", "opt"), backend=backend)
+    plain = list(engine.generate(PROMPT, TOKENS, Sampler()))
+    assert not engine.trimmable
+
+    class Oracle(speculative.NgramDrafter):
+        def propose(self, history, k):
+            done = len(history) - len(PROMPT)
+            draft = plain[done:done + k]
+            return draft[:-1] + [(draft[-1] + 1) % 50] if draft else [], None
+
+    stats = speculative.Stats("oracle", 3)
+    got = list(speculative.generate(engine, PROMPT, TOKENS, Sampler(), Oracle(), 3, stats))
+    assert got == plain and stats.steps > 1 and 0 < stats.accepted < stats.drafted

@@ -26,7 +26,7 @@ from ..families import IGNORED_SUFFIXES
 from ..graph import Export
 from ..quant import Plan
 from ..weights import Checkpoint
-from . import moe
+from . import converters, moe
 
 __all__ = ["build"]
 # The last few traced architectures (cache key -> cache.Traced): converting one checkpoint at several
@@ -49,7 +49,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     else:
         ckpt.rename(traced.names.__getitem__)
         ckpt.convert(traced.views)
-        ckpt = moe.cached_stacks(ckpt, traced.stacks)
+        ckpt = converters.concatenated(moe.cached_stacks(ckpt, traced.stacks), traced.concats)
         ckpt.validate(traced.expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in traced.tied)
     while len(_TRACED) >= _CACHED and key not in _TRACED:
         _TRACED.pop(next(iter(_TRACED)))
@@ -79,6 +79,8 @@ def _traced(hf_dir: Path, config: dict):
         views, unapplied = skel.conversions(ckpt.tensors)
         ckpt.convert(views)  # tensors transformers converts as it loads them (transposed, split)
         ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks, skel.dense_experts)  # per-expert tensors -> stacks
+        concats = converters.concatenations(ckpt, skel.model)  # stored parts -> one parameter (OLMo-Hybrid's convs)
+        ckpt = converters.concatenated(ckpt, concats)
         expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
         tied = skel.tied_names()
         try:
@@ -97,13 +99,15 @@ def _traced(hf_dir: Path, config: dict):
         shared_rows: dict = {}  # kinds in order of first use: a layer that stores shared keys/values comes first
         templates = [trace_layer(skel, first[kind], shared_rows) for kind in range(len(kinds))]
         for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
-            p.rope, p.cache, p.share, p.attends = (getattr(first[p.kind], f) for f in ("rope", "cache", "share", "attends"))
+            p.rope, p.cache, p.share, p.attends, p.layer_type = (getattr(first[p.kind], f) for f in
+                                                                 ("rope", "cache", "share", "attends", "layer_type"))
         _kv_sources(plans, skel.model_type)
         outer = trace_outer(skel, plans)
     traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],
                     getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
                     skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
-                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], views)
+                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], views,
+                    concats)
     meta = skel.metadata(plans, len(kinds), [kv_shape(templates[p.kind]) for p in plans])
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)

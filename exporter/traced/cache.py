@@ -66,17 +66,21 @@ class Traced:
     stacks: dict = field(default_factory=dict)  # stacked MoE expert parameter -> [shape, per expert its stored parts]
     sources: list = field(default_factory=list)  # per decoder layer: the layer whose keys/values it reads, or None
     views: dict = field(default_factory=dict)  # tensors transformers converts as it loads them (Checkpoint.convert)
+    concats: dict = field(default_factory=dict)  # parameter -> the stored tensors concatenated into it (converters.py)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(kv heads, key width, value width) of the first layer (fuselm.json's dims)."""
-        return kv_shape(self.templates[0])
+        """(kv heads, key width, value width) of the first layer that attends (fuselm.json's dims)."""
+        return next((k for k in map(kv_shape, self.templates) if any(k)), (0, 0, 0))
 
 
 def kv_shape(t: Template) -> tuple[int, int, int]:
-    """(kv heads, key width, value width) of a layer template's cache inputs."""
-    inp = t.graph.input
-    return tuple(inp[k].type.tensor_type.shape.dim[d].dim_value for k, d in ((3, 1), (3, 3), (4, 3)))
+    """(kv heads, key width, value width) of a layer template's cache inputs; zeros for a layer without (a
+    recurrent-state or feed-forward block)."""
+    inp = {v.name: v.type.tensor_type.shape.dim for v in t.graph.input}
+    if "past_key" not in inp:
+        return 0, 0, 0
+    return inp["past_key"][1].dim_value, inp["past_key"][3].dim_value, inp["past_value"][3].dim_value
 
 
 def key(config: dict) -> str:

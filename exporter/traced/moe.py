@@ -334,7 +334,7 @@ def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] =
     inside = covered(model, blocks) | {id(m) for d in dense for m in d.modules()}
     owners: dict[str, tuple[nn.Module, list[str]]] = {}
     for name, m in model.named_modules():
-        if id(m) in inside:
+        if id(m) in inside or isinstance(m, nn.Conv1d):  # a convolution's [C, 1, K] weight is no expert stack
             continue
         for pname, p in m.named_parameters(recurse=False):
             if p.dim() == 3:
@@ -729,7 +729,9 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block], dense: list[nn.Mo
                 raise FuselmError(f"{name}: transformers builds it from the checkpoint with {ops}; fuselm streams "
                                   "only per-expert tensors stacked (and gate/up concatenated)")
             prefix = name[: -len(next(t for t in conv.target_patterns if name.endswith(t)))]
-            experts = [[prefix + src.replace("*", str(e)) for src in conv.source_patterns] for e in range(shape[0])]
+            # (patterns may escape their dots: Kimi-Linear's `mlp\.experts.*.w1.weight`)
+            experts = [[prefix + src.replace("\\.", ".").replace("*", str(e)) for src in conv.source_patterns]
+                       for e in range(shape[0])]
             missing = [p for e in experts for p in e if p not in ckpt.tensors]
             if missing:
                 raise FuselmError(f"checkpoint {ckpt.dir}: {missing[0]} is missing (one of the expert tensors "

@@ -15,6 +15,7 @@ which other tensors the model hands every layer (side inputs: ALiBi biases).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections import UserDict
 from dataclasses import dataclass, field
@@ -34,8 +35,19 @@ from .rope_op import RopeSpec, rope_layouts
 _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is a mixture-of-experts model",
                     "Mamba": "it has state-space (Mamba) layers", "GatedDeltaNet": "it has linear-attention layers",
                     "LinearAttention": "it has linear-attention layers", "ShortConv": "it has convolution layers",
+                    "DeltaAttention": "it has linear-attention layers (Kimi delta attention)",
+                    "Lightning": "it has linear-attention layers (lightning attention)",
+                    "Rglru": "it has recurrent (RG-LRU) layers", "Rwkv": "it has RWKV (recurrent) layers",
+                    "LSTM": "it has xLSTM (recurrent) layers",
                     "Vision": "it has a vision tower (a multimodal model)", "Audio": "it has an audio tower (a multimodal model)"}
+# recurrent-state modules converted where the modeling file has a kernel state_ops.py swaps for a fuselm op
+_STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
+                  "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
+                  "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
+                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",)}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
+_STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
 _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
     "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
                          "index keys of its own, a third cache tensor per layer beside the latent's two"}
@@ -85,19 +97,13 @@ def placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]
     return undo
 
 
-def plain_attributes(module: nn.Module) -> dict:
-    """A layer's public settings (str, number, bool, None): what a model's forward may read off the layers it
-    calls (Dory's `layer.attention_type`), for the stand-ins that replace them."""
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"
-            and (v is None or isinstance(v, (bool, int, float, str)))}
-
-
 def restore(undo) -> None:
     for m, name, p in undo:
         m._parameters[name] = p
 
 
 MASKS = ("causal", "sliding", "chunked")  # the mask kinds a layer may get (exporter/graph.py's attention_mask)
+NO_MASK = "none"  # a recurrent-state or feed-forward block: the model gives it no attention mask
 
 
 @dataclass
@@ -123,6 +129,12 @@ class LayerPlan:
     attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
     side: tuple[str, ...] = ()  # other tensors the model computes for the layer (ALiBi biases), by name
     mask_form: str = "additive"  # or "masked": a boolean mask, True where attention is masked (MPT)
+    rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
+    layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
+
+    @property
+    def masked(self) -> bool:
+        return self.mask != NO_MASK
 
     @property
     def sliding(self) -> bool:
@@ -179,8 +191,11 @@ class Skeleton:
         if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
             config._experts_implementation = "batched_mm"
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
+        modeling = importlib.import_module(type(model).__module__)
         for name, module in model.named_modules():
             for part, why in _REFUSED_MODULES.items():
+                if part in _STATE_KERNELS and any(k in vars(modeling) for k in _STATE_KERNELS[part]):
+                    continue
                 if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
                 if part.lower() in type(module).__name__.lower():
@@ -201,10 +216,12 @@ class Skeleton:
         from transformers.core_model_loading import WeightRenaming
 
         self._renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-        self.head_dim = _setting(config, "head_dim") or config.hidden_size // config.num_attention_heads
-        import importlib
-
+        heads = _setting(config, "num_attention_heads")
+        self.head_dim = _setting(config, "head_dim") or (config.hidden_size // heads if heads else None)
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
+        from . import state_ops
+
+        state_ops.verify(self.modeling, self.model_type)
 
     def _build(self, config, implementation: str):
         from transformers import AutoModelForCausalLM
@@ -227,11 +244,12 @@ class Skeleton:
 
     def _refuse_layer_types(self, config) -> None:
         types = getattr(config, "layer_types", None) or []
-        odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+        odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES + _STATE_LAYER_TYPES})
         if odd:
             why = "; ".join(_LAYER_TYPE_REASONS[t] for t in odd if t in _LAYER_TYPE_REASONS) or "hybrid attention"
             raise FuselmError(f"model_type {self.model_type!r} is not supported: it has {', '.join(odd)} layers "
-                              f"({why}); fuselm converts full / sliding-window / chunked attention layers only")
+                              f"({why}); fuselm converts full / sliding-window / chunked attention, linear-attention, "
+                              "state-space and short-convolution layers")
 
     def _refuse_rope(self, config) -> None:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -251,6 +269,9 @@ class Skeleton:
         n = self.config.num_hidden_layers
         lists = [(name, m) for name, m in self.model.named_modules() if isinstance(m, nn.ModuleList)]
         found = [(name, m) for name, m in lists if len(m) == n and len({type(x) for x in m}) == 1]
+        of_n = [(name, m) for name, m in lists if len(m) == n]
+        if not found and len(of_n) == 1:  # hybrids with a class per layer kind (OLMo-Hybrid, Zamba2)
+            found = of_n
         if len(found) != 1:
             stacks = ", ".join(f"{name} ({len(m)} x {'/'.join(sorted({type(x).__name__ for x in m}))})"
                                for name, m in lists if len(m)) or "none"
@@ -350,7 +371,8 @@ class Skeleton:
         kv_heads / head_dim are those of the keys layer 0's attention reads (a latent layer's expanded ones),
         `attention` has every layer's cache (contract.attention_meta)."""
         c = self.config
-        kv_shape = plans[0].attends or kv_shapes[0][:2]
+        attending = next((k for k in kv_shapes if any(k)), (0, 0, 0))  # the first layer that attends
+        kv_shape = plans[0].attends or attending[:2]
         rope = next((p.rope for p in plans if p.rope is not None), None)
         sliding = any(p.sliding for p in plans)
         chunked = any(p.mask == "chunked" for p in plans)
@@ -359,9 +381,10 @@ class Skeleton:
             "family": self.model_type,
             "model_type": self.model_type,
             "architecture": (self.raw.get("architectures") or [type(self.model).__name__])[0],
-            "dims": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                     "kv_heads": kv_shape[0], "head_dim": kv_shape[1],
-                     "intermediate": _first(_setting(c, "intermediate_size")), "vocab": c.vocab_size},
+            "dims": {k: v for k, v in {  # attention's dims only where a layer attends (not a pure Mamba-2 model)
+                "layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": _setting(c, "num_attention_heads"),
+                "kv_heads": kv_shape[0], "head_dim": kv_shape[1], "intermediate": _first(_setting(c, "intermediate_size")),
+                "vocab": c.vocab_size}.items() if v or k == "intermediate"},
             "rms_norm_eps": getattr(c, "rms_norm_eps", None),
             "tie_word_embeddings": bool(self.tied_names()),
             "max_position_embeddings": getattr(c, "max_position_embeddings", None),
@@ -377,8 +400,10 @@ class Skeleton:
             "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding],
                        "chunked_layers": [p.index for p in plans if p.mask == "chunked"],
                        "side_inputs": sorted({k for p in plans for k in p.side})},
+            "layer_types": [p.layer_type for p in plans],
             "attention": contract.attention_meta(
-                [{"mask": p.mask, "cache": "shared" if p.kv_source is not None else
+                [{"mask": "none", "cache": "none"} if not any(k) else
+                 {"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
                   **({"kv_source": p.kv_source} if p.kv_source is not None else {})} for p, k in zip(plans, kv_shapes, strict=True)],
                 sliding_window=getattr(c, "sliding_window", None) if sliding else None,
@@ -438,29 +463,41 @@ class Skeleton:
                 first = tag[3]
                 if id(first) not in specs:
                     specs[id(first)] = self._rope_spec(*tag, positions)
-            allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
-            # a boolean mask that marks the masked positions (MPT casts the additive mask to bool)
-            mask_form = "masked" if allowed.dtype == torch.bool and not allowed[0, 0] else "additive"
-            allowed = ~allowed if mask_form == "masked" else allowed
-            mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
-                         and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
-            if mask is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
-                                  "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
-            cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
-            static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _LAYER_ARGS
-                      and (v is None or isinstance(v, (bool, int, float, str)))}
-            hidden = tuple(kwargs["_returned"].shape)
-            tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS and not k.startswith("_")
-                       and isinstance(v, torch.Tensor)}
-            inputs = {k: tuple(v.shape) for k, v in tensors.items()
-                      if v.is_floating_point() and v.dim() >= 3 and tuple(v.shape[:2]) == (1, PROBE_LEN)}
-            shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
-            plans.append(LayerPlan(i, specs[id(first)] if first is not None else None, mask, kwargs=static,
-                                   cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares,
-                                   side=tuple(k for k in tensors if k not in inputs), mask_form=mask_form))
+            given = kwargs.get("attention_mask")
+            # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
+            unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
+            mask, mask_form = (NO_MASK, "additive") if unmasked else self._mask(kwargs, i, patterns, window, chunk)
+            plans.append(self._plan(i, kwargs, specs[id(first)] if first is not None else None, mask, mask_form))
+            plans[-1].rotary = pe is not None  # attention without positions (Nemotron-H's, Granite 4's): none given
         self.positions = self._positions(seen[0]) if all(p.rope is None for p in plans) else "rotary"
         return plans
+
+    def _mask(self, kwargs: dict, i: int, patterns: dict, window, chunk) -> tuple[str, str]:
+        """The mask kind (MASKS) of the mask a layer got in the probe, and its form: "additive", or "masked" for a
+        boolean mask True where attention is masked (MPT casts the additive mask to bool); anything else is refused."""
+        allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
+        mask_form = "masked" if allowed.dtype == torch.bool and not allowed[0, 0] else "additive"
+        allowed = ~allowed if mask_form == "masked" else allowed
+        mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
+                     and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
+        if mask is None:
+            raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
+                              "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
+        return mask, mask_form
+
+    def _plan(self, i: int, kwargs: dict, rope, mask: str, mask_form: str) -> LayerPlan:
+        """Layer i's plan from the arguments the model gave it in the probe."""
+        cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
+        static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _LAYER_ARGS
+                  and (v is None or isinstance(v, (bool, int, float, str)))}
+        hidden = tuple(kwargs["_returned"].shape)
+        tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS and not k.startswith("_")
+                   and isinstance(v, torch.Tensor)}
+        inputs = {k: tuple(v.shape) for k, v in tensors.items()
+                  if v.is_floating_point() and v.dim() >= 3 and tuple(v.shape[:2]) == (1, PROBE_LEN)}
+        shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
+        return LayerPlan(i, rope, mask, kwargs=static, cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares,
+                         side=tuple(k for k in tensors if k not in inputs), mask_form=mask_form)
 
     def side_inputs(self, batch: int, total: int) -> list[dict[str, torch.Tensor]]:
         """Per decoder layer, the tensors the model hands it beside the hidden state, mask and positions
@@ -477,10 +514,9 @@ class Skeleton:
         class Stop(Exception):
             pass
 
-        class Recorder(nn.Module):
+        class Recorder(StandIn):
             def __init__(self, last, returns_tuple, layer):
-                super().__init__()
-                self.__dict__.update(plain_attributes(layer))  # what the model reads off its layers (attention_type)
+                super().__init__(layer)
                 self.last, self.returns_tuple = last, returns_tuple
                 self.signature = inspect.signature(type(layer).forward)
 
@@ -489,14 +525,15 @@ class Skeleton:
                 seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
                 if self.last:
                     raise Stop
-                return (hidden_states,) if self.returns_tuple else hidden_states
+                return _layer_output(hidden_states, self.returns_tuple)
 
         originals = list(self.layers)
         positions = self.positions_fed = torch.arange(length)[None].repeat(batch, 1)
         common = dict(position_ids=positions, attention_mask=torch.ones(batch, length, dtype=torch.long), use_cache=False)
         try:
-            # transformers 5 layers return a tensor; older ones a tuple
-            for returns_tuple in ((False, True) if find_returns else (self.returns_tuple,)):
+            # transformers 5 layers return a tensor; older ones a tuple (Bamba's a pair)
+            forms = (0, 1, 2) if find_returns else (self.returns_tuple,)
+            for returns_tuple in forms:
                 seen.clear()
                 chained.clear()
                 for i in range(len(originals)):
@@ -512,11 +549,15 @@ class Skeleton:
                             base(input_ids=torch.zeros(batch, length, dtype=torch.long), **common)
                 except Stop:
                     pass
-                except TypeError as e:
+                except (ValueError, TypeError) as e:  # it unpacks the layer's output otherwise: the next form
+                    if returns_tuple != forms[-1]:
+                        chained.append(False)
+                        continue
                     params = inspect.signature(type(base).forward).parameters
-                    if "inputs_embeds" in params or "input_ids" in params:
+                    if isinstance(e, ValueError) or "inputs_embeds" in params or "input_ids" in params:
                         raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
-                                          f"cannot be probed (TypeError: {_first_line(e)}); not supported by the traced "
+                                          f"cannot be probed or reads more from a decoder layer than its hidden state "
+                                          f"({type(e).__name__}: {_first_line(e)}); not supported by the traced "
                                           "exporter") from None
                     needs = [n for n, p in list(params.items())[1:] if p.default is inspect.Parameter.empty
                              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -660,3 +701,23 @@ def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
                           "not supported by the traced exporter")
     m = mask[0, 0] if mask.dim() == 4 else mask
     return m if m.dtype == torch.bool else m == 0
+
+
+class StandIn(nn.Module):
+    """A module standing in for a decoder layer: attributes it lacks are the layer's (Nemotron-H's model loop reads
+    each layer's `block_type`)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+def _layer_output(hidden_states, returns_tuple: int):
+    """What a decoder layer returns: the hidden state (0), a 1-tuple of it (1) or it and no attention weights (2)."""
+    return (hidden_states, *(None,) * (returns_tuple - 1)) if returns_tuple else hidden_states

@@ -3,8 +3,9 @@
 The outer template's `fuselm_trace::Layer` markers are replaced, in order, by copies of each
 layer's kind template: values and nodes renamed under `/model/layers.{i}/`, the layer inputs wired
 to the previous hidden state, the shared mask of its kind (exporter/graph.py's `attention_mask`,
-sliding window or not), `position_ids`, `past_key_values.{i}.*`, the other tensors the model computes
-for it (the marker's inputs: per-token inputs, ALiBi biases), and its outputs to `present.{i}.*`. Node names follow the module scopes torch.onnx records
+sliding window or not) where it reads one, `position_ids`, `past_key_values.{i}.*` and `past_state.{i}.*`
+where it has them, the other tensors the model computes for it (the marker's inputs: per-token inputs, ALiBi
+biases), and its outputs to `present.{i}.*` / `present_state.{i}.*`. Node names follow the module scopes torch.onnx records
 (`/model/layers.3/self_attn/q_proj/MatMul`).
 
 Parameters become the builder's weights (exporter/quant.py's Plan, so f32/f16/q8/q4 are
@@ -51,10 +52,14 @@ class Stamper:
         `sources`: per layer the layer whose keys and values it reads (KV sharing), or None."""
         b = self.b
         ids, mask_in, position_ids = graph_inputs(b)
-        masks = {k: attention_mask(b, ids, mask_in, sizes.get("sliding") if k == "sliding" else None,
-                                   "/model/attn_mask" + ("" if k == "causal" else f"_{k}"),
-                                   chunk=sizes.get("chunked") if k == "chunked" else None)
-                 for k in sorted(set(kinds))}
+        masks = {}
+
+        def mask(k: str) -> str:  # made where the first layer that reads it is stamped (a recurrent block reads none)
+            if k not in masks:
+                masks[k] = attention_mask(b, ids, mask_in, sizes.get("sliding") if k == "sliding" else None,
+                                          "/model/attn_mask" + ("" if k == "causal" else f"_{k}"),
+                                          chunk=sizes.get("chunked") if k == "chunked" else None)
+            return masks[k]
         given = {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask_in, contract.POSITION_IDS: position_ids}
         names = {v.name: given[v.name] for v in outer.graph.input}  # (mask and positions where the model reads them)
         self._constants(outer, "outer", names)
@@ -70,7 +75,7 @@ class Stamper:
                 if i != markers:
                     raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
                 x, inputs = names[node.input[0]], [names[n] for n in node.input[1:]]
-                names[node.output[0]] = self._layer(layers[i], i, x, masks[kinds[i]], position_ids, inputs,
+                names[node.output[0]] = self._layer(layers[i], i, x, lambda k=kinds[i]: mask(k), position_ids, inputs,
                                                     sources[i] if sources else None)
                 markers += 1
                 continue
@@ -84,49 +89,64 @@ class Stamper:
                                                       ["batch_size", "sequence_length", vocab]))
         return b
 
-    def _layer(self, t: Template, i: int, x: str, mask: str, position_ids: str, inputs: list[str],
+    def _layer(self, t: Template, i: int, x: str, mask, position_ids: str, inputs: list[str],
                source: int | None) -> str:
-        """Stamp layer `i`; a layer that reads layer `source`'s keys and values (KV sharing) gets that layer's
-        past inputs and new rows and gives no cache outputs of its own."""
+        """Stamp layer `i` from its kind's template: its pasts become the graph inputs past_key_values.{i}.* /
+        past_state.{i}.*, its presents the outputs present.{i}.* / present_state.{i}.*; `mask()` gives the
+        attention mask where the template reads one. A layer that reads layer `source`'s keys and values (KV
+        sharing) gets that layer's past inputs and new rows and gives no cache outputs of its own."""
         from .cache import kv_shape
 
         b, scope = self.b, f"/model/layers.{i}"
-        kv_heads, k_dim, v_dim = kv_shape(t)
-        owner = i if source is None else source
-        past = [contract.past_name(owner, kind) for kind in contract.KINDS]
-        present = [contract.present_name(i, kind) for kind in contract.KINDS]
-        if source is None:
-            for name, dim in zip(past, (k_dim, v_dim), strict=True):
-                b.inputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                          ["batch_size", kv_heads, "past_sequence_length", dim]))
-        else:
-            if source not in self.kv_rows:
-                raise FuselmError(f"layer {i} reads the keys and values of layer {source}, whose attention does not "
-                                  "append them to its cache in one Attention op; not supported")
-            inputs = [*inputs, *self.kv_rows[source]]
         given = [v.name for v in t.graph.input]
-        if len(given) != len(LAYER_INPUTS) + len(inputs):
-            raise FuselmError(f"layer {i}: the traced layer takes {len(given) - len(LAYER_INPUTS)} other inputs, the "
-                              f"model gives it {len(inputs)}; not supported")
-        names = dict(zip(given, [x, mask, position_ids, *past, *inputs], strict=True))
+        dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                for v in t.graph.input}
+        names = {"hidden_states": x, "position_ids": position_ids}
+        if "attention_mask" in given:
+            names["attention_mask"] = mask()
+        out_names, out_dims = {}, {}
+        if "past_key" in given:
+            kv_heads, k_dim, v_dim = kv_shape(t)
+            owner = i if source is None else source
+            names.update(zip(("past_key", "past_value"), [contract.past_name(owner, k) for k in contract.KINDS], strict=True))
+            if source is None:
+                for kind, dim in zip(contract.KINDS, (k_dim, v_dim), strict=True):
+                    b.inputs.append(oh.make_tensor_value_info(contract.past_name(i, kind), onnx.TensorProto.FLOAT,
+                                                              ["batch_size", kv_heads, "past_sequence_length", dim]))
+                    out_names[f"present_{kind}"] = contract.present_name(i, kind)
+                    out_dims[contract.present_name(i, kind)] = ["batch_size", kv_heads, "total_sequence_length", dim]
+            else:
+                if source not in self.kv_rows:
+                    raise FuselmError(f"layer {i} reads the keys and values of layer {source}, whose attention does not "
+                                      "append them to its cache in one Attention op; not supported")
+                inputs = [*inputs, *self.kv_rows[source]]
+        for kind in contract.STATE_KINDS:  # recurrent states: fixed size, the present replaces the past
+            if f"past_{kind}" in given:
+                past, present = contract.state_name(i, kind), contract.state_name(i, kind, contract.STATE_PRESENT)
+                b.inputs.append(oh.make_tensor_value_info(past, onnx.TensorProto.FLOAT,
+                                                          ["batch_size", *dims[f"past_{kind}"][1:]]))
+                names[f"past_{kind}"], out_names[f"present_{kind}"] = past, present
+                out_dims[present] = ["batch_size", *dims[f"past_{kind}"][1:]]
+        extra = [n for n in given if n not in LAYER_INPUTS]
+        if len(extra) != len(inputs):
+            raise FuselmError(f"layer {i}: the traced layer takes {len(extra)} other inputs, the model gives it "
+                              f"{len(inputs)}; not supported")
+        names.update(zip(extra, inputs, strict=True))
         self._constants(t, f"layer_kind_{id(t)}", names)
         self._weights(t, names, scope, i, lambda rel: self.aliases.get(f"{self.prefix}.{i}.{rel}", f"{self.prefix}.{i}.{rel}"))
         outputs = [o.name for o in t.graph.output]
-        assert outputs == LAYER_OUTPUTS and given[:len(LAYER_INPUTS)] == LAYER_INPUTS
+        assert outputs[0] == "hidden_out" and set(outputs) <= set(LAYER_OUTPUTS) and given[0] == LAYER_INPUTS[0]
         # a reader's Attention appends the source's rows again: its presents (onnxruntime wants them where a past is
         # given) are the source's present values, read by nothing
-        out_names = {outputs[1]: present[0], outputs[2]: present[1]} if source is None else {}
         first = len(b.nodes)
         for node in t.graph.node:
             self._copy(t, node, names, scope, prefix_values=f"{scope}/", fixed=out_names)
-        if source is not None:
-            return names[outputs[0]]
-        for out, name, dim in zip(outputs[1:], present, (k_dim, v_dim), strict=True):
+        for out, name in out_names.items():
             if names.get(out) != name:
-                raise FuselmError(f"layer {i}: the traced layer does not produce its cache output directly; not supported")
-            b.outputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                       ["batch_size", kv_heads, "total_sequence_length", dim]))
-        attention = next((n for n in b.nodes[first:] if n.op_type == "Attention" and present[0] in n.output), None)
+                raise FuselmError(f"layer {i}: the traced layer does not produce its {out} output directly; not supported")
+            b.outputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, out_dims[name]))
+        key = contract.present_name(i, "key")
+        attention = next((n for n in b.nodes[first:] if n.op_type == "Attention" and key in n.output), None)
         if attention is not None:
             self.kv_rows[i] = (attention.input[1], attention.input[2])
         return names[outputs[0]]

@@ -6,8 +6,11 @@ kind is traced once with `torch.onnx.export(dynamo=True, opset_version=23, optim
 ONNX registry built once per process) on
 placeholder weights of the real shapes (uninitialized memory: the trace never reads them):
 
-    layer(hidden [B,S,hidden], mask [B,1,S,T], position_ids [B,S], past_key, past_value)
-        -> (hidden, present_key, present_value)
+    layer(hidden [B,S,hidden], mask [B,1,S,T], position_ids [B,S], past_key, past_value, past_conv,
+          past_recurrent, *inputs) -> (hidden, present_key, present_value, present_conv, present_recurrent)
+
+with only the pasts and presents the layer uses: the KV cache where it attends, a conv and a recurrent state
+where it runs a recurrent-state op (state_ops.py), the mask only where the model gives it one.
 
 The model around the layers (embedding and its scale, final norm, lm_head, logit scaling or
 soft-capping) is traced once with every layer replaced by a `fuselm_trace::layer` marker node;
@@ -30,11 +33,15 @@ from torch import nn
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from . import attention_op, moe, rope_op
-from .skeleton import PROBE_LEN, LayerPlan, Skeleton, _named, placeholders, plain_attributes, restore
+from . import attention_op, moe, rope_op, state_ops
+from .skeleton import PROBE_LEN, LayerPlan, Skeleton, StandIn, _layer_output, _named, placeholders, restore
 
-LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value"]
-LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value"]
+# Every named input and output a layer template may have; a template has those its layer uses (a recurrent layer
+# has no mask and no KV cache, a stateless one no past at all), then its other inputs input_0, input_1, ...
+LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value", "past_conv",
+                "past_recurrent"]
+LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value", "present_conv", "present_recurrent"]
+SLOTS = ("key", "value", *contract.STATE_KINDS)  # past_{slot} -> present_{slot}
 # a layer that reads another layer's keys and values (LayerPlan.share "reuse") also takes that layer's new rows;
 # its past_key / past_value are that layer's past
 SHARED_INPUTS = ["shared_key", "shared_value"]
@@ -107,10 +114,12 @@ def _structure(layer: nn.Module) -> tuple:
 
 
 class _LayerWrapper(nn.Module):
-    """layer(hidden, mask, position_ids, past_key, past_value, *inputs) -> (hidden, present_key, present_value),
-    called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
+    """layer(hidden, mask, position_ids, past_key, past_value, past_conv, past_recurrent, *inputs) -> (hidden,
+    present_*), called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
     (LayerPlan.inputs, LayerPlan.side, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for
-    (`cache`: None, a LengthCache, a TraceCache, or in the dry run a ProbeCache)."""
+    (`cache`: None, a LengthCache, a TraceCache, or in the dry run a ProbeCache). The recurrent-state ops take their
+    pasts from state_ops.STATE. `found` (after each run): the slots (SLOTS) it used, the state ops and the states'
+    shapes."""
 
     def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool,
                  shared_rows=None):
@@ -120,11 +129,16 @@ class _LayerWrapper(nn.Module):
         self.latent: tuple | None = None  # (Linear, heads, nope, v) of a latent layer's expansion (LatentAttention)
         self.shared_rows = shared_rows or {}  # share key -> (k, v) rows a reuse layer reads in its dry run
         self.shared: _Shared | None = None
+        self.found: tuple = ((), {}, {})
 
-    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, *inputs):
+    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, past_conv, past_recurrent,
+                *inputs):
         ctx = attention_op.CONTEXT
-        ctx.past = past_key if isinstance(past_key, str) else (past_key, past_value)
-        if self.plan.mask_form == "masked":  # the layer's own form of the graph's additive mask
+        dry = isinstance(past_key, str)
+        ctx.past = past_key if dry else (past_key, past_value) if past_key is not None else None
+        state_ops.STATE.reset({} if dry else {k: v for k, v in zip(contract.STATE_KINDS, (past_conv, past_recurrent),
+                                                                      strict=True) if v is not None})
+        if self.plan.mask_form == "masked" and attention_mask is not None:  # the layer's own form of the graph's mask
             attention_mask = attention_mask != 0
         ctx.present, ctx.calls, ctx.mask, ctx.read, ctx.positions = None, 0, attention_mask, None, position_ids
         ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
@@ -135,16 +149,19 @@ class _LayerWrapper(nn.Module):
         if self.plan.shares:
             rows = tuple(inputs[len(given):])
             self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
-        # the rope op's marker for cos/sin where the model hands the layer a rotary, else nothing (NoPE layers)
+        # the rope op's marker for cos/sin where the model hands the layer a rotary, else nothing (non-rotary layers)
         pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
-        pe = pe if self.plan.rope is not None else None
         out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
-                         position_embeddings=pe)
+                         position_embeddings=pe if self.plan.rotary else None)
         out = out[0] if isinstance(out, tuple) else out
-        if ctx.present is None:
+        states = state_ops.STATE.presents
+        if ctx.present is None and self.plan.masked:
             raise _NoAttention(f"{type(self.layer).__name__}: the layer neither called its attention function nor "
                                "updated its cache; not supported by the traced exporter")
-        return out, *ctx.present
+        kinds = [k for k in contract.STATE_KINDS if k in states]
+        self.found = ((*(("key", "value") if ctx.present is not None else ()), *kinds), dict(state_ops.STATE.ops),
+                      dict(state_ops.STATE.shapes))
+        return out, *(ctx.present or ()), *(states[k] for k in kinds)
 
 
 class _Shared(UserDict):
@@ -177,16 +194,15 @@ class _NoAttention(FuselmError):
     pass
 
 
-class _MarkedLayer(nn.Module):
-    def __init__(self, index: int, returns_tuple: bool, signature, inputs: list[str], layer: nn.Module):
-        super().__init__()
-        self.__dict__.update(plain_attributes(layer))  # what the model reads off its layers (attention_type)
+class _MarkedLayer(StandIn):
+    def __init__(self, original: nn.Module, index: int, returns_tuple: int, signature, inputs: list[str]):
+        super().__init__(original)
         self.index, self.returns_tuple, self.signature, self.inputs = index, returns_tuple, signature, inputs
 
     def forward(self, hidden_states, *args, **kwargs):
         named = _named(self.signature, hidden_states, args, kwargs) if self.inputs else {}
         y = torch.ops.fuselm_trace.layer(hidden_states, [named[n] for n in self.inputs], self.index)
-        return (y,) if self.returns_tuple else y
+        return _layer_output(y, self.returns_tuple)
 
 
 class _Outer(nn.Module):
@@ -202,27 +218,49 @@ class _Outer(nn.Module):
         return self.lm(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, use_cache=False).logits
 
 
-def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the layer once without past: the cache's shapes as the layer makes them (kv heads, key and value
-    widths), whatever the config claims (GPT-NeoX ignores num_key_value_heads), and how it uses its cache
-    (`plan.cache`, CACHE_MODES; a ProbeCache records it). A layer whose attention is not one Attention op (it
-    computes attention itself, calls it twice, has sinks or its own mask) switches to eager attention with
-    its cache update traced (`wrapper.inline`)."""
+def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> dict[str, tuple]:
+    """Run the layer once without past: which pasts it uses (SLOTS) and their shapes past the batch: the cache as
+    the layer makes it (kv heads, key and value widths), whatever the config claims (GPT-NeoX ignores
+    num_key_value_heads), the recurrent states as their ops ask; and how it uses its cache (`plan.cache`,
+    CACHE_MODES; a ProbeCache records it). A layer whose attention is not one Attention op (it computes attention
+    itself, calls it twice, has sinks or its own mask) switches to eager attention with its cache update traced
+    (`wrapper.inline`). A recurrent-state or feed-forward block (no mask) runs as it is."""
     with torch.no_grad():
+        if not wrapper.plan.masked:
+            return _shapes(wrapper, wrapper(*args)[1:])
         try:
             if not wrapper.inline:
                 mode = _cache_mode(wrapper, args)
                 wrapper.plan.cache = mode
                 wrapper.latent = _latent_check(wrapper, args) if mode == "latent" else None
                 wrapper.cache = _cache_for(mode)
-            return wrapper(*args)[1:]
+            return _shapes(wrapper, wrapper(*args)[1:])
         except (_NoAttention, attention_op.NotOneAttention):
             if wrapper.inline:
                 raise
         wrapper.inline = skel.inline_attention = True
         wrapper.plan.cache, wrapper.cache = "kv", None
         skel.config._attn_implementation = "eager"  # the modules share the config: all of them go eager
-        return wrapper(*args)[1:]
+        return _shapes(wrapper, wrapper(*args)[1:])
+
+
+def _shapes(wrapper: _LayerWrapper, presents) -> dict[str, tuple]:
+    """slot -> its present's shape past the batch, for the slots the wrapper's last run used."""
+    return {slot: tuple(int(d) for d in p.shape[1:]) for slot, p in zip(wrapper.found[0], presents, strict=True)}
+
+
+def _layer_type(plan: LayerPlan, wrapper: _LayerWrapper) -> str:
+    """What fuselm.json's `layer_types` says of a layer: its state op and its attention kind, `+`-joined
+    (Falcon-H1's parallel Mamba-2 and attention: "mamba2+full_attention"); "feed_forward" for neither."""
+    names = {contract.CONV_OP: "short_conv", contract.GDN_OP: "gated_delta_net", contract.MAMBA2_OP: "mamba2",
+             contract.MAMBA_OP: "mamba"}
+    slots, ops, _ = wrapper.found
+    parts = [names[op] for op in names if op in set(ops.values())]
+    if len(parts) > 1:
+        parts.remove("short_conv")  # the conv in front of a scan is part of that layer kind
+    if "key" in slots:
+        parts.append({"sliding": "sliding_attention", "chunked": "chunked_attention"}.get(plan.mask, "full_attention"))
+    return "+".join(parts) or "feed_forward"
 
 
 def _cache_mode(wrapper: _LayerWrapper, args: tuple) -> str:
@@ -291,18 +329,18 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
                "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
-               "inputs": [{0: b, 1: s} for _ in inputs]}
+               "past_conv": {0: b}, "past_recurrent": {0: b}, "inputs": [{0: b, 1: s} for _ in inputs]}
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
     shared_rows = {} if shared_rows is None else shared_rows
     undo = placeholders(layer)
     try:
-        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])):
+        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
-            one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1), positions[:, :1], "empty", None,
-                   *(x[:, :1] for x in inputs), *small)
+            one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
+                   None, None, None, *(x[:, :1] for x in inputs), *small)
             try:
-                key, value = _dry_run(skel, wrapper, one)
+                slots = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
                 raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
@@ -321,19 +359,24 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
             shared_rows_in = inputs[len(plan.inputs):]  # a reuse layer's rows come after the side inputs
             inputs, shared_dims = inputs[:len(plan.inputs)], dynamic["inputs"][len(plan.inputs):]
             dynamic["inputs"] = dynamic["inputs"][:len(plan.inputs)]
-            args = (hidden, torch.zeros(batch, 1, seq, past + seq), positions,
-                    torch.randn(batch, key.shape[1], past, key.shape[3]), torch.randn(batch, value.shape[1], past, value.shape[3]))
+            given = {"hidden_states": hidden, "attention_mask": torch.zeros(batch, 1, seq, past + seq) if plan.masked else None,
+                     "position_ids": positions,
+                     **{f"past_{slot}": torch.randn(batch, *((d[0], past, d[2]) if slot in ("key", "value") else d))
+                        for slot, d in slots.items()}}
+            args = tuple(given.get(n) for n in LAYER_INPUTS)
+            fixed = {n: d if given.get(n) is not None else None for n, d in dynamic.items() if n != "inputs"}
+            outputs = ["hidden_out", *(f"present_{slot}" for slot in slots)]
             # a side input's length is the cache's (ALiBi over the keys) or, if that fails, the step's (a query scaling)
             for length, dim in ((past + seq, t), (seq, s))[:2 if plan.side else 1]:
                 side, side_dims = _side_examples(skel, plan, batch, length, b, dim)
                 extra = [*inputs, *side, *shared_rows_in]
-                dynamic["inputs"] = (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims)
-                if not extra:
-                    dynamic.pop("inputs", None)  # (torch.export names the *inputs argument only when it gets some)
+                # (torch.export names the *inputs argument only when it gets some)
+                dims = fixed | ({"inputs": (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims)}
+                                if extra else {})
                 installed.calls = 0
-                names = LAYER_INPUTS + [f"input_{i}" for i in range(len(extra))]
+                names = [n for n in LAYER_INPUTS if given.get(n) is not None] + [f"input_{i}" for i in range(len(extra))]
                 try:
-                    program = _export(wrapper, (*args, *extra), dynamic, names, LAYER_OUTPUTS, skel.model_type)
+                    program = _export(wrapper, (*args, *extra), dims, names, outputs, skel.model_type)
                     break
                 except FuselmError:
                     if length == seq or not plan.side:
@@ -344,6 +387,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
         plan.rope = None  # the layer skips rope (SmolLM3's no-rope layers): nothing to carry
     elif plan.rope is not None:
         plan.rope.use(installed.used)
+    plan.layer_type = _layer_type(plan, wrapper)
     return _template(program, "layer.")
 
 
@@ -379,8 +423,8 @@ def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Templat
     originals = list(skel.layers)
     for i in range(len(originals)):
         given = [*plans[i].inputs, *plans[i].side] if plans else []
-        skel.layers[i] = _MarkedLayer(i, skel.returns_tuple, inspect.signature(type(originals[i]).forward), given,
-                                      originals[i])
+        skel.layers[i] = _MarkedLayer(originals[i], i, skel.returns_tuple, inspect.signature(type(originals[i]).forward),
+                                      given)
     undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     implementation = skel.config._attn_implementation
@@ -429,8 +473,8 @@ def _erfinv_translation():
 
 
 def _export(module, args, dynamic, input_names, output_names, model_type):
-    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **_marker_translation(),
-             **_erfinv_translation()}
+    table = {**rope_op.translation(), **attention_op.translation(), **moe.translation(), **state_ops.translation(),
+             **_marker_translation(), **_erfinv_translation()}
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")

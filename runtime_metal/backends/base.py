@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import state_kernels
+
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "erf",
          "relu", "floor", "ceil", "round", "sign", "not", "isnan", "isinf", "asin", "acos", "atan",
          "sinh", "cosh", "asinh", "acosh", "atanh", "softplus", "bitwise_not")
@@ -241,6 +243,24 @@ class Backend:
 
     def trilu(self, x, k: int, upper: bool):
         raise NotImplementedError
+
+    # --- recurrent-state ops (fuselm::CausalConv1D / GatedDeltaNet / Mamba2 / Mamba): state_kernels.py over the primitives;
+    # a backend with its own kernels overrides them. States are float32 whatever the compute dtype.
+    def state_zeros(self, shape: tuple):
+        """A recurrent state before the first token: float32 zeros (never the compute dtype)."""
+        return self.full(tuple(shape), 0, 1)  # TensorProto.FLOAT
+
+    def causal_conv1d(self, x, past, weight):
+        return state_kernels.causal_conv1d(self, x, past, weight)
+
+    def gated_delta(self, q, k, v, decay, beta, state):
+        return state_kernels.gated_delta(self, q, k, v, decay, beta, state)
+
+    def ssm_scan(self, x, dt, a_log, b, c, d, dt_bias, state, dt_min: float, dt_max: float):
+        return state_kernels.ssm_scan(self, x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)
+
+    def selective_scan(self, x, dt, a_log, b, c, d, dt_bias, state):
+        return state_kernels.selective_scan(self, x, dt, a_log, b, c, d, dt_bias, state)
 
     # --- fused kernels ----------------------------------------------------------------
     def silu_gate(self, gate, up):

@@ -16,7 +16,7 @@ from onnx import TensorProto
 
 from fuselm import switches
 
-from . import kv_quant, mlx_forms
+from . import kv_quant, mlx_forms, mlx_state
 from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
 
 MX_DTYPES = {
@@ -476,6 +476,24 @@ class MLXBackend(Backend):
         mask = mx.tri(x.shape[-2], x.shape[-1], k=k - 1 if upper else k, dtype=mx.bool_)
         mask = mx.logical_not(mask) if upper else mask
         return mx.where(mask, x, mx.zeros_like(x))
+
+    # --- recurrent-state ops: each token's step one compiled function (mlx_state.py) --------------------
+    def state_zeros(self, shape):
+        return mx.zeros(tuple(shape), mx.float32)  # float32 whatever the compute dtype
+
+    def causal_conv1d(self, x, past, weight):
+        return mlx_state.causal_conv1d(x, past, weight)
+
+    def gated_delta(self, q, k, v, decay, beta, state):
+        return mlx_state.gated_delta(q, k, v, decay, beta, state)
+
+    def ssm_scan(self, x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max):
+        if x.shape[1] == 1:
+            return mlx_state.ssm_step(x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)
+        return super().ssm_scan(x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)  # chunks of the dual form
+
+    def selective_scan(self, x, dt, a_log, b, c, d, dt_bias, state):
+        return mlx_state.selective_scan(x, dt, a_log, b, c, d, dt_bias, state)
 
     # --- fused kernels ----------------------------------------------------------------
     def rms_norm(self, x, weight, eps):

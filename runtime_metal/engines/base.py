@@ -64,6 +64,15 @@ class Engine:
         """Forget the last `n` tokens of the cache (they are written over by the next forward)."""
         raise NotImplementedError(f"the {self.name} engine cannot roll its cache back")
 
+    trimmable = True  # rollback works; else (a recurrent state) checkpoint / restore and run the kept tokens again
+
+    def checkpoint(self):
+        """Where the cache stands, for `restore`."""
+        raise NotImplementedError(f"the {self.name} engine cannot checkpoint its cache")
+
+    def restore(self, saved) -> None:
+        raise NotImplementedError(f"the {self.name} engine cannot restore its cache")
+
     # --- runs over them ------------------------------------------------------------------------
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Prefill `ids`, then yield up to `max_new` tokens picked by `sampler` (the caller stops at eos)."""

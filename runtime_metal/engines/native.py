@@ -59,6 +59,16 @@ class NativeEngine(Engine):
     def rollback(self, n: int) -> None:
         self.session.rollback(n)
 
+    @property
+    def trimmable(self) -> bool:
+        return not self.session.state  # a recurrent state cannot roll back: speculation restores and replays
+
+    def checkpoint(self):
+        return self.session.checkpoint()
+
+    def restore(self, saved) -> None:
+        self.session.restore(saved)
+
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Tokens picked on the device, the next step queued while this one is read (Session.generate); with
         --profile the profiler times the decode steps after the first few."""

@@ -19,6 +19,7 @@ from fuselm.genai_config import LOWERED_GRAPH_OPTIMIZATION, shares_buffer
 from fuselm.genai_config import NAME as GENAI_CONFIG
 from fuselm.options import GENERATION, Options
 
+from ..state import NO_ROLLBACK
 from . import mapped_pages
 from .base import Engine
 
@@ -122,6 +123,7 @@ class BoundLoop:
         # an input with a default (logits_to_keep) is one of onnxruntime's overridable initializers
         self.inputs = {i.name: i for i in [*self.sess.get_inputs(), *self.sess.get_overridable_initializers()]}
         self.pasts = sorted((n for n in self.inputs if contract.is_past(n)), key=contract.cache_order)
+        self.states = sorted((n for n in self.inputs if contract.is_state_past(n)), key=contract.step_order)
         self.shared = _shares_buffer(config, model_dir)
         self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
         self.cache, self.done, self.max_len = {}, 0, 0
@@ -137,6 +139,7 @@ class BoundLoop:
         shape = [(self.inputs[n].shape[1], self.inputs[n].shape[3]) for n in self.pasts]
         self.cache = {n: self._value(np.zeros((1, kv, max_len if self.shared else 0, d), np.float32))
                       for n, (kv, d) in zip(self.pasts, shape, strict=True)}
+        self.cache.update({n: self._value(contract.zero_state(self.inputs[n].shape)) for n in self.states})
         self.done, self.max_len = 0, max_len
 
     def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
@@ -156,9 +159,20 @@ class BoundLoop:
                 out.append(logits[-want:])
         return np.concatenate(out)
 
+    def checkpoint(self):
+        """(position, the cache's OrtValues): each step binds new presents and states, and a shared KV buffer's
+        rows after the position are written over, so references suffice (`restore` puts them back)."""
+        return self.done, dict(self.cache)
+
+    def restore(self, saved) -> None:
+        self.done, cache = saved
+        self.cache = dict(cache)
+
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.done:
             raise ValueError(f"cannot roll back {n} of {self.done} cached tokens")
+        if n and self.states:
+            raise FuselmError(NO_ROLLBACK)
         self.done -= n
         if n and not self.shared:  # the presents hold exactly the cached rows: cut them
             self.cache = {k: self._value(v.numpy()[:, :, :self.done]) for k, v in self.cache.items()}
@@ -185,10 +199,16 @@ class BoundLoop:
             else:
                 io.bind_output(contract.present_of(name), "cpu")
                 bound.append(contract.present_of(name))
+        for name in self.states:  # recurrent states: the present replaces the past
+            io.bind_ortvalue_input(name, self.cache[name])
+            io.bind_output(contract.step_present_of(name), "cpu")
+            bound.append(contract.step_present_of(name))
         self.sess.run_with_iobinding(io)
         outs = dict(zip(bound, io.get_outputs(), strict=False))
+        states = {n: outs[contract.step_present_of(n)] for n in self.states}
         if not self.shared:
             self.cache = {n: outs[contract.present_of(n)] for n in self.pasts}
+        self.cache.update(states)
         self.done += s
         return outs[contract.LOGITS].numpy()[0]
 
@@ -280,6 +300,16 @@ class OrtEngine(Engine):
     def rollback(self, n: int) -> None:
         self._bound().rollback(n)
 
+    @property
+    def trimmable(self) -> bool:
+        return not self._bound().states
+
+    def checkpoint(self):
+        return self._bound().checkpoint()
+
+    def restore(self, saved) -> None:
+        self._bound().restore(saved)
+
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         if isinstance(self.loop, GenaiLoop):
             yield from self.loop.generate(ids, max_new, sampler.temperature, sampler.top_k, sampler.top_p,
@@ -290,6 +320,12 @@ class OrtEngine(Engine):
             if n == 0 or n % RELEASE_EVERY == 0:  # the embedding rows the gather read, and their neighbours
                 mapped_pages.release(data)
             yield token
+
+    def score(self, ids: list[int]) -> np.ndarray:
+        if isinstance(self.loop, BoundLoop):
+            return super().score(ids)
+        # onnxruntime-genai has no teacher-forced step: the same graph on the IO-binding loop scores it
+        return OrtEngine(self.source, self.path, self.options, loop="ort", checked=True).score(ids)
 
     def trace(self, ids: list[int], n: int, force: list[int] | None = None):
         if isinstance(self.loop, BoundLoop):

@@ -147,7 +147,7 @@ def test_passes_on_a_torch_onnx_export(make_ckpt, tmp_path, attn, onnxscript_opt
     """A plain HF model exported by torch.onnx (dynamo): fully decomposed (eager attention, no
     onnxscript rewrites), and torch's defaults (sdpa; onnxscript already wrote RotaryEmbedding,
     RMSNormalization and a cache-less Attention)."""
-    from fuselm.passes.torch_export import export_hf
+    from torch_export import export_hf
 
     src = export_hf(make_ckpt("qwen3"), tmp_path / "torch" / "model.onnx", attn_implementation=attn,
                     optimize=onnxscript_optimize)

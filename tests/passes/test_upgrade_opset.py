@@ -89,7 +89,7 @@ def test_passes_on_other_exporters_at_their_default_opsets(make_ckpt, tmp_path, 
     RMSNorm; onnxruntime gives the same logits and cache before and after."""
     import json
 
-    from fuselm.passes.torch_export import export_hf
+    from torch_export import export_hf
 
     src = export_hf(make_ckpt("qwen3"), tmp_path / "src" / "model.onnx", opset=opset, dynamo=kind == "dynamo",
                     attn_implementation=attn, optimize=onnxscript_optimize)

@@ -1,6 +1,6 @@
 """The runtime as an `onnx.backend.base.Backend`, so ONNX's own node tests can run against the op table.
 
-    from fuselm.runtime_metal.conformance import FuselmBackend
+    from onnx_backend import FuselmBackend
     rep = FuselmBackend.prepare(model)          # torch on CPU by default
     outputs = rep.run([x, y])
 
@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from . import rewrites
-from .backends import make_backend
-from .executor import Executor
-from .loader import LoadedModel, tensor_to_array
+from fuselm.runtime_metal import rewrites
+from fuselm.runtime_metal.backends import make_backend
+from fuselm.runtime_metal.executor import Executor
+from fuselm.runtime_metal.loader import LoadedModel, tensor_to_array
 
 
 def load_proto(model: onnx.ModelProto) -> LoadedModel:

@@ -1,0 +1,347 @@
+"""Recurrent-state layers traced as fuselm ops: short convolutions, the gated delta rule, Mamba-2's scan.
+
+transformers (5.25) writes every such layer around a few module-level functions of its modeling file, the
+kernels it swaps for hub kernels: `causal_conv1d_forward(conv1d, x [B,C,S], cache, layer_idx, activation)`,
+`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, ...)`,
+`mamba2_scan_forward(mixer, x, B, C, dt, cache)` and Mamba-1's `mamba_scan_forward(mixer, x, dt, B, C, gate, cache)`.
+While a layer is traced, `Installed` swaps them for versions that call `fuselm_trace::causal_conv1d` /
+`gated_delta` / `mamba2` / `mamba` on the layer's past state (from `STATE`, the trace context) and leave the present
+state there, so the layer's projections, gates and norms trace as plain nodes and the recurrence becomes one
+`fuselm::CausalConv1D` / `GatedDeltaNet` / `Mamba2` / `Mamba` node (contract.py).
+
+Before a family is traced, `verify` runs its own functions on random tensors and a random initial state,
+single-token and multi-token, against the ops' references: a family whose functions compute something else
+is refused instead of exported wrong (as rope_op.py checks the rotary layout).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from fuselm import contract
+from fuselm.errors import FuselmError
+
+SWAPPED = ("causal_conv1d_forward", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+           "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "mamba2_scan_forward", "mamba_scan_forward")
+L2NORM_EPS = 1e-6  # transformers' l2norm default, FLA's
+
+
+# --- references: the ops' semantics (fuselm/contract.py's function bodies) ------------------------------
+def causal_conv1d_reference(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor):
+    """x [B,S,C], past [B,K-1,C], weight [C,1,K] -> (y [B,S,C], present [B,K-1,C])."""
+    full = torch.cat((past.to(x.dtype), x), dim=1)
+    taps = weight.shape[-1]
+    y = sum(full[:, k:k + x.shape[1]] * weight[:, 0, k] for k in range(taps))
+    return y, full[:, x.shape[1]:].clone()
+
+
+def gated_delta_reference(q, k, v, decay, beta, past):
+    """q, k [B,S,Hk,Dk], v [B,S,Hv,Dv], decay [B,S,Hv] or [B,S,Hv,Dk], beta [B,S,Hv], past [B,Hv,Dv,Dk]
+    -> (y [B,S,Hv,Dv], present)."""
+    rep = v.shape[2] // k.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    decay = decay.reshape(*decay.shape[:3], -1)  # [B,S,Hv,1], or per key channel [B,S,Hv,Dk]
+    state, out = past.float(), []
+    for t in range(q.shape[1]):
+        state = state * decay[:, t].exp()[:, :, None, :]
+        recalled = (state * k[:, t, :, None, :]).sum(dim=-1)
+        delta = (v[:, t] - recalled) * beta[:, t, :, None]
+        state = state + delta[..., None] * k[:, t, :, None, :]
+        out.append((state * q[:, t, :, None, :]).sum(dim=-1))
+    return torch.stack(out, dim=1), state
+
+
+def mamba2_reference(x, dt, a_log, b, c, d, dt_bias, past, dt_min: float = 0.0, dt_max: float = float("inf")):
+    """x [B,S,H,P], dt [B,S,H], A_log / D / dt_bias [H], B / C [B,S,G,N], past [B,H,P,N] -> (y, present)."""
+    rep = x.shape[2] // b.shape[2]
+    b, c = b.repeat_interleave(rep, dim=2), c.repeat_interleave(rep, dim=2)
+    dt = F.softplus(dt + dt_bias).clamp(dt_min, dt_max)
+    decay = torch.exp(dt * -torch.exp(a_log))
+    state, out = past.float(), []
+    for t in range(x.shape[1]):
+        state = state * decay[:, t, :, None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :]
+        out.append((state * c[:, t, :, None, :]).sum(dim=-1))
+    return torch.stack(out, dim=1) + x * d[:, None], state
+
+
+def mamba_reference(x, dt, a_log, b, c, d, dt_bias, past):
+    """Mamba-1: x / dt [B,S,D], A_log [D,N], B / C [B,S,N], D / dt_bias [D], past [B,D,N] -> (y [B,S,D], present)."""
+    dt = F.softplus(dt + dt_bias)
+    decay = torch.exp(dt[..., None] * -torch.exp(a_log))  # [B,S,D,N]
+    state, out = past.float(), []
+    for t in range(x.shape[1]):
+        state = state * decay[:, t] + (dt[:, t] * x[:, t])[..., None] * b[:, t, None, :]
+        out.append((state * c[:, t, None, :]).sum(dim=-1))
+    return torch.stack(out, dim=1) + x * d, state
+
+
+# --- custom ops ----------------------------------------------------------------------------------------
+@torch.library.custom_op("fuselm_trace::causal_conv1d", mutates_args=())
+def causal_conv1d(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return causal_conv1d_reference(x, past, weight)
+
+
+@causal_conv1d.register_fake
+def _(x, past, weight):
+    return torch.empty_like(x), torch.empty_like(past)
+
+
+@torch.library.custom_op("fuselm_trace::gated_delta", mutates_args=())
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gated_delta_reference(q, k, v, decay, beta, past)
+
+
+@gated_delta.register_fake
+def _(q, k, v, decay, beta, past):
+    return torch.empty_like(v), torch.empty_like(past)
+
+
+@torch.library.custom_op("fuselm_trace::mamba2", mutates_args=())
+def mamba2(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+           dt_bias: torch.Tensor, past: torch.Tensor, dt_min: float, dt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return mamba2_reference(x, dt, a_log, b, c, d, dt_bias, past, dt_min, dt_max)
+
+
+@mamba2.register_fake
+def _(x, dt, a_log, b, c, d, dt_bias, past, dt_min, dt_max):
+    return torch.empty_like(x), torch.empty_like(past)
+
+
+@torch.library.custom_op("fuselm_trace::mamba", mutates_args=())
+def mamba(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+          dt_bias: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return mamba_reference(x, dt, a_log, b, c, d, dt_bias, past)
+
+
+@mamba.register_fake
+def _(x, dt, a_log, b, c, d, dt_bias, past):
+    return torch.empty_like(x), torch.empty_like(past)
+
+
+def translation():
+    """{torch op: onnxscript callable} for torch.onnx.export's custom_translation_table."""
+    from onnxscript import values
+
+    ops = {name: values.Op(values.Opset(contract.DOMAIN, contract.DOMAIN_VERSION), name, contract.state_op_schema(name))
+           for name in contract.STATE_OPS}
+
+    def conv(x, past, weight):
+        return ops[contract.CONV_OP](x, past, weight)
+
+    def delta(q, k, v, decay, beta, past):
+        return ops[contract.GDN_OP](q, k, v, decay, beta, past)
+
+    def ssm(x, dt, a_log, b, c, d, dt_bias, past, dt_min, dt_max):
+        return ops[contract.MAMBA2_OP](x, dt, a_log, b, c, d, dt_bias, past, dt_min=float(dt_min), dt_max=float(dt_max))
+
+    def scan(x, dt, a_log, b, c, d, dt_bias, past):
+        return ops[contract.MAMBA_OP](x, dt, a_log, b, c, d, dt_bias, past)
+
+    return {torch.ops.fuselm_trace.causal_conv1d.default: conv, torch.ops.fuselm_trace.gated_delta.default: delta,
+            torch.ops.fuselm_trace.mamba2.default: ssm, torch.ops.fuselm_trace.mamba.default: scan}
+
+
+# --- the trace context ---------------------------------------------------------------------------------
+class Context:
+    """One layer trace's states: the pasts it is given (kind -> tensor, or DRY: zeros of the shape the op asks
+    for), the presents the ops leave, and which op owns each kind."""
+
+    DRY = "dry"
+
+    def __init__(self):
+        self.reset({})
+
+    def reset(self, pasts: dict) -> None:
+        self.pasts, self.presents, self.ops, self.shapes = dict(pasts), {}, {}, {}
+
+    def take(self, kind: str, shape: tuple, op: str) -> torch.Tensor:
+        if kind in self.ops:
+            raise FuselmError(f"a decoder layer runs two {kind} states ({self.ops[kind]} and {op}); fuselm's graph "
+                              "contract carries one of each kind per layer")
+        self.ops[kind] = op
+        past = self.pasts.get(kind, self.DRY)
+        if isinstance(past, str):
+            self.shapes[kind] = tuple(int(s) for s in shape[1:])
+            return torch.zeros(shape, dtype=torch.float32)
+        return past
+
+    def give(self, kind: str, present: torch.Tensor) -> None:
+        self.presents[kind] = present
+
+
+STATE = Context()
+
+
+def _conv_forward(conv1d, hidden_states, cache=None, layer_idx=None, activation=None, state_idx=0, **kwargs):
+    """transformers' causal_conv1d_forward: x [B,C,S] -> [B,C,S] through fuselm::CausalConv1D."""
+    if state_idx or conv1d.stride != (1,) or conv1d.dilation != (1,) or conv1d.groups != conv1d.in_channels:
+        raise FuselmError(f"a {type(conv1d).__name__} that is not a causal depthwise convolution of stride and "
+                          "dilation 1 with one state (fuselm::CausalConv1D) is not supported")
+    from transformers.activations import ACT2FN
+
+    x = hidden_states.transpose(1, 2)
+    past = STATE.take("conv", (x.shape[0], conv1d.kernel_size[0] - 1, x.shape[2]), contract.CONV_OP)
+    y, present = torch.ops.fuselm_trace.causal_conv1d(x.float(), past, conv1d.weight.float())
+    STATE.give("conv", present)
+    if conv1d.bias is not None:
+        y = y + conv1d.bias
+    if activation is not None:
+        y = ACT2FN[activation](y)
+    return y.to(hidden_states.dtype).transpose(1, 2)
+
+
+def _delta_rule(l2norm):
+    def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **kwargs):
+        """transformers' gated delta rule (chunked or recurrent: one op) -> (y [B,S,Hv,Dv], final state)."""
+        q, k = query.float(), key.float()
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q, dim=-1, eps=L2NORM_EPS), l2norm(k, dim=-1, eps=L2NORM_EPS)
+        q = q * q.shape[-1] ** -0.5
+        b, _, heads, width = value.shape
+        past = STATE.take("recurrent", (b, heads, width, k.shape[-1]), contract.GDN_OP)
+        y, present = torch.ops.fuselm_trace.gated_delta(q, k, value.float(), g.float(), beta.float(), past)
+        STATE.give("recurrent", present)
+        return y.to(query.dtype), present.transpose(-1, -2)  # transformers' layout: [B, Hv, Dk, Dv]
+    return rule
+
+
+def _mamba2_scan(module, hidden_states, B, C, dt, cache=None, **kwargs):
+    """transformers' mamba2_scan_forward: x [B,S,H·P] -> [B,S,H·P] (D skip included) through fuselm::Mamba2."""
+    b, s, _ = hidden_states.shape
+    h, p, g, n = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    past = STATE.take("recurrent", (b, h, p, n), contract.MAMBA2_OP)
+    lo, hi = (float(v) for v in module.time_step_limit)
+    y, present = torch.ops.fuselm_trace.mamba2(hidden_states.reshape(b, s, h, p).float(), dt.float(), module.A_log.float(),
+                                               B.reshape(b, s, g, n).float(), C.reshape(b, s, g, n).float(),
+                                               module.D.float(), module.dt_bias.float(), past, lo, hi)
+    STATE.give("recurrent", present)
+    return y.reshape(b, s, h * p).to(hidden_states.dtype)
+
+
+def _mamba_scan(module, hidden_states, time_step, B, C, gate, cache=None, **kwargs):
+    """transformers' mamba_scan_forward (Mamba-1): x / time_step / gate [B,D,S], B / C [B,S,N] -> [B,D,S], through
+    fuselm::Mamba and the gate SiLU(gate) after it."""
+    x, dt = hidden_states.transpose(1, 2).float(), time_step.transpose(1, 2).float()
+    bias = module.dt_proj.bias
+    past = STATE.take("recurrent", (x.shape[0], *module.A_log.shape), contract.MAMBA_OP)
+    y, present = torch.ops.fuselm_trace.mamba(x, dt, module.A_log.float(), B.float(), C.float(), module.D.float(),
+                                              bias.float() if bias is not None else torch.zeros(x.shape[2]), past)
+    STATE.give("recurrent", present)
+    return (y * F.silu(gate.transpose(1, 2).float())).to(hidden_states.dtype).transpose(1, 2)
+
+
+class Installed:
+    """While active, the modeling module's state kernels (SWAPPED) are the tracing versions above."""
+
+    def __init__(self, module):
+        self.module = module
+        self.saved = {name: getattr(module, name) for name in SWAPPED if hasattr(module, name)}
+
+    def __enter__(self):
+        for name in self.saved:
+            if name == "causal_conv1d_forward":
+                setattr(self.module, name, _conv_forward)
+            elif name == "mamba2_scan_forward":
+                setattr(self.module, name, _mamba2_scan)
+            elif name == "mamba_scan_forward":
+                setattr(self.module, name, _mamba_scan)
+            else:
+                setattr(self.module, name, _delta_rule(self.module.l2norm))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.module, name, fn)
+        return False
+
+
+# --- the family's own functions against the references -------------------------------------------------
+class _FakeCache:
+    """The cache methods a family's scan function calls, holding one recurrent state."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.state
+
+    def update_recurrent_state(self, state, layer_idx, state_idx=0, **kwargs):
+        self.state = state if isinstance(state, torch.Tensor) else state[-1]
+        return self.state
+
+    def get_recurrent_states_to_keep(self, layer_idx):
+        return 0
+
+
+def verify(module, model_type: str) -> None:
+    """Run the modeling module's own state functions (those Installed swaps) on random tensors, one token and
+    several, from a random state, against the references; refuses the family if they differ."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its kernels' "falling back to the PyTorch implementation" notes
+    try:
+        _verify(module, model_type)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _verify(module, model_type: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    def close(got, want, what):
+        if not all(torch.allclose(g.float(), w.float(), atol=2e-4, rtol=2e-4) for g, w in zip(got, want, strict=True)):
+            raise FuselmError(f"model_type {model_type!r}: its {what} does not compute what fuselm's {what} op does "
+                              "(checked on random inputs); not supported by the traced exporter")
+
+    fn = getattr(module, "causal_conv1d_fn", None)
+    if fn is not None:
+        x, w = rnd(2, 6, 5), rnd(6, 1, 4)
+        want = fn(x, w.squeeze(1), None, activation=None)
+        close([causal_conv1d_reference(x.transpose(1, 2), torch.zeros(2, 3, 6), w)[0].transpose(1, 2)], [want],
+              "causal_conv1d_fn")
+    rules = [(1, "torch_recurrent_gated_delta_rule", 2, ()), (5, "torch_chunk_gated_delta_rule", 2, ()),  # GQA
+             (1, "recurrent_kimi_delta_attention", 4, (8,)), (5, "chunk_kimi_delta_attention", 4, (8,))]  # per channel
+    for seq, name, k_heads, channels in rules:
+        if name in vars(module):
+            rule = _delta_rule(module.l2norm)
+            q, k, v = rnd(2, seq, k_heads, 8), rnd(2, seq, k_heads, 8), rnd(2, seq, 4, 6)
+            g, beta, s0 = -rnd(2, seq, 4, *channels).abs(), rnd(2, seq, 4).sigmoid(), rnd(2, 4, 8, 6, scale=0.3)
+            want = getattr(module, name)(q, k, v, g=g, beta=beta, initial_state=s0.clone(), output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+            STATE.reset({"recurrent": s0.transpose(-1, -2)})
+            try:
+                got = rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+            finally:
+                STATE.reset({})
+            close(got, want, name)
+    if "mamba2_scan_forward" in vars(module):
+        mixer = SimpleNamespace(num_heads=4, head_dim=3, n_groups=2, ssm_state_size=5, time_step_limit=(0.0, float("inf")),
+                                chunk_size=4, layer_idx=0, intermediate_size=12, A_log=rnd(4, scale=0.5), D=rnd(4),
+                                dt_bias=rnd(4))
+        for seq in (1, 6):
+            x, b, c, dt, s0 = rnd(2, seq, 12), rnd(2, seq, 10), rnd(2, seq, 10), rnd(2, seq, 4), rnd(2, 4, 3, 5, scale=0.3)
+            cache = _FakeCache(s0.clone())
+            want = module.mamba2_scan_forward(mixer, x, b, c, dt, cache)
+            ref = mamba2_reference(x.reshape(2, seq, 4, 3), dt, mixer.A_log, b.reshape(2, seq, 2, 5),
+                                   c.reshape(2, seq, 2, 5), mixer.D, mixer.dt_bias, s0)
+            close([ref[0].reshape(2, seq, 12), ref[1]], [want, cache.state], "mamba2_scan_forward")
+    if "mamba_scan_forward" in vars(module):
+        mixer = SimpleNamespace(A_log=rnd(6, 4, scale=0.5), D=rnd(6), dt_proj=SimpleNamespace(bias=rnd(6)), layer_idx=0,
+                                use_mambapy=False, use_associative_scan=False)
+        # transformers' several-token form starts from zeros whatever its cache holds: compared from zeros
+        for seq, s0 in ((1, rnd(2, 6, 4, scale=0.3)), (5, torch.zeros(2, 6, 4))):
+            x, dt, gate, b, c = rnd(2, 6, seq), rnd(2, 6, seq), rnd(2, 6, seq), rnd(2, seq, 4), rnd(2, seq, 4)
+            cache = _FakeCache(s0.clone())
+            want = module.mamba_scan_forward(mixer, x, dt, b, c, gate, cache)
+            y, state = mamba_reference(x.transpose(1, 2), dt.transpose(1, 2), mixer.A_log, b, c, mixer.D,
+                                       mixer.dt_proj.bias, s0)
+            close([(y * F.silu(gate.transpose(1, 2))).transpose(1, 2), state], [want, cache.state], "mamba_scan_forward")

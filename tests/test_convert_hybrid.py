@@ -1,0 +1,159 @@
+"""Recurrent-state hybrids through the traced exporter: Gated DeltaNet (Qwen3.5), Mamba-2 (Granite 4), with their
+state carried as past_state / present_state beside the KV cache.
+
+Tiny random checkpoints transformers itself builds (fuselm.synth.TINY), converted, checked against HF transformers
+(f32, a prefill and a decode step that feeds the state back: exporter/check.py) before and after `fuselm optimize`;
+the state ops' function bodies against their torch references; a prompt run in pieces against one run whole; the
+graph cut into pipeline stages and lowered for onnxruntime. The other families run in scripts/traced_sweep.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from fuselm.exporter.check import check
+from fuselm.exporter.traced import state_ops
+from fuselm.passes.split import split
+from onnx import TensorProto
+from onnx import helper as oh
+
+import fuselm
+from fuselm import contract
+from fuselm.modeldir import read_meta
+from fuselm.reference import OrtRunner, ort_session
+
+FAMILIES = {"qwen3_5_text": ("gated_delta_net", contract.GDN_OP), "granitemoehybrid": ("mamba2", contract.MAMBA2_OP)}
+
+
+def _run_op(op: str, feeds: dict, **attrs) -> list[np.ndarray]:
+    """One fuselm state op in onnxruntime, through its model-local function body."""
+    names = list(contract.STATE_OPS[op])
+    node = contract.state_op_node(op, names, ["Y", "present_state"], "op", **attrs)
+    ranks = {"Y": feeds[names[0]].dim(), "present_state": feeds["past_state"].dim()}
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(n, TensorProto.FLOAT, list(feeds[n].shape)) for n in names],
+                          [oh.make_tensor_value_info(n, TensorProto.FLOAT, [f"{n}{i}" for i in range(r)]) for n, r in ranks.items()])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", contract.OPSET),
+                                                oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)],
+                          ir_version=11, functions=contract.functions_for([node]))
+    onnx.checker.check_model(model, full_check=True)
+    return ort_session(model).run(None, {n: feeds[n].numpy() for n in names})
+
+
+def state_op_cases():
+    """Random inputs per op: grouped heads (2 key heads / B,C groups serving 4 heads), a state from earlier tokens."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    return {
+        contract.CONV_OP: (dict(X=r(2, 5, 6), past_state=r(2, 3, 6), weight=r(6, 1, 4)), {},
+                           lambda f: state_ops.causal_conv1d_reference(f["X"], f["past_state"], f["weight"])),
+        contract.GDN_OP: (dict(query=r(2, 5, 2, 8, scale=0.3), key=r(2, 5, 2, 8, scale=0.3), value=r(2, 5, 4, 6),
+                               decay=-r(2, 5, 4).abs(), beta=r(2, 5, 4).sigmoid(), past_state=r(2, 4, 6, 8)), {},
+                          lambda f: state_ops.gated_delta_reference(*f.values())),
+        "KimiDelta": (dict(query=r(2, 5, 4, 8, scale=0.3), key=r(2, 5, 4, 8, scale=0.3), value=r(2, 5, 4, 6),
+                           decay=-r(2, 5, 4, 8).abs(), beta=r(2, 5, 4).sigmoid(), past_state=r(2, 4, 6, 8)), {},
+                      lambda f: state_ops.gated_delta_reference(*f.values())),  # GatedDeltaNet, a decay per key channel
+        contract.MAMBA2_OP: (dict(X=r(2, 5, 4, 3), dt=r(2, 5, 4), A_log=r(4, scale=0.5), B=r(2, 5, 2, 7), C=r(2, 5, 2, 7),
+                                  D=r(4), dt_bias=r(4), past_state=r(2, 4, 3, 7)), dict(dt_min=0.0, dt_max=0.8),
+                             lambda f: state_ops.mamba2_reference(*f.values(), 0.0, 0.8)),
+        contract.MAMBA_OP: (dict(X=r(2, 5, 6), dt=r(2, 5, 6), A_log=r(6, 4, scale=0.5), B=r(2, 5, 4), C=r(2, 5, 4), D=r(6),
+                                 dt_bias=r(6), past_state=r(2, 6, 4)), {},
+                            lambda f: state_ops.mamba_reference(*f.values())),
+    }
+
+
+def op_of(case: str) -> str:
+    return contract.GDN_OP if case == "KimiDelta" else case
+
+
+CASES = [contract.CONV_OP, contract.GDN_OP, "KimiDelta", contract.MAMBA2_OP, contract.MAMBA_OP]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_state_op_bodies_equal_their_references(case):
+    feeds, attrs, reference = state_op_cases()[case]
+    got = _run_op(op_of(case), feeds, **attrs)
+    for g, w in zip(got, reference(feeds), strict=True):
+        np.testing.assert_allclose(g, w.numpy(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_hybrid_matches_hf_exported_and_optimized(hybrid, model_type):
+    hf, out, opt = hybrid(model_type, "hf"), hybrid(model_type, "f32"), hybrid(model_type, "opt")
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4  # prefill + a decode step feeding the state back
+    assert check(opt, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    kind, op = FAMILIES[model_type]
+    assert read_meta(out)["layer_types"] == [kind, "full_attention"]
+    model = onnx.load(opt / contract.MODEL_NAME, load_external_data=False)
+    inputs = {i.name: contract.dims(i) for i in model.graph.input}
+    outputs = {o.name: contract.dims(o) for o in model.graph.output}
+    for kind_ in contract.STATE_KINDS:  # fixed size, no growing axis, its present of the same shape
+        past = inputs[contract.state_name(0, kind_)]
+        assert past[0] == "batch_size" and all(isinstance(d, int) for d in past[1:])
+        assert outputs[contract.state_name(0, kind_, contract.STATE_PRESENT)] == past
+    assert contract.past_name(1, "key") in inputs and contract.past_name(0, "key") not in inputs
+    ops = {n.op_type for n in model.graph.node if n.domain == contract.DOMAIN}
+    assert {contract.CONV_OP, op} <= ops and {f.name for f in model.functions} >= {contract.CONV_OP, op}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_prompt_in_pieces_carries_the_state(hybrid, model_type):
+    runner = OrtRunner(hybrid(model_type, "opt"))
+    ids = np.random.default_rng(1).integers(0, 300, size=(1, 11))
+    whole, _ = runner.forward(ids)
+    runner.reset()
+    pieces = [runner.step(ids[:, a:b]) for a, b in ((0, 4), (4, 5), (5, 11))]
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=2e-5, rtol=1e-5)
+
+
+def test_q4_converts_and_runs(hybrid):
+    runner = OrtRunner(hybrid("granitemoehybrid", "q4"))
+    trace = runner.greedy([5, 17, 3, 42, 8], 4)
+    assert len(trace.tokens) == 4 and all(np.isfinite(x).all() for x in trace.logits)
+    assert read_meta(hybrid("granitemoehybrid", "q4"))["quantization"]["mode"] == "q4"
+
+
+def test_split_stages_carry_their_states(hybrid, tmp_path):
+    src = hybrid("qwen3_5_text", "opt")
+    split(src, tmp_path / "s", stages=2, quiet=True)
+    stages = [tmp_path / "s" / f"stage{k}" for k in range(2)]
+    names = [{i.name for i in ort_session(d).get_inputs()} for d in stages]
+    assert contract.state_name(0, "recurrent") in names[0] and contract.past_name(1, "key") in names[1]
+    ref = OrtRunner(src)
+    ids = np.array([[5, 17, 3, 42, 8, 1]], np.int64)
+    want, present = ref.forward(ids)
+    past = dict(zip([i.name for i in ref._pasts], present, strict=True))
+    nxt = np.array([[int(want[0, -1].argmax())]], np.int64)
+    want_step, _ = ref.forward(nxt, past=present)
+    for step_ids, feed_past, expect in ((ids, None, want), (nxt, past, want_step)):
+        hidden, done = None, 0 if feed_past is None else ids.shape[1]
+        for d in stages:
+            sess = ort_session(d)
+            feeds = {contract.ATTENTION_MASK: np.ones((1, done + step_ids.shape[1]), np.int64),
+                     contract.POSITION_IDS: np.arange(done, done + step_ids.shape[1])[None]}
+            for i in sess.get_inputs():
+                if i.name in (contract.INPUT_IDS, contract.HIDDEN):
+                    feeds[i.name] = step_ids if i.name == contract.INPUT_IDS else hidden
+                elif contract.is_step_past(i.name):
+                    feeds[i.name] = feed_past[i.name] if feed_past else contract.empty_past([_vi(i)])[i.name]
+            out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+            hidden = out.get(contract.NEXT_HIDDEN)
+        np.testing.assert_array_equal(out[contract.LOGITS], expect)
+
+
+def _vi(arg) -> onnx.ValueInfoProto:
+    """An onnxruntime NodeArg as the ValueInfoProto contract.empty_past reads."""
+    return oh.make_tensor_value_info(arg.name, TensorProto.FLOAT, arg.shape)
+
+
+def test_lowered_for_onnxruntime_keeps_the_state_ops(hybrid, tmp_path):
+    hf = hybrid("qwen3_5_text", "hf")
+    low = fuselm.optimize(hybrid("qwen3_5_text", "f32"), tmp_path / "ort", target="onnxruntime", quiet=True)
+    model = onnx.load(low / contract.MODEL_NAME, load_external_data=False)
+    assert any(n.domain == "com.microsoft" for n in model.graph.node)
+    assert {contract.CONV_OP, contract.GDN_OP} <= {n.op_type for n in model.graph.node if n.domain == contract.DOMAIN}
+    assert check(low, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
