@@ -56,6 +56,8 @@ REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
 # what the traced layer takes from the graph itself (the rest of its tensor arguments are per-token or side inputs)
 _LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings", "cache_position", *_CACHE_ARGS)
+# the attention's mask under another name, beside a recurrent block's padding mask (Zamba2's hybrid layers)
+_MASK_ARGS = ("causal_mask",)
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
 PROBE_CHUNK = 4  # attention_chunk_size during the probe: chunked layers show as two 4-token blocks
@@ -129,6 +131,7 @@ class LayerPlan:
     attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
     side: tuple[str, ...] = ()  # other tensors the model computes for the layer (ALiBi biases), by name
     mask_form: str = "additive"  # or "masked": a boolean mask, True where attention is masked (MPT)
+    mask_arg: str = "attention_mask"  # the argument the graph's mask goes to (_MASK_ARGS: the padding mask then None)
     rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
     layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
 
@@ -466,8 +469,14 @@ class Skeleton:
             given = kwargs.get("attention_mask")
             # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
             unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
-            mask, mask_form = (NO_MASK, "additive") if unmasked else self._mask(kwargs, i, patterns, window, chunk)
+            # (a layer without an attention module ignores it: Zamba2's Mamba layers get it too)
+            attends = any("attention" in type(m).__name__.lower() for m in self.layers[i].modules())
+            mask_arg = next((k for k in _MASK_ARGS if unmasked and attends and isinstance(kwargs.get(k), torch.Tensor)),
+                            "attention_mask")
+            mask, mask_form = (NO_MASK, "additive") if unmasked and mask_arg == "attention_mask" else \
+                self._mask({"attention_mask": kwargs[mask_arg]}, i, patterns, window, chunk)
             plans.append(self._plan(i, kwargs, specs[id(first)] if first is not None else None, mask, mask_form))
+            plans[-1].mask_arg = mask_arg
             plans[-1].rotary = pe is not None  # attention without positions (Nemotron-H's, Granite 4's): none given
         self.positions = self._positions(seen[0]) if all(p.rope is None for p in plans) else "rotary"
         return plans
@@ -491,7 +500,7 @@ class Skeleton:
         static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _LAYER_ARGS
                   and (v is None or isinstance(v, (bool, int, float, str)))}
         hidden = tuple(kwargs["_returned"].shape)
-        tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS and not k.startswith("_")
+        tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS + _MASK_ARGS and not k.startswith("_")
                    and isinstance(v, torch.Tensor)}
         inputs = {k: tuple(v.shape) for k, v in tensors.items()
                   if v.is_floating_point() and v.dim() >= 3 and tuple(v.shape[:2]) == (1, PROBE_LEN)}

@@ -98,7 +98,7 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     for plan in plans:
         layer = skel.layers[plan.index]
         key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.mask, tuple(sorted(plan.kwargs.items())),
-               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form)
+               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form, plan.mask_arg)
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -151,7 +151,8 @@ class _LayerWrapper(nn.Module):
             self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
         # the rope op's marker for cos/sin where the model hands the layer a rotary, else nothing (non-rotary layers)
         pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
-        out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
+        masks = {"attention_mask": None, self.plan.mask_arg: attention_mask}
+        out = self.layer(hidden_states, **{**kwargs, **masks}, position_ids=position_ids,
                          position_embeddings=pe if self.plan.rotary else None)
         out = out[0] if isinstance(out, tuple) else out
         states = state_ops.STATE.presents
