@@ -98,6 +98,7 @@ OVERRIDES = {
     # checkpoint's row 0 is not zero (a trained one's is)
     "youtu": {"pad_token_id": None},
     "zaya": {"num_experts_per_tok": 1},  # its only top-k
+    "bailing_hybrid": {"layer_group_size": 2},  # a linear-attention layer, then attention (transformers' cache wants one)
     # BLT: patcher, local encoder / decoder and global transformer each sized; the hashed n-gram tables small
     "blt": {"encoder_hash_byte_group_vocab": 64,
             **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,

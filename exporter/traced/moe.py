@@ -327,10 +327,8 @@ def dense_experts(model: nn.Module, blocks: list[Block]) -> list[nn.Module]:
 
 def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] = ()) -> str | None:
     """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
-    (None: no 3-D expert stacks outside the blocks). Experts inside an attention module (JetMoE's MoA: each
-    token's top-k query and output projections) are a mixture of attention experts, which no fuselm op expresses;
-    others are stacks fuselm::MoE does not read (JetMoE's MLP: `input_linear` / `output_linear` experts beside a
-    router that returns tokens sorted by expert)."""
+    (None: no 3-D expert stacks outside the blocks): experts inside an attention module (a mixture of attention
+    heads) or stacks fuselm::MoE does not read, beside a router of another form than `grouped` traces."""
     inside = covered(model, blocks) | {id(m) for d in dense for m in d.modules()}
     owners: dict[str, tuple[nn.Module, list[str]]] = {}
     for name, m in model.named_modules():
@@ -608,6 +606,90 @@ def installed(layer: nn.Module, blocks: list[Block]):
         for b in inside:
             for m in (b.router, b.experts):
                 m.__dict__.pop("forward", None)
+
+
+# --- experts on token groups sorted by expert (JetMoE) -----------------------------------------------
+def grouped(model: nn.Module) -> list[nn.Module]:
+    """Modules whose `router` sorts the tokens into groups by expert for experts that split their input by the
+    group sizes (JetMoE's TopKGating and ParallelExperts, in its MLP and its attention): sizes that depend on the
+    routing, which torch.export cannot trace. `grouped_installed` computes the same per (token, slot) row."""
+    out = []
+    for m in model.modules():
+        router = getattr(m, "router", None)
+        experts = [c for c in m.children() if _group_experts(c)]
+        if experts and isinstance(getattr(router, "layer", None), nn.Linear) and isinstance(getattr(router, "top_k", None), int):
+            out.append(m)
+    return out
+
+
+def _group_experts(m: nn.Module) -> bool:
+    import inspect
+
+    params = list(inspect.signature(type(m).forward).parameters)[1:]
+    weight = getattr(m, "weight", None)
+    return params == ["inputs", "expert_size"] and isinstance(weight, nn.Parameter) and weight.dim() == 3
+
+
+def _ungrouped_route(router: nn.Module):
+    def route(hidden_states):
+        """The router's (order, token, gate, expert, logits) per (token, slot) row in token order: the sort
+        left out, each row's expert in place of the group sizes."""
+        logits = router.layer(hidden_states).float()
+        top_logits, top = logits.topk(router.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(hidden_states)
+        order = torch.arange(top.numel())
+        return order, torch.div(order, router.top_k, rounding_mode="trunc"), gates.reshape(-1), top.reshape(-1), logits
+    return route
+
+
+def _gathered(experts: nn.Module):
+    def run(inputs, expert_size):
+        """Each row through its own expert's weight (`expert_size`: the rows' experts)."""
+        return torch.einsum("roi,ri->ro", experts.weight[expert_size], inputs)
+    return run
+
+
+def verify_grouped(modules: list[nn.Module], model_type: str) -> None:
+    """The router's own sort against the ungrouped routing on random tokens: the same gate for every (token,
+    expert); refuses a router that computes something else."""
+    for m in modules[:1]:
+        router = m.router
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, router.layer.in_features, generator=gen)
+        saved = router.layer._parameters["weight"]  # (on the meta device while the model is probed)
+        router.layer._parameters["weight"] = nn.Parameter(torch.randn(saved.shape, generator=gen), requires_grad=False)
+        try:
+            with torch.no_grad():
+                _, token, gate, sizes, _ = router(x)
+                _, token2, gate2, expert2, _ = _ungrouped_route(router)(x)
+        finally:
+            router.layer._parameters["weight"] = saved
+        n_exp = router.layer.out_features
+        expert = torch.repeat_interleave(torch.arange(n_exp), torch.as_tensor(sizes))
+        want = torch.zeros(len(x), n_exp).index_put_((token, expert), gate.float(), accumulate=True)
+        got = torch.zeros(len(x), n_exp).index_put_((token2, expert2), gate2.float(), accumulate=True)
+        if not torch.allclose(want, got, atol=1e-6):
+            raise FuselmError(f"model_type {model_type!r}: its router at {type(router).__name__} does not route as "
+                              "top-k of its logits with a softmax over them; not supported by the traced exporter")
+
+
+@contextlib.contextmanager
+def grouped_installed(layer: nn.Module, modules: list[nn.Module]):
+    """While active, the grouped routers and experts inside `layer` compute per (token, slot) row in token order."""
+    inside = [m for m in modules if any(m is x for x in layer.modules())]
+    patched = []
+    try:
+        for m in inside:
+            m.router.forward = _ungrouped_route(m.router)
+            patched.append(m.router)
+            for c in m.children():
+                if _group_experts(c):
+                    c.forward = _gathered(c)
+                    patched.append(c)
+        yield
+    finally:
+        for c in patched:
+            c.__dict__.pop("forward", None)
 
 
 # --- weights -------------------------------------------------------------------------------------

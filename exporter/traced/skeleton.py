@@ -45,6 +45,7 @@ _STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
                   "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
                   "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
                   "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",)}
+_OTHER_RECURRENCES = ("Lightning", "Rglru", "Rwkv", "LSTM")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
 _STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
@@ -193,6 +194,9 @@ class Skeleton:
         self.dense_experts = dense = moe.dense_experts(model, self.moe_blocks)
         if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
             config._experts_implementation = "batched_mm"
+        self.grouped = moe.grouped(model)  # routers that sort tokens by expert: traced per (token, slot) row
+        moe.verify_grouped(self.grouped, self.model_type)
+        dense = [*dense, *self.grouped]
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
         for name, module in model.named_modules():
@@ -205,6 +209,11 @@ class Skeleton:
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
+                    if part in _STATE_KERNELS:
+                        why += (f", written around none of the functions fuselm traces as one state op "
+                                f"({', '.join(_STATE_KERNELS[part])})")
+                    elif part in _OTHER_RECURRENCES:
+                        why += ", a recurrence none of fuselm's state ops computes (" + ", ".join(contract.STATE_OPS) + ")"
                     if part in ("Vision", "Audio") and _setting(config, "text_config") is not None:
                         why += "; convert its text-only checkpoint"
                     if part == "Experts":  # experts of another layout than the stacked one fuselm::MoE reads

@@ -336,7 +336,8 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     shared_rows = {} if shared_rows is None else shared_rows
     undo = placeholders(layer)
     try:
-        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling):
+        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
+                moe.grouped_installed(layer, getattr(skel, "grouped", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
             one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
                    None, None, None, *(x[:, :1] for x in inputs), *small)
