@@ -673,13 +673,67 @@ def verify_grouped(modules: list[nn.Module], model_type: str) -> None:
                               "top-k of its logits with a softmax over them; not supported by the traced exporter")
 
 
+def looped(model: nn.Module) -> list[nn.Module]:
+    """Experts modules that loop over the experts the tokens were routed to, each a GLU of three [E·I, H] weights
+    viewed per expert (DBRX's DbrxExperts: w1, v1, w2 and its mlp's activation): a loop over the routing, which
+    torch.export cannot trace. `grouped_installed` computes each token's top-k experts from gathered weights."""
+    import inspect
+
+    def glu(m):
+        mlp = getattr(m, "mlp", None)
+        params = list(inspect.signature(type(m).forward).parameters)[1:]
+        return params == ["hidden_states", "top_k_index", "top_k_weights"] and hasattr(mlp, "activation_fn") and all(
+            isinstance(getattr(mlp, n, None), nn.Parameter) and getattr(mlp, n).dim() == 2 for n in ("w1", "v1", "w2"))
+    return [m for m in model.modules() if glu(m)]
+
+
+def _looped_rows(m: nn.Module):
+    def run(hidden_states, top_k_index, top_k_weights):
+        """Each token's top-k experts, their w1 / v1 / w2 gathered: act(x w1ᵀ) · (x v1ᵀ) w2, weighted and summed."""
+        mlp = m.mlp
+        hidden = mlp.w1.shape[1]
+        x = hidden_states.reshape(-1, hidden)
+        w1, v1, w2 = (getattr(mlp, n).view(-1, m.ffn_hidden_size, hidden)[top_k_index] for n in ("w1", "v1", "w2"))
+        inner = mlp.activation_fn(torch.einsum("nkih,nh->nki", w1, x)) * torch.einsum("nkih,nh->nki", v1, x)
+        out = (torch.einsum("nki,nkih->nkh", inner, w2) * top_k_weights[..., None]).sum(1)
+        return out.view(hidden_states.shape[0], -1, hidden)
+    return run
+
+
+def verify_looped(modules: list[nn.Module], model_type: str) -> None:
+    """The experts' own loop against the gathered form on random tokens, weights and routing; refuses experts
+    that compute something else."""
+    for m in modules[:1]:
+        gen = torch.Generator().manual_seed(0)
+        saved = dict(m.mlp._parameters)  # (on the meta device while the model is probed)
+        for n in ("w1", "v1", "w2"):
+            m.mlp._parameters[n] = nn.Parameter(torch.randn(saved[n].shape, generator=gen) * 0.3, requires_grad=False)
+        try:
+            n_exp = saved["w1"].shape[0] // m.ffn_hidden_size
+            x = torch.randn(1, 5, saved["w1"].shape[1], generator=gen)
+            index = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(5)])
+            weights = torch.rand(5, 2, generator=gen)
+            with torch.no_grad():
+                want, got = m(x, index, weights), _looped_rows(m)(x, index, weights)
+        finally:
+            m.mlp._parameters.update(saved)
+        if not torch.allclose(want, got, atol=1e-5, rtol=1e-4):
+            raise FuselmError(f"model_type {model_type!r}: its experts at {type(m).__name__} do not compute a GLU of "
+                              "w1 / v1 / w2 per routed expert; not supported by the traced exporter")
+
+
 @contextlib.contextmanager
 def grouped_installed(layer: nn.Module, modules: list[nn.Module]):
-    """While active, the grouped routers and experts inside `layer` compute per (token, slot) row in token order."""
+    """While active, the grouped routers and experts inside `layer` compute per (token, slot) row in token order,
+    and the looped experts from gathered weights."""
     inside = [m for m in modules if any(m is x for x in layer.modules())]
     patched = []
     try:
         for m in inside:
+            if getattr(m, "router", None) is None:  # looped experts
+                m.forward = _looped_rows(m)
+                patched.append(m)
+                continue
             m.router.forward = _ungrouped_route(m.router)
             patched.append(m.router)
             for c in m.children():

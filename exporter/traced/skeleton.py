@@ -196,6 +196,9 @@ class Skeleton:
             config._experts_implementation = "batched_mm"
         self.grouped = moe.grouped(model)  # routers that sort tokens by expert: traced per (token, slot) row
         moe.verify_grouped(self.grouped, self.model_type)
+        looped = moe.looped(model)  # experts that loop over the routed experts: from gathered weights
+        moe.verify_looped(looped, self.model_type)
+        self.grouped += looped
         dense = [*dense, *self.grouped]
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
