@@ -350,19 +350,32 @@ def test_jetmoe_experts_sorted_by_expert_convert_as_hf(tmp_path):
     assert contract.MOE_OP not in ops and "Gather" in ops
 
 
+def _sweep_overrides(model_type: str) -> dict:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from traced_sweep import tiny_overrides
+
+    return {k: v for k, v in tiny_overrides(model_type).items() if not k.startswith("_")}
+
+
 def test_dbrx_looped_experts_convert_as_hf(tmp_path):
     """DBRX: experts that loop over the routed experts, each a GLU of w1 / v1 / w2 [E·I, H] viewed per expert:
     computed from gathered weights, the graph equals HF (prefill and a decode step; logits of about 0.2 at this
     size, the diff some 1e-7 of them)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from traced_sweep import OVERRIDES
-
-    hf = synth.make_checkpoint(tmp_path / "hf", "dbrx", generic=True, **OVERRIDES["dbrx"])
+    hf = synth.make_checkpoint(tmp_path / "hf", "dbrx", generic=True, **_sweep_overrides("dbrx"))
     out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
     r = check(out, hf, quiet=True)
     assert r["max_abs_logit_diff"] <= 1e-4 * max(1.0, r["max_abs_logit"]) and r["max_abs_logit"] > 0.1, r
+
+
+def test_llama4_scaled_input_experts_convert_as_hf(tmp_path):
+    """Llama 4's MoE layer: the router's score (zero off its top-k) scales each expert's input: each token's top-k
+    experts from gathered weights, beside the shared expert; the graph equals HF before and after optimize."""
+    hf = synth.make_checkpoint(tmp_path / "hf", "llama4_text", generic=True, **_sweep_overrides("llama4_text"))
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    assert json.loads((out / "fuselm.json").read_text())["traced"]["chunked_layers"] == [0]
 
 
 def test_moe_routing_form_survives_an_underflowing_softmax():

@@ -245,12 +245,13 @@ def _layouts(ex: nn.Module) -> tuple[Layout, Layout] | None:
     return None
 
 
-def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
-    """Every sparse MoE block of the model (a router + stacked experts pair of children), checked."""
+def find_blocks(model: nn.Module, model_type: str, skip: list[nn.Module] = ()) -> list[Block]:
+    """Every sparse MoE block of the model (a router + stacked experts pair of children), checked; those of `skip`
+    (scaled_input's) left out."""
     blocks = []
     for name, m in model.named_modules():
         experts = [c for c in m.children() if _expert_params(c)]
-        if not experts:
+        if not experts or any(m is x for x in skip):
             continue
         where = f"{name}.{next(n for n, c in m.named_children() if c is experts[0])}"
         ex = experts[0]
@@ -722,16 +723,70 @@ def verify_looped(modules: list[nn.Module], model_type: str) -> None:
                               "w1 / v1 / w2 per routed expert; not supported by the traced exporter")
 
 
+def scaled_input(model: nn.Module) -> list[nn.Module]:
+    """MoE blocks whose router returns a score per expert, zero off its top-k, by which the block scales each
+    expert's input before running every expert on every token (Llama 4: a `router` with `top_k`, `experts` with
+    stacked gate_up_proj [E, H, 2I] / down_proj [E, I, H], a `shared_expert` beside): fuselm::MoE weights the
+    experts' outputs instead. `grouped_installed` runs each token's top-k experts on its scaled input from
+    gathered weights (the others get a zero input and give zero). A block of that shape whose own forward
+    computes something else on random tokens and weights is not one of them (fuselm::MoE's blocks)."""
+    out, form = [], {}
+    for m in model.modules():
+        router, ex = getattr(m, "router", None), getattr(m, "experts", None)
+        stacks = [getattr(ex, n, None) for n in ("gate_up_proj", "down_proj")]
+        if isinstance(getattr(router, "top_k", None), int) and hasattr(ex, "act_fn") and all(
+                isinstance(p, nn.Parameter) and p.dim() == 3 for p in stacks) and len(list(ex.parameters())) == 2:
+            if type(m) not in form:
+                form[type(m)] = _is_scaled(m)
+            if form[type(m)]:
+                out.append(m)
+    return out
+
+
+def _scaled_rows(m: nn.Module):
+    def run(hidden_states):
+        """The router as written; each token's top-k experts on its input scaled by their scores; the shared expert."""
+        ex = m.experts
+        x = hidden_states.reshape(-1, ex.gate_up_proj.shape[1])
+        scores, logits = m.router(x)
+        weight, index = scores.topk(m.router.top_k, dim=1)
+        gate, up = torch.einsum("nkh,nkhi->nki", x[:, None, :] * weight[..., None], ex.gate_up_proj[index]).chunk(2, dim=-1)
+        routed = torch.einsum("nki,nkih->nh", up * ex.act_fn(gate), ex.down_proj[index])
+        shared = getattr(m, "shared_expert", None)
+        return (routed if shared is None else shared(x) + routed), logits
+    return run
+
+
+def _is_scaled(m: nn.Module) -> bool:
+    """Whether the block's own forward equals the top-k form on random tokens and weights."""
+    gen = torch.Generator().manual_seed(0)
+    saved = [(owner, n, p) for owner in m.modules() for n, p in owner._parameters.items() if p is not None]
+    for owner, n, p in saved:  # (on the meta device while the model is probed)
+        owner._parameters[n] = nn.Parameter(torch.randn(p.shape, generator=gen) * 0.3, requires_grad=False)
+    try:
+        x = torch.randn(6, m.experts.gate_up_proj.shape[1], generator=gen)
+        with torch.no_grad():
+            want, got = m(x), _scaled_rows(m)(x)
+    except Exception:  # noqa: BLE001 - a block of another form (its own forward reads other arguments)
+        return False
+    finally:
+        for owner, n, p in saved:
+            owner._parameters[n] = p
+    want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
+    return want.numel() == got.numel() and torch.allclose(want.reshape(got.shape), got, atol=1e-5, rtol=1e-4)
+
+
 @contextlib.contextmanager
 def grouped_installed(layer: nn.Module, modules: list[nn.Module]):
     """While active, the grouped routers and experts inside `layer` compute per (token, slot) row in token order,
-    and the looped experts from gathered weights."""
+    the looped experts and the scaled-input blocks from gathered weights."""
     inside = [m for m in modules if any(m is x for x in layer.modules())]
     patched = []
     try:
         for m in inside:
-            if getattr(m, "router", None) is None:  # looped experts
-                m.forward = _looped_rows(m)
+            scaled = hasattr(getattr(m, "experts", None), "gate_up_proj")
+            if getattr(m, "router", None) is None or scaled:  # looped experts, scaled-input blocks
+                m.forward = _scaled_rows(m) if scaled else _looped_rows(m)
                 patched.append(m)
                 continue
             m.router.forward = _ungrouped_route(m.router)

@@ -190,7 +190,8 @@ class Skeleton:
                               "whole sequence at once); fuselm graphs decode one step at a time from a cache")
         from . import moe
 
-        self.moe_blocks = moe.find_blocks(model, self.model_type)
+        scaled = moe.scaled_input(model)  # experts on inputs scaled by the router's scores: from gathered weights
+        self.moe_blocks = moe.find_blocks(model, self.model_type, skip=scaled)
         self.dense_experts = dense = moe.dense_experts(model, self.moe_blocks)
         if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
             config._experts_implementation = "batched_mm"
@@ -198,7 +199,7 @@ class Skeleton:
         moe.verify_grouped(self.grouped, self.model_type)
         looped = moe.looped(model)  # experts that loop over the routed experts: from gathered weights
         moe.verify_looped(looped, self.model_type)
-        self.grouped += looped
+        self.grouped += looped + scaled
         dense = [*dense, *self.grouped]
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
