@@ -99,6 +99,9 @@ OVERRIDES = {
     "youtu": {"pad_token_id": None},
     "zaya": {"num_experts_per_tok": 1},  # its only top-k
     "bailing_hybrid": {"layer_group_size": 2},  # a linear-attention layer, then attention (transformers' cache wants one)
+    # a linear-attention layer, then its indexed attention (its token indexer at the tiny size)
+    "qwen4_exp_text": {"full_attention_interval": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 4, "indexer_compress_ratio": 2},
     # BLT: patcher, local encoder / decoder and global transformer each sized; the hashed n-gram tables small
     "blt": {"encoder_hash_byte_group_vocab": 64,
             **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
