@@ -44,8 +44,9 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
 _STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
                   "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
                   "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
-                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",)}
-_OTHER_RECURRENCES = ("Lightning", "Rglru", "Rwkv", "LSTM")
+                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",),
+                  "Lightning": ("MiniMaxLightningAttention",)}
+_OTHER_RECURRENCES = ("Rglru", "Rwkv", "LSTM")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
 _STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
@@ -237,7 +238,7 @@ class Skeleton:
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
         from . import state_ops
 
-        state_ops.verify(self.modeling, self.model_type)
+        state_ops.verify(self.modeling, self.model_type, config)
 
     def _build(self, config, implementation: str):
         from transformers import AutoModelForCausalLM
