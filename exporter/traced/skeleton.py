@@ -481,6 +481,11 @@ class Skeleton:
                 if id(first) not in specs:
                     specs[id(first)] = self._rope_spec(*tag, positions)
             given = kwargs.get("attention_mask")
+            if isinstance(given, dict):
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} takes a mapping of masks "
+                                  f"({', '.join(map(str, given))}) where fuselm gives a layer one attention mask (its "
+                                  "attention reads other state from the cache beside keys and values); not supported "
+                                  "by the traced exporter")
             # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
             unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
             # (a layer without an attention module ignores it: Zamba2's Mamba layers get it too)
