@@ -79,7 +79,12 @@ _GRANITE4 = dict(model_type="granitemoehybrid", num_hidden_layers=32, hidden_siz
 SHAPES.update({"qwen3.5-1b": _QWEN35, "granite4-1b": _GRANITE4,
                "qwen3.5-tiny": {**_QWEN35, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
                                 "vocab_size": 2048, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
-                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}})
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64},
+               # (MLX's CPU backend: one attention among four Mamba-2 layers, seconds to write and run)
+               "granite4-tiny": {**_GRANITE4, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
+                                 "shared_intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 64, "vocab_size": 2048,
+                                 "layer_types": ["mamba"] * 2 + ["attention", "mamba"]}})
 FROM_CONFIG = ("qwen3_5_text", "granitemoehybrid")
 SHARD_BYTES = 2 * 1024**3
 EXPORTERS = {"builder": "fuselm convert", "torch": "fuselm convert --exporter torch",

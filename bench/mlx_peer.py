@@ -113,11 +113,12 @@ class FuselmEngine:
         for _ in range(4):  # past the checked step and the compile (no NaN check: fused_as_one's values)
             y = b.pick_token(sess.decode(y), self.sampler)
         y = b.pick_token(sess.decode(y), self.sampler)
-        b.sync([y, *sess.buffers.values()])  # (the buffers are written in place: evaluate them before the step)
+        # (the buffers are written in place, the states replaced: evaluate them before the step)
+        b.sync([y, *sess.buffers.values(), *sess.state.values()])
         t = time.perf_counter()
         y = b.pick_token(sess.decode(y), self.sampler)
         host = time.perf_counter() - t
-        return [y, *sess.buffers.values()], [], host
+        return [y, *sess.buffers.values(), *sess.state.values()], [], host
 
     def what(self) -> str:
         return self.sess.describe()
@@ -215,23 +216,50 @@ def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> list[int]:
-    """fuselm's greedy tokens after the demo prompt on `backend` (mlx, or torch on CUDA when there)."""
+CHECK_PROMPT = 64  # prompt tokens of the token check on a benchmarked (random-weight) checkpoint
+
+
+def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[int], str, list[float] | None]:
+    """Greedy tokens after the check's prompt: fuselm's on `backend` (mlx, or torch on CUDA when there) on a fuselm
+    graph, or mlx-lm's generate_step on its directory (`mlx-lm`). The demo model's prompt is text; a benchmarked
+    checkpoint's is CHECK_PROMPT random ids, the same ids for every engine, and torch also gives the margin between
+    its two largest logits at each token (where another engine parts from it, a near tie or not)."""
+    if backend == "mlx-lm":
+        engine = MlxLmEngine(model)
+        return [int(t) for t in engine.tokens(_ids(CHECK_PROMPT, engine.vocab, 3), n)], engine.what(), None
+    import numpy as np
+
     import fuselm
+    from fuselm.modeldir import read_meta
 
     device = None
     if backend == "torch":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    r = fuselm.run(model, prompt="the capital of france is", max_tokens=n, ignore_eos=True, backend=backend,
-                   device=device, dtype=dtype, quiet=True, stream=io.StringIO())
-    return r["tokens"], r["what"]
+    demo = model.name.startswith("demo-")
+    prompt = "the capital of france is" if demo else _ids(CHECK_PROMPT, read_meta(model)["dims"]["vocab"], 3)
+    r = fuselm.run(model, prompt=prompt, max_tokens=n, ignore_eos=True, backend=backend, device=device, dtype=dtype,
+                   quiet=True, stream=io.StringIO())
+    margins = None
+    if backend == "torch" and not demo:  # the same steps teacher-forced through a session, for its logits
+        sess = fuselm.load(model, backend=backend, device=device, dtype=dtype).session
+        sess.reset(len(prompt) + n)
+        logits, margins = sess.prefill(prompt), []
+        for t in r["tokens"]:
+            top = np.sort(sess.logits_to_numpy(logits))[-2:]
+            margins.append(round(float(top[1] - top[0]), 6))
+            logits = sess.decode(t)
+    return r["tokens"], r["what"], margins
 
 
-def token_check(work: Path, n: int = 32) -> dict:
-    """fuselm MLX vs fuselm torch (CUDA where there) greedy tokens on one q4 graph of the trained demo model
-    (random weights give near-tied logits, where any two kernels may pick differently)."""
+def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32) -> dict:
+    """Greedy tokens against fuselm torch f32 (CUDA where there) on one q4 graph: fuselm MLX in f32 and bf16 on the
+    trained demo model and on each benchmarked checkpoint (`points`: its name and prepare()'s paths), where mlx-lm's
+    tokens on its own q4 directory (in `dtype`) are compared too (its own quantization: other weights). Random weights
+    give near-tied logits, where two kernels may pick differently: `first_difference` says where the tokens part and
+    `reference_margin` torch's top-two logit gap there. On a CPU torch dequantizes the weights (FUSELM_NO_CPU_KERNELS:
+    its int8-activation kernels drift by ~1e-2, more than such ties)."""
     import fuselm
     from fuselm.synth import make_checkpoint
 
@@ -242,15 +270,24 @@ def token_check(work: Path, n: int = 32) -> dict:
         fuselm.convert(hf, exp, quant="q4", force=True, quiet=True)
         fuselm.optimize(exp, opt, force=True, quiet=True)
     out = {}
-    for backend, dtype in (("mlx", "f32"), ("torch", "f32"), ("mlx", "bf16")):
-        res = subprocess.run([sys.executable, __file__, "--child", f"tokens-{backend}", "--model", str(opt),
-                              "--dtype", dtype, "--runs", str(n)], capture_output=True, text=True)
-        line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        out[f"{backend}-{dtype}"] = json.loads(line[7:]) if line else {"error": res.stderr.strip()[-500:]}
-    ref = out["torch-f32"].get("tokens")
-    for _k, v in out.items():
-        if "tokens" in v and ref:
-            v["equal_to_torch_f32"] = v["tokens"] == ref
+    for name, paths in [("demo", {"fuselm": opt}), *points]:
+        runs = [("torch", "f32", paths["fuselm"]), ("mlx", "f32", paths["fuselm"]), ("mlx", "bf16", paths["fuselm"])]
+        runs += [("mlx-lm", dtype, paths["mlx-lm"])] if "mlx-lm" in paths else []
+        for backend, dt, model in runs:
+            res = subprocess.run([sys.executable, __file__, "--child", f"tokens-{backend}", "--model", str(model),
+                                  "--dtype", dt, "--runs", str(n)], capture_output=True, text=True,
+                                 env={**os.environ, "FUSELM_NO_CPU_KERNELS": "1"} if backend == "torch" else None)
+            line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            out[f"{name} {backend}-{dt}"] = json.loads(line[7:]) if line else {"error": res.stderr.strip()[-500:]}
+        margins = {k: out[k].pop("margins", None) for k in out if k.startswith(f"{name} ")}[f"{name} torch-f32"]
+        ref = out[f"{name} torch-f32"].get("tokens")
+        for key, v in out.items():
+            if key.startswith(f"{name} ") and "tokens" in v and ref and not key.endswith("torch-f32"):
+                v["equal_to_torch_f32"] = v["tokens"] == ref
+                v["first_difference"] = next((i for i, (a, b) in enumerate(zip(v["tokens"], ref, strict=False))
+                                              if a != b), None)
+                if v["first_difference"] is not None and margins:
+                    v["reference_margin"] = margins[v["first_difference"]]
     return out
 
 
@@ -263,8 +300,8 @@ def child(args) -> None:
         print("RESULT " + json.dumps({"load_s": e.load_s, "prepared": e.sess.graph.prepared}), flush=True)
         return
     if engine.startswith("tokens-"):
-        tokens, what = greedy_tokens(Path(args.model), engine.split("-", 1)[1], args.dtype, args.runs)
-        print("RESULT " + json.dumps({"tokens": tokens, "what": what}), flush=True)
+        tokens, what, margins = greedy_tokens(Path(args.model), engine.split("-", 1)[1], args.dtype, args.runs)
+        print("RESULT " + json.dumps({"tokens": tokens, "what": what, "margins": margins}), flush=True)
         return
     import mlx.core as mx
 
@@ -367,17 +404,23 @@ def prepare(shape: str, group: int, work: Path, dtype: str | None, checkpoint_on
 
 
 def _for_mlx_lm(ckpt: Path) -> Path:
-    """The checkpoint as mlx-lm 0.32 reads it: it has no `qwen3_5_text` model (its `qwen3_5` takes the text config
-    itself), so that one gets a copy of config.json naming `qwen3_5` beside links to its other files."""
+    """The checkpoint as mlx-lm 0.32 reads it, as a copy of config.json beside links to its other files: it has no
+    `qwen3_5_text` model (its `qwen3_5` takes the text config itself), and its granitemoehybrid reads the layer
+    types the released Granite-4 configs name (`mamba` / `attention`; transformers 5 writes linear_ / full_attention)."""
     config = json.loads((ckpt / "config.json").read_text())
-    if config.get("model_type") != "qwen3_5_text":
+    if config.get("model_type") == "granitemoehybrid":
+        names = {"linear_attention": "mamba", "full_attention": "attention"}
+        patch = {"layer_types": [names.get(t, t) for t in config["layer_types"]]}
+    elif config.get("model_type") == "qwen3_5_text":
+        patch = {"model_type": "qwen3_5"}
+    else:
         return ckpt
     peer = ckpt.with_name(ckpt.name + "-for-mlx-lm")
     peer.mkdir(exist_ok=True)
     for f in ckpt.iterdir():
         if f.name != "config.json" and not (peer / f.name).exists():
             (peer / f.name).symlink_to(f.resolve())
-    (peer / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}, indent=2))
+    (peer / "config.json").write_text(json.dumps({**config, **patch}, indent=2))
     return peer
 
 
@@ -464,7 +507,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-mlx")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/mlx-peer-<device>.json)")
     ap.add_argument("--token-check", action="store_true",
-                    help="also compare fuselm-MLX and fuselm-torch greedy tokens on one q4 graph (the trained demo model)")
+                    help="also compare greedy tokens with fuselm-torch f32's on one q4 graph: fuselm-MLX f32 / bf16 on the "
+                         "trained demo model and on each shape's checkpoint, and there mlx-lm's")
     ap.add_argument("--stash", action="store_true",
                     help="only make the checkpoints and fuselm's graphs, timed (no MLX needed; bench/h200_mlx.sh stash)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -493,11 +537,12 @@ def main(argv=None) -> int:
     device = str(mx.default_device())
     gpu = "gpu" in device
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if gpu else "f32")  # fuselm's auto, for mlx-lm too
-    rows = []
+    rows, points = [], []
     for shape in args.shapes:
         for group in args.groups:
             t0 = time.perf_counter()
             paths = prepare(shape, group, args.work, dtype)
+            points.append((f"{shape} g{group}", paths))
             print(f"[{shape} g{group}] models ready in {time.perf_counter() - t0:.0f} s", flush=True)
             engines = {e: paths["exported" if e == "fuselm-exported" else "mlx-lm" if e == "mlx-lm" else "fuselm"]
                        for e in args.engines}
@@ -511,20 +556,26 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"[{shape} g{group}] {r['engine']}: " + json.dumps(
                     {k: v for k, v in r.items() if not k.endswith("_runs") and k != "per_token"}), flush=True)
-    checks = token_check(args.work) if args.token_check else None
-    if checks:
-        print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in checks.items()}))
     summary = report(rows)
     out = args.out or RESULTS / f"mlx-peer-{'gpu' if gpu else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     import mlx_lm
 
-    out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "mlx": mx.__version__, "mlx_device": device, "mlx_lm": mlx_lm.__version__},
-        "protocol": {"decode_tokens": args.decode, "contexts": args.contexts, "prefill": args.prefill, "runs": args.runs,
-                     "dtype": dtype, "command": " ".join(["python", "bench/mlx_peer.py", *(argv or sys.argv[1:])])},
-        "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
+    def write(checks: dict | None) -> None:  # written before the token check too: a run cut off there keeps its rows
+        out.write_text(json.dumps({
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "mlx": mx.__version__, "mlx_device": device, "mlx_lm": mlx_lm.__version__},
+            "protocol": {"decode_tokens": args.decode, "contexts": args.contexts, "prefill": args.prefill,
+                         "runs": args.runs, "dtype": dtype,
+                         "command": " ".join(["python", "bench/mlx_peer.py", *(argv or sys.argv[1:])])},
+            "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
+
+    write(None)
+    if args.token_check:
+        checks = token_check(args.work, points, dtype)
+        print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
+                                            for k, v in checks.items()}))
+        write(checks)
     print(f"wrote {out}")
     return 0
 

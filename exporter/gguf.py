@@ -92,16 +92,19 @@ def write_checkpoint(gguf: Path, out: Path, digest: str) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    name = gguf.name  # a GGUF file holds no pickle: transformers reads it with the gguf package
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, gguf_file=name,
+                                                     local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=name, local_files_only=True,
+                                                  trust_remote_code=False)
     except ImportError as e:
         raise FuselmError(f"reading {gguf.name} needs {e.name or 'a package'}: pip install gguf accelerate") from None
     except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF reader lacks, a damaged file
         raise FuselmError(f"transformers cannot load {gguf} ({type(e).__name__}: {str(e)[:300]}); fuselm reads "
                           "the GGUF architectures transformers reads") from None
-    config = AutoConfig.from_pretrained(str(gguf.parent), **kwargs)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=name, local_files_only=True,
+                                        trust_remote_code=False)
     config.quantization_config = None
     del config.quantization_config
     with torch.device("meta"):

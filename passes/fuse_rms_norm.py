@@ -1,4 +1,4 @@
-"""FuseRMSNorm: the decomposed RMSNorm (as HF writes it by hand) -> RMSNormalization-23."""
+"""FuseRMSNorm: the decomposed RMSNorm (as HF writes it by hand), and the L2 norm -> RMSNormalization-23."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ from .base import (
 @dataclass
 class RMSMatch:
     x: ir.Value  # input of the fused node
-    weight: ir.Value
+    weight: ir.Value | None  # None: an L2 norm with no weight after it
     eps: float
     nodes: list[ir.Node]
     out: ir.Value
     offset: float = 0.0  # Gemma-style `x_norm · (offset + w)`: the fused weight is offset + w
+    length: int | None = None  # an L2 norm's (a sum, not a mean) last dim D: the fused weight is w / sqrt(D)
 
 
 def _offset_weight(v: ir.Value) -> tuple[ir.Value, float]:
@@ -49,6 +50,10 @@ def _offset_weight(v: ir.Value) -> tuple[ir.Value, float]:
 class FuseRMSNorm(Fusion):
     """x · 1/sqrt(mean(x², -1) + eps) · w  ->  RMSNormalization(x, w, axis=-1, epsilon=eps).
 
+    The L2 norm x · 1/sqrt(sum(x², -1) + eps) (the gated delta rule's q and k) is the same with epsilon eps / D and
+    the weight 1 / sqrt(D), D the last dim (known statically), times a constant it is then multiplied by (a scalar
+    or a 1-D weight) if there is one.
+
     Variants: x² as Pow(x, 2) or Mul(x, x); 1/sqrt as Reciprocal(Sqrt) or Div(1, Sqrt), or the
     whole as Div(x, Sqrt); the weight Mul on either side; with or without HF's Casts (x cast to
     float32 before, the normalized value cast back before the weight); the weight as `(1 + w)`
@@ -56,18 +61,18 @@ class FuseRMSNorm(Fusion):
     is written). Also fires on q_norm and k_norm, which normalize over head_dim of a [B, S, H, D] tensor.
     Must not fire (and says why): the mean is not over the last axis alone or drops the axis
     (keepdims=0); the exponent is not 2; epsilon or the weight is not a constant; the weight is
-    not 1-D; an intermediate (x², the mean, the normalized x) has another reader.
+    not 1-D; an intermediate (x², the mean, the normalized x) has another reader; an L2 norm's last dim is unknown.
     """
 
     aliases = ("fuse-rms-norm", "rms-norm", "rmsnorm")
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")]
+        return [n for n in graph if n.op_type in ("ReduceMean", "ReduceSum") and n.domain in ("", "ai.onnx")]
 
     def match(self, mean: ir.Node) -> RMSMatch:
         sq = producer(mean.inputs[0], "Pow", "Mul")
         if sq is None:
-            fail("ReduceMean does not read x² (Pow or Mul)")
+            fail(f"{mean.op_type} does not read x² (Pow or Mul)")
         x = sq.inputs[0]
         if sq.op_type == "Pow" and scalar(sq.inputs[1]) != 2:
             fail(f"exponent is {scalar(sq.inputs[1])}, not 2")
@@ -82,6 +87,13 @@ class FuseRMSNorm(Fusion):
             fail(f"mean over axis {axis}, not the last one")
         if attr(mean, "keepdims", 1) != 1:
             fail("keepdims=0: the mean does not broadcast back")
+        length = None
+        if mean.op_type == "ReduceSum":
+            length = x.shape[-1] if x.shape is not None and x.shape.rank() else None
+            if not isinstance(length, int):
+                fail("an L2 norm over a last dim of unknown size")
+            if attr(mean, "noop_with_empty_axes", 0):
+                fail("ReduceSum with noop_with_empty_axes")
         add = only_user(mean.outputs[0], "Add")
         if add is None:
             fail("the mean is not followed by Add(eps) alone")
@@ -116,6 +128,12 @@ class FuseRMSNorm(Fusion):
             nodes.append(cast_back)
             y, inp = cast_back.outputs[0], cast_in.inputs[0]
         wmul = only_user(y, "Mul")
+        if length is not None:  # an L2 norm: a constant scalar or [D] weight after it is taken in, else none
+            w = None if wmul is None else other_input(wmul, y)
+            c = const(w)
+            if c is None or c.size not in (1, length) or c.ndim > 1:
+                return RMSMatch(inp, None, float(eps), nodes, y, length=length)
+            return RMSMatch(inp, w, float(eps), [*nodes, wmul], wmul.outputs[0], length=length)
         if wmul is None:
             fail("the normalized value is not multiplied by a weight alone")
         weight, offset = _offset_weight(other_input(wmul, y))
@@ -128,10 +146,19 @@ class FuseRMSNorm(Fusion):
 
     def rewrite(self, graph: ir.Graph, m: RMSMatch) -> str:
         last = m.nodes[-1]
-        scope = (m.weight.name or last.name or "rms_norm").removesuffix(".weight")
+        named = m.weight is not None and m.length is None  # (an L2 norm's scale is no norm's weight: named by its node)
+        scope = ((m.weight.name if named else None) or last.name or "rms_norm").removesuffix(".weight")
         name = name_like(last.name, "/Mul_1", "/RMSNormalization", f"{scope}/RMSNormalization")
         weight = m.weight if not m.offset else _plus(graph, m.weight, m.offset)
-        node = new_node(graph, "RMSNormalization", [m.x, weight], name, axis=-1, epsilon=m.eps, stash_type=1)
+        eps = m.eps
+        if m.length is not None:  # |x|₂ = sqrt(D) · rms(x) (eps / D inside the root)
+            w = np.ones(m.length) if m.weight is None else const(m.weight).reshape(-1)
+            known = [v.dtype for v in (m.weight, m.out, m.x) if v is not None and v.dtype is not None]
+            dtype = (known[0] if known else ir.DataType.FLOAT).numpy()
+            weight = initializer(graph, f"{scope}_l2_norm_weight", np.broadcast_to(w / np.sqrt(m.length), m.length)
+                                 .astype(dtype))
+            eps = m.eps / m.length
+        node = new_node(graph, "RMSNormalization", [m.x, weight], name, axis=-1, epsilon=eps, stash_type=1)
         graph.insert_before(last, node)
         take_over(m.out, node.outputs[0])
         graph.remove(m.nodes, safe=True)

@@ -2,9 +2,10 @@
 
 Static-shape decode runs the same plan every token (kvcache.py), so it can be captured once. The
 step takes the token and its position; the attention mask and position_ids are computed from the
-position on the device, so no host array crosses over per token. The backend compiles it
-(`Backend.compile_step`): MLX mx.compile (KV buffers in and out), torch make_fx + inductor and a
-CUDA graph on CUDA (runtime_metal/backends/torch_compile.py; KV buffers written in place).
+position on the device, so no host array crosses over per token. A model's recurrent states
+(state.py) go in as inputs and their presents come out, fixed shapes like the rest. The backend
+compiles it (`Backend.compile_step`): MLX mx.compile (KV buffers in and out), torch make_fx + inductor
+and a CUDA graph on CUDA (runtime_metal/backends/torch_compile.py; KV buffers written in place).
 
 Where attention reads only the filled rows of the cache (`Backend.causal_reads`, MLX), its shapes
 grow every token, so `PiecewiseDecode` runs each Attention eagerly and compiles the runs of steps
@@ -28,7 +29,7 @@ from .executor import Step
 from .kvcache import CacheView
 from .ops_nn import first_row
 
-N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the KV buffers follow
+N_INPUTS = 2  # token ids [1, 1] and the position (a 0-d integer); the recurrent states, then the KV buffers follow
 
 
 def static_feeds(b, ids, pos, max_len: int, first: str = contract.INPUT_IDS, rows: int = 1) -> dict:
@@ -52,31 +53,35 @@ class CompiledDecode:
     def __init__(self, sess, plan, max_len: int):
         self.sess, self.plan, self.max_len = sess, plan, max_len
         self.names = [c.name for c in sess.caches]
+        self.states = sess.state.specs
         self.seconds = 0.0
         self.fn = None
         self.what = ""
 
-    def _step(self, ids, pos, *bufs):
-        sess = self.sess
+    def _step(self, ids, pos, *arrays):
+        sess, k = self.sess, len(self.states)
         views = {c.name: CacheView(buf, pos, 1, static=True, head_dim=c.head_dim)
-                 for c, buf in zip(sess.caches, bufs, strict=True)}
+                 for c, buf in zip(sess.caches, arrays[k:], strict=True)}
         sess.executor.ctx["rope_offset"] = pos
         sess.executor.ctx["logit_rows"] = 1
-        feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views}
+        feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views,
+                 **{st.name: a for st, a in zip(self.states, arrays[:k], strict=True)}}
         out = sess.executor._execute(self.plan, feeds)
         # the next position, on the device: no host array crosses over per token
         nxt = sess.backend.binary("add", pos, sess.backend.full((), 1, sess.backend.dtype(pos)))
-        return (out[sess.output], nxt, *[views[n].buffer for n in self.names])
+        return (out[sess.output], nxt, *[out[st.present] for st in self.states], *[views[n].buffer for n in self.names])
 
     def build(self, args: tuple) -> None:
+        """`args`: (ids, position, *states, *buffers), as a step takes them."""
         t0 = time.perf_counter()
-        self.fn, self.what = self.sess.backend.compile_step(self._step, args, N_INPUTS)
+        self.fn, self.what = self.sess.backend.compile_step(self._step, args, N_INPUTS + len(self.states))
         self.seconds = time.perf_counter() - t0
 
-    def __call__(self, ids, pos, bufs: list):
-        """One decode step; returns (logits, the next position as a device array, new buffers)."""
-        out = self.fn(ids, pos, *bufs)
-        return out[0], out[1], list(out[2:])
+    def __call__(self, ids, pos, bufs: list, states: list):
+        """One decode step; returns (logits, the next position as a device array, new buffers, present states)."""
+        k = len(self.states)
+        out = self.fn(ids, pos, *states, *bufs)
+        return out[0], out[1], list(out[2 + k:]), list(out[2:2 + k])
 
 
 @dataclass
@@ -102,6 +107,7 @@ class PiecewiseDecode:
     def __init__(self, sess, plan, max_len: int, rows: int = 1):
         self.sess, self.max_len, self.rows = sess, max_len, rows  # rows: tokens per step (a verification's k + 1)
         self.names = [c.name for c in sess.caches]
+        self.states = sess.state.specs  # (their pasts are read and their presents made by the pieces like any value)
         self.pieces = _pieces(plan)
         read = {x for p in self.pieces for x in p.inputs}
         self.mask = contract.ATTENTION_MASK in read  # causal reads hand no piece the mask: not built per token
@@ -147,12 +153,14 @@ class PiecewiseDecode:
 
         return run
 
-    def __call__(self, ids, pos_dev, bufs: list):
-        """One decode step at the session's position; returns (logits, None, the buffers written in place)."""
+    def __call__(self, ids, pos_dev, bufs: list, states: list):
+        """One decode step at the session's position; returns (logits, None, the buffers written in place, the
+        present states)."""
         sess, b = self.sess, self.sess.backend
         ex, pos = sess.executor, sess.pos
         views = dict(zip(self.names, bufs, strict=True)) if self.direct else \
             {c.name: sess._view(c, pos, 1, static=True) for c in sess.caches}
+        views.update((st.name, a) for st, a in zip(self.states, states, strict=True))
         if self.mask:
             env = {**static_feeds(b, ids, pos_dev, self.max_len, sess.first_input, self.rows), **views}
         else:
@@ -168,7 +176,8 @@ class PiecewiseDecode:
             else:
                 ex.ctx["rope_offset"] = pos_dev
                 ex.run_steps(p.steps, env)
-        return env[sess.output], None, [env[n] if self.direct else views[n].buffer for n in self.names]
+        return env[sess.output], None, [env[n] if self.direct else views[n].buffer for n in self.names], \
+            [env[st.present] for st in self.states]
 
 
 def _decode_attention(sess, st: Step, before: Piece, after: Piece, others: set, beyond: set, rows: int = 1):

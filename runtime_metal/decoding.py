@@ -78,9 +78,10 @@ class Static(Strategy):
         self.build, self.note = build, note
 
     def step(self, token):
+        before = self.sess.state.snapshot() if self.build else None  # (a compiled step starts from this step's state)
         ids, pos_dev, logits = self.eager(token)
         if self.build:
-            self.decoding.build(ids, pos_dev, logits)
+            self.decoding.build(ids, pos_dev, logits, before)
         self.sess.pos += 1
         return self.sess.backend.slice(logits, (0, 0))
 
@@ -107,8 +108,10 @@ class Compiled(Strategy):
 
     def step(self, token):
         s, pos = self.sess, self.sess.pos
-        logits, nxt, bufs = self.fn(s._ids(token), self.decoding.position(), [s.buffers[c.name] for c in s.caches])
+        logits, nxt, bufs, states = self.fn(s._ids(token), self.decoding.position(),
+                                            [s.buffers[c.name] for c in s.caches], s.state.values())
         s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+        s.state.put(states)
         self.decoding.pos_dev = (pos + 1, nxt) if nxt is not None else None
         s.pos += 1
         return s.backend.slice(logits, (0, 0))
@@ -148,7 +151,7 @@ class Checked(Strategy):
         if isinstance(self.ran, Static):
             self.ran.note += ", checked against dynamic decode on its first step"
             if self.ran.build:
-                d.build(ids, pos_dev, logits)
+                d.build(ids, pos_dev, logits, state_before)
         s.pos = pos + 1
         return out
 
@@ -160,7 +163,6 @@ class Decoding:
         self.sess = sess
         env = switches.setting("FUSELM_COMPILE")
         self.compile = (sess.backend.compile_default if env is None else env) if compile is None else bool(compile)
-        self.compile = self.compile and not sess.state  # the compiled step carries the KV buffers, not recurrent states
         self.static: bool | None = None if static and sess.in_place else False  # None: not checked yet
         self.why = "static-shape decode is off" if not static else \
             "the graph reads its cache with other ops than Attention/KVAppend, so the cache cannot live in place"
@@ -207,11 +209,15 @@ class Decoding:
         key = (s.max_len, len(ids))
         fn = self.verifiers.get(key)
         if fn is not None:
-            logits, _, bufs = fn(s._ids(ids), self.position(), [s.buffers[c.name] for c in s.caches])
+            logits, _, bufs, states = fn(s._ids(ids), self.position(), [s.buffers[c.name] for c in s.caches],
+                                         s.state.values())
             s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+            s.state.put(states)
             s.pos += len(ids)
             return s.backend.slice(logits, (0,))
-        if key in self.verifiers or not (s.causal_reads and self.static and self.compile and not s.profiler.enabled):
+        # (static decode unchecked yet is fine: the build checks its own rows against a dynamic step's)
+        if key in self.verifiers or not (s.causal_reads and self.static is not False and self.compile
+                                         and not s.profiler.enabled):
             return s._step_dynamic(ids, len(ids))
         self.verifiers[key] = None  # one try per shape
         return self._build_rows(ids)
@@ -219,33 +225,40 @@ class Decoding:
     def _build_rows(self, ids: list[int]):
         s, b, n = self.sess, self.sess.backend, len(ids)
         pos = s.pos
-        before = _rows(s, pos, n)
+        before, state_before = _rows(s, pos, n), s.state.snapshot()
         dyn = s._step_dynamic(ids, n)
-        after = _rows(s, pos, n)
+        after, state_after = _rows(s, pos, n), s.state.snapshot()
+
+        def dynamic():  # the dynamic step's rows and state stand
+            _put(s, after)
+            s.state.restore(state_after)
+            s.pos = pos + n
+            return dyn
+
         _put(s, before)
+        s.state.restore(state_before)
         s.pos = pos
         token, pos_dev = s._ids(ids), self.position()
         feeds = static_feeds(b, token, pos_dev, s.max_len, s.first_input, n)
         views = {c.name: s._view(c, pos, n, static=True) for c in s.caches}
         eager = s._run(token, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views, n)
-        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos, n, static=True) for c in s.caches}})
+        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos, n, static=True) for c in s.caches},
+                                    **s.state.feeds()})
         tol = self.tolerance()
         if plan is None or not agrees(b, dyn, b.slice(eager, (0,)), tol):
-            _put(s, after)
-            s.pos = pos + n
-            return dyn
+            return dynamic()
         fn = PiecewiseDecode(s, plan, s.max_len, rows=n)
         bufs = [s.buffers[c.name] for c in s.caches]
         try:
             fn.build((token, pos_dev, *bufs))
-            logits, _, bufs = fn(token, pos_dev, bufs)
+            logits, _, bufs, states = fn(token, pos_dev, bufs, s.state.ordered(state_before))
         except Exception:  # noqa: BLE001 - a compiler failure leaves verification on the dynamic step
-            _put(s, after)
-            s.pos = pos + n
-            return dyn
+            return dynamic()
+        if not (agrees(b, dyn, b.slice(logits, (0,)), tol) and _close(b, s.state.ordered(state_after), states, tol)):
+            return dynamic()
+        self.verifiers[(s.max_len, n)] = fn
         s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
-        if agrees(b, dyn, b.slice(logits, (0,)), tol):
-            self.verifiers[(s.max_len, n)] = fn
+        s.state.put(states)
         s.pos = pos + n
         return dyn
 
@@ -268,29 +281,45 @@ class Decoding:
         return ", run eagerly while its compiled step was built" if self.sess.max_len in self.compiled else \
             ", compiles on the next static step"
 
-    def build(self, ids, pos_dev, eager_logits) -> None:
-        """Compile the static step with this step's inputs; keep it only if it reproduces the eager logits.
+    def build(self, ids, pos_dev, eager_logits, state_before: dict) -> None:
+        """Compile the static step with this step's inputs (`state_before`: the recurrent states it started from;
+        the session's are the eager step's presents); keep it only if it reproduces the eager logits and states.
 
-        Re-running the step is harmless: it writes the same keys and values into the same cache rows."""
+        Re-running the step is harmless: it writes the same keys and values into the same cache rows, and its
+        present states are compared, not kept."""
         s, b = self.sess, self.sess.backend
         feeds = static_feeds(b, ids, pos_dev, s.max_len, s.first_input)
-        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos_dev, 1, static=True) for c in s.caches}})
+        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos_dev, 1, static=True) for c in s.caches},
+                                    **s.state.feeds()})
         if plan is None:
             self.failed = "the static step's plan is not kept (FUSELM_DEBUG / FUSELM_LIMIT, or a value-dependent op)"
             return
         fn = (PiecewiseDecode if s.causal_reads else CompiledDecode)(s, plan, s.max_len)
-        bufs = [s.buffers[c.name] for c in s.caches]
+        bufs, states = [s.buffers[c.name] for c in s.caches], s.state.ordered(state_before)
         try:
-            fn.build((ids, pos_dev, *bufs))
-            logits, _, _ = fn(ids, pos_dev, bufs)
+            fn.build((ids, pos_dev, *states, *bufs))
+            logits, _, _, presents = fn(ids, pos_dev, bufs, states)
         except Exception as e:  # noqa: BLE001 - a compiler failure must not stop generation
             self.failed = f"{type(e).__name__}: {e}"[:300]
             return
-        if not agrees(b, eager_logits, logits, tol=self.tolerance()):
+        tol = self.tolerance()
+        if not agrees(b, eager_logits, logits, tol=tol):
             d = np.abs(np.asarray(b.to_numpy(eager_logits), np.float64) - np.asarray(b.to_numpy(logits), np.float64))
             self.failed = f"compiled logits differ from the eager step by {d.max():.3g}"
             return
+        if not _close(b, s.state.values(), presents, tol):
+            self.failed = "the compiled step's recurrent states differ from the eager step's"
+            return
         self.compiled[s.max_len] = fn
+
+
+def _close(b, want: list, got: list, tol: float) -> bool:
+    """Every array within `tol` of its largest magnitude (at least 1): recurrent states, which no argmax checks."""
+    for w, g in zip(want, got, strict=True):
+        x, y = (np.asarray(b.to_numpy(v), np.float64) for v in (w, g))
+        if not np.allclose(x, y, atol=tol * max(1.0, float(np.abs(x).max())), rtol=0):
+            return False
+    return True
 
 
 def _rows(s, pos: int, n: int = 1) -> dict:

@@ -11,25 +11,32 @@ et al. 2023). The target's cache then forgets the rejected drafts (Engine.rollba
 Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the latest earlier occurrence of the text's last
 n-gram, n = 3, 2, 1: rewriting, summarising or editing a passage given in the prompt repeats it), `ModelDrafter` (a
 smaller fuselm model with the same tokenizer, run greedily or sampled, its cache kept in step with the target's).
-Drafting turns itself off when it stays unprofitable: after WINDOW verification steps whose drafts were mostly
-rejected, the rest of the run is plain decode (on the engine's own pipelined loop where it has one). A model with
-recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each verification;
-when a draft is rejected it is restored and the kept tokens run again.
+How many tokens to draft is decided before every step (`Policy`): from the drafts' measured acceptance α (each
+draft token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α) tokens) and the measured time of a
+step of k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or
+none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
+(plain tokens then run PLAIN_RUN at a time on the engine's own loop; n-gram drafts are still compared with them, so
+drafting resumes when they start to match; a draft model is tried again every PROBE_EVERY tokens unless even
+drafts always kept would not pay for its cost). A model with recurrent state (its state holds every token fed, and
+cannot roll back) is checkpointed before each verification; when a draft is rejected it is restored and the kept
+tokens run again.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .sampling import probabilities
 
-WINDOW = 8  # verification steps judged together
-MIN_ACCEPTED = 0.5  # drafts kept per step over the window below which drafting stops
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
+DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
+PROBE_EVERY = 16  # plain tokens after which a paused draft model is tried again
+PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses (the policy is asked again after them)
+PAYS = 1.1  # a drafting step must promise 10 % more tokens per second than a plain one (step times are noisy)
 
 
 @dataclass
@@ -42,10 +49,9 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens produced by verification steps (kept drafts + the target's own)
-    plain: int = 0  # tokens decoded without drafts (no draft found, or drafting off)
-    off_at: int | None = None  # the token index where drafting turned itself off
+    plain: int = 0  # tokens decoded without drafts (no draft found, or drafting paused)
+    paused: int = 0  # steps the policy took without drafting (drafts not worth their cost)
     exact: bool = True  # the engine's multi-token steps give each row a one-token step's logits
-    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
 
     @property
     def acceptance(self) -> float | None:
@@ -60,12 +66,12 @@ class Stats:
         return {"method": self.method, "num_draft": self.num_draft, "target_steps": self.steps + self.plain,
                 "verification_steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "tokens_per_target_step": self.tokens_per_step,
-                "drafting_off_at": self.off_at, "exact": self.exact}
+                "paused_steps": self.paused, "exact": self.exact}
 
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
-        off = f"; drafting turned off at token {self.off_at} (drafts kept too rarely)" if self.off_at is not None else ""
+        off = f"; drafting paused for {self.paused} steps (drafts kept too rarely for their cost)" if self.paused else ""
         near = "" if self.exact else ("; this engine rounds a multi-token step otherwise than a one-token step (int8 "
                                       "activations), so greedy tokens may leave plain decode's at a near-tie")
         return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}{near}"
@@ -115,7 +121,8 @@ class ModelDrafter:
 
     def start(self, prompt: list[int]) -> None:
         self.engine.reset(self.max_len)
-        self.fed = 0  # the first proposal feeds the whole prompt
+        self.engine.forward(prompt)  # beside the target's prefill, not inside the first draft's time
+        self.fed = len(prompt)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
         from .sampling import sample
@@ -152,6 +159,71 @@ class ModelDrafter:
         self.engine.close()
 
 
+class Policy:
+    """How many drafts the next step verifies (module docstring): acceptance as decayed counts of kept and rejected
+    draft tokens, step times as decayed means by row count."""
+
+    def __init__(self, k_max: int, fixed: bool):
+        self.k_max, self.fixed = k_max, fixed  # fixed: the engine verifies k_max drafts every time (padded)
+        self.kept = self.rejected = 0.0
+        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self.draft_s = 0.0  # seconds per drafted token (a draft model's steps; n-gram lookups cost about none)
+
+    @property
+    def alpha(self) -> float:
+        return (self.kept + 0.375) / (self.kept + self.rejected + 0.5)  # a light prior of 0.75 while nothing is known
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """A step of `rows` tokens took `seconds`; the first of each row count is not kept (it compiles, allocates)."""
+        self.samples[rows] = self.samples.get(rows, 0) + 1
+        if self.samples[rows] == 1:
+            return
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def drafting(self, k: int, seconds: float) -> None:
+        self.draft_s = DECAY * self.draft_s + (1 - DECAY) * seconds / k if self.draft_s else seconds / k
+
+    def drafts(self, kept: int, drafted: int) -> None:
+        self.kept = DECAY * self.kept + kept
+        self.rejected = DECAY * self.rejected + (kept < drafted)
+
+    def cost(self, rows: int) -> float:
+        """A step of `rows` tokens in one-token steps: measured, else read off the line through the measured ones
+        (unmeasured: 1 + 0.1 per extra row, optimistic so that it gets measured)."""
+        one = self.seconds.get(1)
+        if one is None or rows == 1:
+            return 1.0 + 0.1 * (rows - 1)
+        if rows in self.seconds:
+            return self.seconds[rows] / one
+        known = [(r, t / one) for r, t in self.seconds.items() if r > 1]
+        if not known:
+            return 1.0 + 0.1 * (rows - 1)
+        r, c = max(known)
+        return 1.0 + (c - 1.0) * (rows - 1) / (r - 1)
+
+    def choose(self, left: int) -> int:
+        """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more)."""
+        if 1 not in self.seconds:
+            return 0  # a plain step first: what drafting is weighed against
+        a, best, k_best = self.alpha, PAYS, 0
+        for k in ([self.k_max] if self.fixed else range(1, self.k_max + 1)):
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k)
+            if gain > best:
+                best, k_best = gain, k
+        return min(k_best, left - 1)
+
+    def step_cost(self, k: int) -> float:
+        """Drafting k tokens and verifying them, in plain steps."""
+        one = self.seconds.get(1)
+        return self.cost(k + 1) + (k * self.draft_s / one if one else 0.0)
+
+    def could_pay(self) -> bool:
+        """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
+        return any((k + 1) / self.step_cost(k) > PAYS for k in range(1, self.k_max + 1))
+
+
 def drafter_for(options, sampler, max_len: int):
     """The drafter `options.speculative` names (a draft model loaded with the target's engine options)."""
     if options.speculative == "ngram":
@@ -173,26 +245,50 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     history.append(y)
     yield y
     produced = 1
+    policy = Policy(k, engine.fixed_rows)
+    shadow: list[int] = []  # an n-gram draft not verified (paused): compared with the tokens plain decode gives
+    since_probe = 0
     while produced < max_new:
         left = max_new - produced
-        if stats.off_at is not None:
-            for token in engine.continue_from(y, left, sampler):
+        want = policy.choose(left)
+        if (not want and isinstance(drafter, ModelDrafter) and since_probe >= PROBE_EVERY and left > 1
+                and policy.could_pay()):
+            want = min(k, left - 1)  # a paused draft model is tried again
+        t0 = time.perf_counter()
+        draft, q = drafter.propose(history, want) if want else ([], None)
+        if draft:
+            policy.drafting(len(draft), time.perf_counter() - t0)
+        if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued); paused: a run
+            run = PLAIN_RUN if isinstance(drafter, NgramDrafter) else PROBE_EVERY - since_probe
+            n = 1 if want or 1 not in policy.seconds else min(left, run)
+            t0 = time.perf_counter()
+            for token in engine.continue_from(y, max(n, 1), sampler):
+                y = token
                 stats.plain += 1
-                yield token
-            return
-        draft, q = drafter.propose(history, min(k, left - 1)) if left > 1 else ([], None)
-        if not draft:
-            y = _pick(engine.forward([y])[-1], sampler)
-            stats.plain += 1
-            history.append(y)
-            produced += 1
-            yield y
+                stats.paused += not want and left > 1
+                since_probe += 1
+                if isinstance(drafter, NgramDrafter):
+                    if shadow and shadow[0] == y:
+                        shadow.pop(0)
+                        policy.drafts(1, 1)
+                    elif shadow:
+                        policy.drafts(0, 1)
+                        shadow = []
+                history.append(y)
+                produced += 1
+                yield y
+                if isinstance(drafter, NgramDrafter) and not shadow:
+                    shadow = drafter.propose(history, k)[0]
+            policy.timed(1, (time.perf_counter() - t0) / max(n, 1))
             continue
+        shadow, since_probe = [], 0
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
         # rows are read by no one, later rows never change earlier ones)
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
         saved = None if engine.trimmable else engine.checkpoint()
+        t0 = time.perf_counter()
         rows = engine.forward([y, *draft, *pad], rows=len(draft) + len(pad) + 1)
+        policy.timed(len(draft) + len(pad) + 1, time.perf_counter() - t0)
         kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
         if saved is None:
             engine.rollback(len(draft) + len(pad) - kept)
@@ -200,10 +296,10 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             engine.restore(saved)
             engine.forward([y, *draft[:kept]])
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
+        policy.drafts(kept, len(draft))
         stats.steps += 1
         stats.drafted += len(draft)
         stats.accepted += kept
-        stats.recent.append(kept)
         emitted = draft[:kept] + [nxt]
         stats.emitted += len(emitted)
         for token in emitted[:left]:
@@ -211,8 +307,6 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             produced += 1
             yield token
         y = emitted[-1]
-        if len(stats.recent) == WINDOW and sum(stats.recent) / WINDOW < MIN_ACCEPTED:
-            stats.off_at = produced
 
 
 def _pick(logits: np.ndarray, sampler) -> int:

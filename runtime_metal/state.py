@@ -11,6 +11,8 @@ whatever the compute dtype or the KV cache's format (`--kv-bits`), so a long pro
     state.update(out)                # the presents become the next step's pasts
     saved = state.snapshot()         # the arrays as they are (ops never write a state in place) ...
     state.restore(saved)             # ... put back: a step undone (a checked step, a rejected draft token)
+    step(..., *state.values())       # a compiled step takes them in the graph's order ...
+    state.put(presents)              # ... and gives the presents back in that order
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ class RecurrentState:
 
     def update(self, outputs: dict) -> None:
         self.arrays = {s.name: outputs[s.present] for s in self.specs}
+
+    def values(self) -> list:
+        """The arrays in the graph's order (a compiled step's state inputs)."""
+        return [self.arrays[s.name] for s in self.specs]
+
+    def put(self, values: list) -> None:
+        """The arrays a compiled step gave back, in `values()` order."""
+        self.arrays = {s.name: v for s, v in zip(self.specs, values, strict=True)}
+
+    def ordered(self, saved: dict) -> list:
+        """A snapshot's arrays in `values()` order."""
+        return [saved[s.name] for s in self.specs]
 
     def snapshot(self) -> dict:
         return dict(self.arrays)

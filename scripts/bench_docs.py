@@ -632,7 +632,7 @@ VIEWS: dict[str, View] = {
 FAMILIES: list[tuple[str, str, str]] = [
     (r"traced_sweep.*\.json", "traced sweep (scripts/traced_sweep.py)", "which-model-types-convert"),
     (r"quality-.*\.json", "quality on real text (bench/quality.py)", "quality-on-real-text"),
-    (r"(h200/)?speculative.*\.json", "speculative decoding (bench/speculative.py)", "speculative-decoding"),
+    (r"(h200/)?speculative.*\.(json|log)", "speculative decoding (bench/speculative.py)", "speculative-decoding"),
     (r"(h200/)?api-vs-cli.*\.json", "the Python iterator against the command line (bench/api_vs_cli.py)",
      "one-seam-for-running"),
     (r"convert_traced_prewrite.*\.json", "convert experiment (bench/convert.py)", "convert"),

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx.backend.base import Backend, BackendRep
-
 from fuselm.runtime_metal import rewrites
 from fuselm.runtime_metal.backends import make_backend
 from fuselm.runtime_metal.executor import Executor
 from fuselm.runtime_metal.loader import LoadedModel, tensor_to_array
+from onnx.backend.base import Backend, BackendRep
 
 
 def load_proto(model: onnx.ModelProto) -> LoadedModel:

@@ -5,7 +5,7 @@ a trained q4 model, the 8-bit cache's drift) and, through `fuselm validate`, aga
 from __future__ import annotations
 
 import numpy as np
-from test_kv_cache import _logits, _Null  # the same runs as the torch and MLX cache tests
+from test_kv_cache import PROMPT, _logits, _Null, assert_greedy_agree  # the torch and MLX cache tests' runs
 
 import fuselm
 from fuselm.cli import main
@@ -21,15 +21,15 @@ def test_run_and_validate_on_numpy(optimized, make_ckpt, capsys):
 
 
 def test_greedy_tokens_equal_torch(optimized):
-    """A trained q4 model: 24 greedy tokens on numpy are torch's, with the float and the 8-bit cache."""
+    """A trained q4 model: 24 greedy tokens on numpy are torch's (or part at a near-tie), with the float and the 8-bit
+    cache."""
     model = optimized("qwen3", "q4", train_steps=40)
-    runs = {(backend, bits): fuselm.run(model, prompt="hello world! what is the capital of", max_tokens=24,
-                                        ignore_eos=True, quiet=True, backend=backend, stream=_Null(),
-                                        kv_bits=bits)["tokens"]
+    runs = {(backend, bits): fuselm.run(model, prompt=PROMPT, max_tokens=24, ignore_eos=True, quiet=True,
+                                        backend=backend, stream=_Null(), kv_bits=bits)["tokens"]
             for backend in ("numpy", "torch") for bits in (None, 8)}
     assert len(set(runs["torch", None])) > 3  # a real continuation, not one repeated token
-    assert runs["numpy", None] == runs["torch", None]
-    assert runs["numpy", 8] == runs["torch", 8]
+    for bits in (None, 8):
+        assert_greedy_agree(model, runs["torch", bits], [runs["numpy", bits]], backend="torch", kv_bits=bits)
 
 
 def test_int8_cache_drift_within_torch(optimized):

@@ -10,6 +10,8 @@ format) moves them by O(1), i.e. far beyond the bound.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from fuselm.runtime_metal import attention_blocks
@@ -118,10 +120,32 @@ def test_trained_model_greedy_tokens_unchanged(make_ckpt, tmp_path):
     hf = make_ckpt("qwen3", train_steps=40)
     fuselm.convert(hf, tmp_path / "exp", quant="q4", quiet=True)
     fuselm.optimize(tmp_path / "exp", tmp_path / "opt", quiet=True)
-    runs = [fuselm.run(tmp_path / "opt", prompt="hello world! what is the capital of", max_tokens=32, ignore_eos=True, quiet=True,
+    runs = [fuselm.run(tmp_path / "opt", prompt=PROMPT, max_tokens=32, ignore_eos=True, quiet=True,
                        backend="torch", stream=_Null(), **kv)["tokens"] for kv in ({}, {"kv_bits": 16}, {"kv_bits": 8})]
     assert len(runs[0]) == 32 and len(set(runs[0])) > 3  # a real continuation, not one repeated token
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert_greedy_agree(tmp_path / "opt", runs[0], runs[1:], backend="torch")
+
+
+PROMPT = "hello world! what is the capital of"
+TIE = 0.05  # logits: a near-tie any rounding (f16 or int8 cache, another backend's sums) may flip
+
+
+def assert_greedy_agree(model, ref: list[int], others: list[list[int]], prompt: str = PROMPT, **options):
+    """Each of `others` is the greedy run `ref` (engine `options`, `prompt`) or parts from it only at a near-tie:
+    where they first differ, the reference engine's top two logits there (teacher-forced along `ref`) are within
+    TIE and the other run's token is one of those two."""
+    import fuselm
+    from fuselm.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(Path(model), required=True).encode(prompt)
+    logits = fuselm.load(model, **options).trace(ids, len(ref), force=ref).logits
+    for other in others:
+        i = next((i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b), None)
+        if i is None:
+            continue
+        top = np.sort(np.asarray(logits[i], np.float64))[-2:]
+        assert top[1] - top[0] < TIE and other[i] in np.argsort(logits[i])[-2:], (
+            f"step {i}: {other[i]} vs {ref[i]} where the top two logits part by {top[1] - top[0]:.3g}")
 
 
 class _Null:

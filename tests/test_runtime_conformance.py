@@ -16,9 +16,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from onnx_backend import FuselmBackend
 from fuselm.runtime_metal.loader import tensor_to_array
 from fuselm.runtime_metal.ops import OPS
+from onnx_backend import FuselmBackend
 
 # (regex on the case name, reason)
 EXCLUDED = [

@@ -75,9 +75,9 @@ def test_rejection_rule_keeps_the_target_distribution():
         np.testing.assert_allclose(counts / n, p, atol=0.015)
 
 
-def test_drafting_turns_itself_off_when_rejected(optimized):
-    """A drafter whose drafts are always wrong: after WINDOW steps of rejections the rest is plain decode, and the
-    tokens are still plain decode's."""
+def test_drafting_pauses_when_rejected(optimized):
+    """A drafter whose drafts are always wrong: after a few rejected steps the policy stops verifying them (plain
+    steps, its shadow drafts still compared), and the tokens are still plain decode's."""
 
     class Wrong(speculative.NgramDrafter):
         def propose(self, history, k):
@@ -87,7 +87,34 @@ def test_drafting_turns_itself_off_when_rejected(optimized):
     want = list(engine.generate(PROMPT, TOKENS, Sampler()))
     stats = speculative.Stats("wrong", 3)
     got = list(speculative.generate(engine, PROMPT, TOKENS, Sampler(), Wrong(), 3, stats))
-    assert got == want and stats.off_at is not None and stats.steps == speculative.WINDOW and stats.plain > 0
+    assert got == want and 0 < stats.steps <= 6 and stats.paused > TOKENS // 2 and stats.accepted == 0
+
+
+def test_policy_drafts_what_pays():
+    """The policy's choice: a plain step first (timed twice: the first compiles), no drafts when every one is
+    rejected, many when all are kept and a step of many tokens costs about one token's; few when long steps cost
+    their length (a CPU) or drafting costs a plain step per token (a draft model as large as the target)."""
+    def timed(p, rows, seconds):
+        p.timed(rows, 100.0)  # the first step of a row count (a compile) is not kept
+        p.timed(rows, seconds)
+
+    p = speculative.Policy(4, fixed=False)
+    assert p.choose(100) == 0
+    timed(p, 1, 0.01)
+    for _ in range(20):
+        p.drafts(0, 4)
+    assert p.choose(100) == 0
+    p = speculative.Policy(4, fixed=False)
+    timed(p, 1, 0.01), timed(p, 5, 0.011)
+    for _ in range(8):
+        p.drafts(4, 4)
+    assert p.choose(100) == 4 and p.choose(3) == 2
+    p.drafting(4, 0.04)  # four draft-model steps as slow as the target's: no k pays
+    assert p.choose(100) == 0
+    p.draft_s = 0.0
+    p.timed(5, 0.05)  # rows cost about their number: drafting cannot pay for itself
+    p.seconds[5] = 0.05
+    assert p.choose(100) < 4
 
 
 def test_cli_flags(optimized, capsys):

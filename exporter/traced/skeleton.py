@@ -204,13 +204,15 @@ class Skeleton:
         dense = [*dense, *self.grouped]
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
+        family = type(model).__name__.removesuffix("ForCausalLM")  # (GraniteMoeHybrid: a name, not its experts)
         for name, module in model.named_modules():
+            kind = type(module).__name__.removeprefix(family).lower()
             for part, why in _REFUSED_MODULES.items():
                 if part in _STATE_KERNELS and any(k in vars(modeling) for k in _STATE_KERNELS[part]):
                     continue
                 if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
-                if part.lower() in type(module).__name__.lower():
+                if part.lower() in kind:
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")

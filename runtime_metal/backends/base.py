@@ -152,8 +152,9 @@ class Backend:
         return 3e-2 if self.compute != "f32" else 1e-3
 
     def compile_step(self, fn, args: tuple, n_inputs: int):
-        """Compile `fn(*args) -> (logits, *buffers)`, whose first `n_inputs` args are small per-step
-        inputs and the rest KV buffers; returns (callable with the same signature and result, what)."""
+        """Compile `fn(*args) -> (logits, next position, *states, *buffers)`, whose first `n_inputs` args are the
+        per-step inputs (ids, position, recurrent states: as many as the results before the buffers) and the rest
+        KV buffers; returns (callable with the same signature and result, what)."""
         raise NotImplementedError
 
     def pick_token(self, logits, sampler):

@@ -490,7 +490,7 @@ class MLXBackend(Backend):
     def ssm_scan(self, x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max):
         if x.shape[1] == 1:
             return mlx_state.ssm_step(x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)
-        return super().ssm_scan(x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)  # chunks of the dual form
+        return mlx_state.ssm_chunked(x, dt, a_log, b, c, d, dt_bias, state, dt_min, dt_max)
 
     def selective_scan(self, x, dt, a_log, b, c, d, dt_bias, state):
         return mlx_state.selective_scan(x, dt, a_log, b, c, d, dt_bias, state)

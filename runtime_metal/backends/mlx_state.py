@@ -3,13 +3,18 @@ mlx-lm's gated_delta_ops / ssm step), so a decode step's recurrence is one fused
 dozen ops; shapeless, so one compile serves every model and prompt.
 
 Same semantics and layouts as state_kernels.py (fuselm/contract.py's ops); the state stays float32 (the inputs'
-bfloat16 promotes to it inside the step) and each output is cast back to its input's dtype. Mamba-2's prompt
-keeps the chunked dual form of state_kernels.py (matmuls, already few kernels).
+bfloat16 promotes to it inside the step) and each output is cast back to its input's dtype. A gated delta rule
+prompt runs in chunks (state_kernels.gated_delta_chunked's algorithm: every chunk's own work one compiled function,
+each step between chunks another), a Mamba-2 prompt in the dual form with every chunk at once (one compiled function).
 """
 
 from __future__ import annotations
 
+from functools import cache, lru_cache
+
 import mlx.core as mx
+
+from . import state_kernels
 
 _COMPILED: dict = {}
 
@@ -41,11 +46,12 @@ def causal_conv1d(x, past, weight):
 
 
 def _delta_step(state, q, k, v, g, beta):
-    """state [B,H,Dv,Dk]; q, k [B,H,Dk]; v [B,H,Dv]; g [B,H,1|Dk] (the decay, exp'd); beta [B,H]."""
-    state = state * g[:, :, None, :]
-    recalled = (state * k[:, :, None, :]).sum(axis=-1)
-    state = state + ((v - recalled) * beta[..., None])[..., None] * k[:, :, None, :]
-    return (state * q[:, :, None, :]).sum(axis=-1), state
+    """state [B,H,Dv,Dk]; q, k [B,H,Dk]; v [B,H,Dv]; g [B,H,1|Dk] (the decay, exp'd); beta [B,H] -> (y [B,H,Dv,1],
+    state). Three kernels: the decay folded into the first product ((S g) k = S (g k)), the update one elementwise
+    kernel, the read a product."""
+    recalled = state @ (g * k)[..., None]  # [B,H,Dv,1]
+    state = state * g[:, :, None, :] + ((v[..., None] - recalled) * beta[..., None, None]) * k[:, :, None, :]
+    return state @ q[..., None], state
 
 
 def gated_delta(q, k, v, decay, beta, state):
@@ -53,12 +59,65 @@ def gated_delta(q, k, v, decay, beta, state):
     hv = v.shape[2]
     if hv != hk:  # each key head serves hv / hk consecutive value heads
         q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
+    if s >= state_kernels.GDN_CHUNKED_FROM and decay.ndim == 3:
+        return gated_delta_chunked(q, k, v, decay, beta, state)
     g = mx.exp(decay.astype(mx.float32)).reshape(bsz, s, hv, -1)
     ys = []
     for t in range(s):
         y, state = _fused(_delta_step)(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-        ys.append(y)
+        ys.append(y[..., 0])
     return mx.stack(ys, axis=1).astype(v.dtype), state
+
+
+@cache
+def _masks(length: int):
+    causal, strict, levels = state_kernels.chunk_masks(length)
+    return mx.array(causal), mx.array(strict), [mx.array(m) for m in levels]
+
+
+def _delta_chunks(q, k, v, g, beta, causal, strict, *levels):
+    """Every chunk's share of state_kernels.gated_delta_chunked at once: q, k [B,H,N,L,Dk], v [B,H,N,L,Dv], g (the
+    log decay), beta [B,H,N,L] -> (U, W, the intra-chunk scores, q·exp(cum), (k·exp(cum_L - cum))^T, exp(cum_L))."""
+    cum = mx.cumsum(g, axis=-1)
+    gaps = cum[..., :, None] - cum[..., None, :]
+    within = mx.where(causal, mx.exp(mx.where(causal, gaps, 0.0)), 0.0)
+    kt = k.swapaxes(-1, -2)
+    kb = k * beta[..., None]
+    t = mx.where(strict, (kb @ kt) * within, 0.0)
+    inv = (causal & ~strict).astype(t.dtype)  # (I + t)^-1 by block doubling, from I (broadcast by the first level)
+    for mask in levels:
+        inv = inv - inv @ (mx.where(mask, t, 0.0) @ inv)
+    last = g.sum(axis=-1, keepdims=True)  # cum's last column (a slice would keep it from compiling shapeless)
+    return (inv @ (v * beta[..., None]), inv @ (kb * mx.exp(cum)[..., None]), (q @ kt) * within,
+            q * mx.exp(cum)[..., None], (k * mx.exp(last - cum)[..., None]).swapaxes(-1, -2), mx.exp(last)[..., None])
+
+
+def _delta_carry(st, u, w, scores, qd, kd, carry):
+    """One chunk after the state St [B,H,Dk,Dv] it starts from -> (y [B,H,L,Dv], the state after it)."""
+    v_new = u - w @ st
+    return qd @ st + scores @ v_new, st * carry + kd @ v_new
+
+
+def gated_delta_chunked(q, k, v, decay, beta, state):
+    """state_kernels.gated_delta_chunked in mx ops (q, k one per value head)."""
+    bsz, s, h, _ = q.shape
+    length = state_kernels.GDN_CHUNK
+    n = -(-s // length)
+    pad = n * length - s
+
+    def chunks(x):  # [B,S,H,...] -> [B,H,N,L,...] float32, zero-padded to whole chunks
+        x = mx.pad(x.astype(mx.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x.astype(mx.float32)
+        x = x.reshape(bsz, n, length, *x.shape[2:])
+        return x.transpose(0, 3, 1, 2, 4) if x.ndim == 5 else x.transpose(0, 3, 1, 2)
+
+    causal, strict, levels = _masks(length)
+    parts = _fused(_delta_chunks)(chunks(q), chunks(k), chunks(v), chunks(decay), chunks(beta), causal, strict, *levels)
+    st, ys = state.swapaxes(-1, -2), []
+    for i in range(n):
+        y, st = _fused(_delta_carry)(st, *(p[:, :, i] for p in parts))
+        ys.append(y)
+    y = (ys[0] if n == 1 else mx.concatenate(ys, axis=2))[:, :, :s]
+    return y.swapaxes(1, 2).astype(v.dtype), st.swapaxes(-1, -2)
 
 
 def _ssm_step(state, x, dt, a_log, b, c, d, dt_bias, lo, hi):
@@ -67,6 +126,57 @@ def _ssm_step(state, x, dt, a_log, b, c, d, dt_bias, lo, hi):
     decay = mx.exp(-mx.exp(a_log.astype(mx.float32)) * dt)
     state = state * decay[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]
     return (state * c[:, :, None, :]).sum(axis=-1) + d[:, None] * x, state
+
+
+@lru_cache(maxsize=64)
+def _tri(n: int, k: int):
+    """The mask j <= i + k of an [n, n] matrix, evaluated once (a constant, no kernels per prompt)."""
+    mask = mx.tri(n, n, k, dtype=mx.bool_)
+    mx.eval(mask)
+    return mask
+
+
+def _ssd(state, log_decay, xdt, b, c, causal, earlier):
+    """state_kernels._ssm_chunks' every-chunk-at-once form with no reshape (it compiles shapeless): state [B,H,P,N],
+    log_decay [B,H,n,L], xdt [B,H,n,L,P], b, c [B,H,n,L,N]; causal [L,L], earlier [n,n] (j < c) -> (y, state)."""
+    cum = mx.cumsum(log_decay, axis=-1)
+    within = mx.where(causal, mx.exp(mx.where(causal, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    y = ((c @ b.swapaxes(-1, -2)) * within) @ xdt
+    own = log_decay.sum(axis=-1)  # [B,H,n]: each chunk's log decay
+    carried = (xdt * mx.exp(own[..., None] - cum)[..., None]).swapaxes(-1, -2) @ b  # [B,H,n,P,N]
+    ends = mx.cumsum(own, axis=-1)
+    starts = ends - own
+    weights = mx.where(earlier, mx.exp(mx.where(earlier, starts[..., :, None] - ends[..., None, :], 0.0)), 0.0)
+    entering = (weights[:, :, None] @ carried.swapaxes(2, 3)).swapaxes(2, 3)  # [B,H,n,P,N]: over the chunk axis
+    entering = entering + state[:, :, None] * mx.exp(starts)[..., None, None]
+    y = y + (c @ entering.swapaxes(-1, -2)) * mx.exp(cum)[..., None]
+    total = own.sum(axis=-1, keepdims=True)
+    state = state * mx.exp(total)[..., None] + (carried * mx.exp(total - ends)[..., None, None]).sum(axis=2)
+    return y, state
+
+
+def ssm_chunked(x, dt, a_log, b, c, d, dt_bias, state, dt_min: float, dt_max: float):
+    """Mamba-2 over a prompt: x [B,S,H,P], dt [B,S,H], B / C [B,S,G,N] -> (y, state), in chunks of
+    state_kernels.SSM_CHUNK in the dual form, every chunk at once (`_ssd`)."""
+    bsz, s, h, p = x.shape
+    length = min(state_kernels.SSM_CHUNK, s)
+    n = -(-s // length)
+    pad = n * length - s
+    dt = mx.clip(mx.logaddexp(dt.astype(mx.float32) + dt_bias, 0.0), dt_min, dt_max)
+    x32 = x.astype(mx.float32)
+    b, c = (mx.repeat(t.astype(mx.float32), h // t.shape[2], axis=2) for t in (b, c))
+
+    def chunks(t):  # [B,S,H,...] -> [B,H,n,L,...], zero-padded to whole chunks (no decay, no input)
+        t = mx.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2)) if pad else t
+        t = t.reshape(bsz, n, length, *t.shape[2:])
+        return t.transpose(0, 3, 1, 2, 4) if t.ndim == 5 else t.transpose(0, 3, 1, 2)
+
+    causal, earlier = _tri(length, 0), _tri(n, -1)
+    # (MLX 0.32's shapeless compile crashes on a sum over an axis of size 1: one chunk runs as written)
+    y, state = (_fused(_ssd) if n > 1 else _ssd)(state, chunks(-mx.exp(a_log.astype(mx.float32)) * dt), chunks(x32 * dt[..., None]),
+                            chunks(b), chunks(c), causal, earlier)
+    y = y.transpose(0, 2, 3, 1, 4).reshape(bsz, n * length, h, p)[:, :s]
+    return (y + d[:, None] * x32).astype(x.dtype), state
 
 
 def ssm_step(x, dt, a_log, b, c, d, dt_bias, state, dt_min: float, dt_max: float):

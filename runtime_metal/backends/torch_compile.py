@@ -17,8 +17,8 @@ def compile_step(fn, args: tuple, n_inputs: int, cuda: bool):
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def traced(*a):  # logits and the next position: buffers are written in place
-        return fn(*a)[:2]
+    def traced(*a):  # logits, the next position and the present states: buffers are written in place
+        return fn(*a)[:n_inputs]
 
     gm = make_fx(traced)(*args)
     try:

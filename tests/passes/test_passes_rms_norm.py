@@ -110,3 +110,38 @@ def test_remove_dead_shape_ops_keeps_dynamic_shapes_and_outputs():
     assert "Shape" in ops(after) and "Identity" in ops(after)
     assert [o.name for o in after.graph.output] == ["y", "x_copy"]
     assert_same(before, after, g.feeds)
+
+
+def l2_graph(weight="scalar", known=True, axis=-1):
+    """The gated delta rule's q / k norm: x · 1/sqrt(sum(x², -1) + eps), then a scalar scale, a [D] weight or nothing."""
+    g = G()
+    x = g.inp("x", [2, 3, 4, D] if known else [2, 3, 4, "d"], value=g.rng.standard_normal((2, 3, 4, D)).astype(np.float32))
+    total = g.node("ReduceSum", [g.node("Mul", [x, x]), g.init("axes", np.array([axis], np.int64))], keepdims=1)
+    inv = g.node("Reciprocal", [g.node("Sqrt", [g.node("Add", [total, g.init("eps", np.array(1e-6, np.float32))])])])
+    y = g.node("Mul", [x, inv], name="/model/layers.0/mul_161")
+    if weight == "scalar":
+        y = g.node("Mul", [y, g.init("scale", np.array(D ** -0.5, np.float32))], name="/model/layers.0/mul_182")
+    elif weight == "vector":
+        y = g.node("Mul", [g.init("w", (1 + 0.1 * g.rng.standard_normal(D)).astype(np.float32)), y])
+    g.out(y, "y", rank=4)
+    return g
+
+
+@pytest.mark.parametrize("weight", ["scalar", "vector", None])
+def test_fuse_rms_norm_takes_an_l2_norm(weight):
+    g = l2_graph(weight)
+    before = g.model()
+    after, modified, stats = apply(FuseRMSNorm(), before)
+    assert modified and ops(after) == ["RMSNormalization", "Identity"]
+    assert_same(before, after, g.feeds, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case,kwargs,reason", [
+    ("sum over another axis", dict(axis=1), "not the last one"),
+    ("last dim unknown", dict(known=False), "unknown size"),
+])
+def test_fuse_rms_norm_l2_must_not_fire(case, kwargs, reason):
+    before = l2_graph(**kwargs).model()
+    after, modified, stats = apply(FuseRMSNorm(), before)
+    assert not modified and ops(after) == ops(before)
+    assert any(reason in r for _, r in stats.skipped), (case, stats.skipped)
