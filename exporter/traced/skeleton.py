@@ -212,7 +212,8 @@ class Skeleton:
                     continue
                 if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
-                if part.lower() in kind:
+                # (a recurrence no op computes, named by its family: RWKV's, xLSTM's layers)
+                if part.lower() in kind or (part in _OTHER_RECURRENCES and part.lower() in type(module).__name__.lower()):
                     if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
