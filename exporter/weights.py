@@ -64,6 +64,10 @@ class Checkpoint:
                                   "model.safetensors.index.json; point HF_DIR at a full checkpoint")
         self.tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         self.stored: dict[str, str] = {}  # name -> the name in the file, where they differ (rename)
+        # name -> [source, op, dim, start, stop]: a tensor transformers makes from a stored one as it loads it (`convert`)
+        self.views: dict[str, list] = {}
+        self.view_sources: dict[str, tuple] = {}  # the sources' entries of `tensors`, which the views replace
+        self._last: tuple[str, np.ndarray] | None = None  # the last source read whole for its views
         found_in: dict[str, list[str]] = {}
         for name in files:
             path = hf_dir / name
@@ -95,6 +99,26 @@ class Checkpoint:
                               "re-download the checkpoint")
         self.tensors = {name: self.tensors[stored] for name, stored in renamed.items()}
         self.stored = {name: stored for name, stored in renamed.items() if name != stored}
+
+    def convert(self, views: dict[str, list]) -> None:
+        """Replace stored tensors by the tensors transformers makes from them as it loads them: name ->
+        [source, "transpose", dim0, dim1] or [source, "slice", dim, start, stop] (its Chunk / Split); read whole
+        and converted when their rows are read (a source at a time)."""
+        for name, (source, op, *args) in views.items():
+            entry = self.view_sources.setdefault(source, self.tensors.get(source))
+            if entry is None:
+                continue  # validate reports the view missing
+            path, dtype, shape = entry
+            shape = list(shape)
+            if op == "transpose":
+                shape[args[0]], shape[args[1]] = shape[args[1]], shape[args[0]]
+            else:
+                shape[args[0]] = args[2] - args[1]
+            self.tensors[name] = (path, dtype, tuple(shape))
+            self.views[name] = [source, op, *args]
+        for source in self.view_sources:
+            if source not in self.views:
+                self.tensors.pop(source, None)
 
     def check_bounds(self, cfg) -> None:
         """Refuse config sizes that no tensor of the checkpoint could hold (a hidden size needing
@@ -137,6 +161,19 @@ class Checkpoint:
         import torch
         from safetensors import safe_open
 
+        if name in self.views:
+            source, op, *args = self.views[name]
+            last = self._last  # (a local: the writer reads on two threads)
+            if last is None or last[0] != source:
+                path, _, _ = self.view_sources[source]
+                with safe_open(path, framework="pt") as f:
+                    last = self._last = (source, f.get_tensor(self.stored.get(source, source)).to(torch.float32).numpy())
+            whole = last[1]
+            if op == "transpose":
+                whole = np.swapaxes(whole, args[0], args[1])
+            else:
+                whole = np.take(whole, range(args[1], args[2]), axis=args[0])
+            return np.ascontiguousarray(whole if whole.ndim == 1 else whole[start:stop])
         path, _, shape = self.tensors[name]
         key = self.stored.get(name, name)
         with safe_open(path, framework="pt") as f:

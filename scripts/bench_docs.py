@@ -534,6 +534,8 @@ ORT_PROFILE_COLS = [Col("graph", "graph", str), Col("decode step ms (median)", "
 
 # the traced exporter's sweep (scripts/traced_sweep.py): the model table
 def rope_of(r: dict) -> str:
+    if r.get("positions", "rotary") != "rotary":  # learned position tables, ALiBi biases
+        return f"none ({r['positions']})"
     rope = "interleaved" if r.get("interleaved") else "rotate_half"
     if r.get("rotary_dim") and r.get("head_dim") and r["rotary_dim"] < r["head_dim"]:
         rope += f", partial {r['rotary_dim']}/{r['head_dim']}"
@@ -560,6 +562,18 @@ SWEEP_COLS = [Col("model_type", lambda r: f"`{r['model_type']}`", str),
                   if r.get("status") == "ok" else None, str),
               Col("layer kinds", "layer_kinds"),
               Col("rope", lambda r: rope_of(r) if r.get("status") == "ok" else None, str)]
+
+
+def sweep_summary_rows(d: dict) -> list[dict]:
+    """One row per result of the sweep (converts, refused, ...): how many model types, and which."""
+    rows: dict[str, list[str]] = {}
+    for name, r in sorted(d["results"].items()):
+        rows.setdefault("converts" if r.get("status") == "ok" else r.get("status", "?"), []).append(name)
+    return [{"result": k, "count": len(v), "model types": v} for k, v in rows.items()]
+
+
+SWEEP_SUMMARY_COLS = [Col("result", "result", str), Col("model types", "count", str),
+                      Col("which", lambda r: ", ".join(f"`{m}`" for m in r["model types"]), str)]
 
 
 def pct(v: Any) -> str:
@@ -621,6 +635,7 @@ VIEWS: dict[str, View] = {
     "kv_cache": View(kv_rows, fixed(KV_COLS)),
     "mnn_convert": View(listed("rows"), fixed(MNN_CONVERT_COLS)),
     "sweep": View(sweep_rows, fixed(SWEEP_COLS)),
+    "sweep_summary": View(sweep_summary_rows, fixed(SWEEP_SUMMARY_COLS)),
     "quality": View(listed("rows"), fixed(QUALITY_COLS)),
     "speculative": View(listed("table"), fixed(SPECULATIVE_COLS)),
     "api_vs_cli": View(lambda d: [{"figure": k, **v} for k, v in d["median"].items()], fixed(API_CLI_COLS)),
@@ -856,7 +871,7 @@ def problems_section(res: Results) -> str:
 # README.md's generated blocks: name -> the directive text it holds (README links into docs/, so its
 # links to result files go one level up less)
 README_BLOCKS = {
-    "models": "{{table sweep traced_sweep.json}}",
+    "models": "{{table sweep_summary traced_sweep.json}}",
     "cpu": "{{table cpu_peer_headline cpu-peer-default-2026-12-03.json}}",
     "gpu": "{{table mlx_pairs h200/mlx-peer-gpu-run37-0.6b.json h200/mlx-peer-gpu-run37-4b.json}}",
     "convert": "{{table convert convert_traced-2026-12-03.json}}",

@@ -20,7 +20,7 @@ from onnx import TensorProto
 from onnx import helper as oh
 
 import fuselm
-from fuselm import contract
+from fuselm import contract, synth
 from fuselm.modeldir import read_meta
 from fuselm.reference import OrtRunner, ort_session
 
@@ -157,3 +157,25 @@ def test_lowered_for_onnxruntime_keeps_the_state_ops(hybrid, tmp_path):
     assert any(n.domain == "com.microsoft" for n in model.graph.node)
     assert {contract.CONV_OP, contract.GDN_OP} <= {n.op_type for n in model.graph.node if n.domain == contract.DOMAIN}
     assert check(low, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+
+
+def test_minimax_lightning_attention_converts_as_hf(tmp_path):
+    """MiniMax: lightning attention (a state decaying by exp(-slope) per head and token) as fuselm::Mamba2 with
+    dt = 1, beside attention and MoE layers: the graph equals HF (prefill, then a decode step from the state);
+    a swapped forward that computes something else is refused by the check on the family's own code."""
+    from transformers.models.minimax import modeling_minimax
+
+    from fuselm.errors import FuselmError
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "minimax", generic=True, num_local_experts=4, num_experts_per_tok=2,
+                               intermediate_size=64)
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    assert "mamba2" in read_meta(out)["layer_types"]
+    right = state_ops._lightning_forward
+    try:
+        state_ops._lightning_forward = lambda self, *a, **k: (right(self, *a, **k)[0] * 1.01, None)
+        with pytest.raises(FuselmError, match="lightning attention"):
+            state_ops.verify(modeling_minimax, "minimax", synth.make_config("minimax", generic=True))
+    finally:
+        state_ops._lightning_forward = right

@@ -48,6 +48,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
         cache.store(key, traced)
     else:
         ckpt.rename(traced.names.__getitem__)
+        ckpt.convert(traced.views)
         ckpt = converters.concatenated(moe.cached_stacks(ckpt, traced.stacks), traced.concats)
         ckpt.validate(traced.expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in traced.tied)
     while len(_TRACED) >= _CACHED and key not in _TRACED:
@@ -55,7 +56,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     _TRACED[key] = traced
     plan = Plan(*precisions, traced.expected)
     stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name)
-    with _unsupported():
+    with _unsupported(traced.model_type):
         builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.masks,
                                 {"sliding": traced.window, "chunked": traced.chunk}, traced.sources)
     return Export(builder, ckpt, copy.deepcopy(traced.meta), traced.model_type)  # the cached one stays as traced
@@ -67,19 +68,30 @@ def _traced(hf_dir: Path, config: dict):
     from .skeleton import Skeleton
     from .trace import layer_kinds, trace_layer, trace_outer
 
-    with _unsupported():
+    model_type = config.get("model_type")
+    with _unsupported(model_type):
         skel = Skeleton(hf_dir, config)
         plans = skel.probe()  # the architecture's refusals come before the checkpoint's
-    ckpt = Checkpoint(hf_dir)
-    names = {stored: skel.model_name(stored) for stored in ckpt.tensors}
-    ckpt.rename(names.__getitem__)
-    ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks)  # per-expert tensors -> the model's stacked parameters
-    concats = converters.concatenations(ckpt, skel.model)  # stored parts -> the parameter they make (OLMo-Hybrid's convs)
-    ckpt = converters.concatenated(ckpt, concats)
-    expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
-    tied = skel.tied_names()
-    ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
-    with _unsupported():
+    with _unsupported(model_type, refusals=False):
+        ckpt = Checkpoint(hf_dir)
+        names = {stored: skel.model_name(stored) for stored in ckpt.tensors}
+        ckpt.rename(names.__getitem__)
+        views, unapplied = skel.conversions(ckpt.tensors)
+        ckpt.convert(views)  # tensors transformers converts as it loads them (transposed, split)
+        ckpt = moe.stack_experts(ckpt, skel, skel.moe_blocks, skel.dense_experts)  # per-expert tensors -> stacks
+        concats = converters.concatenations(ckpt, skel.model)  # stored parts -> one parameter (OLMo-Hybrid's convs)
+        ckpt = converters.concatenated(ckpt, concats)
+        expected = {**skel.expected_tensors(), **moe.stacked_shapes(ckpt)}  # relaid-out experts: the op's shapes
+        tied = skel.tied_names()
+        try:
+            ckpt.validate(expected, lambda n: n.endswith(IGNORED_SUFFIXES) or n in tied)
+        except FuselmError:
+            if unapplied:  # the names differ because transformers converts them
+                raise Unsupported(f"model_type {model_type!r}: transformers converts checkpoint tensors as it loads "
+                                  f"them in a way fuselm's checkpoint reader does not ({unapplied}); not supported by "
+                                  "the traced exporter") from None
+            raise
+    with _unsupported(model_type):
         kinds = layer_kinds(skel, plans)
         first = {}
         for p in plans:
@@ -94,7 +106,8 @@ def _traced(hf_dir: Path, config: dict):
     traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],
                     getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
                     skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
-                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], concats)
+                    skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], views,
+                    concats)
     meta = skel.metadata(plans, len(kinds), [kv_shape(templates[p.kind]) for p in plans])
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)
@@ -116,13 +129,28 @@ def _kv_sources(plans, model_type: str) -> None:
             p.kv_source = stored[key]
 
 
+class TraceFailed(Unsupported):
+    """transformers' modeling code failed on what the traced exporter fed it, in a way no refusal foresaw: a
+    clean error for the user (exit 2), told apart by scripts/traced_sweep.py as one to look into."""
+
+
 @contextlib.contextmanager
-def _unsupported():
+def _unsupported(model_type: str | None = None, refusals: bool = True):
     """A refusal while reading the architecture is an Unsupported (convert --exporter auto adds the
-    builder's families to its message); checkpoint and config errors stay what they are."""
+    builder's families to its message; `refusals` False: checkpoint errors stay what they are); any
+    other exception is a TraceFailed that names it."""
     try:
         yield
     except Unsupported:
         raise
     except FuselmError as e:
+        if not refusals:
+            raise
         raise Unsupported(str(e)) from None
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the modeling code's own errors: no traceback for the user
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise TraceFailed(f"model_type {model_type!r}: the traced exporter failed while reading transformers' model "
+                          f"({type(e).__name__}: {first}); this model_type is not supported by the traced "
+                          "exporter") from None

@@ -252,14 +252,14 @@ class ProbeCache:
 
 def register(masks: bool = True) -> None:
     """Make `attn_implementation="fuselm_trace"` known to transformers. `masks`: the model builds its
-    masks as eager attention does (the probe reads them); False: it builds none (the outer trace,
-    where the layers are markers and the graph's mask is the builder's)."""
+    masks as eager attention does (the probe reads them); False: a zero placeholder no node reads (the
+    outer trace, where the layers are markers and the graph's mask is the builder's)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
     AttentionInterface.register(NAME, fuselm_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask if masks else _no_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask if masks else _placeholder_mask)
 
 
-def _no_mask(*args, **kwargs):
-    return None
+def _placeholder_mask(batch_size, q_length, kv_length, *args, dtype=torch.float32, **kwargs):
+    return torch.zeros(batch_size, 1, q_length, kv_length, dtype=dtype)

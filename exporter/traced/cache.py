@@ -65,6 +65,7 @@ class Traced:
     meta: dict  # fuselm.json's model fields
     stacks: dict = field(default_factory=dict)  # stacked MoE expert parameter -> [shape, per expert its stored parts]
     sources: list = field(default_factory=list)  # per decoder layer: the layer whose keys/values it reads, or None
+    views: dict = field(default_factory=dict)  # tensors transformers converts as it loads them (Checkpoint.convert)
     concats: dict = field(default_factory=dict)  # parameter -> the stored tensors concatenated into it (converters.py)
 
     @property

@@ -245,12 +245,13 @@ def _layouts(ex: nn.Module) -> tuple[Layout, Layout] | None:
     return None
 
 
-def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
-    """Every sparse MoE block of the model (a router + stacked experts pair of children), checked."""
+def find_blocks(model: nn.Module, model_type: str, skip: list[nn.Module] = ()) -> list[Block]:
+    """Every sparse MoE block of the model (a router + stacked experts pair of children), checked; those of `skip`
+    (scaled_input's) left out."""
     blocks = []
     for name, m in model.named_modules():
         experts = [c for c in m.children() if _expert_params(c)]
-        if not experts:
+        if not experts or any(m is x for x in skip):
             continue
         where = f"{name}.{next(n for n, c in m.named_children() if c is experts[0])}"
         ex = experts[0]
@@ -269,6 +270,8 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
         n_exp = ex.gate_up_proj.shape[0]
         hidden = ex.down_proj.shape[2 if layouts[1].transposed else 1]
         routers = [(c, at) for c in m.children() if c is not ex and (at := _router_params(c, (n_exp, hidden)))]
+        if len(routers) != 1 and _dense(ex):
+            continue  # a router of its own: traced as written, the experts through transformers' batched_mm
         if len(routers) != 1:
             raise FuselmError(f"model_type {model_type!r}: the experts at {where} have no router of one weight "
                               f"[{n_exp}, {hidden}] (and a bias [{n_exp}]) beside them (a router of its own layout); "
@@ -281,8 +284,19 @@ def find_blocks(model: nn.Module, model_type: str) -> list[Block]:
         # candidate selection bias (Ernie-4.5-MoE's moe_statics.e_score_correction_bias): _checked tells
         block = Block(name, m, router, ex, weight_at, bias_at=None if biases else extra_at,
                       router_bias_at=extra_at if biases else None, gate_up_layout=layouts[0], down_layout=layouts[1])
-        blocks.append(_checked(block, model_type))
+        try:
+            blocks.append(_checked(block, model_type))
+        except FuselmError:
+            if not _dense(ex):
+                raise
+            # routing or experts of a form fuselm::MoE does not have (Kolibri's top-k on logits + bias, then
+            # sigmoid): the router traced as written, the experts through transformers' batched_mm (dense_experts)
     return blocks
+
+
+def _dense(experts: nn.Module) -> bool:
+    """transformers' experts class (use_experts_implementation): its batched_mm implementation traces in standard ops."""
+    return hasattr(experts, "has_gate") and hasattr(experts, "is_transposed")
 
 
 def _router_params(module: nn.Module, shape: tuple[int, int]):
@@ -303,13 +317,20 @@ def _router_params(module: nn.Module, shape: tuple[int, int]):
     return at(weights[0]), (at(bias[0]) if bias else None)
 
 
-def unrecognised(model: nn.Module, blocks: list[Block]) -> str | None:
-    """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
-    (None: no 3-D expert stacks outside the blocks). Experts inside an attention module (JetMoE's MoA: each
-    token's top-k query and output projections) are a mixture of attention experts, which no fuselm op expresses;
-    others are stacks fuselm::MoE does not read (JetMoE's MLP: `input_linear` / `output_linear` experts beside a
-    router that returns tokens sorted by expert)."""
+def dense_experts(model: nn.Module, blocks: list[Block]) -> list[nn.Module]:
+    """transformers' experts modules outside `blocks` (its `use_experts_implementation` classes: non-gated experts,
+    a norm per expert, as Ergo's): traced in standard ops through transformers' own `batched_mm` implementation
+    (each token's top-k experts' weights gathered and multiplied: shapes that do not depend on the routing)."""
     inside = covered(model, blocks)
+    return [m for m in model.modules() if id(m) not in inside and _dense(m)
+            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] = ()) -> str | None:
+    """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
+    (None: no 3-D expert stacks outside the blocks): experts inside an attention module (a mixture of attention
+    heads) or stacks fuselm::MoE does not read, beside a router of another form than `grouped` traces."""
+    inside = covered(model, blocks) | {id(m) for d in dense for m in d.modules()}
     owners: dict[str, tuple[nn.Module, list[str]]] = {}
     for name, m in model.named_modules():
         if id(m) in inside or isinstance(m, nn.Conv1d):  # a convolution's [C, 1, K] weight is no expert stack
@@ -332,7 +353,8 @@ def unrecognised(model: nn.Module, blocks: list[Block]) -> str | None:
     parts = []
     if attention:
         parts.append(f"attention experts at {', '.join(attention)}: each token's top-k query and output "
-                     "projections (a mixture of attention heads), which no fuselm op expresses")
+                     "projections (a mixture of attention heads), computed on token groups sorted by expert whose "
+                     "sizes depend on the routing (not traceable), and no fuselm op expresses them")
     if other:
         parts.append(f"experts at {', '.join(other)} that fuselm::MoE does not read (it takes transformers' stacked "
                      "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H])")
@@ -363,16 +385,17 @@ def _checked(block: Block, model_type: str) -> Block:
             shape = getattr(*block.bias_at).shape
             stack.enter_context(_tensor_swapped(block.bias_at, torch.rand(shape, generator=gen)))
         router = block.router
-        try:
+        # [tokens, hidden], or [1, tokens, hidden] for a router that unpacks (batch, seq, hidden) (AFMoE); the
+        # block's selection bias as an argument where the router takes it (MiniMax-M2, AFMoE)
+        calls = [(x, *extra) for extra in ((), (block.bias,))[:2 if block.bias is not None else 1] for x in (x2, x2[None])]
+        for k, args in enumerate(calls):
             try:
-                out = router(x2)
-            except TypeError:  # MiniMax-M2's router takes the block's bias as an argument
-                if block.bias is None:
-                    raise
-                out = router(x2, block.bias)
-        except Exception as e:
-            raise FuselmError(f"model_type {model_type!r}: its router at {block.name} does not run on [tokens, hidden] "
-                              f"({type(e).__name__}: {str(e)[:120]}); not supported") from None
+                out = router(*args)
+                break
+            except (TypeError, ValueError, RuntimeError) as e:
+                if k == len(calls) - 1:
+                    raise FuselmError(f"model_type {model_type!r}: its router at {block.name} does not run on [tokens, "
+                                      f"hidden] ({type(e).__name__}: {str(e)[:120]}); not supported") from None
         parts = list(out) if isinstance(out, tuple) else [out]
         index = next((t for t in parts if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
         if index is None:
@@ -495,12 +518,15 @@ def _near_ties(router: torch.Tensor, gen) -> torch.Tensor:
 
 
 def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
-    """A persistent float buffer [E] of the router (or of the block itself): the bias added to the scores
-    when choosing experts (DeepSeek-V3's e_score_correction_bias)."""
+    """A persistent float buffer [E] of the router (or of the block itself), else a frozen parameter [E] of the
+    block: the bias added to the scores when choosing experts (DeepSeek-V3's e_score_correction_bias)."""
     n_exp = block.num_experts
     owners = [(m, n) for m in block.router.modules() for n in m._buffers] + [(block.module, n) for n in block.module._buffers]
     found = [(m, n) for m, n in owners if m._buffers[n] is not None and tuple(m._buffers[n].shape) == (n_exp,)
              and m._buffers[n].is_floating_point() and n not in m._non_persistent_buffers_set]
+    if not found:  # a frozen parameter of the block itself (AFMoE's expert_bias)
+        found = [(block.module, n) for n, p in block.module._parameters.items()
+                 if p is not None and tuple(p.shape) == (n_exp,) and p.is_floating_point() and not p.requires_grad]
     return found[0] if len(found) == 1 else None
 
 
@@ -583,6 +609,198 @@ def installed(layer: nn.Module, blocks: list[Block]):
                 m.__dict__.pop("forward", None)
 
 
+# --- experts on token groups sorted by expert (JetMoE) -----------------------------------------------
+def grouped(model: nn.Module) -> list[nn.Module]:
+    """Modules whose `router` sorts the tokens into groups by expert for experts that split their input by the
+    group sizes (JetMoE's TopKGating and ParallelExperts, in its MLP and its attention): sizes that depend on the
+    routing, which torch.export cannot trace. `grouped_installed` computes the same per (token, slot) row."""
+    out = []
+    for m in model.modules():
+        router = getattr(m, "router", None)
+        experts = [c for c in m.children() if _group_experts(c)]
+        if experts and isinstance(getattr(router, "layer", None), nn.Linear) and isinstance(getattr(router, "top_k", None), int):
+            out.append(m)
+    return out
+
+
+def _group_experts(m: nn.Module) -> bool:
+    import inspect
+
+    params = list(inspect.signature(type(m).forward).parameters)[1:]
+    weight = getattr(m, "weight", None)
+    return params == ["inputs", "expert_size"] and isinstance(weight, nn.Parameter) and weight.dim() == 3
+
+
+def _ungrouped_route(router: nn.Module):
+    def route(hidden_states):
+        """The router's (order, token, gate, expert, logits) per (token, slot) row in token order: the sort
+        left out, each row's expert in place of the group sizes."""
+        logits = router.layer(hidden_states).float()
+        top_logits, top = logits.topk(router.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(hidden_states)
+        order = torch.arange(top.numel())
+        return order, torch.div(order, router.top_k, rounding_mode="trunc"), gates.reshape(-1), top.reshape(-1), logits
+    return route
+
+
+def _gathered(experts: nn.Module):
+    def run(inputs, expert_size):
+        """Each row through its own expert's weight (`expert_size`: the rows' experts)."""
+        return torch.einsum("roi,ri->ro", experts.weight[expert_size], inputs)
+    return run
+
+
+def verify_grouped(modules: list[nn.Module], model_type: str) -> None:
+    """The router's own sort against the ungrouped routing on random tokens: the same gate for every (token,
+    expert); refuses a router that computes something else."""
+    for m in modules[:1]:
+        router = m.router
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, router.layer.in_features, generator=gen)
+        saved = router.layer._parameters["weight"]  # (on the meta device while the model is probed)
+        router.layer._parameters["weight"] = nn.Parameter(torch.randn(saved.shape, generator=gen), requires_grad=False)
+        try:
+            with torch.no_grad():
+                _, token, gate, sizes, _ = router(x)
+                _, token2, gate2, expert2, _ = _ungrouped_route(router)(x)
+        finally:
+            router.layer._parameters["weight"] = saved
+        n_exp = router.layer.out_features
+        expert = torch.repeat_interleave(torch.arange(n_exp), torch.as_tensor(sizes))
+        want = torch.zeros(len(x), n_exp).index_put_((token, expert), gate.float(), accumulate=True)
+        got = torch.zeros(len(x), n_exp).index_put_((token2, expert2), gate2.float(), accumulate=True)
+        if not torch.allclose(want, got, atol=1e-6):
+            raise FuselmError(f"model_type {model_type!r}: its router at {type(router).__name__} does not route as "
+                              "top-k of its logits with a softmax over them; not supported by the traced exporter")
+
+
+def looped(model: nn.Module) -> list[nn.Module]:
+    """Experts modules that loop over the experts the tokens were routed to, each a GLU of three [E·I, H] weights
+    viewed per expert (DBRX's DbrxExperts: w1, v1, w2 and its mlp's activation): a loop over the routing, which
+    torch.export cannot trace. `grouped_installed` computes each token's top-k experts from gathered weights."""
+    import inspect
+
+    def glu(m):
+        mlp = getattr(m, "mlp", None)
+        params = list(inspect.signature(type(m).forward).parameters)[1:]
+        return params == ["hidden_states", "top_k_index", "top_k_weights"] and hasattr(mlp, "activation_fn") and all(
+            isinstance(getattr(mlp, n, None), nn.Parameter) and getattr(mlp, n).dim() == 2 for n in ("w1", "v1", "w2"))
+    return [m for m in model.modules() if glu(m)]
+
+
+def _looped_rows(m: nn.Module):
+    def run(hidden_states, top_k_index, top_k_weights):
+        """Each token's top-k experts, their w1 / v1 / w2 gathered: act(x w1ᵀ) · (x v1ᵀ) w2, weighted and summed."""
+        mlp = m.mlp
+        hidden = mlp.w1.shape[1]
+        x = hidden_states.reshape(-1, hidden)
+        w1, v1, w2 = (getattr(mlp, n).view(-1, m.ffn_hidden_size, hidden)[top_k_index] for n in ("w1", "v1", "w2"))
+        inner = mlp.activation_fn(torch.einsum("nkih,nh->nki", w1, x)) * torch.einsum("nkih,nh->nki", v1, x)
+        out = (torch.einsum("nki,nkih->nkh", inner, w2) * top_k_weights[..., None]).sum(1)
+        return out.view(hidden_states.shape[0], -1, hidden)
+    return run
+
+
+def verify_looped(modules: list[nn.Module], model_type: str) -> None:
+    """The experts' own loop against the gathered form on random tokens, weights and routing; refuses experts
+    that compute something else."""
+    for m in modules[:1]:
+        gen = torch.Generator().manual_seed(0)
+        saved = dict(m.mlp._parameters)  # (on the meta device while the model is probed)
+        for n in ("w1", "v1", "w2"):
+            m.mlp._parameters[n] = nn.Parameter(torch.randn(saved[n].shape, generator=gen) * 0.3, requires_grad=False)
+        try:
+            n_exp = saved["w1"].shape[0] // m.ffn_hidden_size
+            x = torch.randn(1, 5, saved["w1"].shape[1], generator=gen)
+            index = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(5)])
+            weights = torch.rand(5, 2, generator=gen)
+            with torch.no_grad():
+                want, got = m(x, index, weights), _looped_rows(m)(x, index, weights)
+        finally:
+            m.mlp._parameters.update(saved)
+        if not torch.allclose(want, got, atol=1e-5, rtol=1e-4):
+            raise FuselmError(f"model_type {model_type!r}: its experts at {type(m).__name__} do not compute a GLU of "
+                              "w1 / v1 / w2 per routed expert; not supported by the traced exporter")
+
+
+def scaled_input(model: nn.Module) -> list[nn.Module]:
+    """MoE blocks whose router returns a score per expert, zero off its top-k, by which the block scales each
+    expert's input before running every expert on every token (Llama 4: a `router` with `top_k`, `experts` with
+    stacked gate_up_proj [E, H, 2I] / down_proj [E, I, H], a `shared_expert` beside): fuselm::MoE weights the
+    experts' outputs instead. `grouped_installed` runs each token's top-k experts on its scaled input from
+    gathered weights (the others get a zero input and give zero). A block of that shape whose own forward
+    computes something else on random tokens and weights is not one of them (fuselm::MoE's blocks)."""
+    out, form = [], {}
+    for m in model.modules():
+        router, ex = getattr(m, "router", None), getattr(m, "experts", None)
+        stacks = [getattr(ex, n, None) for n in ("gate_up_proj", "down_proj")]
+        if isinstance(getattr(router, "top_k", None), int) and hasattr(ex, "act_fn") and all(
+                isinstance(p, nn.Parameter) and p.dim() == 3 for p in stacks) and len(list(ex.parameters())) == 2:
+            if type(m) not in form:
+                form[type(m)] = _is_scaled(m)
+            if form[type(m)]:
+                out.append(m)
+    return out
+
+
+def _scaled_rows(m: nn.Module):
+    def run(hidden_states):
+        """The router as written; each token's top-k experts on its input scaled by their scores; the shared expert."""
+        ex = m.experts
+        x = hidden_states.reshape(-1, ex.gate_up_proj.shape[1])
+        scores, logits = m.router(x)
+        weight, index = scores.topk(m.router.top_k, dim=1)
+        gate, up = torch.einsum("nkh,nkhi->nki", x[:, None, :] * weight[..., None], ex.gate_up_proj[index]).chunk(2, dim=-1)
+        routed = torch.einsum("nki,nkih->nh", up * ex.act_fn(gate), ex.down_proj[index])
+        shared = getattr(m, "shared_expert", None)
+        return (routed if shared is None else shared(x) + routed), logits
+    return run
+
+
+def _is_scaled(m: nn.Module) -> bool:
+    """Whether the block's own forward equals the top-k form on random tokens and weights."""
+    gen = torch.Generator().manual_seed(0)
+    saved = [(owner, n, p) for owner in m.modules() for n, p in owner._parameters.items() if p is not None]
+    for owner, n, p in saved:  # (on the meta device while the model is probed)
+        owner._parameters[n] = nn.Parameter(torch.randn(p.shape, generator=gen) * 0.3, requires_grad=False)
+    try:
+        x = torch.randn(6, m.experts.gate_up_proj.shape[1], generator=gen)
+        with torch.no_grad():
+            want, got = m(x), _scaled_rows(m)(x)
+    except Exception:  # noqa: BLE001 - a block of another form (its own forward reads other arguments)
+        return False
+    finally:
+        for owner, n, p in saved:
+            owner._parameters[n] = p
+    want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
+    return want.numel() == got.numel() and torch.allclose(want.reshape(got.shape), got, atol=1e-5, rtol=1e-4)
+
+
+@contextlib.contextmanager
+def grouped_installed(layer: nn.Module, modules: list[nn.Module]):
+    """While active, the grouped routers and experts inside `layer` compute per (token, slot) row in token order,
+    the looped experts and the scaled-input blocks from gathered weights."""
+    inside = [m for m in modules if any(m is x for x in layer.modules())]
+    patched = []
+    try:
+        for m in inside:
+            scaled = hasattr(getattr(m, "experts", None), "gate_up_proj")
+            if getattr(m, "router", None) is None or scaled:  # looped experts, scaled-input blocks
+                m.forward = _scaled_rows(m) if scaled else _looped_rows(m)
+                patched.append(m)
+                continue
+            m.router.forward = _ungrouped_route(m.router)
+            patched.append(m.router)
+            for c in m.children():
+                if _group_experts(c):
+                    c.forward = _gathered(c)
+                    patched.append(c)
+        yield
+    finally:
+        for c in patched:
+            c.__dict__.pop("forward", None)
+
+
 # --- weights -------------------------------------------------------------------------------------
 def reads_experts(node, value: str) -> bool:
     """Whether `node` is a fuselm::MoE reading `value` as its stacked gate_up or down weights."""
@@ -654,9 +872,10 @@ class ExpertCheckpoint(Checkpoint):
                                          for p in experts[e]]) for e in range(start, stop)])
 
 
-def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
-    """The checkpoint with each block's stacked expert parameters as virtual tensors (ExpertCheckpoint)."""
-    if not blocks:
+def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block], dense: list[nn.Module] = ()) -> Checkpoint:
+    """The checkpoint with each block's stacked expert parameters (and the `dense` experts', in their own layout)
+    as virtual tensors (ExpertCheckpoint)."""
+    if not blocks and not dense:
         return ckpt
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
@@ -664,11 +883,13 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
     converters = [c for c in get_model_conversion_mapping(skel.model) if isinstance(c, WeightConverter)]
     names = {id(p): n for n, p in skel.model.named_parameters()}
     stacks: dict[str, tuple] = {}
-    for b in blocks:
-        relayout = {"gate_up_proj": b.gate_up_layout, "down_proj": b.down_layout,
-                    "gate_up_proj_bias": Layout(interleaved=b.gate_up_layout.interleaved)}
-        for attr in EXPERT_PARAMS + (("gate_up_proj_bias",) if b.biased else ()):
-            param = getattr(b.experts, attr)
+    entries = [(b.experts, {"gate_up_proj": b.gate_up_layout, "down_proj": b.down_layout,
+                            **({"gate_up_proj_bias": Layout(interleaved=b.gate_up_layout.interleaved)} if b.biased else {})})
+               for b in blocks]
+    entries += [(d, {n: Layout() for n, p in d.named_parameters(recurse=False) if p.dim() == 3}) for d in dense]
+    for module, relayout in entries:
+        for attr in relayout:
+            param = getattr(module, attr)
             name, shape = names[id(param)], tuple(param.shape)
             layout = relayout[attr]
             if name not in ckpt.tensors and f"{name}_blocks" in ckpt.tensors:
@@ -686,7 +907,7 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block]) -> Checkpoint:
                 canonical = tuple(layout.canonical(torch.empty(shape, device="meta")).shape)
                 stacks[name] = (canonical, [[name]], [int(layout.transposed), int(layout.interleaved)])
                 continue
-            if attr not in EXPERT_PARAMS:
+            if attr not in EXPERT_PARAMS and module not in dense:
                 continue
             if name in ckpt.tensors:  # stored stacked (Granite-MoE's input_linear after transformers' rename)
                 stacks[name] = (shape, [[name]])

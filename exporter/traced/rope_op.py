@@ -173,6 +173,10 @@ class Installed:
         bound.apply_defaults()
         a = bound.arguments
         s = self.spec
+        if s is None and all(a[p] is not self.marker() for p in self.pe[function]):
+            # the model hands the layer no rotary and the layer makes its own cos/sin from position_ids (Moshi's
+            # rotary module inside the attention): traced as written, in standard ops
+            return as_written(self.originals[function])(*args, **kwargs)
         if any(a[p] is not self.marker() for p in self.pe[function]) or s is None or function not in s.layouts:
             raise FuselmError(f"{self.module.__name__}: the layer changes cos/sin before {function}; "
                               "fuselm's traced exporter cannot map this rotary to FusedRoPE")

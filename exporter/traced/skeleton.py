@@ -3,11 +3,13 @@
 `Skeleton(hf_dir)` reads config.json with transformers (local files, no remote code), builds
 transformers' own class for the model_type with every parameter on the meta device (buffers stay
 real: inv_freq, embed scales), and refuses what it cannot export: remote code, vision/audio towers,
-mixture of experts, hybrid (linear attention / state space) layers, non-rotary position schemes,
-rope types whose frequencies change with the sequence length.
+mixture-of-experts blocks it does not recognise, hybrid (linear attention / state space) layers,
+rope types whose frequencies change with the sequence length, models without a key/value cache.
 
 `probe()` runs the model's own forward once on CPU with every decoder layer replaced by a
-recorder: which rotary frequencies and which mask (causal or sliding window) each layer gets.
+recorder: which rotary frequencies (if any: learned position tables and ALiBi biases are computed by
+the model around the layers) and which mask (causal, sliding window, chunked) each layer gets, and
+which other tensors the model hands every layer (side inputs: ALiBi biases).
 """
 
 from __future__ import annotations
@@ -27,11 +29,6 @@ from fuselm.errors import FuselmError
 
 from .rope_op import RopeSpec, rope_layouts
 
-# Config keys that mark a model the traced exporter cannot express, and why.
-_REFUSED_KEYS = {
-    "vision_config": "it has a vision tower (a multimodal model); convert its text-only checkpoint",
-    "audio_config": "it has an audio tower (a multimodal model); convert its text-only checkpoint",
-}
 # Module class names (substrings) of what the exporter refuses, found in the built model (a config's
 # num_experts alone does not make a model sparse: Doge keeps it with is_moe false).
 # Sparse MoE blocks that moe.py recognises are exported (fuselm::MoE); any other "Moe" / "Experts" module is refused.
@@ -41,12 +38,15 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
                     "DeltaAttention": "it has linear-attention layers (Kimi delta attention)",
                     "Lightning": "it has linear-attention layers (lightning attention)",
                     "Rglru": "it has recurrent (RG-LRU) layers", "Rwkv": "it has RWKV (recurrent) layers",
-                    "LSTM": "it has xLSTM (recurrent) layers", "Vision": "it has a vision tower"}
+                    "LSTM": "it has xLSTM (recurrent) layers",
+                    "Vision": "it has a vision tower (a multimodal model)", "Audio": "it has an audio tower (a multimodal model)"}
 # recurrent-state modules converted where the modeling file has a kernel state_ops.py swaps for a fuselm op
 _STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
                   "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
                   "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
-                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",)}
+                  "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",),
+                  "Lightning": ("MiniMaxLightningAttention",)}
+_OTHER_RECURRENCES = ("Rglru", "Rwkv", "LSTM")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
 _STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
@@ -56,7 +56,10 @@ _LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does 
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
-_NO_POSITIONS = "it passes the layers no positions"
+# what the traced layer takes from the graph itself (the rest of its tensor arguments are per-token or side inputs)
+_LAYER_ARGS = ("attention_mask", "position_ids", "position_embeddings", "cache_position", *_CACHE_ARGS)
+# the attention's mask under another name, beside a recurrent block's padding mask (Zamba2's hybrid layers)
+_MASK_ARGS = ("causal_mask",)
 PROBE_LEN = 8
 PROBE_WINDOW = 3  # sliding_window during the probe, so sliding layers show in an 8-token mask
 PROBE_CHUNK = 4  # attention_chunk_size during the probe: chunked layers show as two 4-token blocks
@@ -111,8 +114,9 @@ NO_MASK = "none"  # a recurrent-state or feed-forward block: the model gives it 
 class LayerPlan:
     """One decoder layer: its index, its rotary (None: no rope), its mask kind, its kind key, and how it
     is called (trace.py): its hidden state's shape in the probe, the other tensors the model hands it
-    (`inputs`: Gemma's per-layer inputs, by name and probe shape) and the name of a shared-KV mapping
-    it gets (`shares`: Gemma 3n / 4 pass the keys and values of one layer to later ones)."""
+    (`inputs`: Gemma's per-layer inputs, by name and probe shape; `side`: any other, ALiBi's biases) and the
+    name of a shared-KV mapping it gets (`shares`: Gemma 3n / 4 pass the keys and values of one layer to later
+    ones)."""
 
     index: int
     rope: RopeSpec | None
@@ -127,6 +131,9 @@ class LayerPlan:
     share: tuple | None = None  # ("store" | "reuse", key) of the shared-KV mapping, set by the dry run
     kv_source: int | None = None  # a "reuse" layer: the layer whose keys/values it reads
     attends: tuple | None = None  # (heads, head_dim) of the keys attention reads, from the dry run
+    side: tuple[str, ...] = ()  # other tensors the model computes for the layer (ALiBi biases), by name
+    mask_form: str = "additive"  # or "masked": a boolean mask, True where attention is masked (MPT)
+    mask_arg: str = "attention_mask"  # the argument the graph's mask goes to (_MASK_ARGS: the padding mask then None)
     rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
     layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
 
@@ -153,9 +160,6 @@ class Skeleton:
             raise FuselmError(f"config.json: auto_map names remote code ({', '.join(config_dict['auto_map'])}); fuselm "
                               "never runs a checkpoint's own code (trust_remote_code); use a model_type that the "
                               "installed transformers implements")
-        for key, why in _REFUSED_KEYS.items():
-            if config_dict.get(key):
-                raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} (config.json has {key})")
         try:
             config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as e:
@@ -180,10 +184,25 @@ class Skeleton:
             self.inline_attention = True
             model = self._build(config, "eager")
         self.config, self.model = config, model.eval()
+        forward = inspect.signature(type(model).forward).parameters
+        if not any(k in forward for k in (*_CACHE_ARGS, "cache_params", "state")):
+            raise FuselmError(f"model_type {self.model_type!r} is not supported: transformers' {type(model).__name__} "
+                              "keeps no key/value cache (its forward takes none, and its causal mask is cut for the "
+                              "whole sequence at once); fuselm graphs decode one step at a time from a cache")
         from . import moe
 
-        self.moe_blocks = moe.find_blocks(model, self.model_type)
-        inside_moe = moe.covered(model, self.moe_blocks)
+        scaled = moe.scaled_input(model)  # experts on inputs scaled by the router's scores: from gathered weights
+        self.moe_blocks = moe.find_blocks(model, self.model_type, skip=scaled)
+        self.dense_experts = dense = moe.dense_experts(model, self.moe_blocks)
+        if dense:  # experts fuselm::MoE cannot express: transformers' batched_mm in standard ops
+            config._experts_implementation = "batched_mm"
+        self.grouped = moe.grouped(model)  # routers that sort tokens by expert: traced per (token, slot) row
+        moe.verify_grouped(self.grouped, self.model_type)
+        looped = moe.looped(model)  # experts that loop over the routed experts: from gathered weights
+        moe.verify_looped(looped, self.model_type)
+        self.grouped += looped + scaled
+        dense = [*dense, *self.grouped]
+        inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
         family = type(model).__name__.removesuffix("ForCausalLM")  # (GraniteMoeHybrid: a name, not its experts)
         for name, module in model.named_modules():
@@ -191,12 +210,25 @@ class Skeleton:
             for part, why in _REFUSED_MODULES.items():
                 if part in _STATE_KERNELS and any(k in vars(modeling) for k in _STATE_KERNELS[part]):
                     continue
-                if self.moe_blocks and (part == "Moe" or id(module) in inside_moe):
+                if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
-                if part.lower() in kind or part.lower() == family.lower():  # (RWKV: the family is the kind)
-                    if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks)):
+                # (a recurrence no op computes, named by its family: RWKV's, xLSTM's layers)
+                if part.lower() in kind or (part in _OTHER_RECURRENCES and part.lower() in type(module).__name__.lower()):
+                    if part in ("Moe", "Experts") and (why_not := moe.unrecognised(model, self.moe_blocks, dense)):
                         raise FuselmError(f"model_type {self.model_type!r} is not supported: it is a mixture-of-"
                                           f"experts model with {why_not}")
+                    if part in _STATE_KERNELS:
+                        why += (f", written around none of the functions fuselm traces as one state op "
+                                f"({', '.join(_STATE_KERNELS[part])})")
+                    elif part in _OTHER_RECURRENCES:
+                        why += ", a recurrence none of fuselm's state ops computes (" + ", ".join(contract.STATE_OPS) + ")"
+                    if part in ("Vision", "Audio") and _setting(config, "text_config") is not None:
+                        why += "; convert its text-only checkpoint"
+                    if part == "Experts":  # experts of another layout than the stacked one fuselm::MoE reads
+                        tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters())
+                        why = (f"it is a mixture-of-experts model whose experts ({tensors}) are not the stacked "
+                               "gate_up_proj [E, 2I, H] / down_proj [E, H, I] beside a router of one weight [E, H] "
+                               "that fuselm::MoE reads")
                     raise FuselmError(f"model_type {self.model_type!r} is not supported: {why} "
                                       f"({type(module).__name__}{f' at {name}' if name else ''})")
         self.layers_name, self.layers = self._find_layers()
@@ -209,7 +241,7 @@ class Skeleton:
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
         from . import state_ops
 
-        state_ops.verify(self.modeling, self.model_type)
+        state_ops.verify(self.modeling, self.model_type, config)
 
     def _build(self, config, implementation: str):
         from transformers import AutoModelForCausalLM
@@ -255,14 +287,17 @@ class Skeleton:
         """The decoder layers, found by structure: the one ModuleList of num_hidden_layers modules of
         one class (`model.layers`, GPT-J's `transformer.h`, GPT-NeoX's `gpt_neox.layers`)."""
         n = self.config.num_hidden_layers
-        lists = [(name, m) for name, m in self.model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
-        found = [(name, m) for name, m in lists if len({type(x) for x in m}) == 1]
-        if not found and len(lists) == 1:  # hybrids with a class per layer kind (OLMo-Hybrid, Zamba2)
-            found = lists
+        lists = [(name, m) for name, m in self.model.named_modules() if isinstance(m, nn.ModuleList)]
+        found = [(name, m) for name, m in lists if len(m) == n and len({type(x) for x in m}) == 1]
+        of_n = [(name, m) for name, m in lists if len(m) == n]
+        if not found and len(of_n) == 1:  # hybrids with a class per layer kind (OLMo-Hybrid, Zamba2)
+            found = of_n
         if len(found) != 1:
-            lists = ", ".join(name for name, _ in found) or "none"
-            raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers (the ModuleLists "
-                              f"of {n} modules of one class: {lists}); not supported by the traced exporter")
+            stacks = ", ".join(f"{name} ({len(m)} x {'/'.join(sorted({type(x).__name__ for x in m}))})"
+                               for name, m in lists if len(m)) or "none"
+            raise FuselmError(f"model_type {self.model_type!r}: cannot tell its {n} decoder layers: "
+                              f"{'no' if not found else 'more than one'} ModuleList of {n} modules of one class "
+                              f"(its module lists: {stacks}); the traced exporter converts one stack of decoder layers")
         return found[0]
 
     @property
@@ -277,6 +312,45 @@ class Skeleton:
         for renaming in self._renamings:  # each in turn (transformers' apply_renamings, not in 5.17)
             name, _ = renaming.rename_source_key(name)
         return name
+
+    def conversions(self, stored: dict[str, tuple]) -> tuple[dict[str, list], str | None]:
+        """transformers' load-time conversions of this architecture that make one model tensor from one `stored`
+        one (its Transpose, Chunk, Split: Ergo's router kept [H, E], a fused qkv kept whole), as Checkpoint.convert's
+        views; and, as "source -> target: operations", the others that apply to `stored` and that fuselm does not
+        (expert stacking aside: moe.stack_experts)."""
+        import re
+
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Chunk, Split, Transpose, WeightConverter
+
+        expected = self.expected_tensors()
+        views, others = {}, []
+        for c in get_model_conversion_mapping(self.model):
+            ops = list(getattr(c, "operations", []))
+            names = [type(o).__name__ for o in ops]
+            if not isinstance(c, WeightConverter) or set(names) <= {"MergeModulelist", "Concatenate"}:
+                continue
+            matched = [n for n in stored for src in c.source_patterns if re.search(src, n)]
+            if not matched:
+                continue
+            op = ops[0] if len(ops) == 1 and len(c.source_patterns) == 1 else None
+            if isinstance(op, Transpose | Chunk | Split) and getattr(op, "num_shards_attribute", None) is None:
+                for n in matched:
+                    targets = [re.sub(c.source_patterns[0], t, n) for t in c.target_patterns]
+                    shape = stored[n][2]
+                    if isinstance(op, Transpose):
+                        if not (op.check_dims and tuple(shape) == tuple(expected.get(targets[0], ()))):
+                            views[targets[0]] = [n, "transpose", op.dim0, op.dim1]
+                        continue
+                    sizes = ([shape[op.dim] // len(targets)] * len(targets) if isinstance(op, Chunk)
+                             else [expected.get(t, (0,) * (op.dim + 1))[op.dim] for t in targets])
+                    at = 0
+                    for t, size in zip(targets, sizes, strict=True):
+                        views[t] = [n, "slice", op.dim, at, at + size]
+                        at += size
+                continue
+            others.append(f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}: {', '.join(names)}")
+        return views, "; ".join(others) or None
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model expects: parameters (tied ones once) and persistent buffers."""
@@ -342,8 +416,10 @@ class Skeleton:
                      "attention_scaling": rope.attention_scaling if rope else 1.0,
                      "interleaved": rope.interleaved if rope else 0,
                      "layers_without_rope": [p.index for p in plans if p.rope is None]},
+            "positions": self.positions,
             "traced": {"layer_kinds": kinds, "sliding_layers": [p.index for p in plans if p.sliding],
-                       "chunked_layers": [p.index for p in plans if p.mask == "chunked"]},
+                       "chunked_layers": [p.index for p in plans if p.mask == "chunked"],
+                       "side_inputs": sorted({k for p in plans for k in p.side})},
             "layer_types": [p.layer_type for p in plans],
             "attention": contract.attention_meta(
                 [{"mask": "none", "cache": "none"} if not any(k) else
@@ -356,10 +432,10 @@ class Skeleton:
 
     def probe(self) -> list[LayerPlan]:
         """Run the base model's forward once with recorder layers; one LayerPlan per decoder layer."""
-        base, config = self.base, self.config
+        config = self.config
         # the rotary module is whichever module outside the layers returns the pair the layers receive
         inside = {id(m) for layer in self.layers for m in layer.modules()}
-        rotaries = [m for m in base.modules() if id(m) not in inside and m is not base and m is not self.layers]
+        rotaries = [m for m in self.base.modules() if id(m) not in inside and m is not self.base and m is not self.layers]
         tags: dict[int, tuple] = {}
 
         def tagged(module, forward):
@@ -372,25 +448,6 @@ class Skeleton:
                 return out
             return run
 
-        seen: list[dict] = []
-        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
-
-        class Stop(Exception):
-            pass
-
-        class Recorder(StandIn):
-            def __init__(self, original, last, returns_tuple, signature):
-                super().__init__(original)
-                self.last, self.returns_tuple, self.signature = last, returns_tuple, signature
-
-            def forward(self, hidden_states, *args, **kwargs):
-                chained.append(not seen or _same_tensor(hidden_states, seen[-1]["_returned"]))
-                seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
-                if self.last:
-                    raise Stop
-                return _layer_output(hidden_states, self.returns_tuple)
-
-        originals = list(self.layers)
         window = getattr(config, "sliding_window", None)
         chunk = getattr(config, "attention_chunk_size", None)
         try:
@@ -400,33 +457,146 @@ class Skeleton:
                 config.sliding_window = PROBE_WINDOW
             if chunk is not None:
                 config.attention_chunk_size = PROBE_CHUNK
-            positions = torch.arange(PROBE_LEN)[None]
-            for returns_tuple in (0, 1, 2):  # transformers 5 layers return a tensor; older ones a tuple (Bamba's a pair)
+            seen = self._record(1, PROBE_LEN, find_returns=True)
+        finally:
+            config.sliding_window = window
+            if chunk is not None:
+                config.attention_chunk_size = chunk
+            for m in rotaries:
+                del m.forward  # back to the class's
+        positions = self.positions_fed  # the tensor itself: _angles finds it among the rotary module's arguments
+        causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
+        blocks = torch.arange(PROBE_LEN) // PROBE_CHUNK
+        patterns = {"causal": causal, "sliding": causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool(),
+                    "chunked": causal & (blocks[:, None] == blocks[None, :])}
+        plans, specs = [], {}
+        for i, kwargs in enumerate(seen):
+            pe = kwargs.get("position_embeddings")
+            first = None  # no rotary from the model: positions enter around the layers (tables, ALiBi) or in them
+            if pe is not None:
+                first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
+                # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
+                tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
+                if tag is None:
+                    raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
+                                      "embedding module made; not supported by the traced exporter")
+                first = tag[3]
+                if id(first) not in specs:
+                    specs[id(first)] = self._rope_spec(*tag, positions)
+            given = kwargs.get("attention_mask")
+            if isinstance(given, dict):
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} takes a mapping of masks "
+                                  f"({', '.join(map(str, given))}) where fuselm gives a layer one attention mask (its "
+                                  "attention reads other state from the cache beside keys and values); not supported "
+                                  "by the traced exporter")
+            # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
+            unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
+            # (a layer without an attention module ignores it: Zamba2's Mamba layers get it too)
+            attends = any("attention" in type(m).__name__.lower() for m in self.layers[i].modules())
+            mask_arg = next((k for k in _MASK_ARGS if unmasked and attends and isinstance(kwargs.get(k), torch.Tensor)),
+                            "attention_mask")
+            mask, mask_form = (NO_MASK, "additive") if unmasked and mask_arg == "attention_mask" else \
+                self._mask({"attention_mask": kwargs[mask_arg]}, i, patterns, window, chunk)
+            plans.append(self._plan(i, kwargs, specs[id(first)] if first is not None else None, mask, mask_form))
+            plans[-1].mask_arg = mask_arg
+            plans[-1].rotary = pe is not None  # attention without positions (Nemotron-H's, Granite 4's): none given
+        self.positions = self._positions(seen[0]) if all(p.rope is None for p in plans) else "rotary"
+        return plans
+
+    def _mask(self, kwargs: dict, i: int, patterns: dict, window, chunk) -> tuple[str, str]:
+        """The mask kind (MASKS) of the mask a layer got in the probe, and its form: "additive", or "masked" for a
+        boolean mask True where attention is masked (MPT casts the additive mask to bool); anything else is refused."""
+        allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
+        mask_form = "masked" if allowed.dtype == torch.bool and not allowed[0, 0] else "additive"
+        allowed = ~allowed if mask_form == "masked" else allowed
+        mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
+                     and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
+        if mask is None:
+            raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
+                              "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
+        return mask, mask_form
+
+    def _plan(self, i: int, kwargs: dict, rope, mask: str, mask_form: str) -> LayerPlan:
+        """Layer i's plan from the arguments the model gave it in the probe."""
+        cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
+        static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in _LAYER_ARGS
+                  and (v is None or isinstance(v, (bool, int, float, str)))}
+        hidden = tuple(kwargs["_returned"].shape)
+        tensors = {k: v for k, v in kwargs.items() if k not in _LAYER_ARGS + _MASK_ARGS and not k.startswith("_")
+                   and isinstance(v, torch.Tensor)}
+        inputs = {k: tuple(v.shape) for k, v in tensors.items()
+                  if v.is_floating_point() and v.dim() >= 3 and tuple(v.shape[:2]) == (1, PROBE_LEN)}
+        shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
+        return LayerPlan(i, rope, mask, kwargs=static, cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares,
+                         side=tuple(k for k in tensors if k not in inputs), mask_form=mask_form)
+
+    def side_inputs(self, batch: int, total: int) -> list[dict[str, torch.Tensor]]:
+        """Per decoder layer, the tensors the model hands it beside the hidden state, mask and positions
+        (LayerPlan.side: ALiBi biases), as the model computes them for `total` tokens of `batch` rows."""
+        return [{k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)} for kwargs in self._record(batch, total)]
+
+    def _record(self, batch: int, length: int, find_returns: bool = False) -> list[dict]:
+        """The base model's forward on `length` zero embeddings (or ids), every decoder layer replaced by a
+        recorder: per layer, its arguments by name."""
+        base, config = self.base, self.config
+        seen: list[dict] = []
+        chained: list[bool] = []  # whether each layer got exactly what the layer before returned
+
+        class Stop(Exception):
+            pass
+
+        class Recorder(StandIn):
+            def __init__(self, last, returns_tuple, layer):
+                super().__init__(layer)
+                self.last, self.returns_tuple = last, returns_tuple
+                self.signature = inspect.signature(type(layer).forward)
+
+            def forward(self, hidden_states, *args, **kwargs):
+                chained.append(not seen or _same_tensor(hidden_states, seen[-1]["_returned"]))
+                seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
+                if self.last:
+                    raise Stop
+                return _layer_output(hidden_states, self.returns_tuple)
+
+        originals = list(self.layers)
+        positions = self.positions_fed = torch.arange(length)[None].repeat(batch, 1)
+        common = dict(position_ids=positions, attention_mask=torch.ones(batch, length, dtype=torch.long), use_cache=False)
+        try:
+            # transformers 5 layers return a tensor; older ones a tuple (Bamba's a pair)
+            forms = (0, 1, 2) if find_returns else (self.returns_tuple,)
+            for returns_tuple in forms:
                 seen.clear()
                 chained.clear()
                 for i in range(len(originals)):
-                    self.layers[i] = Recorder(originals[i], i == len(originals) - 1, returns_tuple,
-                                              inspect.signature(type(originals[i]).forward))
+                    self.layers[i] = Recorder(i == len(originals) - 1, returns_tuple, originals[i])
                 undo = placeholders(self.model)  # what runs before the layers (norms, position tables) gets memory
                 try:
                     with torch.no_grad():
-                        common = dict(position_ids=positions, attention_mask=torch.ones(1, PROBE_LEN, dtype=torch.long),
-                                      use_cache=False)
                         try:
-                            base(inputs_embeds=torch.zeros(1, PROBE_LEN, config.hidden_size), **common)
+                            base(inputs_embeds=torch.zeros(batch, length, config.hidden_size), **common)
                         except (RuntimeError, ValueError):  # a model that needs the ids (Gemma 4's per-layer inputs)
                             seen.clear()
                             chained.clear()
-                            base(input_ids=torch.zeros(1, PROBE_LEN, dtype=torch.long), **common)
+                            base(input_ids=torch.zeros(batch, length, dtype=torch.long), **common)
                 except Stop:
                     pass
                 except (ValueError, TypeError) as e:  # it unpacks the layer's output otherwise: the next form
-                    if returns_tuple == 2:
-                        raise FuselmError(f"model_type {self.model_type!r}: its forward reads more from a decoder layer "
-                                          f"than its hidden state ({type(e).__name__}: {_first_line(e)}); not "
-                                          "supported by the traced exporter") from None
-                    chained.append(False)
-                except (RuntimeError, NotImplementedError) as e:
+                    if returns_tuple != forms[-1]:
+                        chained.append(False)
+                        continue
+                    params = inspect.signature(type(base).forward).parameters
+                    if isinstance(e, ValueError) or "inputs_embeds" in params or "input_ids" in params:
+                        raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
+                                          f"cannot be probed or reads more from a decoder layer than its hidden state "
+                                          f"({type(e).__name__}: {_first_line(e)}); not supported by the traced "
+                                          "exporter") from None
+                    needs = [n for n, p in list(params.items())[1:] if p.default is inspect.Parameter.empty
+                             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                    raise FuselmError(f"model_type {self.model_type!r}: its decoder layers sit in "
+                                      f"{type(base).__name__}, whose forward takes {', '.join(needs)} from the model "
+                                      f"around it ({type(self.model).__name__}), not token embeddings; the traced "
+                                      "exporter feeds the module that holds the layers and cannot trace this one") from None
+                except Exception as e:  # noqa: BLE001 - any failure of the model's own code is the refusal's reason
                     raise FuselmError(f"model_type {self.model_type!r}: its forward before the decoder layers "
                                       f"cannot be probed ({type(e).__name__}: {_first_line(e)}); not supported by "
                                       "the traced exporter") from None
@@ -439,79 +609,23 @@ class Skeleton:
                 raise FuselmError(f"model_type {self.model_type!r}: its forward changes the hidden state between "
                                   "decoder layers; not supported by the traced exporter")
         finally:
-            config.sliding_window = window
-            if chunk is not None:
-                config.attention_chunk_size = chunk
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
-            for m in rotaries:
-                del m.forward  # back to the class's
         if len(seen) != len(originals):
             raise FuselmError(f"model_type {self.model_type!r}: its forward did not call every decoder layer once; "
                               "not supported by the traced exporter")
-        causal = torch.ones(PROBE_LEN, PROBE_LEN).tril().bool()
-        blocks = torch.arange(PROBE_LEN) // PROBE_CHUNK
-        patterns = {"causal": causal, "sliding": causal & ~torch.ones(PROBE_LEN, PROBE_LEN).tril(-PROBE_WINDOW).bool(),
-                    "chunked": causal & (blocks[:, None] == blocks[None, :])}
-        plans, specs = [], {}
-        for i, kwargs in enumerate(seen):
-            pe = kwargs.get("position_embeddings")
-            given = kwargs.get("attention_mask")
-            # a recurrent-state or feed-forward block: no mask, or Mamba's padding mask [B, T] (all ones without padding)
-            unmasked = "attention_mask" in kwargs and (given is None or (isinstance(given, torch.Tensor) and given.dim() == 2))
-            if pe is None and not unmasked and self._positions(kwargs) != _NO_POSITIONS:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets no rotary position "
-                                  f"embeddings from the model ({self._positions(kwargs)}); fuselm converts rotary "
-                                  "decoders only")
-            if pe is None:  # attention without positions (Nemotron-H's, Granite 4's), or a block that needs none
-                plans.append(self._plan(i, kwargs, None, NO_MASK if unmasked else self._mask(kwargs, i, patterns, window, chunk)))
-                plans[-1].rotary = False
-                continue
-            first = pe if isinstance(pe, torch.Tensor) else pe[0]  # one complex tensor, or (cos, sin)
-            # what a rotary module returned, or a view of all of it (Gemma 4 slices them to the kept positions)
-            tag = tags.get(id(first)) or next((t for t in tags.values() if _same_tensor(first, t[3])), None)
-            if tag is None:
-                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} gets cos/sin that no rotary "
-                                  "embedding module made; not supported by the traced exporter")
-            first = tag[3]
-            if id(first) not in specs:
-                specs[id(first)] = self._rope_spec(*tag, positions)
-            plans.append(self._plan(i, kwargs, specs[id(first)],
-                                    NO_MASK if unmasked else self._mask(kwargs, i, patterns, window, chunk)))
-        return plans
-
-    def _mask(self, kwargs: dict, i: int, patterns: dict, window, chunk) -> str:
-        """The mask kind (MASKS) of the mask a layer got in the probe; anything else is refused."""
-        allowed = _allowed(kwargs.get("attention_mask"), i, self.model_type)
-        mask = next((m for m, p in patterns.items() if torch.equal(allowed, p)
-                     and (m != "sliding" or window is not None) and (m != "chunked" or chunk is not None)), None)
-        if mask is None:
-            raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} uses a mask that is neither "
-                              "causal, a sliding window nor chunked (bidirectional or a learned pattern); not supported")
-        return mask
-
-    def _plan(self, i: int, kwargs: dict, rope, mask: str) -> LayerPlan:
-        """Layer i's plan from the arguments the model gave it in the probe."""
-        cache_arg = next((k for k in _CACHE_ARGS if k in kwargs), "past_key_values")
-        known = ("attention_mask", "position_ids", "position_embeddings", *_CACHE_ARGS)
-        static = {k: v for k, v in kwargs.items() if not k.startswith("_") and k not in known
-                  and (v is None or isinstance(v, (bool, int, float, str)))}
-        hidden = tuple(kwargs["_returned"].shape)
-        inputs = {k: tuple(v.shape) for k, v in kwargs.items() if k not in known and not k.startswith("_")
-                  and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
-                  and tuple(v.shape[:2]) == (1, PROBE_LEN)}
-        shares = next((k for k, v in kwargs.items() if isinstance(v, (dict, UserDict))), None)
-        return LayerPlan(i, rope, mask, kwargs=static, cache_arg=cache_arg, hidden=hidden, inputs=inputs, shares=shares)
+        return seen
 
     def _positions(self, layer_kwargs: dict) -> str:
-        """What a non-rotary model uses for positions, for its refusal."""
-        if any(k in ("alibi", "position_bias") and v is not None for k, v in layer_kwargs.items()):
-            return "it adds ALiBi biases to the attention scores"
+        """How a model without rotary layers places tokens, for fuselm.json: ALiBi biases, learned (or fixed
+        sinusoidal) position tables gathered by position_ids before the layers, or none the probe sees."""
+        if any(k in ("alibi", "position_bias") and isinstance(v, torch.Tensor) for k, v in layer_kwargs.items()):
+            return "alibi"
         embed = self.model.get_input_embeddings()
         inside = {id(m) for layer in self.layers for m in layer.modules()}
         tables = [n for n, m in self.model.named_modules()
                   if isinstance(m, nn.Embedding) and m is not embed and id(m) not in inside]
-        return f"it adds learned absolute positions: {', '.join(tables)}" if tables else _NO_POSITIONS
+        return f"learned: {', '.join(tables)}" if tables else "none outside the layers"
 
     def _rope_spec(self, module, args, kwargs, first, second, positions) -> RopeSpec:
         """The frequencies the rotary module used for this call, checked against its own cos/sin. Most
@@ -572,26 +686,6 @@ class Skeleton:
         return (angle(far) + 2 * torch.pi * turns) / far
 
 
-class StandIn(nn.Module):
-    """A module standing in for a decoder layer: attributes it lacks are the layer's (Nemotron-H's model loop reads
-    each layer's `block_type`)."""
-
-    def __init__(self, original: nn.Module):
-        super().__init__()
-        object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay out
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_original"], name)
-
-
-def _layer_output(hidden_states, returns_tuple: int):
-    """What a decoder layer returns: the hidden state (0), a 1-tuple of it (1) or it and no attention weights (2)."""
-    return (hidden_states, *(None,) * (returns_tuple - 1)) if returns_tuple else hidden_states
-
-
 def _setting(config, name: str):
     """A config attribute, or None where it is absent or differs per layer (Gemma 4's head_dim raises then)."""
     try:
@@ -631,9 +725,30 @@ def _first_line(e: BaseException) -> str:
 
 
 def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
-    """The boolean [S, T] pattern of the mask a layer received (additive float or boolean)."""
+    """The boolean [S, T] pattern of the mask a layer received: where an additive float mask is 0, a boolean
+    mask as it is (True at the allowed positions, or at the masked ones: the caller tells by the first key)."""
     if not isinstance(mask, torch.Tensor):
         raise FuselmError(f"model_type {model_type!r}: decoder layer {i} got no attention mask tensor; "
                           "not supported by the traced exporter")
     m = mask[0, 0] if mask.dim() == 4 else mask
     return m if m.dtype == torch.bool else m == 0
+
+
+class StandIn(nn.Module):
+    """A module standing in for a decoder layer: attributes it lacks are the layer's (Nemotron-H's model loop reads
+    each layer's `block_type`)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+def _layer_output(hidden_states, returns_tuple: int):
+    """What a decoder layer returns: the hidden state (0), a 1-tuple of it (1) or it and no attention weights (2)."""
+    return (hidden_states, *(None,) * (returns_tuple - 1)) if returns_tuple else hidden_states

@@ -4,13 +4,14 @@ The outer template's `fuselm_trace::Layer` markers are replaced, in order, by co
 layer's kind template: values and nodes renamed under `/model/layers.{i}/`, the layer inputs wired
 to the previous hidden state, the shared mask of its kind (exporter/graph.py's `attention_mask`,
 sliding window or not) where it reads one, `position_ids`, `past_key_values.{i}.*` and `past_state.{i}.*`
-where it has them, and its outputs to `present.{i}.*` / `present_state.{i}.*`. Node names follow the module scopes torch.onnx records
+where it has them, the other tensors the model computes for it (the marker's inputs: per-token inputs, ALiBi
+biases), and its outputs to `present.{i}.*` / `present_state.{i}.*`. Node names follow the module scopes torch.onnx records
 (`/model/layers.3/self_attn/q_proj/MatMul`).
 
 Parameters become the builder's weights (exporter/quant.py's Plan, so f32/f16/q8/q4 are
 stored exactly as the builder stores them), named by their HF tensor names:
 - `Transpose(W, perm=[1,0])` (torch's Linear) -> the plan's [in, out] weight (Cast / DQ for f16 / q8 / q4);
-- `Gather(W, ids)` in the outer graph (the embedding) -> the plan's embedding;
+- `Gather(W, ids)` in the outer graph (the embedding, per-layer or position tables) -> the plan's embedding;
 - anything else (norm weights, biases, scales) -> float32 as in the checkpoint.
 Non-parameter initializers (buffers, traced constants) are copied once per template.
 """
@@ -41,6 +42,7 @@ class Stamper:
         self.used: set[str] = set()  # checkpoint tensors the graph reads
         self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
         self.gathers: dict[tuple[int, str], tuple] = {}  # (template, node): an embedding whose ids the graph computes
+        self.late: dict[tuple[int, str], tuple] = {}  # (template, node): the Transpose of a head tied to such an embedding
         self.linears: dict[str, str] = {}  # checkpoint weight -> its declared [in, out] form
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
@@ -58,13 +60,18 @@ class Stamper:
                                           "/model/attn_mask" + ("" if k == "causal" else f"_{k}"),
                                           chunk=sizes.get("chunked") if k == "chunked" else None)
             return masks[k]
-        names = {outer.graph.input[0].name: ids}
+        given = {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask_in, contract.POSITION_IDS: position_ids}
+        names = {v.name: given[v.name] for v in outer.graph.input}  # (mask and positions where the model reads them)
         self._constants(outer, "outer", names)
         self._weights(outer, names, "/model", None, lambda rel: self.aliases.get(rel, rel))
         markers = 0
         for node in outer.graph.node:
             if node.domain == "fuselm_trace" and node.op_type == "Layer":
                 i = node.attribute[0].i
+                if i < markers:  # a looped (recurrent-depth) model runs its layers again
+                    raise FuselmError(f"the traced model calls decoder layer {i} again after layer {markers - 1}: its "
+                                      "layers run more than once per token, each run with a cache of its own, and the "
+                                      "graph contract holds one cache per layer; not supported")
                 if i != markers:
                     raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
                 x, inputs = names[node.input[0]], [names[n] for n in node.input[1:]]
@@ -170,6 +177,10 @@ class Stamper:
             vector = experts = None
             for node in consumers.get(value, []):
                 if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
+                    if layer is None and name == self.embed and any(
+                            n.op_type == "Gather" and n.input[1] not in names for n in consumers[value]):
+                        self.late[(id(t), node.name)] = (name, scope)  # a tied head: declared after its embedding
+                        continue
                     names[node.output[0]] = self._linear(name, node, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
                     other = None if name == self.embed else self._scope(name, scope, layer)  # per-layer embeddings
@@ -187,7 +198,8 @@ class Stamper:
                     continue
                 self.skip.add((id(t), node.name))
             if any((id(t), n.name) not in self.skip and (id(t), n.name) not in self.as_matmul and not moe.reads_experts(n, value)
-                   and (id(t), n.name) not in self.gathers for n in consumers.get(value, [])):
+                   and (id(t), n.name) not in self.gathers and (id(t), n.name) not in self.late
+                   for n in consumers.get(value, [])):
                 vector = self.plan.vector(self.b, name, layer)
             names[value] = experts or vector or name
 
@@ -213,6 +225,10 @@ class Stamper:
     def _copy(self, t: Template, node: onnx.NodeProto, names: dict[str, str], scope: str, prefix_values: str,
               fixed: dict[str, str] | None = None) -> None:
         if (id(t), node.name) in self.skip:
+            return
+        if (id(t), node.name) in self.late:
+            name, at = self.late[(id(t), node.name)]
+            names[node.output[0]] = self._linear(name, node, at, None)
             return
         if (id(t), node.name) in self.gathers:
             name, other = self.gathers[(id(t), node.name)]

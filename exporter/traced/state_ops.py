@@ -235,12 +235,38 @@ def _mamba_scan(module, hidden_states, time_step, B, C, gate, cache=None, **kwar
     return (y * F.silu(gate.transpose(1, 2).float())).to(hidden_states.dtype).transpose(1, 2)
 
 
+def _lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """Lightning attention (MiniMax: per head a state decaying by exp(−slope) a token, S = S·exp(−slope) + v ⊗ k,
+    y = S q) through fuselm::Mamba2 with dt = 1 (dt_min = dt_max = 1), A_log = log(slope), B = k, C = q, D = 0;
+    then its norm, output gate and projection as written."""
+    b, s, _ = hidden_states.shape
+    h, d = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    if attention_mask is not None and attention_mask.dim() == 2:  # transformers' padding mask
+        qkv = qkv * attention_mask[:, -s:, None].to(qkv.dtype)
+    q, k, v = torch.split(qkv.reshape(b, s, h, 3 * d), d, dim=3)
+    past = STATE.take("recurrent", (b, h, d, d), contract.MAMBA2_OP)
+    zeros = torch.zeros(h)
+    y, present = torch.ops.fuselm_trace.mamba2(v.float(), torch.zeros(b, s, h), torch.log(self.slope_rate.reshape(h).float()),
+                                               k.float(), q.float(), zeros, zeros, past, 1.0, 1.0)
+    STATE.give("recurrent", present)
+    out = self.norm(y.reshape(b, s, h * d).to(hidden_states.dtype))
+    out = torch.sigmoid(self.output_gate(hidden_states)) * out
+    return self.out_proj(out), None
+
+
+def _lightning_classes(module) -> list[type]:
+    return [c for n, c in vars(module).items() if n.endswith("LightningAttention") and isinstance(c, type)]
+
+
 class Installed:
-    """While active, the modeling module's state kernels (SWAPPED) are the tracing versions above."""
+    """While active, the modeling module's state kernels (SWAPPED) are the tracing versions above, and its lightning
+    attention classes' forward `_lightning_forward`."""
 
     def __init__(self, module):
         self.module = module
         self.saved = {name: getattr(module, name) for name in SWAPPED if hasattr(module, name)}
+        self.classes = {c: c.forward for c in _lightning_classes(module)}
 
     def __enter__(self):
         for name in self.saved:
@@ -252,11 +278,15 @@ class Installed:
                 setattr(self.module, name, _mamba_scan)
             else:
                 setattr(self.module, name, _delta_rule(self.module.l2norm))
+        for c in self.classes:
+            c.forward = _lightning_forward
         return self
 
     def __exit__(self, *exc):
         for name, fn in self.saved.items():
             setattr(self.module, name, fn)
+        for c, fn in self.classes.items():
+            c.forward = fn
         return False
 
 
@@ -278,7 +308,46 @@ class _FakeCache:
         return 0
 
 
-def verify(module, model_type: str) -> None:
+class _FakeLinearCache:
+    """The cache methods a lightning attention calls, holding one state (K^T V)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def get_linear_cache(self, layer_idx):
+        return self.state
+
+    def set_linear_cache(self, layer_idx, state):
+        self.state = state
+
+
+def _verify_lightning(cls, config, model_type: str, close) -> None:
+    """The class's own forward at a small size (2 heads of 8, blocks of 4), several tokens from zeros and one from a
+    random state, against `_lightning_forward`."""
+    import copy
+
+    cfg = copy.deepcopy(config)
+    cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.block_size = 16, 2, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    with torch.device("cpu"):
+        layer = cls(cfg, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for seq, s0 in ((6, None), (1, torch.randn(2, 2, 8, 8, generator=gen) * 0.3)):
+            x = torch.randn(2, seq, 16, generator=gen)
+            cache = _FakeLinearCache(None if s0 is None else s0.clone())
+            want = cls.forward(layer, x, None, None, cache=cache)[0]
+            STATE.reset({"recurrent": torch.zeros(2, 2, 8, 8) if s0 is None else s0.transpose(-1, -2)})
+            try:
+                got = _lightning_forward(layer, x)[0]
+                state = STATE.presents["recurrent"].transpose(-1, -2)
+            finally:
+                STATE.reset({})
+            close([got, state], [want, cache.state], f"lightning attention ({cls.__name__})")
+
+
+def verify(module, model_type: str, config=None) -> None:
     """Run the modeling module's own state functions (those Installed swaps) on random tensors, one token and
     several, from a random state, against the references; refuses the family if they differ."""
     from transformers.utils import logging as hf_logging
@@ -286,12 +355,12 @@ def verify(module, model_type: str) -> None:
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its kernels' "falling back to the PyTorch implementation" notes
     try:
-        _verify(module, model_type)
+        _verify(module, model_type, config)
     finally:
         hf_logging.set_verbosity(level)
 
 
-def _verify(module, model_type: str) -> None:
+def _verify(module, model_type: str, config=None) -> None:
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -302,6 +371,8 @@ def _verify(module, model_type: str) -> None:
             raise FuselmError(f"model_type {model_type!r}: its {what} does not compute what fuselm's {what} op does "
                               "(checked on random inputs); not supported by the traced exporter")
 
+    for cls in _lightning_classes(module) if config is not None else ():
+        _verify_lightning(cls, config, model_type, close)
     fn = getattr(module, "causal_conv1d_fn", None)
     if fn is not None:
         x, w = rnd(2, 6, 5), rnd(6, 1, 4)

@@ -98,7 +98,7 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     for plan in plans:
         layer = skel.layers[plan.index]
         key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.mask, tuple(sorted(plan.kwargs.items())),
-               plan.hidden, tuple(plan.inputs.items()), plan.shares)
+               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form, plan.mask_arg)
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -116,9 +116,10 @@ def _structure(layer: nn.Module) -> tuple:
 class _LayerWrapper(nn.Module):
     """layer(hidden, mask, position_ids, past_key, past_value, past_conv, past_recurrent, *inputs) -> (hidden,
     present_*), called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
-    (LayerPlan.inputs, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for (`cache`: None, a
-    LengthCache, a TraceCache, or in the dry run a ProbeCache). The recurrent-state ops take their pasts from
-    state_ops.STATE. `found` (after each run): the slots (SLOTS) it used, the state ops and the states' shapes."""
+    (LayerPlan.inputs, LayerPlan.side, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for
+    (`cache`: None, a LengthCache, a TraceCache, or in the dry run a ProbeCache). The recurrent-state ops take their
+    pasts from state_ops.STATE. `found` (after each run): the slots (SLOTS) it used, the state ops and the states'
+    shapes."""
 
     def __init__(self, layer: nn.Module, rope: rope_op.Installed, plan: LayerPlan, inline_attention: bool,
                  shared_rows=None):
@@ -137,16 +138,21 @@ class _LayerWrapper(nn.Module):
         ctx.past = past_key if dry else (past_key, past_value) if past_key is not None else None
         state_ops.STATE.reset({} if dry else {k: v for k, v in zip(contract.STATE_KINDS, (past_conv, past_recurrent),
                                                                       strict=True) if v is not None})
+        if self.plan.mask_form == "masked" and attention_mask is not None:  # the layer's own form of the graph's mask
+            attention_mask = attention_mask != 0
         ctx.present, ctx.calls, ctx.mask, ctx.read, ctx.positions = None, 0, attention_mask, None, position_ids
         ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
         self.rope.positions = position_ids
         cache = attention_op.TraceCache() if self.inline else self.cache
-        kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(self.plan.inputs, inputs, strict=False))}
+        given = [*self.plan.inputs, *self.plan.side]
+        kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(given, inputs, strict=False))}
         if self.plan.shares:
-            rows = tuple(inputs[len(self.plan.inputs):])
+            rows = tuple(inputs[len(given):])
             self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
+        # the rope op's marker for cos/sin where the model hands the layer a rotary, else nothing (non-rotary layers)
         pe = position_ids if self.plan.rope is not None and self.plan.rope.complex else (position_ids, position_ids)
-        out = self.layer(hidden_states, **kwargs, attention_mask=attention_mask, position_ids=position_ids,
+        masks = {"attention_mask": None, self.plan.mask_arg: attention_mask}
+        out = self.layer(hidden_states, **{**kwargs, **masks}, position_ids=position_ids,
                          position_embeddings=pe if self.plan.rotary else None)
         out = out[0] if isinstance(out, tuple) else out
         states = state_ops.STATE.presents
@@ -201,12 +207,16 @@ class _MarkedLayer(StandIn):
 
 
 class _Outer(nn.Module):
+    """The causal LM on the graph's inputs: input_ids, and where the model needs them before its layers
+    (position tables, ALiBi biases), the graph's attention_mask and position_ids."""
+
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids):
-        return self.lm(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        return self.lm(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, use_cache=False).logits
 
 
 def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> dict[str, tuple]:
@@ -316,6 +326,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     hidden = torch.randn(*shape[:lead], batch, seq, shape[-1])
     positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
     inputs = [torch.randn(batch, seq, *s[2:]) for s in plan.inputs.values()]
+    small = [skel.side_inputs(batch, 1)[plan.index][k] for k in plan.side] if plan.side else []  # the dry run's
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
                "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
@@ -325,10 +336,11 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     shared_rows = {} if shared_rows is None else shared_rows
     undo = placeholders(layer)
     try:
-        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling):
+        with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
+                moe.grouped_installed(layer, getattr(skel, "grouped", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
             one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
-                   None, None, None, *(x[:, :1] for x in inputs))
+                   None, None, None, *(x[:, :1] for x in inputs), *small)
             try:
                 slots = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
@@ -346,17 +358,31 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                 rows = shared_rows[shared.read]
                 inputs += list(rows)
                 dynamic["inputs"] += [{0: b, 2: s}, {0: b, 2: s}]
+            shared_rows_in = inputs[len(plan.inputs):]  # a reuse layer's rows come after the side inputs
+            inputs, shared_dims = inputs[:len(plan.inputs)], dynamic["inputs"][len(plan.inputs):]
+            dynamic["inputs"] = dynamic["inputs"][:len(plan.inputs)]
             given = {"hidden_states": hidden, "attention_mask": torch.zeros(batch, 1, seq, past + seq) if plan.masked else None,
                      "position_ids": positions,
                      **{f"past_{slot}": torch.randn(batch, *((d[0], past, d[2]) if slot in ("key", "value") else d))
                         for slot, d in slots.items()}}
-            args = (*(given.get(n) for n in LAYER_INPUTS), *inputs)
-            installed.calls = 0
-            names = [n for n in LAYER_INPUTS if given.get(n) is not None] + [f"input_{i}" for i in range(len(inputs))]
-            dynamic = {n: d if given.get(n) is not None else None for n, d in dynamic.items() if n != "inputs"} | \
-                ({"inputs": tuple(dynamic["inputs"])} if inputs else {})
-            program = _export(wrapper, args, dynamic, names, ["hidden_out", *(f"present_{slot}" for slot in slots)],
-                              skel.model_type)
+            args = tuple(given.get(n) for n in LAYER_INPUTS)
+            fixed = {n: d if given.get(n) is not None else None for n, d in dynamic.items() if n != "inputs"}
+            outputs = ["hidden_out", *(f"present_{slot}" for slot in slots)]
+            # a side input's length is the cache's (ALiBi over the keys) or, if that fails, the step's (a query scaling)
+            for length, dim in ((past + seq, t), (seq, s))[:2 if plan.side else 1]:
+                side, side_dims = _side_examples(skel, plan, batch, length, b, dim)
+                extra = [*inputs, *side, *shared_rows_in]
+                # (torch.export names the *inputs argument only when it gets some)
+                dims = fixed | ({"inputs": (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims)}
+                                if extra else {})
+                installed.calls = 0
+                names = [n for n in LAYER_INPUTS if given.get(n) is not None] + [f"input_{i}" for i in range(len(extra))]
+                try:
+                    program = _export(wrapper, (*args, *extra), dims, names, outputs, skel.model_type)
+                    break
+                except FuselmError:
+                    if length == seq or not plan.side:
+                        raise
     finally:
         restore(undo)
     if plan.rope is not None and installed.calls == 0:
@@ -367,20 +393,57 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     return _template(program, "layer.")
 
 
+def _side_examples(skel: Skeleton, plan: LayerPlan, batch: int, total: int, b, t) -> tuple[list, tuple]:
+    """The layer's side inputs as the model computes them for `total` tokens of `batch` rows (ALiBi's
+    [B*H, 1, T]), and their dynamic dims, told apart by computing them again at other sizes: a multiple of the
+    batch, the length `t` plus a constant, or fixed."""
+    if not plan.side:
+        return [], ()
+    here = skel.side_inputs(batch, total)[plan.index]
+    there = skel.side_inputs(batch + 1, total + 3)[plan.index]
+    shapes = []
+    for k in plan.side:
+        dims = {}
+        for d, (n, m) in enumerate(zip(here[k].shape, there[k].shape, strict=True)):
+            if n == m:
+                continue
+            if n % batch == 0 and m == n // batch * (batch + 1):
+                dims[d] = b if n == batch else n // batch * b
+            elif m - n == 3:
+                dims[d] = t if n == total else t + (n - total)
+            else:
+                dims[d] = torch.export.Dim.AUTO
+        shapes.append(dims)
+    return [here[k] for k in plan.side], tuple(shapes)
+
+
 def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Template:
-    """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes."""
+    """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes (which take the other
+    tensors the model computes for each layer). The graph's attention_mask and position_ids go in where the layers
+    need what the model computes from them (side inputs; positions outside rotary layers)."""
+    plans = plans or []
     originals = list(skel.layers)
     for i in range(len(originals)):
+        given = [*plans[i].inputs, *plans[i].side] if plans else []
         skel.layers[i] = _MarkedLayer(originals[i], i, skel.returns_tuple, inspect.signature(type(originals[i]).forward),
-                                      list(plans[i].inputs) if plans else [])
+                                      given)
     undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
+    implementation = skel.config._attn_implementation
+    skel.config._attn_implementation = attention_op.NAME  # (an eager model's too: its mask code is not traced either)
+    batch, seq, total = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("total", min=1)
+    inputs = {contract.INPUT_IDS: (torch.zeros(2, 3, dtype=torch.long), {0: batch, 1: seq}),
+              contract.ATTENTION_MASK: (None, None), contract.POSITION_IDS: (None, None)}
+    if any(p.side for p in plans):  # the side inputs cover the whole cache: the model reads the graph's mask
+        inputs[contract.ATTENTION_MASK] = (torch.ones(2, 7, dtype=torch.long), {0: batch, 1: total})
+    if any(p.rope is None for p in plans):  # positions enter before the layers (tables) or in them
+        inputs[contract.POSITION_IDS] = (torch.arange(4, 7)[None].repeat(2, 1), {0: batch, 1: seq})
     try:
-        ids = torch.zeros(2, 3, dtype=torch.long)
-        dynamic = {contract.INPUT_IDS: {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("seq", min=1)}}
-        program = _export(_Outer(skel.model).eval(), (ids,), dynamic, [contract.INPUT_IDS], [contract.LOGITS],
-                           skel.model_type)
+        program = _export(_Outer(skel.model).eval(), tuple(x for x, _ in inputs.values()),
+                          {k: d for k, (_, d) in inputs.items()}, [k for k, (x, _) in inputs.items() if x is not None],
+                          [contract.LOGITS], skel.model_type)
     finally:
+        skel.config._attn_implementation = implementation
         attention_op.register()
         restore(undo)
         for i, layer in enumerate(originals):
