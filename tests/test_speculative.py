@@ -76,8 +76,9 @@ def test_rejection_rule_keeps_the_target_distribution():
 
 
 def test_drafting_pauses_when_rejected(optimized):
-    """A drafter whose drafts are always wrong: after a few rejected steps the policy stops verifying them (plain
-    steps, its shadow drafts still compared), and the tokens are still plain decode's."""
+    """A drafter whose drafts are always wrong: within a few steps the policy stops verifying them (plain steps, its
+    shadow drafts compared with them: these may stop it before any verification), and the tokens are plain
+    decode's."""
 
     class Wrong(speculative.NgramDrafter):
         def propose(self, history, k):
@@ -87,7 +88,7 @@ def test_drafting_pauses_when_rejected(optimized):
     want = list(engine.generate(PROMPT, TOKENS, Sampler()))
     stats = speculative.Stats("wrong", 3)
     got = list(speculative.generate(engine, PROMPT, TOKENS, Sampler(), Wrong(), 3, stats))
-    assert got == want and 0 < stats.steps <= 6 and stats.paused > TOKENS // 2 and stats.accepted == 0
+    assert got == want and stats.steps <= 6 and stats.paused > TOKENS // 2 and stats.accepted == 0
 
 
 def test_policy_drafts_what_pays():
