@@ -62,10 +62,10 @@ def test_config_without_required_field(ckpt, tmp_path, capsys):
 
 def test_unsupported_architecture(ckpt, tmp_path, capsys):
     config = json.loads((ckpt / "config.json").read_text())
-    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    config.update(model_type="fancy_new_lm", architectures=["FancyNewLMForCausalLM"])  # unknown to transformers too
     (ckpt / "config.json").write_text(json.dumps(config))
     err = _convert_fails(ckpt, tmp_path / "out", capsys)
-    assert "'gpt2' (GPT2LMHeadModel) is not supported" in err and "llama, mistral, qwen2, qwen3" in err
+    assert "'fancy_new_lm' (FancyNewLMForCausalLM) is not supported" in err and "llama, mistral, qwen2, qwen3" in err
 
 
 def test_unsupported_rope_type(ckpt, tmp_path, capsys):
