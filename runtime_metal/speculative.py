@@ -16,10 +16,10 @@ draft token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α
 step of k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or
 none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
 (plain tokens then run PLAIN_RUN at a time on the engine's own loop; n-gram drafts are still compared with them, so
-drafting resumes when they start to match; a draft model is tried again every PROBE_EVERY tokens unless even
-drafts always kept would not pay for its cost). A model with recurrent state (its state holds every token fed, and
-cannot roll back) is checkpointed before each verification; when a draft is rejected it is restored and the kept
-tokens run again.
+drafting resumes when they start to match; every PROBE_EVERY plain tokens a draft model is tried again unless even
+drafts always kept would not pay for its cost, an n-gram drafter if its shadow drafts match half the time). A model
+with recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each
+verification; when a draft is rejected it is restored and the kept tokens run again.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class Policy:
         if self.samples[rows] == 1:
             return
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self.seconds[rows] = seconds if old is None or seconds < old / 2 else DECAY * old + (1 - DECAY) * seconds
 
     def drafting(self, k: int, seconds: float) -> None:
         self.draft_s = DECAY * self.draft_s + (1 - DECAY) * seconds / k if self.draft_s else seconds / k
@@ -251,9 +251,10 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     while produced < max_new:
         left = max_new - produced
         want = policy.choose(left)
-        if (not want and isinstance(drafter, ModelDrafter) and since_probe >= PROBE_EVERY and left > 1
-                and policy.could_pay()):
-            want = min(k, left - 1)  # a paused draft model is tried again
+        if not want and since_probe >= PROBE_EVERY and left > 1 and (
+                policy.could_pay() if isinstance(drafter, ModelDrafter) else policy.alpha >= 0.5):
+            want = min(k, left - 1)  # a paused drafter is tried again (an n-gram one whose shadow drafts match: a
+            # verification step's time measured early may have been an outlier)
         t0 = time.perf_counter()
         draft, q = drafter.propose(history, want) if want else ([], None)
         if draft:
