@@ -72,20 +72,22 @@ _CACHE = re.compile(rf"^({PAST}|{PRESENT})\.(\d+)\.(key|value)$")
 
 
 @dataclass(frozen=True)
-class CacheName:
-    """One parsed cache tensor name: role 'past' or 'present', its layer and kind ('key' / 'value')."""
+class CarriedName:
+    """One parsed name of a tensor carried from step to step: role 'past' or 'present', its layer and kind (a cache's
+    'key' / 'value', a state's 'conv' / 'recurrent'); `prefixes` the (past, present) names of its family."""
 
     role: str
     layer: int
     kind: str
+    prefixes: tuple[str, str]
 
     @property
     def past(self) -> str:
-        return past_name(self.layer, self.kind)
+        return f"{self.prefixes[0]}.{self.layer}.{self.kind}"
 
     @property
     def present(self) -> str:
-        return present_name(self.layer, self.kind)
+        return f"{self.prefixes[1]}.{self.layer}.{self.kind}"
 
 
 def past_name(layer: int, kind: str) -> str:
@@ -102,12 +104,12 @@ def cache_names(layers: int, role: str = PAST) -> list[str]:
     return [name(i, kind) for i in range(layers) for kind in KINDS]
 
 
-def parse_cache(name: str | None) -> CacheName | None:
+def parse_cache(name: str | None) -> CarriedName | None:
     """The parts of a `past_key_values.{i}.{key,value}` or `present.{i}.{key,value}` name; None otherwise."""
     m = _CACHE.match(name or "")
     if not m:
         return None
-    return CacheName("past" if m.group(1) == PAST else "present", int(m.group(2)), m.group(3))
+    return CarriedName("past" if m.group(1) == PAST else "present", int(m.group(2)), m.group(3), (PAST, PRESENT))
 
 
 def is_past(name: str | None) -> bool:
@@ -179,33 +181,17 @@ STATE_KINDS = ("conv", "recurrent")
 _STATE = re.compile(rf"^({STATE_PAST}|{STATE_PRESENT})\.(\d+)\.(conv|recurrent)$")
 
 
-@dataclass(frozen=True)
-class StateName:
-    """One parsed state tensor name: role 'past' or 'present', its layer and kind ('conv' / 'recurrent')."""
-
-    role: str
-    layer: int
-    kind: str
-
-    @property
-    def past(self) -> str:
-        return state_name(self.layer, self.kind)
-
-    @property
-    def present(self) -> str:
-        return state_name(self.layer, self.kind, STATE_PRESENT)
-
-
 def state_name(layer: int, kind: str, role: str = STATE_PAST) -> str:
     return f"{role}.{layer}.{kind}"
 
 
-def parse_state(name: str | None) -> StateName | None:
+def parse_state(name: str | None) -> CarriedName | None:
     """The parts of a `past_state.{i}.{conv,recurrent}` or `present_state.{i}.{...}` name; None otherwise."""
     m = _STATE.match(name or "")
     if not m:
         return None
-    return StateName("past" if m.group(1) == STATE_PAST else "present", int(m.group(2)), m.group(3))
+    return CarriedName("past" if m.group(1) == STATE_PAST else "present", int(m.group(2)), m.group(3),
+                       (STATE_PAST, STATE_PRESENT))
 
 
 def is_state_past(name: str | None) -> bool:

@@ -261,9 +261,9 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             policy.drafting(len(draft), time.perf_counter() - t0)
         if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued); paused: a run
             run = PLAIN_RUN if isinstance(drafter, NgramDrafter) else PROBE_EVERY - since_probe
-            n = 1 if want or 1 not in policy.seconds else min(left, run)
+            n = 1 if want or 1 not in policy.seconds else max(1, min(left, run))
             t0 = time.perf_counter()
-            for token in engine.continue_from(y, max(n, 1), sampler):
+            for token in engine.continue_from(y, n, sampler):
                 y = token
                 stats.plain += 1
                 stats.paused += not want and left > 1
@@ -280,7 +280,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                 yield y
                 if isinstance(drafter, NgramDrafter) and not shadow:
                     shadow = drafter.propose(history, k)[0]
-            policy.timed(1, (time.perf_counter() - t0) / max(n, 1))
+            policy.timed(1, (time.perf_counter() - t0) / n)
             continue
         shadow, since_probe = [], 0
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
