@@ -15,8 +15,9 @@ How many tokens to draft is decided before every step (`Policy`): from the draft
 draft token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α) tokens) and the measured time of a
 step of k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or
 none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
-(plain tokens then run PLAIN_RUN at a time on the engine's own loop; n-gram drafts are still compared with them, so
-drafting resumes when they start to match; every PROBE_EVERY plain tokens a draft model is tried again unless even
+(plain tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where
+the cache cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting
+resumes when they start to match; every PROBE_EVERY plain tokens a draft model is tried again unless even
 drafts always kept would not pay for its cost, an n-gram drafter if its shadow drafts match half the time). A model
 with recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each
 verification; when a draft is rejected it is restored and the kept tokens run again.
@@ -35,7 +36,7 @@ from .sampling import probabilities
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
 PROBE_EVERY = 16  # plain tokens after which a paused draft model is tried again
-PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses (the policy is asked again after them)
+PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses, where the engine cannot stop a run anywhere
 PAYS = 1.25  # a drafting step must promise 25 % more tokens per second than a plain one (estimates are noisy)
 
 
@@ -52,6 +53,7 @@ class Stats:
     plain: int = 0  # tokens decoded without drafts (no draft found, or drafting paused)
     paused: int = 0  # steps the policy took without drafting (drafts not worth their cost)
     exact: bool = True  # the engine's multi-token steps give each row a one-token step's logits
+    step_s: dict | None = None  # the policy's step times by row count (seconds; 1: a plain token)
 
     @property
     def acceptance(self) -> float | None:
@@ -66,7 +68,8 @@ class Stats:
         return {"method": self.method, "num_draft": self.num_draft, "target_steps": self.steps + self.plain,
                 "verification_steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "tokens_per_target_step": self.tokens_per_step,
-                "paused_steps": self.paused, "exact": self.exact}
+                "paused_steps": self.paused, "exact": self.exact,
+                "step_ms": {rows: round(t * 1e3, 3) for rows, t in sorted((self.step_s or {}).items())}}
 
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
@@ -246,6 +249,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     yield y
     produced = 1
     policy = Policy(k, engine.fixed_rows)
+    stats.step_s = policy.seconds
     shadow: list[int] = []  # an n-gram draft not verified (paused): compared with the tokens plain decode gives
     since_probe = 0
     while produced < max_new:
@@ -259,28 +263,42 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         draft, q = drafter.propose(history, want) if want else ([], None)
         if draft:
             policy.drafting(len(draft), time.perf_counter() - t0)
-        if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued); paused: a run
-            run = PLAIN_RUN if isinstance(drafter, NgramDrafter) else PROBE_EVERY - since_probe
-            n = 1 if want or 1 not in policy.seconds else max(1, min(left, run))
+        if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued)
+            ngram = isinstance(drafter, NgramDrafter)
+            if 1 not in policy.seconds:
+                n = 1  # a one-token step timed first: what drafting is weighed against
+            elif engine.trimmable:
+                n = left  # a run the loop stops where drafting should resume (the engine rolls back what it queued)
+            else:
+                n = 1 if want else PLAIN_RUN if ngram else PROBE_EVERY - since_probe
+            n, done = max(1, min(left, n)), 0
+            run = engine.continue_from(y, n, sampler)
             t0 = time.perf_counter()
-            for token in engine.continue_from(y, n, sampler):
-                y = token
-                stats.plain += 1
-                stats.paused += not want and left > 1
-                since_probe += 1
-                if isinstance(drafter, NgramDrafter):
-                    if shadow and shadow[0] == y:
-                        shadow.pop(0)
-                        policy.drafts(1, 1)
-                    elif shadow:
-                        policy.drafts(0, 1)
-                        shadow = []
-                history.append(y)
-                produced += 1
-                yield y
-                if isinstance(drafter, NgramDrafter) and not shadow:
-                    shadow = drafter.propose(history, k)[0]
-            policy.timed(1, (time.perf_counter() - t0) / n)
+            try:
+                for token in run:
+                    y = token
+                    done += 1
+                    stats.plain += 1
+                    stats.paused += not want and left > 1
+                    since_probe += 1
+                    if ngram:
+                        if shadow and shadow[0] == y:
+                            shadow.pop(0)
+                            policy.drafts(1, 1)
+                        elif shadow:
+                            policy.drafts(0, 1)
+                            shadow = []
+                    history.append(y)
+                    produced += 1
+                    yield y
+                    if ngram and not shadow:
+                        shadow = drafter.propose(history, k)[0]
+                    if done < n and engine.trimmable and _resume(policy, drafter, shadow, since_probe,
+                                                                 max_new - produced):
+                        break
+            finally:
+                run.close()
+            policy.timed(1, (time.perf_counter() - t0) / done)
             continue
         shadow, since_probe = [], 0
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
@@ -308,6 +326,16 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             produced += 1
             yield token
         y = emitted[-1]
+
+
+def _resume(policy: Policy, drafter, shadow: list[int], since_probe: int, left: int) -> bool:
+    """Whether a plain run stops here for a drafting step: an n-gram draft is at hand that the policy would verify
+    (or that a paused n-gram drafter probes, its shadow drafts matching); a paused draft model's probe is due."""
+    if left < 2:
+        return False
+    if isinstance(drafter, NgramDrafter):
+        return bool(shadow) and (policy.choose(left) > 0 or since_probe >= PROBE_EVERY and policy.alpha >= 0.5)
+    return policy.choose(left) > 0 or since_probe >= PROBE_EVERY and policy.could_pay()
 
 
 def _pick(logits: np.ndarray, sampler) -> int:

@@ -47,6 +47,22 @@ def test_greedy_on_the_prepared_lowered_copy(optimized, tmp_path, monkeypatch):
     assert spec["speculative"]["verification_steps"] > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_a_plain_run_closed_early_stands_after_its_last_token(optimized, backend):
+    """The pipelined loop queues steps ahead of the token it yields: a run the speculative loop stops early leaves
+    the cache after the last token yielded, so decoding on from there gives plain decode's tokens."""
+    engine = fuselm.load(optimized("qwen3", "f32"), backend=backend)
+    plain = list(engine.generate(PROMPT, 12, Sampler()))
+    engine.reset(len(PROMPT) + 12)
+    first = int(engine.forward(PROMPT)[-1].argmax())
+    run = engine.continue_from(first, 10, Sampler())
+    got = [first, next(run), next(run), next(run)]
+    run.close()
+    assert engine.session.pos == len(PROMPT) + 3  # fed: the prompt, first and the two tokens after it
+    got += list(engine.continue_from(got[-1], 8, Sampler()))
+    assert got == plain
+
+
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_greedy_draft_model_equals_plain_decode(optimized, backend):
     """The q4 graph drafting for the f32 one (same tokenizer, same checkpoint)."""

@@ -84,7 +84,9 @@ class Engine:
         yield from self.continue_from(token, max_new - 1, sampler)
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
-        """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands."""
+        """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands. Closed
+        early, a `trimmable` engine stands after the last token yielded (a speculative loop stops a plain run when
+        drafting should resume)."""
         from ..sampling import sample
 
         for _ in range(n):

@@ -83,11 +83,20 @@ class NativeEngine(Engine):
             yield token
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
-        """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop."""
+        """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop; closed early,
+        the steps it queued beyond the last token yielded are rolled back (where the cache can)."""
         s = self.session
+        start, fed = s.pos, 0
         steps = s.decode_from(s.backend.asarray(np.array([token], np.int64)), n + 1, sampler)
         next(steps)  # `token` itself
-        yield from steps
+        try:
+            for t in steps:
+                fed += 1  # (the token before `t` has been fed)
+                yield t
+        finally:
+            steps.close()
+            if s.pos > start + fed and self.trimmable:
+                s.rollback(s.pos - start - fed)
 
     def report(self, console) -> dict | None:
         """The --profile table of the last generation, printed; None without --profile."""
