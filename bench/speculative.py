@@ -134,6 +134,18 @@ def main() -> None:
                 got = child(MLX_LM, {**common, "model": args.mlx_lm, "draft": args.mlx_lm_draft})
             runs[f"{e}:{m}"].append(got)
             print(f"{e}:{m} round {r}: {got.get('error') or got['what']}", flush=True)
+            table = summarise(runs, kinds, prompts)  # written after every child: a run cut off keeps what it has
+            if args.out:
+                args.out.write_text(json.dumps({
+                    "bench": "speculative", "command": " ".join(["python", "bench/speculative.py", *sys.argv[1:]]),
+                    "date": time.strftime("%Y-%m-%d"), "machine": processor(), "versions": versions(),
+                    "rounds_done": r + 1, "table": table, "runs": runs}, indent=1) + "\n")
+    for row in table:
+        print(json.dumps(row), flush=True)
+
+
+def summarise(runs: dict[str, list], kinds: list[str], prompts: list[str]) -> list[dict]:
+    """Per prompt: each engine's median tok/s over the runs so far, acceptance, ratios to plain, same tokens."""
 
     def median(name: str, i: int) -> float | None:
         got = [x["rows"][i]["decode_tok_s"] for x in runs[name] if "rows" in x and x["rows"][i]["decode_tok_s"]]
@@ -159,13 +171,7 @@ def main() -> None:
             if plain and spec:
                 row[f"fuselm:{m}:same_tokens"] = spec["rows"][i]["tokens"] == plain["rows"][i]["tokens"]
         table.append(row)
-        print(json.dumps(row), flush=True)
-    result = {"bench": "speculative", "command": " ".join(["python", "bench/speculative.py", *sys.argv[1:]]),
-              "date": time.strftime("%Y-%m-%d"), "machine": processor(), "versions": versions(), "table": table,
-              "runs": runs}
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-
+    return table
 
 if __name__ == "__main__":
     main()
