@@ -253,13 +253,13 @@ def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[i
     return r["tokens"], r["what"], margins
 
 
-def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32) -> dict:
+def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32, save=None) -> dict:
     """Greedy tokens against fuselm torch f32 (CUDA where there) on one q4 graph: fuselm MLX in f32 and bf16 on the
     trained demo model and on each benchmarked checkpoint (`points`: its name and prepare()'s paths), where mlx-lm's
     tokens on its own q4 directory (in `dtype`) are compared too (its own quantization: other weights). Random weights
     give near-tied logits, where two kernels may pick differently: `first_difference` says where the tokens part and
     `reference_margin` torch's top-two logit gap there. On a CPU torch dequantizes the weights (FUSELM_NO_CPU_KERNELS:
-    its int8-activation kernels drift by ~1e-2, more than such ties)."""
+    its int8-activation kernels drift by ~1e-2, more than such ties). `save(checks)` after each child process."""
     import fuselm
     from fuselm.synth import make_checkpoint
 
@@ -279,6 +279,8 @@ def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int =
                                  env={**os.environ, "FUSELM_NO_CPU_KERNELS": "1"} if backend == "torch" else None)
             line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
             out[f"{name} {backend}-{dt}"] = json.loads(line[7:]) if line else {"error": res.stderr.strip()[-500:]}
+            if save is not None:  # after every child: a call cut off keeps the checks done
+                save(out)
         margins = {k: out[k].pop("margins", None) for k in out if k.startswith(f"{name} ")}[f"{name} torch-f32"]
         ref = out[f"{name} torch-f32"].get("tokens")
         for key, v in out.items():
@@ -572,7 +574,7 @@ def main(argv=None) -> int:
 
     write(None)
     if args.token_check:
-        checks = token_check(args.work, points, dtype)
+        checks = token_check(args.work, points, dtype, save=write)
         print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                             for k, v in checks.items()}))
         write(checks)
