@@ -46,6 +46,7 @@ PROMPTS = {
 
 FUSELM = """
 import json, sys, time
+from pathlib import Path
 import fuselm
 args = json.loads(sys.argv[1])
 engine = fuselm.load(args["model"], backend=args["backend"])
@@ -55,6 +56,8 @@ if args["method"] != "plain":
 if args["method"] == "draft":
     opts["draft_model"] = args["draft"]
 out = []
+from fuselm.tokenizer import encode_prompt, load_tokenizer
+tok = load_tokenizer(Path(args["model"]), required=True, chat=True)
 for prompt in args["prompts"]:
     list(fuselm.stream_generate(engine, prompt, **{**opts, "max_tokens": 4}))  # warm-up: compiles, allocations
     toks, t_first, t_last = [], None, None
@@ -65,7 +68,7 @@ for prompt in args["prompts"]:
         toks.append(r.token)
     spec = engine.speculation.as_dict() if engine.speculation else None
     out.append({"tokens": toks, "decode_tok_s": (len(toks) - 1) / (t_last - t_first) if len(toks) > 1 else None,
-                "speculative": spec})
+                "speculative": spec, "prompt_ids": encode_prompt(tok, prompt, chat=True)})
 print("RESULT " + json.dumps({"what": engine.describe(), "rows": out}))
 """
 
@@ -144,6 +147,18 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
 
+def lookup_share(prompt: list[int], tokens: list[int], n: int = 3) -> float | None:
+    """The share of plain decode's tokens that prompt lookup could have drafted: the token follows an n-gram that
+    occurred before (in the prompt or the output) followed by that same token. A model that rewrites rather than
+    copies its input leaves prompt lookup little to find, whatever the prompt asks."""
+    ids, hits = list(prompt), 0
+    for t in tokens:
+        tail = tuple(ids[-n:])
+        hits += any(tuple(ids[j:j + n]) == tail and ids[j + n] == t for j in range(len(ids) - n))
+        ids.append(t)
+    return round(hits / len(tokens), 3) if tokens else None
+
+
 def summarise(runs: dict[str, list], kinds: list[str], prompts: list[str]) -> list[dict]:
     """Per prompt: each engine's median tok/s over the runs so far, acceptance, ratios to plain, same tokens."""
 
@@ -166,6 +181,8 @@ def summarise(runs: dict[str, list], kinds: list[str], prompts: list[str]) -> li
                 if row.get(f"{e}:{m}") and base:
                     row[f"{e}:{m}/plain"] = round(row[f"{e}:{m}"] / base, 3)
         plain = next((x for x in runs["fuselm:plain"] if "rows" in x), None)
+        if plain and "prompt_ids" in plain["rows"][i]:
+            row["lookup_share"] = lookup_share(plain["rows"][i]["prompt_ids"], plain["rows"][i]["tokens"])
         for m in ("ngram", "draft"):
             spec = next((x for x in runs.get(f"fuselm:{m}", []) if "rows" in x), None)
             if plain and spec:

@@ -586,7 +586,8 @@ QUALITY_COLS = [Col("model", "name", str), Col("perplexity", "perplexity"), Col(
                 Col("weight MB", lambda r: r["weight_bytes"] / 1e6 if r.get("weight_bytes") else None),
                 Col("convert s", "convert_seconds")]
 SPECULATIVE_COLS = [Col("prompt", lambda r: f"{r['kind']}: {r['prompt']}", str),
-                    Col("plain tok/s", "fuselm:plain"), Col("ngram tok/s", "fuselm:ngram"),
+                    Col("lookup share", "lookup_share"), Col("plain tok/s", "fuselm:plain"),
+                    Col("ngram tok/s", "fuselm:ngram"),
                     Col("ngram / plain", "fuselm:ngram/plain"), Col("accepted", "fuselm:ngram:acceptance",
                                                                      lambda v: f"{100 * v:.0f} %"),
                     Col("tokens / step", "fuselm:ngram:tokens_per_step"), Col("draft / plain", "fuselm:draft/plain"),
