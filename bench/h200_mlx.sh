@@ -14,6 +14,8 @@
 #   bash bench/h200_mlx.sh carry           # carry .c1/ .c2/ ...: keep their files (wheels, parts of a large file)
 #   bash bench/h200_mlx.sh deps            # after carry: the wheels kept (transformers and what it needs at the
 #                                          # version fuselm is tested with), installed without an index
+#   bash bench/h200_mlx.sh specprep        # after deps, with every GGUF part carried (.c3 .c4 together fit one call):
+#                                          # spec's fuselm graphs converted ahead, so that spec fits its call
 #   bash bench/h200_mlx.sh spec            # after bench: SmolLM2-135M-Instruct from its GGUF file (carried in parts
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
@@ -33,9 +35,25 @@ mkdir -p "$stash" "$work" "${OUT:-/tmp/out}"
 # fuselm itself, installed outside the checkout, from this call's tree (a warm machine keeps the last call's)
 rm -rf /root/fl && python3 -m pip install -q --no-deps --no-build-isolation --target /root/fl "$repo" || exit 1
 for d in .c[0-9]*; do [ -d "$d" ] && cp -n "$d"/* "$stash/" 2>/dev/null; done
+spec_models() {  # SmolLM2-135M-Instruct's fuselm graphs (q8, q4) from its GGUF file, carried in parts
+    cat "$stash"/smollm2.gguf.part* > /root/smollm2.gguf || return 1
+    sha256sum /root/smollm2.gguf
+    python3 - <<'PY'
+import fuselm
+fuselm.convert("/root/smollm2.gguf", "/root/smol/q8-exp", quant="q8", quiet=True, force=True)
+fuselm.optimize("/root/smol/q8-exp", "/root/smol/q8", quiet=True, force=True)
+fuselm.convert("/root/smollm2.gguf", "/root/smol/q4-exp", quant="q4", quiet=True, force=True)
+fuselm.optimize("/root/smol/q4-exp", "/root/smol/q4", quiet=True, force=True)
+from fuselm.exporter.gguf import checkpoint_for
+print("hf", checkpoint_for("/root/smollm2.gguf"))
+PY
+}
 case $phase in
 carry)
     ls -la "$stash"
+    ;;
+specprep)
+    spec_models
     ;;
 deps)
     python3 -m pip install -q --no-index --find-links "$stash" "transformers==${TRANSFORMERS:-5.25.0}" gguf accelerate \
@@ -64,17 +82,7 @@ bench|probe|kv8|pipeline|spec)
     fi
     if [ "$phase" = spec ]; then
         cd /root
-        cat "$stash"/smollm2.gguf.part* > /root/smollm2.gguf || exit 1
-        sha256sum /root/smollm2.gguf
-        python3 - <<'PY' || exit 1
-import fuselm
-fuselm.convert("/root/smollm2.gguf", "/root/smol/q8-exp", quant="q8", quiet=True, force=True)
-fuselm.optimize("/root/smol/q8-exp", "/root/smol/q8", quiet=True, force=True)
-fuselm.convert("/root/smollm2.gguf", "/root/smol/q4-exp", quant="q4", quiet=True, force=True)
-fuselm.optimize("/root/smol/q4-exp", "/root/smol/q4", quiet=True, force=True)
-from fuselm.exporter.gguf import checkpoint_for
-print("hf", checkpoint_for("/root/smollm2.gguf"))
-PY
+        [ -f /root/smol/q4/fuselm.json ] || spec_models || exit 1
         hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
         # mlx-lm 0.32 reads rope_theta only at the top of config.json (transformers 5 writes it in rope_parameters)
         python3 - "$hf" <<'PY'
