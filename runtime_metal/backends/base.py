@@ -291,6 +291,22 @@ class Backend:
         `causal_reads`)."""
         raise NotImplementedError
 
+    def rope_table(self, position_ids, inv_freq: np.ndarray, scaling: float):
+        """cos and sin [B, S, 1, 1, R/2] (float32) of position_ids × inv_freq, times `scaling`: the rotary table
+        QKVHeads reads (rewrites/qkv_heads.py; optional with `qkv_heads`, `offers` says whether a backend has it)."""
+        raise NotImplementedError
+
+    def qkv_heads(self, qkv, cos, sin, weight, weight_rot, heads: int, kv_heads: int, eps: float | None,
+                  heads_first: bool = False):
+        """A fused QKV output [B, S, (Hq + 2Hkv)·D] as heads [B, S, Hq + 2Hkv, D] ([B, H, S, D] with `heads_first`),
+        q and k RMS-normalized by `weight` (eps None: not normalized) and rotated by (cos, sin), v as it came: one
+        fusable expression where the backend compiles (optional, as `rope_table`)."""
+        raise NotImplementedError
+
+    def offers(self, method: str) -> bool:
+        """Whether this backend implements an optional primitive (`rope_table`, `qkv_heads`)."""
+        return getattr(type(self), method) is not getattr(Backend, method)
+
     def prepare_quantized(self, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
                           block: int, bits: int) -> QuantizedWeight:
         """Convert a blocked DequantizeLinear weight once, at load.

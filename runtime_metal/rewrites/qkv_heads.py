@@ -35,15 +35,17 @@ from .base import Load, Rewrite
 
 
 class QKVHeads(Rewrite):
-    """The module docstring's pattern, on a backend that reads the cache causally (`Backend.causal_reads`) with
-    fused kernels; elsewhere it does not fire (said once)."""
+    """The module docstring's pattern, on a backend that offers `qkv_heads` and `rope_table` and reads the cache
+    causally (`Backend.causal_reads`: the compiled pieces take the heads first), with fused kernels; elsewhere it
+    does not fire (said once)."""
 
     aliases = ("qkv-heads",)
 
     def apply(self, graph: Graph, load: Load, stats: Stats) -> bool:
-        if not (load.backend.causal_reads and load.fused):
-            stats.skip("graph", f"the {load.backend.name} backend does not read the cache causally (or fused kernels "
-                                "are off): the q/k norms and ropes stay per head")
+        b = load.backend
+        if not (b.offers("qkv_heads") and b.offers("rope_table") and b.causal_reads and load.fused):
+            stats.skip("graph", f"the {b.name} backend has no qkv_heads primitive or does not read the cache "
+                                "causally (or fused kernels are off): the q/k norms and ropes stay per head")
             return False
         producers = {o: n for n in graph.nodes for o in n.outputs}
         readers: dict[str, int] = {}
