@@ -1,9 +1,11 @@
 """Speculative decoding on real text: plain decode against n-gram (prompt lookup) and draft-model drafts, on prompts
 grounded in a passage they give (rewrite, summarise, extract, a code edit) and open-ended ones, side by side with
-mlx-lm's speculative decoding (a draft model) on the same prompts where mlx-lm is installed.
+mlx-lm's speculative decoding (a draft model) on the same prompts where mlx-lm is installed, and llama.cpp's prompt
+lookup (llama-cpp-python's LlamaPromptLookupDecoding, on the checkpoint's own GGUF file) where it is.
 
     python bench/speculative.py --model Q8_DIR [--draft Q4_DIR] [--mlx-lm MLX_DIR --mlx-lm-draft MLX_Q4_DIR]
-        [--backend auto] [--num-draft 4] [--tokens 128] [--runs 3] [--out FILE]
+        [--llama-cpp GGUF [--llama-cpp-python PYTHON]] [--backend auto] [--num-draft 4] [--tokens 128] [--runs 3]
+        [--out FILE]
 
 Each (engine, method) runs in its own process over every prompt, greedy, stopping at the end-of-turn token (the
 chat template applied): `runs` rounds, interleaved, medians per prompt. Decode tok/s excludes the first token (its
@@ -99,9 +101,35 @@ for prompt in args["prompts"]:
 print("RESULT " + json.dumps({"what": f"mlx-lm on {mx.default_device()}", "rows": out}))
 """
 
+LLAMA_CPP = """
+import json, os, sys, time
+from llama_cpp import Llama, __version__
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+args = json.loads(sys.argv[1])
+draft = LlamaPromptLookupDecoding(num_pred_tokens=args["k"]) if args["method"] == "ngram" else None
+llm = Llama(model_path=args["model"], n_ctx=2048, n_threads=os.cpu_count(), verbose=False, draft_model=draft)
+out = []
+for prompt in args["prompts"]:
+    msgs = [{"role": "user", "content": prompt}]
+    list(llm.create_chat_completion(msgs, max_tokens=4, temperature=0.0, stream=True))
+    text, n, t_first, t_last = [], 0, None, None
+    for chunk in llm.create_chat_completion(msgs, max_tokens=args["tokens"], temperature=0.0, stream=True):
+        piece = chunk["choices"][0]["delta"].get("content")
+        if piece is None:
+            continue
+        now = time.perf_counter()
+        t_first = t_first or now
+        t_last = now
+        n += 1
+        text.append(piece)
+    out.append({"tokens": "".join(text), "decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 else None,
+                "speculative": None})
+print("RESULT " + json.dumps({"what": f"llama-cpp-python {__version__}, CPU", "rows": out}))
+"""
 
-def child(code: str, args: dict) -> dict:
-    c = run_child([sys.executable, "-c", code, json.dumps(args)])
+
+def child(code: str, args: dict, python: str = sys.executable) -> dict:
+    c = run_child([python, "-c", code, json.dumps(args)])
     line = next((ln for ln in c.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if c.returncode != 0 or line is None:
         return {"error": c.tail()}
@@ -114,6 +142,9 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a fuselm draft model directory (e.g. the same checkpoint at q4)")
     ap.add_argument("--mlx-lm", default=None, help="the same checkpoint as mlx_lm.convert wrote it (the peer)")
     ap.add_argument("--mlx-lm-draft", default=None, help="the peer's draft model")
+    ap.add_argument("--llama-cpp", default=None, help="the checkpoint's GGUF file, for llama.cpp's prompt lookup "
+                    "(llama-cpp-python's LlamaPromptLookupDecoding) against its plain decode")
+    ap.add_argument("--llama-cpp-python", default=sys.executable, help="a Python that has llama_cpp installed")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
@@ -127,12 +158,16 @@ def main() -> None:
     engines = [("fuselm", "plain"), ("fuselm", "ngram")] + ([("fuselm", "draft")] if args.draft else [])
     if args.mlx_lm:
         engines += [("mlx-lm", "plain")] + ([("mlx-lm", "draft")] if args.mlx_lm_draft else [])
+    if args.llama_cpp:
+        engines += [("llama.cpp", "plain"), ("llama.cpp", "ngram")]
     runs: dict[str, list] = {f"{e}:{m}": [] for e, m in engines}
     for r in range(args.runs):
         for e, m in engines if r % 2 == 0 else engines[::-1]:
             common = {"method": m, "k": args.num_draft, "tokens": args.tokens, "prompts": prompts}
             if e == "fuselm":
                 got = child(FUSELM, {**common, "model": args.model, "backend": args.backend, "draft": args.draft})
+            elif e == "llama.cpp":
+                got = child(LLAMA_CPP, {**common, "model": args.llama_cpp}, args.llama_cpp_python)
             else:
                 got = child(MLX_LM, {**common, "model": args.mlx_lm, "draft": args.mlx_lm_draft})
             runs[f"{e}:{m}"].append(got)
@@ -175,11 +210,14 @@ def summarise(runs: dict[str, list], kinds: list[str], prompts: list[str]) -> li
             if first and first["rows"][i]["speculative"]:
                 row[f"{name}:acceptance"] = first["rows"][i]["speculative"].get("acceptance")
                 row[f"{name}:tokens_per_step"] = first["rows"][i]["speculative"].get("tokens_per_target_step")
-        for e in ("fuselm", "mlx-lm"):
+        for e in ("fuselm", "mlx-lm", "llama.cpp"):
             base = row.get(f"{e}:plain")
             for m in ("ngram", "draft"):
                 if row.get(f"{e}:{m}") and base:
                     row[f"{e}:{m}/plain"] = round(row[f"{e}:{m}"] / base, 3)
+        lp, ln = (next((x for x in runs.get(f"llama.cpp:{m}", []) if "rows" in x), None) for m in ("plain", "ngram"))
+        if lp and ln:  # (llama.cpp's rows are the streamed text)
+            row["llama.cpp:ngram:same_tokens"] = ln["rows"][i]["tokens"] == lp["rows"][i]["tokens"]
         plain = next((x for x in runs["fuselm:plain"] if "rows" in x), None)
         if plain and "prompt_ids" in plain["rows"][i]:
             row["lookup_share"] = lookup_share(plain["rows"][i]["prompt_ids"], plain["rows"][i]["tokens"])

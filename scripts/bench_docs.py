@@ -592,6 +592,7 @@ SPECULATIVE_COLS = [Col("prompt", lambda r: f"{r['kind']}: {r['prompt']}", str),
                                                                      lambda v: f"{100 * v:.0f} %"),
                     Col("tokens / step", "fuselm:ngram:tokens_per_step"), Col("draft / plain", "fuselm:draft/plain"),
                     Col("mlx-lm draft / plain", "mlx-lm:draft/plain"),
+                    Col("llama.cpp lookup / plain", "llama.cpp:ngram/plain"),
                     Col("same tokens", "fuselm:ngram:same_tokens")]
 API_CLI_COLS = [Col("figure", "figure", str), Col("fuselm.stream_generate", "api"), Col("fuselm run", "cli"),
                 Col("ratio", "api_over_cli")]
