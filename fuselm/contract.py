@@ -61,6 +61,9 @@ LOGITS_TO_KEEP = "logits_to_keep"  # optional int64 [1]: logits of the last N po
 PAST = "past_key_values"  # past_key_values.{i}.key / .value  float [batch, kv_heads, past, head_dim]
 PRESENT = "present"  # present.{i}.key / .value        float [batch, kv_heads, past + seq, head_dim]
 KINDS = ("key", "value")
+# a sparse-attention layer's third cache tensor: its indexer's keys, past_key_values.{i}.index [batch, 1, past, index_dim]
+INDEX = "index"
+CACHE_KINDS_ALL = (*KINDS, INDEX)
 # pipeline stages (`fuselm split`): stage k > 0 takes the residual stream instead of input_ids, and
 # every stage but the last returns it instead of logits; float [batch, seq, hidden]
 HIDDEN = "hidden_states"
@@ -68,7 +71,7 @@ NEXT_HIDDEN = "hidden_states_out"
 NAMES_TEXT = (f"inputs {', '.join(STEP_INPUTS)}, {PAST}.{{i}}.key/.value and outputs {LOGITS}, "
               f"{PRESENT}.{{i}}.key/.value")
 
-_CACHE = re.compile(rf"^({PAST}|{PRESENT})\.(\d+)\.(key|value)$")
+_CACHE = re.compile(rf"^({PAST}|{PRESENT})\.(\d+)\.({'|'.join(CACHE_KINDS_ALL)})$")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def cache_names(layers: int, role: str = PAST) -> list[str]:
 
 
 def parse_cache(name: str | None) -> CarriedName | None:
-    """The parts of a `past_key_values.{i}.{key,value}` or `present.{i}.{key,value}` name; None otherwise."""
+    """The parts of a `past_key_values.{i}.{key,value,index}` or `present.{i}.{...}` name; None otherwise."""
     m = _CACHE.match(name or "")
     if not m:
         return None
@@ -126,14 +129,14 @@ def present_of(past: str) -> str:
     """The output a past input comes back as (past_key_values.3.key -> present.3.key)."""
     c = parse_cache(past)
     if c is None or c.role != "past":
-        raise ValueError(f"{past!r} is not a {PAST}.{{i}}.{{key,value}} name")
+        raise ValueError(f"{past!r} is not a {PAST}.{{i}}.{{key,value,index}} name")
     return c.present
 
 
 def cache_order(name: str) -> tuple:
-    """Sort key: caches by layer then key before value; other names first."""
+    """Sort key: caches by layer then key, value, index; other names first."""
     c = parse_cache(name)
-    return (c.layer, c.kind) if c else (-1, name)
+    return (c.layer, CACHE_KINDS_ALL.index(c.kind)) if c else (-1, name)
 
 
 # --- attention variants, per layer ---------------------------------------------------------------
@@ -148,7 +151,8 @@ def attention_meta(layers: list[dict], sliding_window: int | None = None, chunk_
     `chunk_size` indices), its cache (CACHE_KINDS: kv, its keys and values; latent, multi-head latent attention's
     compressed latent as `.key` and rotary key as `.value`; shared, it reads layer `kv_source`'s and has none) and
     that cache's kv_heads, key_dim and value_dim; mask and cache `none` for a layer that does not attend (a
-    recurrent-state or feed-forward block)."""
+    recurrent-state or feed-forward block). A sparse-attention layer also has `index_dim` (its indexer's keys,
+    the third cache tensor `.index`) and `index_topk` (the keys each query may attend to at most)."""
     for layer in layers:
         if layer["mask"] not in MASK_KINDS or layer["cache"] not in CACHE_KINDS:
             raise FuselmError(f"attention layer {layer}: mask must be one of {MASK_KINDS}, cache one of {CACHE_KINDS}")
@@ -224,7 +228,7 @@ def step_order(name: str) -> tuple:
     """Sort key of the step's fed-back inputs: by layer, KV (key, value) before state (conv, recurrent)."""
     c, s = parse_cache(name), parse_state(name)
     if c is not None:
-        return (c.layer, 0, c.kind)
+        return (c.layer, 0, CACHE_KINDS_ALL.index(c.kind))
     return (s.layer, 1, s.kind) if s is not None else (-1, 0, name)
 
 
@@ -355,6 +359,24 @@ def fused_rope_function(interleaved: bool = False, heads: bool = False, normed: 
         attribute_protos=attributes,
         doc_string=fused_rope_function.__doc__,
     )
+
+
+def rope_in_standard_ops(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """A 4-D FusedRoPE node written as its function body (onnx.inliner), its values named under the node's name: for
+    a graph whose other FusedRoPE nodes use the other layout (a function has one body per graph)."""
+    f32 = TensorProto.FLOAT
+    graph = oh.make_graph([node], "rope", [oh.make_tensor_value_info(node.input[0], f32, None),
+                                           oh.make_tensor_value_info(node.input[1], TensorProto.INT64, None)],
+                          [oh.make_tensor_value_info(node.output[0], f32, None)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET), oh.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+                          functions=[fused_rope_function(bool(_int_attr(node, "interleaved")))])
+    nodes = list(importlib.import_module("onnx.inliner").inline_local_functions(model).graph.node)
+    keep = {*node.input, node.output[0]}
+    for k, n in enumerate(nodes):
+        n.name = f"{node.name}/{n.op_type}_{k}"
+        n.input[:] = [x if x in keep or not x else f"{node.name}/{x}" for x in n.input]
+        n.output[:] = [x if x in keep else f"{node.name}/{x}" for x in n.output]
+    return nodes
 
 
 def _int_attr(n, name: str) -> int:

@@ -274,11 +274,14 @@ class FuseRoPE(Fusion):
     int64 [batch, seq]. The interleaved form (GPT-J / Cohere's rotate_every_two: Reshape(Concat(
     Unsqueeze(-x[..., 1::2]), Unsqueeze(x[..., 0::2]))) with angle repeat_interleave(freqs, 2) by
     Unsqueeze + Expand/Tile + Reshape, or its tables) gets interleaved=1; its must-not-fire cases:
-    slices that are not x[..., 0::2] / x[..., 1::2], an angle that is not freqs repeated twice.
+    slices that are not x[..., 0::2] / x[..., 1::2], an angle that is not freqs repeated twice. Nor a rotary of the
+    other layout than the graph's FusedRoPE nodes (or the first one fused) have: one function body per graph
+    (DeepSeek-V3.2's rotate-half indexer beside its interleaved attention stays in standard ops).
     """
 
     aliases = ("fuse-rope", "rope")
     needs_opset = None
+    layout: bool | None = None  # interleaved or not: the one layout the graph's FusedRoPE nodes have
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         for n in graph:
@@ -291,8 +294,13 @@ class FuseRoPE(Fusion):
                 yield n
 
     def match(self, anchor: ir.Node) -> RopeMatch:
-        if anchor.op_type == "RotaryEmbedding":
-            return self._match_standard(anchor)
+        m = self._match_standard(anchor) if anchor.op_type == "RotaryEmbedding" else self._match_products(anchor)
+        if self.layout is not None and bool(m.interleaved) != self.layout:
+            fail("the graph's other FusedRoPE nodes use the other rotary layout (fuselm::FusedRoPE has one function "
+                 "body per graph)")
+        return m
+
+    def _match_products(self, anchor: ir.Node) -> RopeMatch:
         m1, m2 = (producer(v) for v in anchor.inputs)
         pairs = [(c, s, r) for c, s in ((m1, m2), (m2, m1))
                  for r in s.inputs if producer(r, "Concat", "Reshape") is not None]
@@ -371,6 +379,9 @@ class FuseRoPE(Fusion):
         return RopeMatch(x, pos, inv, scale_c, int(attr(node, "interleaved", 0)), True, node.outputs[0], node)
 
     def apply(self, model: ir.Model, stats) -> bool:
+        # the layout the graph's FusedRoPE nodes already use, else the first fused one's
+        self.layout = next((bool(attr(n, "interleaved", 0)) for n in model.graph
+                            if n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP), None)
         modified = super().apply(model, stats)
         if modified:
             attach_functions(model)
@@ -390,6 +401,7 @@ class FuseRoPE(Fusion):
                 src = t.outputs[0]
         rope = rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
                          m.interleaved)
+        self.layout = bool(m.interleaved)
         new.append(rope)
         out = rope.outputs[0]
         if m.heads_first:

@@ -65,6 +65,9 @@ _MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_nu
 # the rotary part)
 _MLA = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
         "num_key_value_heads": 4, "head_dim": 8}
+# DeepSeek sparse attention at the tiny size: each query attends to its indexer's top 4 keys, fewer than the check's
+# 16-token prompt holds (the selection is checked); 8 index heads, so that no two keys score exactly 0 at the cut
+_DSA = {"index_topk": 4, "index_n_heads": 8, "index_head_dim": 16}
 # Config fields the generic tiny sizes do not set and the model_type's defaults get wrong at that size
 # ("_drop": generic sizes the config class does not take).
 OVERRIDES = {
@@ -193,6 +196,8 @@ def _derived(config) -> dict:
         out.update({k: v for k, v in _MOE.items() if k in fields}, intermediate_size=64)
     if "kv_lora_rank" in fields:
         out.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
+    if "index_topk" in fields:
+        out.update(_DSA)
     out["bos_token_id"] = 1 if isinstance(vars(config).get("bos_token_id"), int) else None
     # other vocabulary sizes (Inkling 2's unpadded head) at the tokenizer's
     out.update({k: 384 for k in fields if k.endswith("vocab_size") and k != "vocab_size"})

@@ -99,8 +99,8 @@ def _traced(hf_dir: Path, config: dict):
         shared_rows: dict = {}  # kinds in order of first use: a layer that stores shared keys/values comes first
         templates = [trace_layer(skel, first[kind], shared_rows) for kind in range(len(kinds))]
         for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
-            p.rope, p.cache, p.share, p.attends, p.layer_type = (getattr(first[p.kind], f) for f in
-                                                                 ("rope", "cache", "share", "attends", "layer_type"))
+            p.rope, p.cache, p.share, p.attends, p.layer_type, p.index_dim = (
+                getattr(first[p.kind], f) for f in ("rope", "cache", "share", "attends", "layer_type", "index_dim"))
         _kv_sources(plans, skel.model_type)
         outer = trace_outer(skel, plans)
     traced = Traced(templates, outer, [p.kind for p in plans], [p.mask for p in plans],

@@ -139,6 +139,9 @@ class Context:
         self.read: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values attention got (a dry run)
         self.latent: tuple | None = None  # (weight, heads, nope, v): attention is LatentAttention over the presents
         self.positions: torch.Tensor | None = None  # the layer's position_ids
+        # a sparse-attention layer's indexer keys [B, 1, P, D]: the past given (or "empty"), the present it made
+        self.index_past: torch.Tensor | str | None = None
+        self.index_present: torch.Tensor | None = None
 
 
 CONTEXT = Context()
@@ -149,6 +152,7 @@ class NotOneAttention(FuselmError):
     then traces the model's eager attention instead, with the cache update through TraceCache."""
 _IGNORED_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
                    "output_attentions", "use_cache", "is_causal", "past_key_values", "past_key_value"}
+SELECTED = "indices"  # DeepSeek sparse attention hands a kernel that reads it the indexer's top-k keys per query
 
 
 def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -161,15 +165,20 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     if ctx.calls:
         raise NotOneAttention(f"{type(module).__name__}: a decoder layer with more than one attention call "
                           "(cross-attention, parallel heads) is not supported by the traced exporter")
+    if attention_mask is not None and attention_mask is not ctx.mask:
+        raise NotOneAttention(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
+                          "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
+    selected = kwargs.get(SELECTED)
+    if attention_mask is not None and isinstance(selected, torch.Tensor) and not selected.is_floating_point() and \
+            selected.dim() == 3:
+        attention_mask = selected_mask(attention_mask, selected, query.dtype)
+        kwargs = {k: v for k, v in kwargs.items() if k != SELECTED}
     extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and isinstance(v, torch.Tensor))
     if extra:
         raise NotOneAttention(f"{type(module).__name__}: attention takes {', '.join(extra)} (e.g. attention sinks), "
                           "which ONNX Attention cannot express; this model_type is not supported")
     if attention_mask is None:
         raise NotOneAttention(f"{type(module).__name__}: attention was called without a mask; not supported")
-    if attention_mask is not ctx.mask:
-        raise NotOneAttention(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
-                          "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
     ctx.calls += 1
     ctx.sliding_window = kwargs.get("sliding_window")
     ctx.read = (key, value)
@@ -189,6 +198,27 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     return y.transpose(1, 2).contiguous(), None
 
 
+def selected_mask(mask: torch.Tensor, selected: torch.Tensor, dtype) -> torch.Tensor:
+    """The additive mask [B,1,S,T] with every key outside a query's `selected` [B,S,k] at the dtype's minimum, as
+    transformers' eager path of DeepSeek sparse attention writes it (the selection scattered into a boolean mask)."""
+    b, s, _ = selected.shape
+    outside = torch.ones(b, s, mask.shape[-1], dtype=torch.bool).scatter(-1, selected.long(), False).unsqueeze(1)
+    return mask.masked_fill(outside, torch.finfo(dtype).min)
+
+
+def index_update(keys: torch.Tensor) -> torch.Tensor:
+    """A sparse-attention layer's indexer keys [B,S,D] appended to its past [B,1,P,D] (the layer's `.index` cache);
+    the whole [B,T,D] back, as transformers' `update_indexer` returns it."""
+    ctx = CONTEXT
+    if ctx.index_present is not None:
+        raise FuselmError("a decoder layer updated its indexer keys twice; not supported by the traced exporter")
+    past = ctx.index_past
+    if past is None or isinstance(past, str):
+        past = keys[:, None, :0]
+    ctx.index_present = torch.cat((past, keys[:, None]), dim=2)
+    return ctx.index_present[:, 0]
+
+
 class TraceCache:
     """The cache a layer that computes attention itself (Falcon) gets while traced: `update` appends
     the new keys/values to the layer's past input and keeps the result as the layer's present."""
@@ -202,6 +232,9 @@ class TraceCache:
         ctx.present = (torch.cat((ctx.past[0], key), dim=2), torch.cat((ctx.past[1], value), dim=2))
         return ctx.present
 
+    def update_indexer(self, keys, *args, **kwargs):
+        return index_update(keys)
+
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
 
@@ -214,6 +247,9 @@ class LengthCache:
 
     def update(self, key, value, *args, **kwargs):
         return key, value
+
+    def update_indexer(self, keys, *args, **kwargs):
+        return index_update(keys)
 
     def get_seq_length(self, *args, **kwargs):
         return CONTEXT.positions[0, 0]
@@ -230,6 +266,9 @@ class LatentProbe:
         self.rows = (torch.randn_like(key), torch.randn_like(value))
         return self.rows
 
+    def update_indexer(self, keys, *args, **kwargs):
+        return keys
+
     def get_seq_length(self, *args, **kwargs):
         return 0
 
@@ -240,10 +279,15 @@ class ProbeCache:
     def __init__(self):
         self.updated: tuple | None = None
         self.asked_length = False
+        self.indexed = False  # the layer keeps indexer keys (DeepSeek sparse attention)
 
     def update(self, key, value, *args, **kwargs):
         self.updated = (key, value)
         return key, value
+
+    def update_indexer(self, keys, *args, **kwargs):
+        self.indexed = True
+        return keys
 
     def get_seq_length(self, *args, **kwargs):
         self.asked_length = True

@@ -47,12 +47,10 @@ _STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
                   "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",),
                   "Lightning": ("MiniMaxLightningAttention",)}
 _OTHER_RECURRENCES = ("Rglru", "Rwkv", "LSTM")
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 # layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
 _STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
-_LAYER_TYPE_REASONS = {  # what a layer type needs that the graph contract does not have
-    "indexed_attention": "DeepSeek sparse attention: a learned indexer picks each query's top-k keys from a cache of "
-                         "index keys of its own, a third cache tensor per layer beside the latent's two"}
+_LAYER_TYPE_REASONS: dict[str, str] = {}  # what a layer type needs that the graph contract does not have
 REFUSED_ROPE_TYPES = {"dynamic": "dynamic NTK scaling recomputes the frequencies from the sequence length at run time",
                       "longrope": "longrope switches between two frequency sets at run time by sequence length"}
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # what transformers' layers call it
@@ -124,7 +122,7 @@ class LayerPlan:
     kind: int = -1
     kwargs: dict = field(default_factory=dict)  # the model's other (non-tensor) arguments to the layer
     cache_arg: str = "past_key_values"  # the layer's name for its cache argument
-    hidden: tuple = ()  # the hidden state's probe shape ([..., 1, PROBE_LEN, hidden]; AltUp's streams lead)
+    hidden: tuple = ()  # the hidden state's probe shape ([..., 1, PROBE_LEN, ..., hidden]: AltUp's streams lead, HC's follow)
     inputs: dict = field(default_factory=dict)  # name -> probe shape of the layer's other float tensor inputs
     shares: str | None = None  # the argument holding the shared keys/values
     cache: str = "kv"  # how the layer uses its cache (trace.py CACHE_MODES), set by its kind's dry run
@@ -136,6 +134,7 @@ class LayerPlan:
     mask_arg: str = "attention_mask"  # the argument the graph's mask goes to (_MASK_ARGS: the padding mask then None)
     rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
     layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
+    index_dim: int = 0  # the width of its indexer's keys (the `.index` cache) where the layer keeps them
 
     @property
     def masked(self) -> bool:
@@ -425,7 +424,9 @@ class Skeleton:
                 [{"mask": "none", "cache": "none"} if not any(k) else
                  {"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
-                  **({"kv_source": p.kv_source} if p.kv_source is not None else {})} for p, k in zip(plans, kv_shapes, strict=True)],
+                  **({"kv_source": p.kv_source} if p.kv_source is not None else {}),
+                  **({"index_dim": p.index_dim, "index_topk": _setting(c, "index_topk")} if p.index_dim else {})}
+                 for p, k in zip(plans, kv_shapes, strict=True)],
                 sliding_window=getattr(c, "sliding_window", None) if sliding else None,
                 chunk_size=getattr(c, "attention_chunk_size", None) if chunked else None),
         }

@@ -82,6 +82,7 @@ class Stamper:
             self._copy(outer, node, names, "/model", prefix_values="/model/")
         if markers != len(layers):
             raise FuselmError(f"the traced model called {markers} of its {len(layers)} decoder layers; not supported")
+        b.nodes[:] = one_rope_layout(b.nodes)
         logits = names[outer.graph.output[0].name]
         b.nodes.append(oh.make_node("Identity", [logits], [contract.LOGITS], name="/model/logits/Identity"))
         vocab = outer.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
@@ -120,6 +121,12 @@ class Stamper:
                     raise FuselmError(f"layer {i} reads the keys and values of layer {source}, whose attention does not "
                                       "append them to its cache in one Attention op; not supported")
                 inputs = [*inputs, *self.kv_rows[source]]
+        if "past_index" in given:  # a sparse-attention layer's indexer keys: a third cache that grows like K/V
+            names["past_index"], out_names["present_index"] = contract.past_name(i, "index"), contract.present_name(i, "index")
+            width = dims["past_index"][3]
+            b.inputs.append(oh.make_tensor_value_info(names["past_index"], onnx.TensorProto.FLOAT,
+                                                      ["batch_size", 1, "past_sequence_length", width]))
+            out_dims[out_names["present_index"]] = ["batch_size", 1, "total_sequence_length", width]
         for kind in contract.STATE_KINDS:  # recurrent states: fixed size, the present replaces the past
             if f"past_{kind}" in given:
                 past, present = contract.state_name(i, kind), contract.state_name(i, kind, contract.STATE_PRESENT)
@@ -298,3 +305,43 @@ def _plain_gemm(node: onnx.NodeProto, value: str) -> bool:
 def _attr(node: onnx.NodeProto, name: str, default):
     a = next((a for a in node.attribute if a.name == name), None)
     return oh.get_attribute_value(a) if a is not None else default
+
+
+# where a walk forward from a rotary's output stops: attention reads it (q, k, v inputs), or it only selects keys
+_READERS = {("", "Attention"): 3, (contract.DOMAIN, contract.LATENT_OP): 3, ("", "TopK"): 0}
+
+
+def one_rope_layout(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` with FusedRoPE nodes of one layout (its function has one body per graph): where they mix interleaved and
+    rotate-half, those that attention does not read (DeepSeek-V3.2's indexer, rotate-half beside its interleaved
+    attention: its keys only select) are written in standard ops. A graph whose attention reads both is refused."""
+    ropes = [n for n in nodes if n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP]
+    if len({_attr(n, "interleaved", 0) for n in ropes}) < 2:
+        return nodes
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for x in n.input:
+            users.setdefault(x, []).append(n)
+
+    def read_by_attention(rope) -> bool:
+        todo, seen = [rope.output[0]], set()
+        while todo:
+            value = todo.pop()
+            for n in users.get(value, []):
+                reads = _READERS.get((n.domain, n.op_type))
+                if reads is not None:
+                    if value in n.input[:reads]:
+                        return True
+                elif id(n) not in seen:
+                    seen.add(id(n))
+                    todo.extend(n.output)
+        return False
+
+    attended = {_attr(n, "interleaved", 0) for n in ropes if read_by_attention(n)}
+    if len(attended) != 1:
+        return nodes  # (contract.rope_form refuses the mix by name)
+    out = []
+    for n in nodes:
+        is_other = n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP and _attr(n, "interleaved", 0) not in attended
+        out.extend(contract.rope_in_standard_ops(n) if is_other else [n])
+    return out

@@ -38,16 +38,18 @@ from .skeleton import PROBE_LEN, LayerPlan, Skeleton, StandIn, _layer_output, _n
 
 # Every named input and output a layer template may have; a template has those its layer uses (a recurrent layer
 # has no mask and no KV cache, a stateless one no past at all), then its other inputs input_0, input_1, ...
-LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value", "past_conv",
+LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value", "past_index", "past_conv",
                 "past_recurrent"]
-LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value", "present_conv", "present_recurrent"]
-SLOTS = ("key", "value", *contract.STATE_KINDS)  # past_{slot} -> present_{slot}
+LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value", "present_index", "present_conv", "present_recurrent"]
+SLOTS = (*contract.CACHE_KINDS_ALL, *contract.STATE_KINDS)  # past_{slot} -> present_{slot}
+GROWING = contract.CACHE_KINDS_ALL  # slots [B, heads, past, dim] that grow by the step's rows
 # a layer that reads another layer's keys and values (LayerPlan.share "reuse") also takes that layer's new rows;
 # its past_key / past_value are that layer's past
 SHARED_INPUTS = ["shared_key", "shared_value"]
 # How a layer uses its cache, from its dry run: "kv" (attention appends the new keys/values to the past: cache None
-# while traced), "length" (as kv, and the layer reads the cache's length: LengthCache), "latent" (the layer stores
-# something else and expands it after the cache: multi-head latent attention; TraceCache and Attention over whole K/V)
+# while traced), "length" (as kv, and the layer reads the cache's length or keeps indexer keys in it: LengthCache),
+# "latent" (the layer stores something else and expands it after the cache: multi-head latent attention;
+# TraceCache and Attention over whole K/V)
 CACHE_MODES = ("kv", "length", "latent")
 _SKIPPED_ATTRS = {"layer_idx", "training", "layer_id", "idx"}
 
@@ -114,8 +116,8 @@ def _structure(layer: nn.Module) -> tuple:
 
 
 class _LayerWrapper(nn.Module):
-    """layer(hidden, mask, position_ids, past_key, past_value, past_conv, past_recurrent, *inputs) -> (hidden,
-    present_*), called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
+    """layer(hidden, mask, position_ids, past_key, past_value, past_index, past_conv, past_recurrent, *inputs) ->
+    (hidden, present_*), called with the arguments the model gave it in the probe (LayerPlan.kwargs), its other tensor inputs
     (LayerPlan.inputs, LayerPlan.side, then a reuse layer's SHARED_INPUTS), and the cache its mode asks for
     (`cache`: None, a LengthCache, a TraceCache, or in the dry run a ProbeCache). The recurrent-state ops take their
     pasts from state_ops.STATE. `found` (after each run): the slots (SLOTS) it used, the state ops and the states'
@@ -131,11 +133,12 @@ class _LayerWrapper(nn.Module):
         self.shared: _Shared | None = None
         self.found: tuple = ((), {}, {})
 
-    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, past_conv, past_recurrent,
-                *inputs):
+    def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, past_index, past_conv,
+                past_recurrent, *inputs):
         ctx = attention_op.CONTEXT
         dry = isinstance(past_key, str)
         ctx.past = past_key if dry else (past_key, past_value) if past_key is not None else None
+        ctx.index_past, ctx.index_present = past_key if dry else past_index, None
         state_ops.STATE.reset({} if dry else {k: v for k, v in zip(contract.STATE_KINDS, (past_conv, past_recurrent),
                                                                       strict=True) if v is not None})
         if self.plan.mask_form == "masked" and attention_mask is not None:  # the layer's own form of the graph's mask
@@ -160,9 +163,10 @@ class _LayerWrapper(nn.Module):
             raise _NoAttention(f"{type(self.layer).__name__}: the layer neither called its attention function nor "
                                "updated its cache; not supported by the traced exporter")
         kinds = [k for k in contract.STATE_KINDS if k in states]
-        self.found = ((*(("key", "value") if ctx.present is not None else ()), *kinds), dict(state_ops.STATE.ops),
-                      dict(state_ops.STATE.shapes))
-        return out, *(ctx.present or ()), *(states[k] for k in kinds)
+        index = () if ctx.index_present is None else (ctx.index_present,)
+        self.found = ((*(contract.KINDS if ctx.present is not None else ()), *(("index",) if index else ()), *kinds),
+                      dict(state_ops.STATE.ops), dict(state_ops.STATE.shapes))
+        return out, *(ctx.present or ()), *index, *(states[k] for k in kinds)
 
 
 class _Shared(UserDict):
@@ -259,7 +263,9 @@ def _layer_type(plan: LayerPlan, wrapper: _LayerWrapper) -> str:
     parts = [names[op] for op in names if op in set(ops.values())]
     if len(parts) > 1:
         parts.remove("short_conv")  # the conv in front of a scan is part of that layer kind
-    if "key" in slots:
+    if "index" in slots:  # transformers' name for DeepSeek sparse attention's layers
+        parts.append("indexed_attention")
+    elif "key" in slots:
         parts.append({"sliding": "sliding_attention", "chunked": "chunked_attention"}.get(plan.mask, "full_attention"))
     return "+".join(parts) or "feed_forward"
 
@@ -277,7 +283,7 @@ def _cache_mode(wrapper: _LayerWrapper, args: tuple) -> str:
     read = attention_op.CONTEXT.read
     if probe.updated is not None and read is not None and (read[0] is not probe.updated[0] or read[1] is not probe.updated[1]):
         return "latent"
-    return "length" if probe.asked_length else "kv"
+    return "length" if probe.asked_length or probe.indexed else "kv"
 
 
 def _latent_check(wrapper: _LayerWrapper, args: tuple):
@@ -321,15 +327,15 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     layer = skel.layers[plan.index]
     cfg = skel.config
     batch, seq, past = 2, 3, 4
-    shape = plan.hidden or (1, PROBE_LEN, cfg.hidden_size)  # [..., B, S, hidden]: AltUp's streams lead
-    lead = len(shape) - 3
-    hidden = torch.randn(*shape[:lead], batch, seq, shape[-1])
+    shape = plan.hidden or (1, PROBE_LEN, cfg.hidden_size)  # [..., B, S, ..., hidden]: AltUp's streams lead, HC's follow
+    lead = next(i for i in range(len(shape) - 1) if shape[i:i + 2] == (1, PROBE_LEN))  # the batch axis
+    hidden = torch.randn(*shape[:lead], batch, seq, *shape[lead + 2:])
     positions = torch.arange(past, past + seq)[None].repeat(batch, 1)
     inputs = [torch.randn(batch, seq, *s[2:]) for s in plan.inputs.values()]
     small = [skel.side_inputs(batch, 1)[plan.index][k] for k in plan.side] if plan.side else []  # the dry run's
     b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
     dynamic = {"hidden_states": {lead: b, lead + 1: s}, "attention_mask": {0: b, 2: s, 3: t},
-               "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p},
+               "position_ids": {0: b, 1: s}, "past_key": {0: b, 2: p}, "past_value": {0: b, 2: p}, "past_index": {0: b, 2: p},
                "past_conv": {0: b}, "past_recurrent": {0: b}, "inputs": [{0: b, 1: s} for _ in inputs]}
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
@@ -339,13 +345,14 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
                 moe.grouped_installed(layer, getattr(skel, "grouped", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
-            one = (hidden[..., :1, :], torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
-                   None, None, None, *(x[:, :1] for x in inputs), *small)
+            one = (hidden.narrow(lead + 1, 0, 1), torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
+                   None, None, None, None, *(x[:, :1] for x in inputs), *small)
             try:
                 slots = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
                 raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
+            plan.index_dim = slots["index"][2] if "index" in slots else 0
             read = attention_op.CONTEXT.read  # the keys attention reads: a latent layer's expanded ones
             plan.attends = (int(read[0].shape[1]), int(read[0].shape[-1])) if read is not None else None
             shared = wrapper.shared
@@ -363,7 +370,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
             dynamic["inputs"] = dynamic["inputs"][:len(plan.inputs)]
             given = {"hidden_states": hidden, "attention_mask": torch.zeros(batch, 1, seq, past + seq) if plan.masked else None,
                      "position_ids": positions,
-                     **{f"past_{slot}": torch.randn(batch, *((d[0], past, d[2]) if slot in ("key", "value") else d))
+                     **{f"past_{slot}": torch.randn(batch, *((d[0], past, d[2]) if slot in GROWING else d))
                         for slot, d in slots.items()}}
             args = tuple(given.get(n) for n in LAYER_INPUTS)
             fixed = {n: d if given.get(n) is not None else None for n, d in dynamic.items() if n != "inputs"}
@@ -539,6 +546,7 @@ def _template(program, prefix: str) -> Template:
     graph = model.graph
     params, constants = {}, {}
     state = set(program.exported_program.state_dict) if program.exported_program is not None else set()
+    shapes = {name: list(value.shape) for name, value in graph.initializers.items() if value.shape is not None}
     for name, value in list(graph.initializers.items()):
         rel = name[len(prefix):] if name.startswith(prefix) else name
         if name in state and isinstance(program.exported_program.state_dict[name], nn.Parameter):
@@ -548,15 +556,15 @@ def _template(program, prefix: str) -> Template:
             constants[name] = ir.serde.serialize_tensor(value.const_value)
             graph.initializers.pop(name)
     proto = ir.serde.serialize_graph(graph)
-    _simplify(proto)
+    _simplify(proto, shapes)
     return Template(proto, params, constants)
 
 
-def _simplify(graph: onnx.GraphProto) -> None:
+def _simplify(graph: onnx.GraphProto, shapes: dict[str, list] | None = None) -> None:
     """Cancel Transpose pairs that compose to the identity (HF's [B,H,S,D] transpose meeting the
     rope op's [B,S,H,D] one), turn `chunk` (SplitToSequence + SequenceAt) into Split, then drop
-    nodes no output depends on."""
-    _sequence_to_split(graph)
+    nodes no output depends on. `shapes`: those of the initializers the template no longer holds (parameters)."""
+    _sequence_to_split(graph, shapes or {})
     producer = {o: n for n in graph.node for o in n.output}
     replace: dict[str, str] = {}
     for n in graph.node:
@@ -579,7 +587,7 @@ def _simplify(graph: onnx.GraphProto) -> None:
     graph.node.extend(reversed(keep))
 
 
-def _sequence_to_split(graph: onnx.GraphProto) -> None:
+def _sequence_to_split(graph: onnx.GraphProto, known: dict[str, list]) -> None:
     """SplitToSequence(x, chunk c, axis) read only by SequenceAt(const i) -> Split(x, [c]*n) with
     outputs i (torch's `chunk` at optimize=False; needs x's axis length static in the trace), and
     SplitToSequence(x, sizes [n], axis) -> Split(x, sizes) (torch's `split` with sizes: MLA's nope / rope parts)."""
@@ -587,8 +595,8 @@ def _sequence_to_split(graph: onnx.GraphProto) -> None:
 
     consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-              for v in graph.value_info}
+    shapes = {**known, **{v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                          for v in graph.value_info}}
     users: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
         for i in n.input:
