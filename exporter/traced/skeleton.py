@@ -263,6 +263,11 @@ class Skeleton:
 
     def _refuse_layer_types(self, config) -> None:
         types = getattr(config, "layer_types", None) or []
+        shared = [i for i, t in enumerate(getattr(config, "indexer_types", None) or []) if t == "shared"]
+        if shared:
+            raise FuselmError(f"model_type {self.model_type!r} is not supported yet: its layers {shared} reuse the top-k "
+                              "keys an earlier layer's indexer chose (indexer_types 'shared': a tensor handed from layer "
+                              "to layer beside the hidden state), which the traced exporter does not carry")
         odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES + _STATE_LAYER_TYPES})
         if odd:
             why = "; ".join(_LAYER_TYPE_REASONS[t] for t in odd if t in _LAYER_TYPE_REASONS) or "hybrid attention"
