@@ -179,3 +179,36 @@ def test_minimax_lightning_attention_converts_as_hf(tmp_path):
             state_ops.verify(modeling_minimax, "minimax", synth.make_config("minimax", generic=True))
     finally:
         state_ops._lightning_forward = right
+
+
+def test_zamba_multi_head_mamba_converts_as_hf(tmp_path):
+    """Zamba: a Mamba-1 scan per head (mamba_selective_scan, each head its own B and C) as one fuselm::Mamba per head
+    on its rows of the layer's state, beside a shared attention block: the graph equals HF (prefill, then a decode
+    step from the state), the runtime's logits equal onnxruntime's on every backend; a swapped scan that computes
+    something else is refused by the check on the family's own functions."""
+    from fuselm.runtime_metal.session import Session
+    from transformers.models.zamba import modeling_zamba
+
+    from fuselm.errors import FuselmError
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "zamba")
+    out = fuselm.optimize(fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True), tmp_path / "opt", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    assert read_meta(out)["layer_types"][0] == "mamba"
+    prompt = [5, 17, 3, 42, 8, 1, 99]
+    want = OrtRunner(out).greedy(prompt, 3)
+    for backend in ("torch", "numpy", "mlx"):
+        sess = Session(out, backend=backend)
+        sess.reset(16)
+        logits = sess.prefill(prompt)
+        for token, expect in zip(want.tokens, want.logits, strict=True):
+            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(),
+                                       atol=2e-4, rtol=1e-5, err_msg=backend)
+            logits = sess.decode(token)
+    right = state_ops._selective_scan
+    try:
+        state_ops._selective_scan = lambda *a, **k: tuple(x * 1.01 for x in right(*a, **k))
+        with pytest.raises(FuselmError, match="mamba_selective_scan"):
+            state_ops.verify(modeling_zamba, "zamba")
+    finally:
+        state_ops._selective_scan = right

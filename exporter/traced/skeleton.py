@@ -41,7 +41,7 @@ _REFUSED_MODULES = {"Moe": "it is a mixture-of-experts model", "Experts": "it is
                     "LSTM": "it has xLSTM (recurrent) layers",
                     "Vision": "it has a vision tower (a multimodal model)", "Audio": "it has an audio tower (a multimodal model)"}
 # recurrent-state modules converted where the modeling file has a kernel state_ops.py swaps for a fuselm op
-_STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward"),
+_STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward", "mamba_selective_scan"),
                   "GatedDeltaNet": ("torch_chunk_gated_delta_rule",),
                   "LinearAttention": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
                   "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",),

@@ -44,6 +44,7 @@ class Stamper:
         self.gathers: dict[tuple[int, str], tuple] = {}  # (template, node): an embedding whose ids the graph computes
         self.late: dict[tuple[int, str], tuple] = {}  # (template, node): the Transpose of a head tied to such an embedding
         self.linears: dict[str, str] = {}  # checkpoint weight -> its declared [in, out] form
+        self.vectors: dict[str, str] = {}  # checkpoint tensor -> its declared float32 value (norm weights, biases)
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
     def build(self, outer: Template, layers: list[Template], kinds: list[str], sizes: dict[str, int | None],
@@ -207,7 +208,9 @@ class Stamper:
             if any((id(t), n.name) not in self.skip and (id(t), n.name) not in self.as_matmul and not moe.reads_experts(n, value)
                    and (id(t), n.name) not in self.gathers and (id(t), n.name) not in self.late
                    for n in consumers.get(value, [])):
-                vector = self.plan.vector(self.b, name, layer)
+                if name not in self.vectors:  # declared once: a module shared by several layers (Zamba's)
+                    self.vectors[name] = self.plan.vector(self.b, name, layer)
+                vector = self.vectors[name]
             names[value] = experts or vector or name
 
     def _scope(self, name: str, scope: str, layer: int | None) -> str:

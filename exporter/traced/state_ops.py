@@ -3,7 +3,8 @@
 transformers (5.25) writes every such layer around a few module-level functions of its modeling file, the
 kernels it swaps for hub kernels: `causal_conv1d_forward(conv1d, x [B,C,S], cache, layer_idx, activation)`,
 `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, ...)`,
-`mamba2_scan_forward(mixer, x, B, C, dt, cache)` and Mamba-1's `mamba_scan_forward(mixer, x, dt, B, C, gate, cache)`.
+`mamba2_scan_forward(mixer, x, B, C, dt, cache)` and Mamba-1's `mamba_scan_forward(mixer, x, dt, B, C, gate, cache)`
+or, called once per head of a multi-head Mamba-1 (Zamba), `mamba_selective_scan(x, dt, A, B, C, D, z, ...)`.
 While a layer is traced, `Installed` swaps them for versions that call `fuselm_trace::causal_conv1d` /
 `gated_delta` / `mamba2` / `mamba` on the layer's past state (from `STATE`, the trace context) and leave the present
 state there, so the layer's projections, gates and norms trace as plain nodes and the recurrence becomes one
@@ -25,7 +26,8 @@ from fuselm import contract
 from fuselm.errors import FuselmError
 
 SWAPPED = ("causal_conv1d_forward", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-           "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "mamba2_scan_forward", "mamba_scan_forward")
+           "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "mamba2_scan_forward", "mamba_scan_forward",
+           "mamba_selective_scan")
 L2NORM_EPS = 1e-6  # transformers' l2norm default, FLA's
 
 
@@ -157,6 +159,8 @@ class Context:
 
     def reset(self, pasts: dict) -> None:
         self.pasts, self.presents, self.ops, self.shapes = dict(pasts), {}, {}, {}
+        self.heads: list | None = None  # a multi-head Mamba-1's per-head pasts, while its mixer runs (_HeadsMixer)
+        self.head_presents: list = []
 
     def take(self, kind: str, shape: tuple, op: str) -> torch.Tensor:
         if kind in self.ops:
@@ -235,6 +239,54 @@ def _mamba_scan(module, hidden_states, time_step, B, C, gate, cache=None, **kwar
     return (y * F.silu(gate.transpose(1, 2).float())).to(hidden_states.dtype).transpose(1, 2)
 
 
+def _selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                    return_last_state=False, **kwargs):
+    """transformers' mamba_selective_scan on one head of a multi-head Mamba-1 (Zamba): x / dt / z [B,Dh,S], A [Dh,N]
+    (-exp(A_log)), B / C [B,N,S] -> y [B,Dh,S] (D skip, SiLU(z) gate after it), through fuselm::Mamba on the head's
+    rows of the layer's state (heads in the order the mixer scans them)."""
+    if STATE.heads is None or not delta_softplus or len(STATE.head_presents) >= len(STATE.heads):
+        raise FuselmError("mamba_selective_scan called outside a multi-head Mamba mixer, more than once per head or "
+                          "without softplus on dt; not supported by the traced exporter")
+    past = STATE.heads[len(STATE.head_presents)]
+    x, step = hidden_states.transpose(1, 2).float(), dt.transpose(1, 2).float()
+    zeros = torch.zeros(x.shape[2])
+    y, present = torch.ops.fuselm_trace.mamba(x, step, torch.log(-A.float()), B.transpose(1, 2).float(),
+                                              C.transpose(1, 2).float(), zeros if D is None else D.float(),
+                                              zeros if delta_bias is None else delta_bias.float(), past)
+    STATE.head_presents.append(present)
+    if z is not None:
+        y = y * F.silu(z.transpose(1, 2).float())
+    y = y.to(hidden_states.dtype).transpose(1, 2)
+    return (y, present) if return_last_state else y
+
+
+def _heads_mixer(forward):
+    """A multi-head Mamba-1 mixer's forward (Zamba's: a scan per head of `mamba_head_dim` channels): its layer state
+    is one [B, heads · head_dim, N] fuselm::Mamba state, each head's scan reading and writing its rows."""
+    def run(self, hidden_states, *args, **kwargs):
+        heads, width, n = self.n_mamba_heads, self.mamba_head_dim, self.ssm_state_size
+        past = STATE.take("recurrent", (hidden_states.shape[0], heads * width, n), contract.MAMBA_OP)
+        STATE.heads, STATE.head_presents = list(past.split(width, dim=1)), []
+        try:
+            out = forward(self, hidden_states, *args, **kwargs)
+            if len(STATE.head_presents) != heads:
+                raise FuselmError(f"{type(self).__name__} scanned {len(STATE.head_presents)} of its {heads} heads; not "
+                                  "supported by the traced exporter")
+            STATE.give("recurrent", torch.cat(STATE.head_presents, dim=1))
+        finally:
+            STATE.heads = None
+        return out
+    return run
+
+
+def _heads_mixers(module) -> list[type]:
+    """The modeling module's multi-head Mamba-1 mixers: classes that scan with `mamba_selective_scan` per head (a
+    module with `mamba_scan_forward` calls it from there, on all channels at once)."""
+    if "mamba_selective_scan" not in vars(module) or "mamba_scan_forward" in vars(module):
+        return []
+    return [c for n, c in vars(module).items() if n.endswith("MambaMixer") and isinstance(c, type)]
+
+
 def _lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
     """Lightning attention (MiniMax: per head a state decaying by exp(−slope) a token, S = S·exp(−slope) + v ⊗ k,
     y = S q) through fuselm::Mamba2 with dt = 1 (dt_min = dt_max = 1), A_log = log(slope), B = k, C = q, D = 0;
@@ -267,6 +319,7 @@ class Installed:
         self.module = module
         self.saved = {name: getattr(module, name) for name in SWAPPED if hasattr(module, name)}
         self.classes = {c: c.forward for c in _lightning_classes(module)}
+        self.mixers = {c: c.forward for c in _heads_mixers(module)}
 
     def __enter__(self):
         for name in self.saved:
@@ -276,16 +329,21 @@ class Installed:
                 setattr(self.module, name, _mamba2_scan)
             elif name == "mamba_scan_forward":
                 setattr(self.module, name, _mamba_scan)
+            elif name == "mamba_selective_scan":
+                if self.mixers:
+                    setattr(self.module, name, _selective_scan)
             else:
                 setattr(self.module, name, _delta_rule(self.module.l2norm))
         for c in self.classes:
             c.forward = _lightning_forward
+        for c, forward in self.mixers.items():
+            c.forward = _heads_mixer(forward)
         return self
 
     def __exit__(self, *exc):
         for name, fn in self.saved.items():
             setattr(self.module, name, fn)
-        for c, fn in self.classes.items():
+        for c, fn in {**self.classes, **self.mixers}.items():
             c.forward = fn
         return False
 
@@ -405,6 +463,26 @@ def _verify(module, model_type: str, config=None) -> None:
             ref = mamba2_reference(x.reshape(2, seq, 4, 3), dt, mixer.A_log, b.reshape(2, seq, 2, 5),
                                    c.reshape(2, seq, 2, 5), mixer.D, mixer.dt_bias, s0)
             close([ref[0].reshape(2, seq, 12), ref[1]], [want, cache.state], "mamba2_scan_forward")
+    if _heads_mixers(module):  # one head's scan from zeros (transformers' several-token form), and its one-token step
+        a_log, d, bias = rnd(6, 4, scale=0.5), rnd(6), rnd(6)
+        x, dt, gate, b, c = rnd(2, 6, 5), rnd(2, 6, 5), rnd(2, 6, 5), rnd(2, 4, 5), rnd(2, 4, 5)
+        want = module.mamba_selective_scan(x, dt, -a_log.exp(), b, c, D=d, z=gate, delta_bias=bias, delta_softplus=True,
+                                           return_last_state=True)
+        STATE.reset({})
+        STATE.heads = [torch.zeros(2, 6, 4)]
+        try:
+            got = _selective_scan(x, dt, -a_log.exp(), b, c, D=d, z=gate, delta_bias=bias, delta_softplus=True,
+                                  return_last_state=True)
+        finally:
+            STATE.reset({})
+        close(got, want, "mamba_selective_scan")
+        s0 = rnd(2, 6, 4, scale=0.3)
+        state = s0.clone()
+        step = module.mamba_selective_state_update(state, x[..., 0], dt[..., 0], -a_log.exp(), b[..., 0], c[..., 0], d,
+                                                   z=gate[..., 0], dt_bias=bias, dt_softplus=True)
+        y, ref = mamba_reference(x[..., :1].transpose(1, 2), dt[..., :1].transpose(1, 2), a_log, b[..., :1].transpose(1, 2),
+                                 c[..., :1].transpose(1, 2), d, bias, s0)
+        close([(y[:, 0] * F.silu(gate[..., 0])), ref], [step, state], "mamba_selective_state_update")
     if "mamba_scan_forward" in vars(module):
         mixer = SimpleNamespace(A_log=rnd(6, 4, scale=0.5), D=rnd(6), dt_proj=SimpleNamespace(bias=rnd(6)), layer_idx=0,
                                 use_mambapy=False, use_associative_scan=False)

@@ -596,7 +596,7 @@ def _sequence_to_split(graph: onnx.GraphProto, known: dict[str, list]) -> None:
     consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
     shapes = {**known, **{v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-                          for v in graph.value_info}}
+                          for v in (*graph.input, *graph.value_info)}}
     users: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
         for i in n.input:
