@@ -136,6 +136,19 @@ def hf_model(hf_dir: str | os.PathLike, dtype: str = "f32"):
     return model.eval()
 
 
+def _hf_run(model, batch: int) -> dict:
+    """The cache argument of a run's first call: none (transformers makes the cache and hands it back), or for a model
+    whose modules keep their states and hand no cache back (RecurrentGemma: `_setup_cache`), a fresh cache, its
+    states reset as its own forward resets them when it makes the cache."""
+    setup = getattr(model, "_setup_cache", None)
+    if setup is None:
+        return {}
+    from transformers import DynamicCache
+
+    setup(model.config, batch, model.device, model.dtype)
+    return {"cache": DynamicCache(config=model.config)}
+
+
 def hf_steps(model, ids, n: int, force: list[int] | None = None) -> Trace:
     """HF's logits for a prefill of `ids` (a list or [1, S] array) and `n - 1` decode steps with its cache:
     greedy, or fed force[i] at step i."""
@@ -143,12 +156,13 @@ def hf_steps(model, ids, n: int, force: list[int] | None = None) -> Trace:
 
     ids = np.asarray(ids, np.int64).reshape(1, -1)
     trace = Trace()
+    run = _hf_run(model, 1)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(ids), use_cache=True)
+        out = model(input_ids=torch.tensor(ids), use_cache=True, **run)
         token = trace.add(out.logits[0, -1].float().numpy())
         for i in range(n - 1):
             step = force[i] if force is not None else token
-            out = model(input_ids=torch.tensor([[step]]), cache=out.cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[step]]), cache=run["cache"] if run else out.cache, use_cache=True)
             token = trace.add(out.logits[0, -1].float().numpy())
     return trace
 
@@ -161,13 +175,15 @@ def hf_prefill_decode(model, ids, positions=None):
     ids = np.asarray(ids, np.int64)
     batch, seq = ids.shape
     positions = np.arange(seq)[None].repeat(batch, 0) if positions is None else np.asarray(positions)
+    run = _hf_run(model, batch)
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.ones(batch, seq, dtype=torch.long),
-                    position_ids=torch.tensor(positions), use_cache=True)
+                    position_ids=torch.tensor(positions), use_cache=True, **run)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         # no mask on the step (ones over the cache and the token: HF's default): Mamba's layers multiply their
         # input by the whole [B, past + 1] mask they get
-        step = model(input_ids=nxt, position_ids=torch.tensor(positions[:, -1:] + 1), cache=out.cache, use_cache=True)
+        step = model(input_ids=nxt, position_ids=torch.tensor(positions[:, -1:] + 1),
+                     cache=run["cache"] if run else out.cache, use_cache=True)
     return out.logits.float().numpy(), nxt.numpy(), step.logits.float().numpy()
 
 

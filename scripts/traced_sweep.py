@@ -101,6 +101,8 @@ OVERRIDES = {
     # checkpoint's row 0 is not zero (a trained one's is)
     "youtu": {"pad_token_id": None},
     "zaya": {"num_experts_per_tok": 1},  # its only top-k
+    # a recurrent and an attention block (two layers hold only recurrent ones by default), a window the check outgrows
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": 8},
     "bailing_hybrid": {"layer_group_size": 2},  # a linear-attention layer, then attention (transformers' cache wants one)
     # a linear-attention layer, then its indexed attention (its token indexer at the tiny size)
     "qwen4_exp_text": {"full_attention_interval": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,

@@ -181,34 +181,50 @@ def test_minimax_lightning_attention_converts_as_hf(tmp_path):
         state_ops._lightning_forward = right
 
 
-def test_zamba_multi_head_mamba_converts_as_hf(tmp_path):
-    """Zamba: a Mamba-1 scan per head (mamba_selective_scan, each head its own B and C) as one fuselm::Mamba per head
-    on its rows of the layer's state, beside a shared attention block: the graph equals HF (prefill, then a decode
-    step from the state), the runtime's logits equal onnxruntime's on every backend; a swapped scan that computes
-    something else is refused by the check on the family's own functions."""
+# families whose recurrent blocks state_ops.py writes around fuselm's ops: their tiny config, the layer type their
+# recurrent layer gets, and the tracing function (state_ops) whose error the check on the family's own code catches
+REWRITTEN = {
+    # a Mamba-1 scan per head (mamba_selective_scan, each head its own B and C): a fuselm::Mamba per head on its rows
+    # of the layer's state, beside a shared attention block
+    "zamba": ({}, "mamba", "_selective_scan", "mamba_selective_scan"),
+    # Griffin's RG-LRU (h = a·h + u per channel) as fuselm::Mamba2 with a head per channel, its convolution as
+    # fuselm::CausalConv1D (transformers keeps both states in the modules), beside sliding-window attention
+    "recurrent_gemma": ({"block_types": ["recurrent", "attention"], "attention_window_size": 8}, "mamba2", "_rnn_scan",
+                        "recurrent block"),
+}
+
+
+@pytest.mark.parametrize("model_type", REWRITTEN)
+def test_rewritten_recurrences_convert_as_hf(model_type, tmp_path):
+    """The graph equals HF (prefill, then a decode step from the states), the runtime's logits equal onnxruntime's on
+    every backend at every step; a tracing function that computes something else is refused by the check on the
+    family's own code."""
+    import importlib
+
     from fuselm.runtime_metal.session import Session
-    from transformers.models.zamba import modeling_zamba
 
     from fuselm.errors import FuselmError
 
-    hf = synth.make_checkpoint(tmp_path / "hf", "zamba")
+    overrides, layer_type, function, what = REWRITTEN[model_type]
+    hf = synth.make_checkpoint(tmp_path / "hf", model_type, generic=bool(overrides), **overrides)
     out = fuselm.optimize(fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True), tmp_path / "opt", quiet=True)
     assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
-    assert read_meta(out)["layer_types"][0] == "mamba"
-    prompt = [5, 17, 3, 42, 8, 1, 99]
+    assert read_meta(out)["layer_types"][0] == layer_type
+    prompt = [5, 17, 3, 42, 8, 1, 99, 7, 12, 30]
     want = OrtRunner(out).greedy(prompt, 3)
     for backend in ("torch", "numpy", "mlx"):
         sess = Session(out, backend=backend)
         sess.reset(16)
         logits = sess.prefill(prompt)
         for token, expect in zip(want.tokens, want.logits, strict=True):
-            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(),
-                                       atol=2e-4, rtol=1e-5, err_msg=backend)
+            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(), atol=2e-4,
+                                       rtol=1e-5, err_msg=backend)
             logits = sess.decode(token)
-    right = state_ops._selective_scan
+    right = getattr(state_ops, function)
     try:
-        state_ops._selective_scan = lambda *a, **k: tuple(x * 1.01 for x in right(*a, **k))
-        with pytest.raises(FuselmError, match="mamba_selective_scan"):
-            state_ops.verify(modeling_zamba, "zamba")
+        setattr(state_ops, function, lambda *a, **k: tuple(x * 1.01 for x in right(*a, **k)))
+        with pytest.raises(FuselmError, match=what):
+            state_ops.verify(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"),
+                             model_type, synth.make_config(model_type, generic=bool(overrides), **overrides))
     finally:
-        state_ops._selective_scan = right
+        setattr(state_ops, function, right)

@@ -203,11 +203,15 @@ class Skeleton:
         dense = [*dense, *self.grouped]
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
+        from . import state_ops
+
         family = type(model).__name__.removesuffix("ForCausalLM")  # (GraniteMoeHybrid: a name, not its experts)
         for name, module in model.named_modules():
             kind = type(module).__name__.removeprefix(family).lower()
             for part, why in _REFUSED_MODULES.items():
                 if part in _STATE_KERNELS and any(k in vars(modeling) for k in _STATE_KERNELS[part]):
+                    continue
+                if part == "Rglru" and state_ops.griffin_classes(modeling):  # Griffin's block, traced as state ops
                     continue
                 if (self.moe_blocks or dense) and (part == "Moe" or id(module) in inside_moe):
                     continue  # a model with recognised blocks: only experts outside them are refused
@@ -238,8 +242,6 @@ class Skeleton:
         heads = _setting(config, "num_attention_heads")
         self.head_dim = _setting(config, "head_dim") or (config.hidden_size // heads if heads else None)
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
-        from . import state_ops
-
         state_ops.verify(self.modeling, self.model_type, config)
 
     def _build(self, config, implementation: str):

@@ -287,6 +287,51 @@ def _heads_mixers(module) -> list[type]:
     return [c for n, c in vars(module).items() if n.endswith("MambaMixer") and isinstance(c, type)]
 
 
+RGLRU_DT = (1e-20, 80.0)  # the dt range of the RG-LRU as fuselm::Mamba2: x = u / dt stays finite, exp(-80) is 0
+
+
+def _rnn_scan(self, hidden_states, recurrent_gate, reset=None, recurrent_states=None, acc_dtype=torch.float32):
+    """Griffin's RG-LRU recurrence (RecurrentGemma's `_rnn_scan`: per channel h = a·h + u) through fuselm::Mamba2 with
+    a head per channel (P = N = 1), A_log = 0, dt = softplus⁻¹(−log a) in RGLRU_DT, x = u / dt, B = C = 1, D = 0: the
+    state decays by exp(−dt) = a and gains dt·x = u. The reset at position 0 is the zero state a run starts from."""
+    b, s, width = hidden_states.shape
+    lo, hi = RGLRU_DT
+    delta = (-torch.log(recurrent_gate.float())).clamp(max=hi)  # -log a
+    dt = torch.log(torch.exp(delta) - 1.0)  # softplus⁻¹: the op's softplus(dt) gives delta back
+    step = F.softplus(dt).clamp(lo, hi)  # the dt the op uses
+    past = STATE.take("recurrent", (b, width, 1, 1), contract.MAMBA2_OP)
+    zeros, ones = torch.zeros(width), torch.ones(b, s, 1, 1)
+    y, present = torch.ops.fuselm_trace.mamba2((hidden_states.float() / step)[..., None], dt, zeros, ones, ones, zeros,
+                                               zeros, past, lo, hi)
+    STATE.give("recurrent", present)
+    return y[..., 0].to(hidden_states.dtype), present[..., 0, 0]
+
+
+def _recurrent_block_forward(self, input_states, position_ids, attention_mask=None, use_cache=True, **kwargs):
+    """Griffin's recurrent block (RecurrentGemma): its causal convolution through fuselm::CausalConv1D on the layer's
+    conv state (transformers' block keeps it in the module), then its RG-LRU (`_rnn_scan`) and projections as written."""
+    y_branch = self.act_fn(self.linear_y(input_states))
+    x = self.linear_x(input_states)
+    conv = self.conv_1d
+    past = STATE.take("conv", (x.shape[0], conv.kernel_size[0] - 1, x.shape[2]), contract.CONV_OP)
+    x, present = torch.ops.fuselm_trace.causal_conv1d(x.float(), past, conv.weight.float())
+    STATE.give("conv", present)
+    x = self.rg_lru((x + conv.bias).to(input_states.dtype), position_ids)
+    return self.linear_out(x * y_branch), None
+
+
+def griffin_classes(module) -> dict[type, tuple[str, object]]:
+    """The modeling module's Griffin classes -> (method, its tracing version): the RG-LRU's `_rnn_scan`, the recurrent
+    block's `forward`."""
+    found = {}
+    for name, c in vars(module).items():
+        if isinstance(c, type) and name.endswith("Rglru") and hasattr(c, "_rnn_scan"):
+            found[c] = ("_rnn_scan", _rnn_scan)
+        elif isinstance(c, type) and name.endswith("RecurrentBlock") and hasattr(c, "_setup_cache"):
+            found[c] = ("forward", _recurrent_block_forward)
+    return found if len(found) == 2 else {}
+
+
 def _lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
     """Lightning attention (MiniMax: per head a state decaying by exp(−slope) a token, S = S·exp(−slope) + v ⊗ k,
     y = S q) through fuselm::Mamba2 with dt = 1 (dt_min = dt_max = 1), A_log = log(slope), B = k, C = q, D = 0;
@@ -320,6 +365,7 @@ class Installed:
         self.saved = {name: getattr(module, name) for name in SWAPPED if hasattr(module, name)}
         self.classes = {c: c.forward for c in _lightning_classes(module)}
         self.mixers = {c: c.forward for c in _heads_mixers(module)}
+        self.griffin = {c: (method, getattr(c, method), ours) for c, (method, ours) in griffin_classes(module).items()}
 
     def __enter__(self):
         for name in self.saved:
@@ -338,6 +384,8 @@ class Installed:
             c.forward = _lightning_forward
         for c, forward in self.mixers.items():
             c.forward = _heads_mixer(forward)
+        for c, (method, _, ours) in self.griffin.items():
+            setattr(c, method, ours)
         return self
 
     def __exit__(self, *exc):
@@ -345,6 +393,8 @@ class Installed:
             setattr(self.module, name, fn)
         for c, fn in {**self.classes, **self.mixers}.items():
             c.forward = fn
+        for c, (method, theirs, _) in self.griffin.items():
+            setattr(c, method, theirs)
         return False
 
 
@@ -405,6 +455,39 @@ def _verify_lightning(cls, config, model_type: str, close) -> None:
             close([got, state], [want, cache.state], f"lightning attention ({cls.__name__})")
 
 
+def _verify_griffin(module, config, close) -> None:
+    """The recurrent block's own forward (module-held states, as transformers runs it) at a small size, several tokens
+    from zeros and one from random states, against its tracing version (Installed)."""
+    import copy
+
+    block = next(c for c, (method, _) in griffin_classes(module).items() if method == "forward")
+    cfg = copy.deepcopy(config)
+    cfg.hidden_size, cfg.lru_width, cfg.num_attention_heads, cfg.conv1d_width = 8, 8, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    with torch.device("cpu"):
+        layer = block(cfg, 0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        for seq, start in ((6, 0), (1, 9)):
+            x, positions = torch.randn(2, seq, 8, generator=gen), torch.arange(start, start + seq)[None].repeat(2, 1)
+            layer._setup_cache(2, "cpu", torch.float32)
+            if start:
+                layer.conv1d_state = torch.randn(2, 8, 3, generator=gen)
+                layer.rg_lru.recurrent_states = torch.randn(2, 8, generator=gen)
+            conv, h = layer.conv1d_state.transpose(1, 2).clone(), layer.rg_lru.recurrent_states[..., None, None].clone()
+            want = block.forward(layer, x, positions, None, use_cache=True)[0]
+            states = [layer.conv1d_state.transpose(1, 2), layer.rg_lru.recurrent_states[..., None, None]]
+            STATE.reset({"conv": conv, "recurrent": h})
+            try:
+                with Installed(module):
+                    got = layer(x, positions, None)[0]
+                got = [got, STATE.presents["conv"], STATE.presents["recurrent"]]
+            finally:
+                STATE.reset({})
+            close(got, [want, *states], f"recurrent block ({block.__name__})")
+
+
 def verify(module, model_type: str, config=None) -> None:
     """Run the modeling module's own state functions (those Installed swaps) on random tensors, one token and
     several, from a random state, against the references; refuses the family if they differ."""
@@ -431,6 +514,8 @@ def _verify(module, model_type: str, config=None) -> None:
 
     for cls in _lightning_classes(module) if config is not None else ():
         _verify_lightning(cls, config, model_type, close)
+    if config is not None and griffin_classes(module):
+        _verify_griffin(module, config, close)
     fn = getattr(module, "causal_conv1d_fn", None)
     if fn is not None:
         x, w = rnd(2, 6, 5), rnd(6, 1, 4)

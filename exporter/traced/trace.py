@@ -159,7 +159,7 @@ class _LayerWrapper(nn.Module):
                          position_embeddings=pe if self.plan.rotary else None)
         out = out[0] if isinstance(out, tuple) else out
         states = state_ops.STATE.presents
-        if ctx.present is None and self.plan.masked:
+        if ctx.present is None and self.plan.masked and not states:  # (a recurrent block handed the mask ignores it)
             raise _NoAttention(f"{type(self.layer).__name__}: the layer neither called its attention function nor "
                                "updated its cache; not supported by the traced exporter")
         kinds = [k for k in contract.STATE_KINDS if k in states]
