@@ -152,20 +152,22 @@ def attention_meta(layers: list[dict], sliding_window: int | None = None, chunk_
     compressed latent as `.key` and rotary key as `.value`; shared, it reads layer `kv_source`'s and has none) and
     that cache's kv_heads, key_dim and value_dim; mask and cache `none` for a layer that does not attend (a
     recurrent-state or feed-forward block). A sparse-attention layer also has `index_dim` (its indexer's keys,
-    the third cache tensor `.index`) and `index_topk` (the keys each query may attend to at most)."""
+    the third cache tensor `.index`) and `index_topk` (the keys each query may attend to at most); a layer handed a
+    tensor layer j computes (a sparse-attention layer reusing layer j's top-k selection) has `reads_layer` j."""
     for layer in layers:
         if layer["mask"] not in MASK_KINDS or layer["cache"] not in CACHE_KINDS:
             raise FuselmError(f"attention layer {layer}: mask must be one of {MASK_KINDS}, cache one of {CACHE_KINDS}")
     return {"layers": layers, "sliding_window": sliding_window, "chunk_size": chunk_size}
 
 
-def kv_sources(metadata_props: dict[str, str]) -> dict[int, int]:
-    """Layer -> the layer whose keys and values it reads (KV sharing), from a graph's metadata_props; {} without."""
+def kv_sources(metadata_props: dict[str, str], key: str = "kv_source") -> dict[int, int]:
+    """Layer -> the layer whose keys and values it reads (KV sharing), from a graph's metadata_props; {} without.
+    `key` "reads_layer": the layer whose tensor it is handed (attention_meta)."""
     import json
 
     try:
         layers = json.loads(metadata_props.get(ATTENTION_META, "{}")).get("layers") or []
-        return {i: int(x["kv_source"]) for i, x in enumerate(layers) if x.get("kv_source") is not None}
+        return {i: int(x[key]) for i, x in enumerate(layers) if x.get(key) is not None}
     except (ValueError, TypeError, AttributeError, KeyError):
         raise FuselmError(f"the graph's metadata {ATTENTION_META} is not fuselm's attention block; re-export with "
                           "`fuselm convert`") from None

@@ -19,7 +19,8 @@ Each stage takes `attention_mask`, `position_ids` and the caches and recurrent s
 
 A layer that reads another layer's keys and values (KV sharing, Gemma 3n / 4: contract.kv_sources from the
 graph's metadata) has no cache of its own; its Attention reads the source layer's past and new rows, so the
-source and its readers stay in one stage.
+source and its readers stay in one stage. So does a layer handed a tensor another layer computes (a sparse-attention
+layer reusing an earlier layer's top-k selection: `reads_layer` in the metadata).
 
 Must not cut (FuselmError, exit 2): a cut where more than one value crosses or a stage reads from a
 stage other than the one before it (a graph whose layers do not chain through one residual value); a cut
@@ -73,6 +74,8 @@ class Graph:
         inputs = {v.name for v in model.graph.inputs}
         pasts = sorted((n for n in inputs if contract.is_step_past(n)), key=contract.step_order)
         self.sources = contract.kv_sources(dict(model.metadata_props))  # reader layer -> the layer whose K/V it reads
+        # reader layer -> the layer whose tensor it is handed (a shared top-k selection): kept in one stage too
+        self.handed = contract.kv_sources(dict(model.metadata_props), "reads_layer")
         self.cached = sorted({contract.parse_cache(n).layer for n in pasts if contract.is_past(n)})
         held = {contract.layer_of(n) for n in pasts} | set(self.sources)  # a KV cache, a recurrent state, a KV source
         # layers without a cache or state (Nemotron-H's MLP blocks) count by their nodes' names, up to the first gap
@@ -193,15 +196,18 @@ class Graph:
         return st
 
     def apart(self, lo: int, hi: int) -> tuple[int, int] | None:
-        """(reader, source) of a layer in lo..hi-1 whose KV source is outside it, or None."""
-        return next(((j, i) for j, i in sorted(self.sources.items()) if lo <= j < hi and not lo <= i < hi), None)
+        """(reader, source) of a layer in lo..hi-1 whose KV source (or the layer whose tensor it is handed) is
+        outside it, or None."""
+        pairs = sorted({**self.handed, **self.sources}.items())
+        return next(((j, i) for j, i in pairs if lo <= j < hi and not lo <= i < hi), None)
 
     def plan(self, ranges: list[range]) -> list[Stage]:
         for r in ranges:
             if (pair := self.apart(r.start, r.stop)) is not None:
-                raise FuselmError(f"layer {pair[0]} reads the keys and values of layer {pair[1]} (KV sharing), which "
-                                  f"the stage of layers {r.start}-{r.stop - 1} does not hold; a source and its readers "
-                                  "go in one stage: choose other --layers")
+                what = "the keys and values" if pair[0] in self.sources else "a tensor (a top-k selection)"
+                raise FuselmError(f"layer {pair[0]} reads {what} of layer {pair[1]}, which the stage of layers "
+                                  f"{r.start}-{r.stop - 1} does not hold; a source and its readers go in one stage: "
+                                  "choose other --layers")
         stages = []
         for k, r in enumerate(ranges):
             st = self.stage(r.start, r.stop, k == 0, k == len(ranges) - 1)
@@ -246,7 +252,8 @@ class Graph:
         cost, found = best(0, n_stages)
         if cost == float("inf"):
             raise FuselmError(f"--stages {n_stages}: no cut into {n_stages} stages keeps every layer that reads another "
-                              f"layer's keys and values (KV sharing: {self.sources}) with that layer; choose fewer stages")
+                              f"layer's keys and values or tensor (KV sharing: {self.sources}, handed: {self.handed}) with "
+                              "that layer; choose fewer stages")
         cuts = (0, *found, L)
         return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 

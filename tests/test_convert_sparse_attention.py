@@ -115,3 +115,46 @@ def test_q4_runs_on_every_backend(dsa, tmp_path):
     q4 = fuselm.convert(hf, tmp_path / "q4", exporter="torch", quant="q4", quiet=True)  # the trace is kept in-process
     runs = {b: _greedy(q4, b) for b in ("torch", "numpy", "mlx")}
     assert runs["torch"] == runs["numpy"] == runs["mlx"]
+
+
+def test_a_layer_reusing_another_layers_selection(tmp_path):
+    """GLM-MoE-DSA's layer 2 has no indexer: it attends to the keys layer 1's indexer chose (the model hands it what
+    layer 1 returns beside its hidden state). The graph equals HF; the layer reads layer 1's TopK and has no index
+    cache; the metadata says so, and a pipeline split keeps the two layers in one stage (chained stages equal the
+    unsplit graph) and refuses a cut between them by name."""
+    from fuselm.passes.split import split
+
+    from fuselm.errors import FuselmError
+    from fuselm.reference import OrtRunner, ort_session
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "glm_moe_dsa", generic=True,
+                               **{**DSA, "num_hidden_layers": 3, "first_k_dense_replace": 3, "index_topk_freq": 2})
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    meta = json.loads((out / contract.META_NAME).read_text())
+    assert [x.get("reads_layer") for x in meta["attention"]["layers"]] == [None, None, 1]
+    assert meta["layer_types"] == ["indexed_attention", "indexed_attention", "full_attention"]
+    model = onnx.load(out / contract.MODEL_NAME, load_external_data=False)
+    assert [sum(n.op_type == "TopK" and f"layers.{i}/" in n.name for n in model.graph.node) for i in range(3)] == [1, 1, 0]
+    assert contract.past_name(2, contract.INDEX) not in {i.name for i in model.graph.input}
+    assert _greedy(out, "torch") == hf_steps(hf_model(hf), PROMPT, 6).tokens
+
+    with pytest.raises(FuselmError, match="layer 2 reads a tensor .* of layer 1"):
+        split(out, tmp_path / "bad", layers="0-1,2", quiet=True)
+    report = split(out, tmp_path / "s", stages=2, quiet=True)
+    assert [s["layers"] for s in report["stages"]] == [[0, 0], [1, 2]]
+    ref = OrtRunner(out)
+    ids = np.array([[5, 17, 3, 42, 8, 1, 9, 12]], np.int64)
+    want, _ = ref.forward(ids)
+    hidden, outs = None, {}
+    for k in range(2):
+        sess = ort_session(tmp_path / "s" / f"stage{k}")
+        feeds = {contract.ATTENTION_MASK: np.ones((1, 8), np.int64), contract.POSITION_IDS: np.arange(8)[None]}
+        for i in sess.get_inputs():
+            if i.name in (contract.INPUT_IDS, contract.HIDDEN):
+                feeds[i.name] = ids if i.name == contract.INPUT_IDS else hidden
+            elif contract.is_past(i.name):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+        hidden = outs.get(contract.NEXT_HIDDEN)
+    np.testing.assert_array_equal(outs[contract.LOGITS], want)

@@ -58,7 +58,7 @@ def build(hf_dir: Path, config: dict, precisions) -> Export:
     stamper = Stamper(plan, traced.aliases, traced.layers_name, traced.embed_name, traced.head_name)
     with _unsupported(traced.model_type):
         builder = stamper.build(traced.outer, [traced.templates[k] for k in traced.kinds], traced.masks,
-                                {"sliding": traced.window, "chunked": traced.chunk}, traced.sources)
+                                {"sliding": traced.window, "chunked": traced.chunk}, traced.sources, traced.carried)
     return Export(builder, ckpt, copy.deepcopy(traced.meta), traced.model_type)  # the cached one stays as traced
 
 
@@ -66,7 +66,7 @@ def _traced(hf_dir: Path, config: dict):
     """Skeleton, probe, checkpoint check, then one trace per layer kind and one of the model around them."""
     from .cache import Traced, kv_shape
     from .skeleton import Skeleton
-    from .trace import layer_kinds, trace_layer, trace_outer
+    from .trace import drop_unread_last_input, layer_kinds, trace_layer, trace_outer
 
     model_type = config.get("model_type")
     with _unsupported(model_type):
@@ -96,8 +96,17 @@ def _traced(hf_dir: Path, config: dict):
         first = {}
         for p in plans:
             first.setdefault(p.kind, p)
-        shared_rows: dict = {}  # kinds in order of first use: a layer that stores shared keys/values comes first
-        templates = [trace_layer(skel, first[kind], shared_rows) for kind in range(len(kinds))]
+        for p in plans:  # a layer handed what an earlier layer returned: that layer's kind
+            if p.carried:
+                p.carried = (*p.carried[:2], plans[p.carried[1]].kind)
+        # kinds in order of first use: a layer that stores shared keys/values (or returns what a later one is handed)
+        # comes first
+        shared_rows, carried = {}, {}
+        templates = [trace_layer(skel, first[kind], shared_rows, carried) for kind in range(len(kinds))]
+        unread = {kind for kind, t in enumerate(templates) if first[kind].carried and drop_unread_last_input(t)}
+        for p in plans:  # handed what it never reads (GLM-DSA's full layers get the previous layer's top-k too)
+            if p.carried and p.kind in unread:
+                p.carried = None
         for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
             p.rope, p.cache, p.share, p.attends, p.layer_type, p.index_dim = (
                 getattr(first[p.kind], f) for f in ("rope", "cache", "share", "attends", "layer_type", "index_dim"))
@@ -107,7 +116,7 @@ def _traced(hf_dir: Path, config: dict):
                     getattr(skel.config, "sliding_window", None), getattr(skel.config, "attention_chunk_size", None),
                     skel.model_type, skel.layers_name, skel.embed_name(), skel.head_name(), expected, sorted(tied),
                     skel.aliases(), names, {}, getattr(ckpt, "stacks", {}), [p.kv_source for p in plans], views,
-                    concats)
+                    concats, [p.carried[1] if p.carried else None for p in plans])
     meta = skel.metadata(plans, len(kinds), [kv_shape(templates[p.kind]) for p in plans])
     if skel.moe_blocks:
         meta["moe"] = moe.metadata(skel.moe_blocks)

@@ -67,6 +67,7 @@ class Traced:
     sources: list = field(default_factory=list)  # per decoder layer: the layer whose keys/values it reads, or None
     views: dict = field(default_factory=dict)  # tensors transformers converts as it loads them (Checkpoint.convert)
     concats: dict = field(default_factory=dict)  # parameter -> the stored tensors concatenated into it (converters.py)
+    carried: list = field(default_factory=list)  # per decoder layer: the layer whose other output it is handed, or None
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

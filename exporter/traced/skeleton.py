@@ -135,6 +135,10 @@ class LayerPlan:
     rotary: bool = True  # the model passes it position embeddings (Nemotron-H's and Granite 4's attention: none)
     layer_type: str = ""  # what the trace found (fuselm.json's layer_types): full_attention, mamba2, ...
     index_dim: int = 0  # the width of its indexer's keys (the `.index` cache) where the layer keeps them
+    # (argument, layer j): the model hands the layer what layer j returned beside its hidden state (a shared DSA
+    # layer reuses layer j's top-k keys); `gives`: a later layer reads what this one returns so
+    carried: tuple[str, int] | None = None
+    gives: bool = False
 
     @property
     def masked(self) -> bool:
@@ -265,11 +269,6 @@ class Skeleton:
 
     def _refuse_layer_types(self, config) -> None:
         types = getattr(config, "layer_types", None) or []
-        shared = [i for i, t in enumerate(getattr(config, "indexer_types", None) or []) if t == "shared"]
-        if shared:
-            raise FuselmError(f"model_type {self.model_type!r} is not supported yet: its layers {shared} reuse the top-k "
-                              "keys an earlier layer's indexer chose (indexer_types 'shared': a tensor handed from layer "
-                              "to layer beside the hidden state), which the traced exporter does not carry")
         odd = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES + _STATE_LAYER_TYPES})
         if odd:
             why = "; ".join(_LAYER_TYPE_REASONS[t] for t in odd if t in _LAYER_TYPE_REASONS) or "hybrid attention"
@@ -432,7 +431,8 @@ class Skeleton:
                  {"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
                   **({"kv_source": p.kv_source} if p.kv_source is not None else {}),
-                  **({"index_dim": p.index_dim, "index_topk": _setting(c, "index_topk")} if p.index_dim else {})}
+                  **({"index_dim": p.index_dim, "index_topk": _setting(c, "index_topk")} if p.index_dim else {}),
+                  **({"reads_layer": p.carried[1]} if p.carried else {})}
                  for p, k in zip(plans, kv_shapes, strict=True)],
                 sliding_window=getattr(c, "sliding_window", None) if sliding else None,
                 chunk_size=getattr(c, "attention_chunk_size", None) if chunked else None),
@@ -479,6 +479,8 @@ class Skeleton:
                     "chunked": causal & (blocks[:, None] == blocks[None, :])}
         plans, specs = [], {}
         for i, kwargs in enumerate(seen):
+            carried = [(k, v.source) for k, v in kwargs.items() if isinstance(v, CarriedMark)]
+            kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, CarriedMark)}
             pe = kwargs.get("position_embeddings")
             first = None  # no rotary from the model: positions enter around the layers (tables, ALiBi) or in them
             if pe is not None:
@@ -508,6 +510,12 @@ class Skeleton:
             plans.append(self._plan(i, kwargs, specs[id(first)] if first is not None else None, mask, mask_form))
             plans[-1].mask_arg = mask_arg
             plans[-1].rotary = pe is not None  # attention without positions (Nemotron-H's, Granite 4's): none given
+            if len(carried) > 1:
+                raise FuselmError(f"model_type {self.model_type!r}: decoder layer {i} reads {len(carried)} tensors "
+                                  "earlier layers returned; not supported by the traced exporter")
+            if carried:
+                plans[-1].carried = carried[0]
+                plans[carried[0][1]].gives = True
         self.positions = self._positions(seen[0]) if all(p.rope is None for p in plans) else "rotary"
         return plans
 
@@ -564,7 +572,10 @@ class Skeleton:
                 seen.append({**_named(self.signature, hidden_states, args, kwargs), "_returned": hidden_states})
                 if self.last:
                     raise Stop
-                return _layer_output(hidden_states, self.returns_tuple)
+                out = _layer_output(hidden_states, self.returns_tuple)
+                if self.returns_tuple == 2:  # what the layer returns beside its hidden state, marked: who reads it
+                    out = (hidden_states, CarriedMark(len(seen) - 1))
+                return out
 
         originals = list(self.layers)
         positions = self.positions_fed = torch.arange(length)[None].repeat(batch, 1)
@@ -740,6 +751,17 @@ def _allowed(mask, i: int, model_type: str) -> torch.Tensor:
                           "not supported by the traced exporter")
     m = mask[0, 0] if mask.dim() == 4 else mask
     return m if m.dtype == torch.bool else m == 0
+
+
+class CarriedMark(torch.Tensor):
+    """Stands in the probe for what decoder layer `source` returns beside its hidden state: a later layer handed it
+    reads that layer's output (LayerPlan.carried)."""
+
+    @staticmethod
+    def __new__(cls, source: int):
+        mark = torch.Tensor._make_subclass(cls, torch.empty(0))
+        mark.source = source
+        return mark
 
 
 class StandIn(nn.Module):

@@ -39,6 +39,7 @@ class Stamper:
         self.head = head_name
         self.skip: set[tuple[int, str]] = set()  # (template, node name): nodes a weight's plan replaces (torch's weight Transpose, Gather)
         self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> the new key/value rows its Attention appends
+        self.given: dict[int, str] = {}  # layer -> what it returns beside its hidden state, for a later layer
         self.used: set[str] = set()  # checkpoint tensors the graph reads
         self.as_matmul: dict[tuple[int, str], str] = {}  # Gemm(x, W, transB=1) nodes -> MatMul on the plan's weight
         self.gathers: dict[tuple[int, str], tuple] = {}  # (template, node): an embedding whose ids the graph computes
@@ -48,9 +49,10 @@ class Stamper:
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
 
     def build(self, outer: Template, layers: list[Template], kinds: list[str], sizes: dict[str, int | None],
-              sources: list[int | None]) -> Builder:
+              sources: list[int | None], carried: list[int | None] | None = None) -> Builder:
         """`kinds`: each layer's mask kind (causal, sliding, chunked: `sizes` has the window and chunk size);
-        `sources`: per layer the layer whose keys and values it reads (KV sharing), or None."""
+        `sources`: per layer the layer whose keys and values it reads (KV sharing), or None; `carried`: per layer the
+        layer whose other output (what it returns beside its hidden state) it is handed, or None."""
         b = self.b
         ids, mask_in, position_ids = graph_inputs(b)
         masks = {}
@@ -77,7 +79,8 @@ class Stamper:
                     raise FuselmError(f"the traced model calls decoder layer {i} out of order; not supported")
                 x, inputs = names[node.input[0]], [names[n] for n in node.input[1:]]
                 names[node.output[0]] = self._layer(layers[i], i, x, lambda k=kinds[i]: mask(k), position_ids, inputs,
-                                                    sources[i] if sources else None)
+                                                    sources[i] if sources else None,
+                                                    carried[i] if carried else None)
                 markers += 1
                 continue
             self._copy(outer, node, names, "/model", prefix_values="/model/")
@@ -92,11 +95,12 @@ class Stamper:
         return b
 
     def _layer(self, t: Template, i: int, x: str, mask, position_ids: str, inputs: list[str],
-               source: int | None) -> str:
+               source: int | None, handed: int | None = None) -> str:
         """Stamp layer `i` from its kind's template: its pasts become the graph inputs past_key_values.{i}.* /
         past_state.{i}.*, its presents the outputs present.{i}.* / present_state.{i}.*; `mask()` gives the
         attention mask where the template reads one. A layer that reads layer `source`'s keys and values (KV
-        sharing) gets that layer's past inputs and new rows and gives no cache outputs of its own."""
+        sharing) gets that layer's past inputs and new rows and gives no cache outputs of its own; one handed what
+        layer `handed` returns beside its hidden state gets it last."""
         from .cache import kv_shape
 
         b, scope = self.b, f"/model/layers.{i}"
@@ -128,6 +132,8 @@ class Stamper:
             b.inputs.append(oh.make_tensor_value_info(names["past_index"], onnx.TensorProto.FLOAT,
                                                       ["batch_size", 1, "past_sequence_length", width]))
             out_dims[out_names["present_index"]] = ["batch_size", 1, "total_sequence_length", width]
+        if handed is not None:
+            inputs = [*inputs, self.given[handed]]
         for kind in contract.STATE_KINDS:  # recurrent states: fixed size, the present replaces the past
             if f"past_{kind}" in given:
                 past, present = contract.state_name(i, kind), contract.state_name(i, kind, contract.STATE_PRESENT)
@@ -153,6 +159,8 @@ class Stamper:
             if names.get(out) != name:
                 raise FuselmError(f"layer {i}: the traced layer does not produce its {out} output directly; not supported")
             b.outputs.append(oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, out_dims[name]))
+        if "carried_out" in outputs:
+            self.given[i] = names["carried_out"]
         key = contract.present_name(i, "key")
         attention = next((n for n in b.nodes[first:] if n.op_type == "Attention" and key in n.output), None)
         if attention is not None:

@@ -40,7 +40,8 @@ from .skeleton import PROBE_LEN, LayerPlan, Skeleton, StandIn, _layer_output, _n
 # has no mask and no KV cache, a stateless one no past at all), then its other inputs input_0, input_1, ...
 LAYER_INPUTS = ["hidden_states", "attention_mask", "position_ids", "past_key", "past_value", "past_index", "past_conv",
                 "past_recurrent"]
-LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value", "present_index", "present_conv", "present_recurrent"]
+LAYER_OUTPUTS = ["hidden_out", "present_key", "present_value", "present_index", "present_conv", "present_recurrent",
+                 "carried_out"]  # carried_out: what the layer returns beside its hidden state, for a later layer
 SLOTS = (*contract.CACHE_KINDS_ALL, *contract.STATE_KINDS)  # past_{slot} -> present_{slot}
 GROWING = contract.CACHE_KINDS_ALL  # slots [B, heads, past, dim] that grow by the step's rows
 # a layer that reads another layer's keys and values (LayerPlan.share "reuse") also takes that layer's new rows;
@@ -100,7 +101,8 @@ def layer_kinds(skel: Skeleton, plans: list[LayerPlan]) -> dict[tuple, int]:
     for plan in plans:
         layer = skel.layers[plan.index]
         key = (_structure(layer), plan.rope.key() if plan.rope else None, plan.mask, tuple(sorted(plan.kwargs.items())),
-               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form, plan.mask_arg)
+               plan.hidden, tuple(plan.inputs.items()), plan.shares, plan.side, plan.mask_form, plan.mask_arg,
+               plan.carried[0] if plan.carried else None, plan.gives)
         plan.kind = kinds.setdefault(key, len(kinds))
     return kinds
 
@@ -132,6 +134,7 @@ class _LayerWrapper(nn.Module):
         self.shared_rows = shared_rows or {}  # share key -> (k, v) rows a reuse layer reads in its dry run
         self.shared: _Shared | None = None
         self.found: tuple = ((), {}, {})
+        self.given = None  # what the layer returned beside its hidden state in its last run (LayerPlan.gives)
 
     def forward(self, hidden_states, attention_mask, position_ids, past_key, past_value, past_index, past_conv,
                 past_recurrent, *inputs):
@@ -149,6 +152,8 @@ class _LayerWrapper(nn.Module):
         cache = attention_op.TraceCache() if self.inline else self.cache
         given = [*self.plan.inputs, *self.plan.side]
         kwargs = {**self.plan.kwargs, self.plan.cache_arg: cache, **dict(zip(given, inputs, strict=False))}
+        if self.plan.carried:  # what an earlier layer returned beside its hidden state: the last input
+            kwargs[self.plan.carried[0]], inputs = inputs[-1], inputs[:-1]
         if self.plan.shares:
             rows = tuple(inputs[len(given):])
             self.shared = kwargs[self.plan.shares] = _Shared(lambda key: rows or self.shared_rows.get(key))
@@ -157,6 +162,7 @@ class _LayerWrapper(nn.Module):
         masks = {"attention_mask": None, self.plan.mask_arg: attention_mask}
         out = self.layer(hidden_states, **{**kwargs, **masks}, position_ids=position_ids,
                          position_embeddings=pe if self.plan.rotary else None)
+        gives = (out[1],) if self.plan.gives else ()
         out = out[0] if isinstance(out, tuple) else out
         states = state_ops.STATE.presents
         if ctx.present is None and self.plan.masked and not states:  # (a recurrent block handed the mask ignores it)
@@ -166,7 +172,8 @@ class _LayerWrapper(nn.Module):
         index = () if ctx.index_present is None else (ctx.index_present,)
         self.found = ((*(contract.KINDS if ctx.present is not None else ()), *(("index",) if index else ()), *kinds),
                       dict(state_ops.STATE.ops), dict(state_ops.STATE.shapes))
-        return out, *(ctx.present or ()), *index, *(states[k] for k in kinds)
+        self.given = gives[0] if gives else None
+        return out, *(ctx.present or ()), *index, *(states[k] for k in kinds), *gives
 
 
 class _Shared(UserDict):
@@ -251,6 +258,7 @@ def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> dict[str, t
 
 def _shapes(wrapper: _LayerWrapper, presents) -> dict[str, tuple]:
     """slot -> its present's shape past the batch, for the slots the wrapper's last run used."""
+    presents = presents[:len(presents) - wrapper.plan.gives]  # (what it returns for a later layer is no cache)
     return {slot: tuple(int(d) for d in p.shape[1:]) for slot, p in zip(wrapper.found[0], presents, strict=True)}
 
 
@@ -321,9 +329,11 @@ def _cache_for(mode: str):
     return {"kv": None, "length": attention_op.LengthCache(), "latent": attention_op.TraceCache()}[mode]
 
 
-def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None) -> Template:
+def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None, carried: dict | None = None) -> Template:
     """The ONNX template of decoder layer `plan.index` (its kind's representative). `shared_rows`: share key ->
-    the (k, v) rows a layer stored there (filled by the layers that store, read by the ones that reuse)."""
+    the (k, v) rows a layer stored there (filled by the layers that store, read by the ones that reuse); `carried`:
+    layer kind -> what it returns beside its hidden state, for one token and for the trace's step (filled by the layers
+    that give it, read by the ones handed it: LayerPlan.carried)."""
     layer = skel.layers[plan.index]
     cfg = skel.config
     batch, seq, past = 2, 3, 4
@@ -340,19 +350,22 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
     shared_rows = {} if shared_rows is None else shared_rows
+    carried = {} if carried is None else carried
+    handed = carried[plan.carried[2]] if plan.carried else None  # (one token's, the step's)
     undo = placeholders(layer)
     try:
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
                 moe.grouped_installed(layer, getattr(skel, "grouped", [])):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
             one = (hidden.narrow(lead + 1, 0, 1), torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
-                   None, None, None, None, *(x[:, :1] for x in inputs), *small)
+                   None, None, None, None, *(x[:, :1] for x in inputs), *small, *(handed[:1] if handed else ()))
             try:
                 slots = _dry_run(skel, wrapper, one)
             except RuntimeError as e:  # e.g. a rotary_dim wider than the heads
                 raise FuselmError(f"model_type {skel.model_type!r}: decoder layer {plan.index} fails on a one-token input "
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
             plan.index_dim = slots["index"][2] if "index" in slots else 0
+            given_one = wrapper.given
             read = attention_op.CONTEXT.read  # the keys attention reads: a latent layer's expanded ones
             plan.attends = (int(read[0].shape[1]), int(read[0].shape[-1])) if read is not None else None
             shared = wrapper.shared
@@ -374,14 +387,17 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                         for slot, d in slots.items()}}
             args = tuple(given.get(n) for n in LAYER_INPUTS)
             fixed = {n: d if given.get(n) is not None else None for n, d in dynamic.items() if n != "inputs"}
-            outputs = ["hidden_out", *(f"present_{slot}" for slot in slots)]
+            outputs = ["hidden_out", *(f"present_{slot}" for slot in slots), *(["carried_out"] if plan.gives else [])]
+            # (its dims free: a layer that ignores it must not take its batch and step sizes from it)
+            handed_in, handed_dims = ([handed[1]], ({d: torch.export.Dim.AUTO for d in range(handed[1].dim())},)) \
+                if handed else ([], ())
             # a side input's length is the cache's (ALiBi over the keys) or, if that fails, the step's (a query scaling)
             for length, dim in ((past + seq, t), (seq, s))[:2 if plan.side else 1]:
                 side, side_dims = _side_examples(skel, plan, batch, length, b, dim)
-                extra = [*inputs, *side, *shared_rows_in]
+                extra = [*inputs, *side, *shared_rows_in, *handed_in]
                 # (torch.export names the *inputs argument only when it gets some)
-                dims = fixed | ({"inputs": (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims)}
-                                if extra else {})
+                dims = fixed | ({"inputs": (*dynamic["inputs"][:len(plan.inputs)], *side_dims, *shared_dims,
+                                            *handed_dims)} if extra else {})
                 installed.calls = 0
                 names = [n for n in LAYER_INPUTS if given.get(n) is not None] + [f"input_{i}" for i in range(len(extra))]
                 try:
@@ -390,6 +406,10 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                 except FuselmError:
                     if length == seq or not plan.side:
                         raise
+            if plan.gives:  # what a later layer is handed: its example at one token and at the trace's step
+                with torch.no_grad():
+                    wrapper(*args, *extra)
+                carried[plan.kind] = (given_one, wrapper.given)
     finally:
         restore(undo)
     if plan.rope is not None and installed.calls == 0:
@@ -398,6 +418,15 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
         plan.rope.use(installed.used)
     plan.layer_type = _layer_type(plan, wrapper)
     return _template(program, "layer.")
+
+
+def drop_unread_last_input(t: Template) -> bool:
+    """Remove the template's last input where no node reads it (a layer handed what it ignores); whether it did."""
+    last = t.graph.input[-1].name
+    if any(last in n.input for n in t.graph.node) or any(o.name == last for o in t.graph.output):
+        return False
+    del t.graph.input[-1]
+    return True
 
 
 def _side_examples(skel: Skeleton, plan: LayerPlan, batch: int, total: int, b, t) -> tuple[list, tuple]:
