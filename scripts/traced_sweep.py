@@ -104,9 +104,11 @@ OVERRIDES = {
     # a recurrent and an attention block (two layers hold only recurrent ones by default), a window the check outgrows
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": 8},
     "bailing_hybrid": {"layer_group_size": 2},  # a linear-attention layer, then attention (transformers' cache wants one)
-    # a linear-attention layer, then its indexed attention (its token indexer at the tiny size)
-    "qwen4_exp_text": {"full_attention_interval": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
-                       "indexer_budget": 4, "indexer_compress_ratio": 2},
+    # a linear-attention layer, then its indexed attention: its block indexer at the tiny size (2 blocks of 2 keys and
+    # the query's own block, fewer than the check's 16 tokens; 8 index heads, so that no two blocks tie at the cut)
+    "qwen4_exp_text": {"full_attention_interval": 2, "indexer_n_heads": 8, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 4, "indexer_compress_ratio": 2, "linear_key_head_dim": 16,
+                       "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
     # BLT: patcher, local encoder / decoder and global transformer each sized; the hashed n-gram tables small
     "blt": {"encoder_hash_byte_group_vocab": 64,
             **{f"{part}_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,

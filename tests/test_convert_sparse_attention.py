@@ -158,3 +158,63 @@ def test_a_layer_reusing_another_layers_selection(tmp_path):
         outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
         hidden = outs.get(contract.NEXT_HIDDEN)
     np.testing.assert_array_equal(outs[contract.LOGITS], want)
+
+
+# Qwen4-Exp: a linear-attention layer, then attention whose block indexer pools its keys in blocks of 2 and lets each
+# query attend to its top 2 complete blocks and its own incomplete one; 8 index heads, so that no two blocks tie
+QSA = dict(full_attention_interval=2, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+           indexer_compress_ratio=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+           linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48, intermediate_size=64)
+
+
+def test_block_indexer_converts_as_hf(tmp_path):
+    """transformers selects per query in a Python loop over the cached positions' cos/sin; the graph selects over cache
+    indices (block_indexer.py) and equals HF where the selection leaves keys out (every block: other logits) with no
+    tie at the cut; the runtime's greedy tokens equal HF's on every backend; a selection that differs from the family's
+    own `_select_tokens` is refused."""
+    import importlib
+
+    from fuselm.exporter.traced import block_indexer
+
+    from fuselm.errors import FuselmError
+
+    hf = synth.make_checkpoint(tmp_path / "hf", "qwen4_exp_text", generic=True, **QSA)
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    meta = json.loads((out / contract.META_NAME).read_text())
+    assert meta["layer_types"] == ["gated_delta_net", "indexed_attention"]
+    assert meta["attention"]["layers"][1]["index_dim"] == 16
+    model = hf_model(hf)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(1, 16))  # check()'s prompt
+    gaps, topk = [], torch.Tensor.topk
+
+    def recording(scores, k, *args, **kwargs):  # transformers' per-query top-k over the complete blocks
+        if scores.dim() == 1 and scores.numel() > k:
+            kept = scores.sort(descending=True).values
+            gaps.append(float(kept[k - 1] - kept[k]))
+        return topk(scores, k, *args, **kwargs)
+
+    torch.Tensor.topk = recording
+    try:
+        sparse = hf_prefill_decode(model, ids)[0]
+    finally:
+        torch.Tensor.topk = topk
+    assert len(gaps) > 5 and min(gaps) > 1e-4
+    for m in model.modules():
+        if hasattr(m, "block_topk"):
+            m.token_budget, m.block_topk = 64, 32
+    assert np.abs(hf_prefill_decode(model, ids)[0] - sparse).max() > 0.01
+    want = hf_steps(hf_model(hf), PROMPT, 6).tokens
+    for backend in ("torch", "numpy", "mlx"):
+        assert _greedy(out, backend) == want, backend
+
+    modeling = importlib.import_module("transformers.models.qwen4_exp.modeling_qwen4_exp")
+    right = block_indexer.select
+    try:
+        block_indexer.select = lambda ix, q, keys, rotate, mask: right(ix, q, keys, rotate, mask).flip(-1)
+        with pytest.raises(FuselmError, match="selects other keys"):
+            block_indexer.verify(modeling.Qwen4ExpForCausalLM(synth.make_config("qwen4_exp_text", generic=True, **QSA)),
+                                 synth.make_config("qwen4_exp_text", generic=True, **QSA), "qwen4_exp_text")
+    finally:
+        block_indexer.select = right

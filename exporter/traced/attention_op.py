@@ -142,6 +142,7 @@ class Context:
         # a sparse-attention layer's indexer keys [B, 1, P, D]: the past given (or "empty"), the present it made
         self.index_past: torch.Tensor | str | None = None
         self.index_present: torch.Tensor | None = None
+        self.derived: torch.Tensor | None = None  # the layer's mask with the keys a block indexer left out masked
 
 
 CONTEXT = Context()
@@ -165,7 +166,7 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
     if ctx.calls:
         raise NotOneAttention(f"{type(module).__name__}: a decoder layer with more than one attention call "
                           "(cross-attention, parallel heads) is not supported by the traced exporter")
-    if attention_mask is not None and attention_mask is not ctx.mask:
+    if attention_mask is not None and attention_mask is not ctx.mask and attention_mask is not ctx.derived:
         raise NotOneAttention(f"{type(module).__name__}: the layer changes the attention mask before attention (a "
                           "learned or per-head mask); the traced exporter supports the causal / sliding-window mask only")
     selected = kwargs.get(SELECTED)

@@ -143,6 +143,9 @@ def rotated_arguments(apply, model_type: str) -> list[str]:
     return params[:min(params.index(p) for p in pe)]
 
 
+ACTIVE: Installed | None = None  # the Installed in effect (a layer trace's)
+
+
 class Installed:
     """While active: the family module's rotary functions (APPLY_FUNCTIONS) call the custom op with `spec`."""
 
@@ -161,12 +164,26 @@ class Installed:
             self.rotated[name] = rotated_arguments(written, self.module.__name__)
             self.pe[name] = _pe_params(list(self.signatures[name].parameters))
             setattr(self.module, name, lambda *a, _name=name, **k: self._apply(_name, *a, **k))
+        global ACTIVE
+        self.outer, ACTIVE = ACTIVE, self
         return self
 
     def __exit__(self, *exc):
+        global ACTIVE
         for name, original in self.originals.items():
             setattr(self.module, name, original)
+        ACTIVE = self.outer
         return False
+
+    def rotate_at(self, x: torch.Tensor, positions: torch.Tensor, function: str = "apply_rotary_pos_emb") -> torch.Tensor:
+        """x [B,S,H,D] rotated as `function` rotates, at `positions` [B,S] other than the step's (a block indexer's keys
+        at their blocks' first positions): in standard ops, as the runtime reads FusedRoPE's positions as the step's."""
+        s = self.spec
+        if s is None or function not in s.layouts:
+            raise FuselmError(f"{self.module.__name__}: the layer rotates at other positions than the step's without a "
+                              "rotary the model hands it; not supported by the traced exporter")
+        layout = s.layouts[function]
+        return reference(x, positions, torch.tensor(s.signed[layout.sign]), s.attention_scaling, layout.interleaved)
 
     def _apply(self, function: str, *args, **kwargs):
         bound = self.signatures[function].bind(*args, **kwargs)
@@ -187,6 +204,8 @@ class Installed:
         inv_freq = s.signed[layout.sign]
         out = []
         for name in self.rotated[function]:
+            if a[name] is None:  # (Qwen4-Exp's rotates q alone: k=None)
+                continue
             t = a[name].transpose(1, 2) if heads_first else a[name]  # HF's [B,H,S,D] -> FusedRoPE's [B,S,H,D]
             y = torch.ops.fuselm_trace.rope(t, self.marker(), inv_freq, s.attention_scaling, layout.interleaved)
             out.append(y.transpose(1, 2) if heads_first else y)

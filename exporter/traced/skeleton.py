@@ -246,6 +246,9 @@ class Skeleton:
         heads = _setting(config, "num_attention_heads")
         self.head_dim = _setting(config, "head_dim") or (config.hidden_size // heads if heads else None)
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
+        from . import block_indexer
+
+        block_indexer.verify(self.model, config, self.model_type)
         state_ops.verify(self.modeling, self.model_type, config)
 
     def _build(self, config, implementation: str):
@@ -431,7 +434,8 @@ class Skeleton:
                  {"mask": p.mask, "cache": "shared" if p.kv_source is not None else
                   ("latent" if p.cache == "latent" else "kv"), "kv_heads": k[0], "key_dim": k[1], "value_dim": k[2],
                   **({"kv_source": p.kv_source} if p.kv_source is not None else {}),
-                  **({"index_dim": p.index_dim, "index_topk": _setting(c, "index_topk")} if p.index_dim else {}),
+                  **({"index_dim": p.index_dim} if p.index_dim else {}),
+                  **({"index_topk": _setting(c, "index_topk")} if p.index_dim and _setting(c, "index_topk") else {}),
                   **({"reads_layer": p.carried[1]} if p.carried else {})}
                  for p, k in zip(plans, kv_shapes, strict=True)],
                 sliding_window=getattr(c, "sliding_window", None) if sliding else None,

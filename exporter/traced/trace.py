@@ -33,7 +33,7 @@ from torch import nn
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from . import attention_op, moe, rope_op, state_ops
+from . import attention_op, block_indexer, moe, rope_op, state_ops
 from .skeleton import PROBE_LEN, LayerPlan, Skeleton, StandIn, _layer_output, _named, placeholders, restore
 
 # Every named input and output a layer template may have; a template has those its layer uses (a recurrent layer
@@ -147,6 +147,7 @@ class _LayerWrapper(nn.Module):
         if self.plan.mask_form == "masked" and attention_mask is not None:  # the layer's own form of the graph's mask
             attention_mask = attention_mask != 0
         ctx.present, ctx.calls, ctx.mask, ctx.read, ctx.positions = None, 0, attention_mask, None, position_ids
+        ctx.derived = None
         ctx.latent = (self.latent[0].weight, *self.latent[1:]) if self.latent and self.plan.cache == "latent" else None
         self.rope.positions = position_ids
         cache = attention_op.TraceCache() if self.inline else self.cache
@@ -355,7 +356,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     undo = placeholders(layer)
     try:
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
-                moe.grouped_installed(layer, getattr(skel, "grouped", [])):
+                moe.grouped_installed(layer, getattr(skel, "grouped", [])), block_indexer.installed(layer):
             wrapper = _LayerWrapper(layer, installed, plan, skel.inline_attention, shared_rows).eval()
             one = (hidden.narrow(lead + 1, 0, 1), torch.zeros(batch, 1, 1, 1) if plan.masked else None, positions[:, :1], "empty",
                    None, None, None, None, *(x[:, :1] for x in inputs), *small, *(handed[:1] if handed else ()))
