@@ -429,19 +429,27 @@ class _FakeLinearCache:
         self.state = state
 
 
-def _verify_lightning(cls, config, model_type: str, close) -> None:
-    """The class's own forward at a small size (2 heads of 8, blocks of 4), several tokens from zeros and one from a
-    random state, against `_lightning_forward`."""
+def _small(cls, config, gen, scale: float, **sizes):
+    """`cls(config, 0)` on the CPU at the small `sizes` (config fields), its parameters random (times `scale`)."""
     import copy
 
     cfg = copy.deepcopy(config)
-    cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.block_size = 16, 2, 8, 4
-    gen = torch.Generator().manual_seed(0)
+    for k, v in sizes.items():
+        setattr(cfg, k, v)
     with torch.device("cpu"):
         layer = cls(cfg, 0).eval()
     with torch.no_grad():
         for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return layer
+
+
+def _verify_lightning(cls, config, model_type: str, close) -> None:
+    """The class's own forward at a small size (2 heads of 8, blocks of 4), several tokens from zeros and one from a
+    random state, against `_lightning_forward`."""
+    gen = torch.Generator().manual_seed(0)
+    layer = _small(cls, config, gen, 0.3, hidden_size=16, num_attention_heads=2, head_dim=8, block_size=4)
+    with torch.no_grad():
         for seq, s0 in ((6, None), (1, torch.randn(2, 2, 8, 8, generator=gen) * 0.3)):
             x = torch.randn(2, seq, 16, generator=gen)
             cache = _FakeLinearCache(None if s0 is None else s0.clone())
@@ -458,17 +466,10 @@ def _verify_lightning(cls, config, model_type: str, close) -> None:
 def _verify_griffin(module, config, close) -> None:
     """The recurrent block's own forward (module-held states, as transformers runs it) at a small size, several tokens
     from zeros and one from random states, against its tracing version (Installed)."""
-    import copy
-
     block = next(c for c, (method, _) in griffin_classes(module).items() if method == "forward")
-    cfg = copy.deepcopy(config)
-    cfg.hidden_size, cfg.lru_width, cfg.num_attention_heads, cfg.conv1d_width = 8, 8, 2, 4
     gen = torch.Generator().manual_seed(0)
-    with torch.device("cpu"):
-        layer = block(cfg, 0).eval()
+    layer = _small(block, config, gen, 0.5, hidden_size=8, lru_width=8, num_attention_heads=2, conv1d_width=4)
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
         for seq, start in ((6, 0), (1, 9)):
             x, positions = torch.randn(2, seq, 8, generator=gen), torch.arange(start, start + seq)[None].repeat(2, 1)
             layer._setup_cache(2, "cpu", torch.float32)
