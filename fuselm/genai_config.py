@@ -43,6 +43,8 @@ def genai_config(meta: dict, graph_inputs: list[str], share_buffer: bool = False
         return None
     if any(contract.is_state_past(n) for n in graph_inputs):
         return None  # recurrent states: onnxruntime-genai 0.18's decoder feeds none
+    if any(getattr(contract.parse_cache(n), "kind", None) == contract.INDEX for n in graph_inputs):
+        return None  # a sparse-attention layer's index cache: genai's decoder feeds keys and values only
     tokens = meta.get("special_tokens") or {}
     eos = tokens.get("eos_token_id")
     eos = eos if eos is not None else tokens.get("pad_token_id")

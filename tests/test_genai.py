@@ -18,6 +18,7 @@ import pytest
 from fuselm.passes.check import drift, run_steps
 
 import fuselm
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a dev dependency (pyproject [dev])")
@@ -207,3 +208,15 @@ def test_onnxruntime_genai_runs_fuselm_directories(exported, optimized, stage):
     tokens = _genai_greedy(model_dir, prompt, 10)
     assert tokens == OrtRunner(model_dir / "model.onnx").greedy(prompt, 10).tokens
     assert len(set(tokens)) > 3  # not a degenerate repetition
+
+
+def test_no_genai_config_for_an_index_cache():
+    """genai's decoder feeds past_key_values.{i}.key / .value only: a graph with a sparse-attention layer's
+    `.index` cache gets no genai_config.json, the same graph without it does."""
+    from fuselm.genai_config import genai_config
+
+    meta = {"dims": {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "layers": 1, "vocab": 100},
+            "attention": {"layers": [{"cache": "kv", "kv_heads": 2, "key_dim": 16, "value_dim": 16}]}}
+    inputs = [*contract.STEP_INPUTS, contract.past_name(0, "key"), contract.past_name(0, "value")]
+    assert genai_config(meta, inputs) is not None
+    assert genai_config(meta, [*inputs, contract.past_name(0, contract.INDEX)]) is None
