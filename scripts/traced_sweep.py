@@ -101,6 +101,11 @@ OVERRIDES = {
     # checkpoint's row 0 is not zero (a trained one's is)
     "youtu": {"pad_token_id": None},
     "zaya": {"num_experts_per_tok": 1},  # its only top-k
+    # a sliding and a global layer (their own head sizes), the window and the relative-position reach shorter than the
+    # check's 16 tokens; logits at their width (the default divides them by 24: below the check's 1e-4 resolution)
+    "inkling_text": {"layer_types": ["hybrid_sliding", "hybrid"], "sliding_window_size": 8, "rel_extent": 12,
+                     "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+                     "logits_mup_width_multiplier": 1.0},
     # a recurrent and an attention block (two layers hold only recurrent ones by default), a window the check outgrows
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": 8},
     "bailing_hybrid": {"layer_group_size": 2},  # a linear-attention layer, then attention (transformers' cache wants one)

@@ -228,3 +228,36 @@ def test_rewritten_recurrences_convert_as_hf(model_type, tmp_path):
                              model_type, synth.make_config(model_type, generic=bool(overrides), **overrides))
     finally:
         setattr(state_ops, function, right)
+
+
+def test_layers_with_several_convolutions_and_relative_positions(tmp_path):
+    """Inkling: four causal convolutions a layer (on keys, values, the attention's and the MLP's outputs) share its
+    conv state, their channels side by side; its attention adds a bias from each query's distance to each key
+    (relative positions up to 12, a window of 8 on the sliding layer), its shared experts run on every token. The graph
+    equals HF (prefill, then a decode step from the states); the runtime's logits equal onnxruntime's on every
+    backend."""
+    from fuselm.runtime_metal.session import Session
+
+    overrides = dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=8, rel_extent=12,
+                     swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                     logits_mup_width_multiplier=1.0)
+    hf = synth.make_checkpoint(tmp_path / "hf", "inkling_text", generic=True, **overrides)
+    out = fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True)
+    assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
+    model = onnx.load(out / contract.MODEL_NAME, load_external_data=False)
+    conv = {i.name: contract.dims(i) for i in model.graph.input if contract.is_state_past(i.name)}
+    # keys and values of each layer's kv heads, then the attention's and the MLP's outputs (hidden 64), kernel 4
+    assert conv == {contract.state_name(0, "conv"): ["batch_size", 3, 2 * 2 * 16 + 2 * 64],
+                    contract.state_name(1, "conv"): ["batch_size", 3, 2 * 2 * 16 + 2 * 64]}
+    assert sum(n.op_type == contract.CONV_OP for n in model.graph.node) == 8
+    prompt = [5, 17, 3, 42, 8, 1, 99, 7, 12, 30, 2, 9, 14, 21]
+    want = OrtRunner(out).greedy(prompt, 3)
+    for backend in ("torch", "numpy", "mlx"):
+        sess = Session(out, backend=backend)
+        sess.reset(20)
+        logits = sess.prefill(prompt)
+        for token, expect in zip(want.tokens, want.logits, strict=True):
+            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(), atol=2e-4,
+                                       rtol=1e-5, err_msg=backend)
+            logits = sess.decode(token)

@@ -154,6 +154,7 @@ class NotOneAttention(FuselmError):
 _IGNORED_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
                    "output_attentions", "use_cache", "is_causal", "past_key_values", "past_key_value"}
 SELECTED = "indices"  # DeepSeek sparse attention hands a kernel that reads it the indexer's top-k keys per query
+BIAS = "position_bias"  # a bias [B,H,S,T] the eager path adds to the scores (Inkling's relative positions)
 
 
 def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -174,6 +175,11 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
             selected.dim() == 3:
         attention_mask = selected_mask(attention_mask, selected, query.dtype)
         kwargs = {k: v for k, v in kwargs.items() if k != SELECTED}
+    bias = kwargs.get(BIAS)
+    if attention_mask is not None and isinstance(bias, torch.Tensor) and bias.is_floating_point() and \
+            not kwargs.get("softcap"):  # added to the scores before the mask, as the eager path adds it
+        attention_mask = attention_mask + bias
+        kwargs = {k: v for k, v in kwargs.items() if k != BIAS}
     extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and isinstance(v, torch.Tensor))
     if extra:
         raise NotOneAttention(f"{type(module).__name__}: attention takes {', '.join(extra)} (e.g. attention sinks), "
@@ -220,9 +226,22 @@ def index_update(keys: torch.Tensor) -> torch.Tensor:
     return ctx.index_present[:, 0]
 
 
+def mask_sizes(q_length: int, *args, **kwargs) -> tuple:
+    """transformers' `get_mask_sizes` while a layer is traced: the keys its mask covers (the whole cache, from 0)."""
+    mask = CONTEXT.mask
+    return (q_length if mask is None else mask.shape[-1]), 0
+
+
+def query_offset(*args, **kwargs):
+    """transformers' `get_query_offset` while a layer is traced: the position of its first query (the cache index of
+    its first new row under plain feeds; right under a static-shape past too, as LengthCache's length)."""
+    return CONTEXT.positions[0, 0]
+
+
 class TraceCache:
     """The cache a layer that computes attention itself (Falcon) gets while traced: `update` appends
-    the new keys/values to the layer's past input and keeps the result as the layer's present."""
+    the new keys/values to the layer's past input and keeps the result as the layer's present; the mask's sizes and
+    the first query's position as LengthCache gives them."""
 
     def update(self, key, value, *args, **kwargs):
         ctx = CONTEXT
@@ -239,10 +258,13 @@ class TraceCache:
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
 
+    get_mask_sizes, get_query_offset = staticmethod(mask_sizes), staticmethod(query_offset)
+
 
 class LengthCache:
     """The cache of a layer that reads its length (Llama 4's attention temperature: positions from the cache's
-    length): `update` hands the new rows back (attention appends them to the past); the length is the position
+    length; Inkling's relative positions: the mask's sizes and the first query's offset) or keeps indexer keys:
+    `update` hands the new rows back (attention appends them to the past); the length is the position
     of the first query (batch row 0). Under plain feeds that is the past's length; unlike the past's shape, it stays
     right where a runtime feeds a preallocated past of static shape."""
 
@@ -254,6 +276,8 @@ class LengthCache:
 
     def get_seq_length(self, *args, **kwargs):
         return CONTEXT.positions[0, 0]
+
+    get_mask_sizes, get_query_offset = staticmethod(mask_sizes), staticmethod(query_offset)
 
 
 class LatentProbe:
@@ -289,6 +313,14 @@ class ProbeCache:
     def update_indexer(self, keys, *args, **kwargs):
         self.indexed = True
         return keys
+
+    def get_mask_sizes(self, q_length, *args, **kwargs):
+        self.asked_length = True
+        return q_length, 0
+
+    def get_query_offset(self, *args, **kwargs):
+        self.asked_length = True
+        return 0
 
     def get_seq_length(self, *args, **kwargs):
         self.asked_length = True

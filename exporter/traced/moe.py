@@ -326,6 +326,13 @@ def dense_experts(model: nn.Module, blocks: list[Block]) -> list[nn.Module]:
             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
+def shared_experts(model: nn.Module) -> list[nn.Module]:
+    """Shared experts kept as 3-D stacks (Inkling's [n_shared, I, H], run with bmm on every token): no routing, so
+    they trace as plain nodes beside the routed block."""
+    return [m for m in model.modules() if "sharedexpert" in type(m).__name__.lower()
+            and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
 def unrecognised(model: nn.Module, blocks: list[Block], dense: list[nn.Module] = ()) -> str | None:
     """Why the model's experts outside `blocks` cannot be exported, naming where they are and their tensors
     (None: no 3-D expert stacks outside the blocks): experts inside an attention module (a mixture of attention

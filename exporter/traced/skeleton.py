@@ -47,7 +47,8 @@ _STATE_KERNELS = {"Mamba": ("mamba2_scan_forward", "mamba_scan_forward", "mamba_
                   "ShortConv": ("causal_conv1d_forward",), "DeltaAttention": ("chunk_kimi_delta_attention",),
                   "Lightning": ("MiniMaxLightningAttention",)}
 _OTHER_RECURRENCES = ("Rglru", "Rwkv", "LSTM")
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                          "hybrid_sliding")
 # layer types of recurrent-state and feed-forward blocks (what each holds is found by tracing it)
 _STATE_LAYER_TYPES = ("attention", "linear_attention", "mamba", "conv", "hybrid", "mlp", "moe")
 _LAYER_TYPE_REASONS: dict[str, str] = {}  # what a layer type needs that the graph contract does not have
@@ -205,6 +206,7 @@ class Skeleton:
         moe.verify_looped(looped, self.model_type)
         self.grouped += looped + scaled
         dense = [*dense, *self.grouped]
+        dense += moe.shared_experts(model)  # stacked shared experts run on every token: plain nodes, as written
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
         from . import state_ops

@@ -158,23 +158,31 @@ class Context:
         self.reset({})
 
     def reset(self, pasts: dict) -> None:
-        self.pasts, self.presents, self.ops, self.shapes = dict(pasts), {}, {}, {}
+        self.pasts, self.presents, self.ops, self.shapes, self.parts = dict(pasts), {}, {}, {}, {}
         self.heads: list | None = None  # a multi-head Mamba-1's per-head pasts, while its mixer runs (_HeadsMixer)
         self.head_presents: list = []
 
     def take(self, kind: str, shape: tuple, op: str) -> torch.Tensor:
-        if kind in self.ops:
-            raise FuselmError(f"a decoder layer runs two {kind} states ({self.ops[kind]} and {op}); fuselm's graph "
-                              "contract carries one of each kind per layer")
-        self.ops[kind] = op
+        """The layer's past of `kind` for an op of `shape`. Several causal convolutions of one kernel in a layer
+        (Inkling's four) share its conv state, their channels side by side in the order they run."""
         past = self.pasts.get(kind, self.DRY)
+        if kind in self.ops:
+            known = self.shapes.get(kind) or (tuple(past.shape[1:]) if not isinstance(past, str) else None)
+            if kind != "conv" or op != self.ops[kind] or known is None or known[0] != shape[1]:
+                raise FuselmError(f"a decoder layer runs two {kind} states ({self.ops[kind]} and {op}); fuselm's graph "
+                                  "contract carries one of each kind per layer (convolutions of one kernel size share "
+                                  "one)")
+        self.ops[kind] = op
+        at = sum(int(p.shape[-1]) for p in self.parts.get(kind, []))  # the channels earlier convolutions hold
         if isinstance(past, str):
-            self.shapes[kind] = tuple(int(s) for s in shape[1:])
+            self.shapes[kind] = (int(shape[1]), at + int(shape[2])) if kind == "conv" else tuple(int(s) for s in shape[1:])
             return torch.zeros(shape, dtype=torch.float32)
-        return past
+        return past[..., at:at + shape[2]] if kind == "conv" else past
 
     def give(self, kind: str, present: torch.Tensor) -> None:
-        self.presents[kind] = present
+        self.parts.setdefault(kind, []).append(present)
+        parts = self.parts[kind]
+        self.presents[kind] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 STATE = Context()
@@ -182,9 +190,9 @@ STATE = Context()
 
 def _conv_forward(conv1d, hidden_states, cache=None, layer_idx=None, activation=None, state_idx=0, **kwargs):
     """transformers' causal_conv1d_forward: x [B,C,S] -> [B,C,S] through fuselm::CausalConv1D."""
-    if state_idx or conv1d.stride != (1,) or conv1d.dilation != (1,) or conv1d.groups != conv1d.in_channels:
+    if conv1d.stride != (1,) or conv1d.dilation != (1,) or conv1d.groups != conv1d.in_channels:
         raise FuselmError(f"a {type(conv1d).__name__} that is not a causal depthwise convolution of stride and "
-                          "dilation 1 with one state (fuselm::CausalConv1D) is not supported")
+                          "dilation 1 (fuselm::CausalConv1D) is not supported")
     from transformers.activations import ACT2FN
 
     x = hidden_states.transpose(1, 2)
