@@ -104,8 +104,8 @@ def _traced(hf_dir: Path, config: dict):
         shared_rows, carried = {}, {}
         templates = [trace_layer(skel, first[kind], shared_rows, carried) for kind in range(len(kinds))]
         unread = {kind for kind, t in enumerate(templates) if first[kind].carried and drop_unread_last_input(t)}
-        for p in plans:  # handed what it never reads (GLM-DSA's full layers get the previous layer's top-k too)
-            if p.carried and p.kind in unread:
+        for p in plans:  # handed what it never reads (GLM-DSA's full layers get the previous layer's top-k too), or None
+            if p.carried and (p.kind in unread or first[p.kind].carried is None):
                 p.carried = None
         for p in plans:  # what the kind's trace found: a layer that skips rope records none; its cache mode
             p.rope, p.cache, p.share, p.attends, p.layer_type, p.index_dim = (

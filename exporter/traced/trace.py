@@ -163,7 +163,7 @@ class _LayerWrapper(nn.Module):
         masks = {"attention_mask": None, self.plan.mask_arg: attention_mask}
         out = self.layer(hidden_states, **{**kwargs, **masks}, position_ids=position_ids,
                          position_embeddings=pe if self.plan.rotary else None)
-        gives = (out[1],) if self.plan.gives else ()
+        gives = (out[1] if isinstance(out, tuple) and len(out) > 1 else None,) if self.plan.gives else ()
         out = out[0] if isinstance(out, tuple) else out
         states = state_ops.STATE.presents
         if ctx.present is None and self.plan.masked and not states:  # (a recurrent block handed the mask ignores it)
@@ -352,7 +352,9 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
     installed.spec = plan.rope
     shared_rows = {} if shared_rows is None else shared_rows
     carried = {} if carried is None else carried
-    handed = carried[plan.carried[2]] if plan.carried else None  # (one token's, the step's)
+    handed = carried.get(plan.carried[2]) if plan.carried else None  # (one token's, the step's)
+    if plan.carried and handed is None:  # the layer it reads returns nothing beside its hidden state (None)
+        plan.carried = None
     undo = placeholders(layer)
     try:
         with installed, moe.installed(layer, getattr(skel, "moe_blocks", [])), state_ops.Installed(skel.modeling), \
@@ -367,6 +369,7 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                                   f"({str(e).strip().splitlines()[0][:160]}); check config.json's sizes") from None
             plan.index_dim = slots["index"][2] if "index" in slots else 0
             given_one = wrapper.given
+            plan.gives = plan.gives and isinstance(given_one, torch.Tensor)  # (a None beside the hidden state: nothing)
             read = attention_op.CONTEXT.read  # the keys attention reads: a latent layer's expanded ones
             plan.attends = (int(read[0].shape[1]), int(read[0].shape[-1])) if read is not None else None
             shared = wrapper.shared
