@@ -181,6 +181,21 @@ def test_minimax_lightning_attention_converts_as_hf(tmp_path):
         state_ops._lightning_forward = right
 
 
+def _runtime_equals_onnxruntime(model_dir, prompt: list[int], steps: int = 3) -> None:
+    """The runtime's logits, a prefill then decode steps, equal onnxruntime's on every backend."""
+    from fuselm.runtime_metal.session import Session
+
+    want = OrtRunner(model_dir).greedy(prompt, steps)
+    for backend in ("torch", "numpy", "mlx"):
+        sess = Session(model_dir, backend=backend)
+        sess.reset(len(prompt) + steps + 3)
+        logits = sess.prefill(prompt)
+        for token, expect in zip(want.tokens, want.logits, strict=True):
+            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(), atol=2e-4,
+                                       rtol=1e-5, err_msg=backend)
+            logits = sess.decode(token)
+
+
 # families whose recurrent blocks state_ops.py writes around fuselm's ops: their tiny config, the layer type their
 # recurrent layer gets, and the tracing function (state_ops) whose error the check on the family's own code catches
 REWRITTEN = {
@@ -201,8 +216,6 @@ def test_rewritten_recurrences_convert_as_hf(model_type, tmp_path):
     family's own code."""
     import importlib
 
-    from fuselm.runtime_metal.session import Session
-
     from fuselm.errors import FuselmError
 
     overrides, layer_type, function, what = REWRITTEN[model_type]
@@ -210,16 +223,7 @@ def test_rewritten_recurrences_convert_as_hf(model_type, tmp_path):
     out = fuselm.optimize(fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True), tmp_path / "opt", quiet=True)
     assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
     assert read_meta(out)["layer_types"][0] == layer_type
-    prompt = [5, 17, 3, 42, 8, 1, 99, 7, 12, 30]
-    want = OrtRunner(out).greedy(prompt, 3)
-    for backend in ("torch", "numpy", "mlx"):
-        sess = Session(out, backend=backend)
-        sess.reset(16)
-        logits = sess.prefill(prompt)
-        for token, expect in zip(want.tokens, want.logits, strict=True):
-            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(), atol=2e-4,
-                                       rtol=1e-5, err_msg=backend)
-            logits = sess.decode(token)
+    _runtime_equals_onnxruntime(out, [5, 17, 3, 42, 8, 1, 99, 7, 12, 30])
     right = getattr(state_ops, function)
     try:
         setattr(state_ops, function, lambda *a, **k: tuple(x * 1.01 for x in right(*a, **k)))
@@ -236,8 +240,6 @@ def test_layers_with_several_convolutions_and_relative_positions(tmp_path):
     (relative positions up to 12, a window of 8 on the sliding layer), its shared experts run on every token. The graph
     equals HF (prefill, then a decode step from the states); the runtime's logits equal onnxruntime's on every
     backend."""
-    from fuselm.runtime_metal.session import Session
-
     overrides = dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=8, rel_extent=12,
                      swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, n_routed_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
@@ -251,13 +253,4 @@ def test_layers_with_several_convolutions_and_relative_positions(tmp_path):
     assert conv == {contract.state_name(0, "conv"): ["batch_size", 3, 2 * 2 * 16 + 2 * 64],
                     contract.state_name(1, "conv"): ["batch_size", 3, 2 * 2 * 16 + 2 * 64]}
     assert sum(n.op_type == contract.CONV_OP for n in model.graph.node) == 8
-    prompt = [5, 17, 3, 42, 8, 1, 99, 7, 12, 30, 2, 9, 14, 21]
-    want = OrtRunner(out).greedy(prompt, 3)
-    for backend in ("torch", "numpy", "mlx"):
-        sess = Session(out, backend=backend)
-        sess.reset(20)
-        logits = sess.prefill(prompt)
-        for token, expect in zip(want.tokens, want.logits, strict=True):
-            np.testing.assert_allclose(sess.logits_to_numpy(logits).ravel(), np.asarray(expect).ravel(), atol=2e-4,
-                                       rtol=1e-5, err_msg=backend)
-            logits = sess.decode(token)
+    _runtime_equals_onnxruntime(out, [5, 17, 3, 42, 8, 1, 99, 7, 12, 30, 2, 9, 14, 21])
