@@ -7,7 +7,7 @@ Each fuselm variant (`f32`, `q8`, `q4`: the defaults; `q4:METHOD[+calib|+nocalib
 command in a child process (wall seconds) and scored by `fuselm eval` (onnxruntime on the graph as written)
 against HF transformers f32 on the bundled text (512-token windows): perplexity, KL divergence, top-1 agreement,
 weight bytes. Independently of fuselm's evaluate module, this script also computes the perplexity of HF and of
-f32's and the best 4-bit graph's in onnxruntime with its own loop (`check_ppl`), and measures mlx-lm 0.32's `mlx_lm.convert -q
+f32's and each mixed-precision graph's in onnxruntime with its own loop (`check_ppl`), and measures mlx-lm 0.32's `mlx_lm.convert -q
 --q-bits 4 --q-group-size 32` (bf16 scales and biases, as mlx-community ships; its config's rope_theta put
 back at the top, where mlx-lm reads it) on MLX's CPU backend, computing in float32. Writes
 bench/results/quality-<model>-<date>.json with the machine and versions.
@@ -31,7 +31,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VARIANTS = ("f32", "q8", "q4:rtn", "q4", "q4:mse+nocalib", "q4:gptq", "q4:mse@5.0", "q4:gptq@5.0")
-CHECKED = ("f32", "q4:gptq@5.0")  # perplexity recomputed by this script's own onnxruntime loop
+
+
+def checked(spec: str) -> bool:
+    """Whether this script's own onnxruntime loop recomputes the variant's perplexity: f32 and every mixed precision."""
+    return spec == "f32" or "@" in spec
 
 
 def log_softmax(x):
@@ -79,6 +83,10 @@ def variant_args(spec: str) -> list[str]:
     args += {"calib": ["--calib"], "nocalib": ["--no-calib"], "": []}[calib]
     args += ["--bits-per-weight", budget] if budget else []
     return args
+
+
+def variant_dir(work: Path, spec: str) -> Path:
+    return work / spec.replace(":", "-").replace("@", "-").replace("+", "-")
 
 
 def mlx_peer(ckpt: Path, work: Path, windows, ref_logp) -> dict:
@@ -142,7 +150,7 @@ def main() -> None:
     from fuselm.exporter.gguf import checkpoint_for, find_gguf
     from fuselm.runtime_metal.evaluate import Reference, evaluate
 
-    from fuselm.reference import hf_model, hf_scores
+    from fuselm.reference import hf_scores
     from fuselm.text import read_text, windows
     from fuselm.tokenizer import load_tokenizer
 
@@ -157,22 +165,23 @@ def main() -> None:
     tok = load_tokenizer(ckpt, required=True)
     pieces = windows(tok.encode(read_text(None)[0]))[: args.windows]
     max_tokens = sum(map(len, pieces))
-    ref = Reference(ckpt)
-    ref_logp = [ref.score(ids) for ids in pieces]
-    hf = hf_model(ckpt)
-    rows = [{"name": "HF transformers f32", "perplexity": check_ppl(lambda ids: hf_scores(hf, ids), pieces),
-             "weight_bytes": int(sum(p.numel() * p.element_size() for p in hf.parameters()))}]
-    for spec in args.variants:
-        out = work / spec.replace(":", "-").replace("@", "-").replace("+", "-")
-        cmd = [sys.executable, "-m", "fuselm.cli", "convert", str(ckpt), "-o", str(out), "--force", "--quiet",
-               *variant_args(spec)]
+    seconds = {}
+    for spec in args.variants:  # converted first, each alone in memory (the reference below keeps every window's scores)
+        cmd = [sys.executable, "-m", "fuselm.cli", "convert", str(ckpt), "-o", str(variant_dir(work, spec)), "--force",
+               "--quiet", *variant_args(spec)]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-        seconds = time.perf_counter() - t0
+        seconds[spec] = time.perf_counter() - t0
+    ref = Reference(ckpt)
+    ref_logp = [ref.score(ids) for ids in pieces]
+    rows = [{"name": "HF transformers f32", "perplexity": check_ppl(lambda ids: hf_scores(ref.model, ids), pieces),
+             "weight_bytes": int(sum(p.numel() * p.element_size() for p in ref.model.parameters()))}]
+    for spec in args.variants:
+        out = variant_dir(work, spec)
         rec = evaluate(out, ref, max_tokens=max_tokens, quiet=True, backend="onnxruntime")
-        checked = check_ppl(ort_logits(out), pieces) if spec in CHECKED else None
-        rows.append({"name": f"fuselm {spec}", "convert_seconds": round(seconds, 1), "perplexity": rec["perplexity"],
-                     "check_perplexity": checked, "kl_mean": rec["kl_mean"],
+        check = check_ppl(ort_logits(out), pieces) if checked(spec) else None
+        rows.append({"name": f"fuselm {spec}", "convert_seconds": round(seconds[spec], 1),
+                     "perplexity": rec["perplexity"], "check_perplexity": check, "kl_mean": rec["kl_mean"],
                      "kl_p99": rec["kl_p99"], "top1_agreement": rec["top1_agreement"],
                      "weight_bytes": rec["weight_bytes"], "quantization": rec["quantization"]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "quantization"}), flush=True)

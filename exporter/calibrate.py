@@ -10,6 +10,13 @@ Per quantized weight (HF names; a tied head under the embedding's name):
   backward pass; quantizing W to Q(W) then costs about ½ Σ_ji g²_j x²_i (W - Q(W))²_ji of the loss (the
   Fisher information's diagonal, factored by rows and columns). `allocate` spends a bits-per-weight budget
   where that estimate falls most per stored bit.
+
+A tied table is also the input embedding, whose rows enter the residual stream: its error costs there too.
+With a backward pass (always, for a tied table's Hessian) the input use is measured as the mean square
+loss gradient per hidden dimension at a looked-up row (`embedding`); the table's Hessian becomes the head's
+Fisher E[|g|² h hᵀ] (g the logits' gradient) plus that diagonal (the gradients' correlations, from a few
+thousand tokens, misled GPTQ: it moved the error where they were small, and the input use lost more), and
+`allocate` adds the input use's cost ½ Σ_d e_d mean_v (E - Q(E))²_vd.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ OPTIONS = (("q4", 128), ("q4", 64), ("q4", 32), ("q8", 64), ("q8", 32))
 def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, hessians: bool = False,
               gradients: bool = False, quiet: bool = True) -> dict:
     """Run the checkpoint on the calibration text (default fuselm/data/botchan-2.txt, its first `tokens`
-    tokens in windows of up to 512; default CALIB_TOKENS, IMPORTANCE_TOKENS for the mean squares alone) and return {"importance", "hessians", "gradients", "weights", "text"}:
-    per weight name the input columns' mean squares, E[x xᵀ] (memmaps in a temporary folder, when asked),
-    the output rows' mean squared loss gradients (when asked), and the float32 weights (for `allocate`)."""
+    tokens in windows of up to 512; default CALIB_TOKENS, IMPORTANCE_TOKENS for the mean squares alone) and return
+    {"importance", "hessians", "gradients", "embedding", "weights", "text"}: per weight name the input columns'
+    mean squares, E[x xᵀ] (memmaps in a temporary folder, when asked; a tied table's: module docstring), the
+    output rows' mean squared loss gradients (when asked), a tied table's input use (with gradients) and the
+    float32 weights (for `allocate`)."""
     import torch
 
     from fuselm.reference import hf_model
@@ -47,13 +56,19 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, 
     tok = load_tokenizer(Path(hf_dir), required=True)
     tokens = tokens or (CALIB_TOKENS if hessians or gradients else IMPORTANCE_TOKENS)
     pieces = text_mod.windows(tok.encode(body), min(text_mod.WINDOW, tokens), tokens)
+    model = hf_model(hf_dir)
+    linears = _quantized_linears(model)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if embed is not None:  # backward runs through the activations only, from the embedding's output (hook below)
+        model.requires_grad_(False)
+    table = linears.get(head) if head is not None and embed is not None and head.weight is embed.weight else None
+    gradients = gradients or (hessians and table is not None)  # a tied table's Hessian weighs both uses by the loss
     if not quiet:
         print(f"fuselm convert: calibrating on {sum(map(len, pieces))} tokens of {source}"
               f"{' (forward and backward)' if gradients else ''}")
-    model = hf_model(hf_dir)
-    linears = _quantized_linears(model)
     folder = Path(tempfile.mkdtemp(prefix="fuselm-calib-")) if hessians else None
     stats = {name: {"n": 0, "sq": None, "g": None, "H": None} for name in linears.values()}
+    fisher = {"x": None, "head": None, "input": None, "n": 0}  # the tied table's two uses (module docstring)
     hooks = []
 
     def forward_hook(module, args, output, name):
@@ -62,17 +77,35 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, 
         d["n"] += x.shape[0]
         sq = x.square().sum(0)
         d["sq"] = sq if d["sq"] is None else d["sq"] + sq
-        if folder is not None:
+        if name == table and gradients:
+            fisher["x"] = x  # weighted by each token's |g|² once its gradient arrives
+        elif folder is not None:
             if d["H"] is None:
                 d["H"] = np.lib.format.open_memmap(folder / f"{len(os.listdir(folder))}.npy", "w+", np.float32,
                                                    (x.shape[1], x.shape[1]))
             torch.from_numpy(d["H"]).add_(x.T @ x)
 
     def backward_hook(module, grad_input, grad_output, name):
-        g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float().square().sum(0)
-        stats[name]["g"] = g if stats[name]["g"] is None else stats[name]["g"] + g
+        g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float().square()
+        stats[name]["g"] = g.sum(0) if stats[name]["g"] is None else stats[name]["g"] + g.sum(0)
+        if name == table:
+            x = fisher["x"]
+            h = (x * g.sum(1, keepdim=True)).T @ x
+            fisher["head"] = h if fisher["head"] is None else fisher["head"] + h
 
-    head = model.get_output_embeddings()
+    def embedding_hook(module, args, kwargs, output):
+        ids = args[0] if args else kwargs["input_ids"]
+        rows = module.weight[ids].detach()  # the output is the rows times a constant (Gemma: √hidden)
+        scale = float((output.detach() * rows).sum() / rows.square().sum().clamp_min(1e-30))
+        fisher["n"] += output.shape[:-1].numel()
+
+        def grad_hook(g):
+            e = (scale * g.detach().reshape(-1, g.shape[-1]).float()).square().sum(0)
+            fisher["input"] = e if fisher["input"] is None else fisher["input"] + e
+        output = output.requires_grad_()
+        output.register_hook(grad_hook)
+        return output
+
     base = model.base_model  # its output is the head's input: forward-only runs stop there (the head is a fifth)
     for module, name in linears.items():
         if module is head and not gradients:
@@ -82,6 +115,9 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, 
         hooks.append(module.register_forward_hook(lambda m, a, o, name=name: forward_hook(m, a, o, name)))
         if gradients:
             hooks.append(module.register_full_backward_hook(lambda m, gi, go, name=name: backward_hook(m, gi, go, name)))
+    if gradients and embed is not None:
+        hooks.append(embed.register_forward_hook(embedding_hook if table else lambda m, a, k, o: o.requires_grad_(),
+                                                 with_kwargs=True))
     try:
         for ids in pieces:
             x = torch.from_numpy(np.asarray(ids, np.int64)[None])
@@ -96,8 +132,13 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, 
     finally:
         for h in hooks:
             h.remove()
-    out = {"importance": {}, "hessians": {}, "gradients": {}, "weights": {}, "folder": folder,
+    out = {"importance": {}, "hessians": {}, "gradients": {}, "embedding": {}, "weights": {}, "folder": folder,
            "text": {"text": source, "tokens": int(sum(map(len, pieces)))}}
+    if table is not None and fisher["input"] is not None:
+        out["embedding"][table] = (fisher["input"] / fisher["n"]).numpy()
+        if folder is not None:
+            h = fisher["head"] / stats[table]["n"] + torch.diag(fisher["input"] / fisher["n"])
+            out["hessians"][table] = h.numpy()
     for module, name in linears.items():
         d = stats[name]
         if not d["n"]:
@@ -110,7 +151,36 @@ def calibrate(hf_dir: Path, text: str | None = None, tokens: int | None = None, 
         if d["g"] is not None:
             out["gradients"][name] = (d["g"] / d["n"]).numpy()
         out["weights"][name] = module.weight.detach().float().numpy()
+    if gradients:
+        out["head"] = linears.get(head)
+        out["kl"] = _kl_probe(model, linears, pieces[0])
     return out
+
+
+def _kl_probe(model, linears: dict, ids):
+    """kl(weights) -> the mean KL divergence from the model's next-token distributions on `ids` to theirs with the
+    named weights replaced (float32 arrays in the HF layout): what mixed precision measures its estimates by."""
+    import torch
+
+    params = {name: module.weight for module, name in linears.items()}
+    x = torch.from_numpy(np.asarray(ids, np.int64)[None])
+
+    def log_probs():
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=x, use_cache=False).logits[0].float(), -1)
+    ref = log_probs()
+
+    def kl(weights: dict) -> float:
+        saved = {name: params[name].data for name in weights}
+        try:
+            for name, w in weights.items():
+                params[name].data = torch.from_numpy(np.asarray(w, np.float32))
+            lp = log_probs()
+        finally:
+            for name, data in saved.items():
+                params[name].data = data
+        return float((ref.exp() * (ref - lp)).sum(-1).mean())
+    return kl
 
 
 def _quantized_linears(model) -> dict:
@@ -130,20 +200,50 @@ def _quantized_linears(model) -> dict:
 
 def allocate(cal: dict, budget: float, method: str, default: Precision) -> dict[str, Precision]:
     """The precision of each measured weight (OPTIONS) so that their stored bits per weight stay within
-    `budget`, greedily upgrading where the estimated loss falls most per added bit, from the cheapest up."""
-    weights, grads, imp = cal["weights"], cal["gradients"], cal["importance"]
-    search = "mse" if method in ("mse", "gptq") else "rtn"
-    costs: dict[str, list[tuple[float, float]]] = {}  # name -> [(bits, estimated loss)] per option
+    `budget`, greedily upgrading where the estimated loss falls most per added bit, from the cheapest up.
+
+    With a model to measure (`cal["kl"]`), the estimates of each class of tensors (the head; the layers) are
+    scaled to the KL divergence measured when the whole class goes from the cheapest option to the next: the
+    Fisher estimate ranks tensors within a class, but its scale can differ between classes many times over
+    (a second-order estimate of quantization noise that is not small), and that exchange rate decides where
+    most of the budget goes."""
+    weights, grads, imp, emb = cal["weights"], cal["gradients"], cal["importance"], cal.get("embedding", {})
+    probe, head = cal.get("kl"), cal.get("head")
+    classes = {"head": [n for n in weights if n == head], "layers": [n for n in weights if n != head]}
+    rows: dict[str, list[tuple[float, float]]] = {n: [] for n in weights}  # name -> [(bits, estimated loss)] per option
+    measured = {c: [] for c in classes}
+    for k, (kind, block) in enumerate(OPTIONS):
+        p = Precision(kind, block)
+        for cls, names in classes.items():
+            swap = {}
+            for name in names:
+                w = weights[name]
+                # each tensor's blocks as its method picks their ranges (a tied table's gptq: min/max, quant.Plan)
+                search = "rtn" if method == "rtn" or (method == "gptq" and name in emb) else "mse"
+                q, s, z = quantize(w, p.bits, block, axis=1, method=search, importance=imp.get(name))
+                dq = _dequantized(q, s, z, block)
+                err2 = np.square(dq - w)
+                loss = 0.5 * float((grads[name][:, None] * err2 * imp[name][None]).sum())
+                if name in emb:  # a tied table's input use: any row may be looked up, each costs as the average one
+                    loss += 0.5 * float(err2.mean(0) @ emb[name])
+                rows[name].append((p.bits_per_weight() * w.size, loss))
+                if probe is not None and names and k < 2:
+                    swap[name] = dq
+            if swap:
+                measured[cls].append(probe(swap))
+    rates = {}
+    for cls, names in classes.items():
+        kl = measured[cls]
+        est = [sum(rows[n][k][1] for n in names) for k in range(len(kl))]
+        if len(kl) == 2 and kl[0] > kl[1] and est[0] > est[1]:
+            rates[cls] = (kl[0] - kl[1]) / (est[0] - est[1])
+        elif kl and est[0] > 0:  # finer blocks measured no better: the level, not the slope
+            rates[cls] = kl[0] / est[0]
+        for n in names:
+            rows[n] = [(bits, loss * rates.get(cls, 1.0)) for bits, loss in rows[n]]
+    cal["rates"] = rates
+    costs = {name: _hull(row) for name, row in rows.items()}
     total_weights = sum(w.size for w in weights.values())
-    for name, w in weights.items():
-        row = []
-        for kind, block in OPTIONS:
-            p = Precision(kind, block)
-            q, s, z = quantize(w, p.bits, block, axis=1, method=search, importance=imp.get(name))
-            err = _dequantized(q, s, z, block) - w
-            loss = 0.5 * float((grads[name][:, None] * np.square(err) * imp[name][None]).sum())
-            row.append((p.bits_per_weight() * w.size, loss))
-        costs[name] = _hull(row)
     floor = sum(c[0][0] for c in costs.values())
     if budget * total_weights < floor:
         raise FuselmError(f"--bits-per-weight {budget} is below the cheapest mixture ({floor / total_weights:.3f} bits "
@@ -204,5 +304,6 @@ def recipe(hf_dir: Path, method: str, text: str | None, budget: float | None, de
     with `budget`, each weight's precision."""
     cal = calibrate(hf_dir, text, hessians=method == "gptq", gradients=budget is not None, quiet=quiet)
     tensors = allocate(cal, budget, method, default) if budget is not None else {}
+    text = {**cal["text"], **({"kl_per_estimate": cal["rates"]} if cal.get("rates") else {})}
     return Recipe(importance=cal["importance"], hessians=cal["hessians"], tensors=tensors,
-                  describe={"calibration": cal["text"], "folder": cal["folder"]})
+                  describe={"calibration": text, "folder": cal["folder"]})

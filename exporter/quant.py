@@ -125,11 +125,13 @@ def _search(blocks: np.ndarray, scale, zp, lo, hi, qmax: float, importance, n: i
     return best_s.numpy(), best_z.numpy()
 
 
-def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, block: int, damp: float = 0.01, columns: int = 128):
+def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, block: int, damp: float = 0.01, columns: int = 128,
+         search: bool = True):
     """GPTQ (Frantar et al. 2022) of an HF Linear weight w [rows, in] given H = E[x xᵀ] of its input [in, in]:
     -> (q, scales, zero_points) as `quantize(w, axis=1)` returns them. Columns are quantized in order, each
-    block's range chosen by `mse` (weighted by diag(H)) when the block is reached; each column's rounding
-    error is spread over the later columns through the Cholesky factor of H⁻¹ (lazy updates `columns` wide)."""
+    block's range chosen when the block is reached, by `mse` (weighted by diag(H)) or, `search` off, its min/max;
+    each column's rounding error is spread over the later columns through the Cholesky factor of H⁻¹ (lazy
+    updates `columns` wide)."""
     import torch
 
     rows, n = w.shape
@@ -156,7 +158,7 @@ def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, block: int, damp: float 
                 width = part.shape[1]
                 if width < block:  # a ragged last block, padded as `quantize` pads it
                     part = np.concatenate([part, np.repeat(part[:, :1], block - width, axis=1)], axis=1)
-                _, s_b, z_b = quantize(part, bits, block, axis=1, method="mse",
+                _, s_b, z_b = quantize(part, bits, block, axis=1, method="mse" if search else "rtn",
                                        importance=np.pad(diag[col:col + width].numpy(), (0, block - width)))
                 S[:, b], Z[:, b] = s_b[:, 0], z_b[:, 0]
                 s, z = torch.from_numpy(S[:, b]), torch.from_numpy(Z[:, b].astype(np.float32))
@@ -333,8 +335,8 @@ class Plan:
         imp, hess = self.recipe.importance.get(name), self.recipe.hessians.get(name)
         method = "mse" if p.method == "gptq" and hess is None else p.method
 
-        def encode(w, p=p, method=method):
-            return list(gptq(w, hess, p.bits, p.block) if method == "gptq"
+        def encode(w, p=p, method=method):  # a tied table's ranges keep its rows' outliers (the input use needs them)
+            return list(gptq(w, hess, p.bits, p.block, search=False) if method == "gptq"
                         else quantize(w, p.bits, p.block, axis=1, method=method, importance=imp))
 
         q, s, z = b.weight(name, None, encode,

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from fuselm.exporter.calibrate import OPTIONS, allocate
-from fuselm.exporter.quant import Precision, gptq, quantize
+from fuselm.exporter.calibrate import OPTIONS, allocate, calibrate
+from fuselm.exporter.quant import Precision, dequantize, gptq, quantize
 
 from fuselm import cli
 
@@ -82,6 +82,60 @@ def test_allocate_spends_the_budget_where_the_loss_falls_most():
     assert {(p.kind, p.block) for p in chosen.values()} <= set(OPTIONS)
 
 
+def test_allocate_scales_each_class_to_the_measured_kl():
+    """With a model to measure, the head's and the layers' estimates are scaled to the KL each class's measured
+    change costs: equal estimates, a head whose error the probe says costs 100x more gets the upgrades first
+    (without the probe it gets none before the others)."""
+    weights = {n: _weights(i, (64, 256)) for i, n in enumerate(("head", "t1", "t2", "t3"))}
+    ones = {n: np.ones(s, np.float32) for n, s in (("imp", 256), ("g", 64))}
+    cal = {"weights": weights, "importance": {n: ones["imp"] for n in weights},
+           "gradients": {n: ones["g"] for n in weights}, "head": "head"}
+    cost = {"head": 100.0, "t1": 1.0, "t2": 1.0, "t3": 1.0}
+    probe = {"kl": lambda swap: sum(cost[n] * float(np.square(w - weights[n]).sum()) for n, w in swap.items())}
+    plain = allocate(dict(cal), 5.5, "rtn", Precision("q4", 32))
+    measured = allocate({**cal, **probe}, 5.5, "rtn", Precision("q4", 32))
+    assert measured["head"].bits_per_weight() > max(measured[n].bits_per_weight() for n in ("t1", "t2", "t3"))
+    assert plain["head"].bits_per_weight() <= max(plain[n].bits_per_weight() for n in ("t1", "t2", "t3"))
+
+
+def test_tied_table_gptq_counts_both_uses(make_ckpt):
+    """A tied table is the input embedding and the head: its GPTQ Hessian (the head's Fisher plus the input use's
+    diagonal, min/max ranges) leaves a trained model's next-token distributions on held-out text closer to
+    float32 than round to nearest, and than GPTQ by the head's inputs alone (which moves error into the rows)."""
+    import torch
+
+    from fuselm.reference import hf_model
+    from fuselm.text import CALIB_TEXT, read_text, windows
+    from fuselm.tokenizer import load_tokenizer
+
+    hf = make_ckpt("gemma3_text", train_steps=25)
+    cal = calibrate(hf, hessians=True, tokens=512)
+    name = cal["head"]
+    w = np.array(cal["weights"][name])
+    assert name in cal["embedding"] and cal["embedding"][name].shape == (w.shape[1],)
+    model, tok = hf_model(hf), load_tokenizer(hf, required=True)
+    table = model.get_input_embeddings().weight
+    inputs = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: inputs.append(a[0][0]))
+    with torch.no_grad():
+        for ids in windows(tok.encode(read_text(None, CALIB_TEXT)[0]), 512, 512):
+            model(input_ids=torch.tensor([ids]))
+    x = torch.cat(inputs)
+    head_only = (x.T @ x / len(x)).numpy()
+
+    def kl(parts) -> float:
+        out = []
+        for ids in windows(tok.encode(read_text(None)[0]))[:2]:
+            with torch.no_grad():
+                table.data = torch.from_numpy(w)
+                ref = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)
+                table.data = torch.from_numpy(dequantize(*parts, 32, axis=1))
+                out.append(float((ref.exp() * (ref - torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1))).sum(-1).mean()))
+        return float(np.mean(out))
+    both = kl(gptq(w, np.asarray(cal["hessians"][name]), 4, 32, search=False))
+    assert both < kl(quantize(w, 4, 32, axis=1)) and both < kl(gptq(w, head_only, 4, 32)), both
+
+
 def test_each_method_converts_end_to_end(make_ckpt, tmp_path, capsys):
     """--method rtn|mse|gptq, --no-calib and --bits-per-weight through the CLI: a checked graph, fuselm.json says
     how each class was stored, the calibration and the tensors mixed precision stored otherwise; diff shows them."""
@@ -96,6 +150,7 @@ def test_each_method_converts_end_to_end(make_ckpt, tmp_path, capsys):
         assert ("calibration" in q) == (flags[1] != "rtn" and "--no-calib" not in flags)
         if "--bits-per-weight" in flags:
             assert q["tensors"] and all(v.split("/")[0] in ("q4", "q8") for v in q["tensors"].values())
+            assert set(q["calibration"]["kl_per_estimate"]) == {"head", "layers"}  # the measured exchange rates
             capsys.readouterr()
             assert cli.main(["diff", str(out)]) == 0
             assert "mixed precision" in capsys.readouterr().out
