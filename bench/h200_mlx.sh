@@ -19,7 +19,7 @@
 #   bash bench/h200_mlx.sh spec            # after bench: SmolLM2-135M-Instruct from its GGUF file (carried in parts
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
-#                                          # bench/api_vs_cli.py, on MLX
+#                                          # bench/api_vs_cli.py (API_RUNS=0: not), on MLX; bench/verify_step.py first
 # Any phase first keeps what the carried .c*/ folders hold (wheels, the GGUF parts) in the stash.
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
@@ -38,6 +38,7 @@ for d in .c[0-9]*; do [ -d "$d" ] && cp -n "$d"/* "$stash/" 2>/dev/null; done
 spec_models() {  # SmolLM2-135M-Instruct's fuselm graphs (q8, q4) from its GGUF file, carried in parts
     cat "$stash"/smollm2.gguf.part* > /root/smollm2.gguf || return 1
     sha256sum /root/smollm2.gguf
+    cd /root  # the installed fuselm, not the checkout's top-level folders
     python3 - <<'PY'
 import fuselm
 fuselm.convert("/root/smollm2.gguf", "/root/smol/q8-exp", quant="q8", quiet=True, force=True)
@@ -96,10 +97,14 @@ PY
             --q-group-size 32 >/dev/null 2>&1 || exit 1
         python3 -m mlx_lm convert --hf-path /root/smol/hf-for-mlx-lm --mlx-path /root/smol/mlx-q4 -q --q-bits 4 \
             --q-group-size 32 >/dev/null 2>&1 || exit 1
+        for m in q8 q4; do  # what a verification step costs here against a one-token step
+            python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
+                --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -3
+        done
         python3 "$repo/bench/speculative.py" --model /root/smol/q8 --draft /root/smol/q4 --mlx-lm /root/smol/mlx-q8 \
             --mlx-lm-draft /root/smol/mlx-q4 --backend mlx --tokens ${SPEC_TOKENS:-128} --runs ${SPEC_RUNS:-3} \
             --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
-        python3 "$repo/bench/api_vs_cli.py" /root/smol/q4 --backend mlx --runs ${API_RUNS:-5} \
+        [ "${API_RUNS:-5}" = 0 ] || python3 "$repo/bench/api_vs_cli.py" /root/smol/q4 --backend mlx --runs ${API_RUNS:-5} \
             --out "$OUT/api-vs-cli-h200-smollm2-q4.json" 2>&1 | tail -14
         exit 0
     fi

@@ -17,8 +17,9 @@ step of k + 1 tokens plus drafting k against a one-token step, the k that gives 
 none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
 (plain tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where
 the cache cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting
-resumes when they start to match; every PROBE_EVERY plain tokens a draft model is tried again unless even
-drafts always kept would not pay for its cost, an n-gram drafter if its shadow drafts match half the time). A model
+resumes when they start to match; every PROBE_EVERY plain tokens a paused drafter is tried again unless even
+drafts always kept would not pay for the measured step, an n-gram drafter if its shadow drafts match half the
+time). Step times are the engine's (Engine.step_seconds), kept across its generations. A model
 with recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each
 verification; when a draft is rejected it is restored and the kept tokens run again.
 """
@@ -166,10 +167,10 @@ class Policy:
     """How many drafts the next step verifies (module docstring): acceptance as decayed counts of kept and rejected
     draft tokens, step times as decayed means by row count."""
 
-    def __init__(self, k_max: int, fixed: bool):
+    def __init__(self, k_max: int, fixed: bool, seconds: dict[int, float] | None = None):
         self.k_max, self.fixed = k_max, fixed  # fixed: the engine verifies k_max drafts every time (padded)
         self.kept = self.rejected = 0.0
-        self.seconds: dict[int, float] = {}
+        self.seconds = {} if seconds is None else seconds  # (an engine's, measured in its earlier generations)
         self.samples: dict[int, int] = {}
         self.draft_s = 0.0  # seconds per drafted token (a draft model's steps; n-gram lookups cost about none)
 
@@ -248,15 +249,14 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     history.append(y)
     yield y
     produced = 1
-    policy = Policy(k, engine.fixed_rows)
+    policy = Policy(k, engine.fixed_rows, engine.step_seconds)
     stats.step_s = policy.seconds
     shadow: list[int] = []  # an n-gram draft not verified (paused): compared with the tokens plain decode gives
     since_probe = 0
     while produced < max_new:
         left = max_new - produced
         want = policy.choose(left)
-        if not want and since_probe >= PROBE_EVERY and left > 1 and (
-                policy.could_pay() if isinstance(drafter, ModelDrafter) else policy.alpha >= 0.5):
+        if not want and since_probe >= PROBE_EVERY and left > 1 and _probe(policy, drafter):
             want = min(k, left - 1)  # a paused drafter is tried again (an n-gram one whose shadow drafts match: a
             # verification step's time measured early may have been an outlier)
         t0 = time.perf_counter()
@@ -333,9 +333,16 @@ def _resume(policy: Policy, drafter, shadow: list[int], since_probe: int, left: 
     (or that a paused n-gram drafter probes, its shadow drafts matching); a paused draft model's probe is due."""
     if left < 2:
         return False
-    if isinstance(drafter, NgramDrafter):
-        return bool(shadow) and (policy.choose(left) > 0 or since_probe >= PROBE_EVERY and policy.alpha >= 0.5)
-    return policy.choose(left) > 0 or since_probe >= PROBE_EVERY and policy.could_pay()
+    if isinstance(drafter, NgramDrafter) and not shadow:
+        return False
+    return policy.choose(left) > 0 or since_probe >= PROBE_EVERY and _probe(policy, drafter)
+
+
+def _probe(policy: Policy, drafter) -> bool:
+    """Whether a paused drafter is tried again: only where drafts always kept would pay for the measured step
+    (a device whose multi-token step costs many one-token steps never drafts), an n-gram drafter only while its
+    shadow drafts match half the time."""
+    return policy.could_pay() and (isinstance(drafter, ModelDrafter) or policy.alpha >= 0.5)
 
 
 def _pick(logits: np.ndarray, sampler) -> int:

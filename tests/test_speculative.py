@@ -5,6 +5,7 @@ off when its drafts are rejected; the CLI's flags and summary."""
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
@@ -133,6 +134,28 @@ def test_policy_drafts_what_pays():
     p.seconds[5] = 0.05
     assert p.choose(100) < 4
 
+
+
+def test_a_costly_verification_is_not_probed_again(optimized):
+    """An engine whose verification step costs many one-token steps (a GPU kernel that does not batch the rows):
+    n-gram drafts that always match are verified only until that cost is measured, then never probed; the step
+    times stay with the engine, so its next generation runs plain from the start. Tokens stay plain decode's."""
+    engine = fuselm.load(optimized("qwen3", "f32"), backend="torch")
+    want = list(engine.generate(PROMPT * 4, 48, Sampler()))
+    forward = engine.forward
+
+    def slow(ids, rows=1):
+        time.sleep(0.2 if rows > 1 else 0)
+        return forward(ids, rows)
+
+    engine.forward = slow
+    steps = []
+    for _ in range(2):
+        stats = speculative.Stats("ngram", 3)
+        got = list(speculative.generate(engine, PROMPT * 4, 48, Sampler(), speculative.NgramDrafter(), 3, stats))
+        assert got == want
+        steps.append(stats.steps)
+    assert 0 < steps[0] <= 2 and steps[1] == 0 and max(engine.step_seconds.values()) > 0.1
 
 def test_cli_flags(optimized, capsys):
     model = str(optimized("qwen3", "f32"))

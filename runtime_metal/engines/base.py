@@ -41,6 +41,8 @@ class Engine:
             self.meta = read_meta(self.path)
         self.drafters: dict = {}  # speculative decoding's drafters, kept across generations (a draft model loads once)
         self.speculation = None  # what speculation did in the last generation (speculative.Stats)
+        self.step_seconds: dict[int, float] = {}  # speculation's measured step times by row count, kept across
+        # generations: what a verification costs is the engine's on its device, not the prompt's
 
     # --- what it is ----------------------------------------------------------------------------
     def describe(self) -> str:

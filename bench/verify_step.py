@@ -1,0 +1,75 @@
+"""What a speculative verification step costs on this device, against a one-token decode step.
+
+A verification feeds the target k + 1 tokens at once (runtime_metal/speculative.py). Where drafting is to pay, that
+step must cost little more than a one-token step. This times both on a fuselm engine after a prompt, splitting each
+step into the host's time to queue it and the wait for the device, on the path the session takes (the compiled
+pieces Decoding.rows builds, when it keeps them) and on the dynamic step; it also counts the executor walks a step
+makes (a compiled piece that traces again walks its ops on every call).
+
+    python bench/verify_step.py MODEL --backend mlx --device gpu --rows 2 5 --out verify-step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import fuselm
+
+
+def timed(engine, step, rows: int, repeats: int, walks: list) -> dict:
+    """Host and wait milliseconds (medians) of `step(ids)` at the session's position, rolled back after each."""
+    s = engine.session
+    host, wait, walked = [], [], []
+    for i in range(repeats):
+        ids = [100 + i + j for j in range(rows)]
+        before = len(walks)
+        t0 = time.perf_counter()
+        out = step(ids)
+        t1 = time.perf_counter()
+        s.backend.to_numpy(out)
+        t2 = time.perf_counter()
+        walked.append(len(walks) - before)
+        engine.rollback(rows)
+        host.append((t1 - t0) * 1e3)
+        wait.append((t2 - t1) * 1e3)
+    return {"first_ms": round(host[0] + wait[0], 3), "host_ms": round(statistics.median(host[1:]), 3),
+            "wait_ms": round(statistics.median(wait[1:]), 3), "walks": walked}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--backend", default="mlx")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 5])
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before the steps")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    engine = fuselm.load(args.model, backend=args.backend, **({"device": args.device} if args.device else {}))
+    s = engine.session
+    walks: list = []
+    run_steps = s.executor.run_steps
+    s.executor.run_steps = lambda *a, **k: (walks.append(1), run_steps(*a, **k))[1]
+    engine.reset(args.prompt + 64)
+    engine.forward([100 + i % 500 for i in range(args.prompt)])
+    for _ in range(4):  # the static / compiled decode step is checked and built in the first steps
+        s.backend.to_numpy(s.decode(7))
+    one = timed(engine, lambda ids: s.decode(ids[0]), 1, args.repeats, walks)
+    result = {"model": args.model, "what": engine.describe(), "decode": one, "verify": {}, "dynamic": {}}
+    for rows in args.rows:
+        v = timed(engine, s.verify, rows, args.repeats, walks)
+        v["path"] = "compiled pieces" if s.decoding.verifiers.get((s.max_len, rows)) else "dynamic step"
+        result["verify"][rows] = v
+        result["dynamic"][rows] = timed(engine, lambda ids: s._step_dynamic(ids, len(ids)), rows, args.repeats, walks)
+        print(f"{rows} rows: verify {v}  dynamic {result['dynamic'][rows]}  (decode {one})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
