@@ -84,6 +84,11 @@ bench|probe|kv8|pipeline|spec)
     if [ "$phase" = spec ]; then
         cd /root
         [ -f /root/smol/q4/fuselm.json ] || spec_models || exit 1
+        for m in q8 q4; do  # what a verification step costs here against a one-token step
+            python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
+                --loop ${SPEC_LOOP:-0} --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -${SPEC_LOOP_LINES:-3}
+        done
+        [ "${SPEC_BENCH:-1}" = 0 ] && exit 0  # (SPEC_LOOP=TOKENS SPEC_BENCH=0: the verification steps traced only)
         hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
         # mlx-lm 0.32 reads rope_theta only at the top of config.json (transformers 5 writes it in rope_parameters)
         python3 - "$hf" <<'PY'
@@ -97,10 +102,6 @@ PY
             --q-group-size 32 >/dev/null 2>&1 || exit 1
         python3 -m mlx_lm convert --hf-path /root/smol/hf-for-mlx-lm --mlx-path /root/smol/mlx-q4 -q --q-bits 4 \
             --q-group-size 32 >/dev/null 2>&1 || exit 1
-        for m in q8 q4; do  # what a verification step costs here against a one-token step
-            python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
-                --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -3
-        done
         python3 "$repo/bench/speculative.py" --model /root/smol/q8 --draft /root/smol/q4 --mlx-lm /root/smol/mlx-q8 \
             --mlx-lm-draft /root/smol/mlx-q4 --backend mlx --tokens ${SPEC_TOKENS:-128} --runs ${SPEC_RUNS:-3} \
             --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12

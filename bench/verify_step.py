@@ -7,6 +7,9 @@ pieces Decoding.rows builds, when it keeps them) and on the dynamic step; it als
 makes (a compiled piece that traces again walks its ops on every call).
 
     python bench/verify_step.py MODEL --backend mlx --device gpu --rows 2 5 --out verify-step.json
+
+--loop: the same split for each verification inside n-gram speculation on bench/speculative.py's first grounded
+prompt (a warm-up generation, then the timed one), with the key it ran under and whether it was built before.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import fuselm
+
+sys.path.insert(0, str(Path(__file__).parent))  # bench/speculative.py's prompts
 
 
 def timed(engine, step, rows: int, repeats: int, walks: list) -> dict:
@@ -39,6 +46,40 @@ def timed(engine, step, rows: int, repeats: int, walks: list) -> dict:
             "wait_ms": round(statistics.median(wait[1:]), 3), "walks": walked}
 
 
+def loop(engine, walks: list, tokens: int) -> list:
+    """Each verification of an n-gram speculative generation: host and wait milliseconds, executor walks, its key."""
+    from speculative import PROMPTS
+
+    s, seen = engine.session, []
+    verify, forward = s.verify, engine.forward
+
+    def traced_verify(ids):
+        key = (s.max_len, len(ids))
+        built = s.decoding.verifiers.get(key) is not None
+        pd = s.decoding.pos_dev
+        before, t0 = len(walks), time.perf_counter()
+        out = verify(ids)
+        seen.append({"key": list(key), "built_before": built, "pos_dev_current": bool(pd and pd[0] == s.pos - len(ids)),
+                     "host_ms": round((time.perf_counter() - t0) * 1e3, 3), "walks": len(walks) - before,
+                     "t": time.perf_counter()})
+        return out
+
+    def traced_forward(ids, rows=1):
+        out = forward(ids, rows)
+        if rows > 1 and seen and "wait_ms" not in seen[-1]:
+            seen[-1]["wait_ms"] = round((time.perf_counter() - seen[-1].pop("t")) * 1e3, 3)
+        return out
+
+    s.verify, engine.forward = traced_verify, traced_forward
+    for n in (4, tokens):
+        seen.clear()
+        list(fuselm.stream_generate(engine, PROMPTS["grounded"][0], max_tokens=n, chat=True, speculative="ngram"))
+    for v in seen:
+        print("verification", v, flush=True)
+    print("summary", engine.speculation.as_dict(), flush=True)
+    return list(seen)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -47,6 +88,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 5])
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before the steps")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--loop", type=int, default=0, help="tokens of n-gram speculation to trace (0: none)")
     ap.add_argument("--out")
     args = ap.parse_args()
     engine = fuselm.load(args.model, backend=args.backend, **({"device": args.device} if args.device else {}))
@@ -66,6 +108,8 @@ def main() -> None:
         result["verify"][rows] = v
         result["dynamic"][rows] = timed(engine, lambda ids: s._step_dynamic(ids, len(ids)), rows, args.repeats, walks)
         print(f"{rows} rows: verify {v}  dynamic {result['dynamic'][rows]}  (decode {one})", flush=True)
+    if args.loop:
+        result["loop"] = loop(engine, walks, args.loop)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
