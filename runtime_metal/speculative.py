@@ -87,23 +87,24 @@ class NgramDrafter:
 
     name = "ngram"
 
+    def __init__(self):
+        self.after: dict[tuple, int] = {}  # an n-gram -> where the tokens after its latest occurrence start
+        self.indexed = 0  # the history's length when last indexed
+
     def start(self, prompt: list[int]) -> None:
-        pass
+        self.after, self.indexed = {}, 0
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
-        h = np.asarray(history)
+        # index the n-grams that end before the last token (a token follows each), in O(new tokens) per call
+        for end in range(max(self.indexed, 1), len(history)):
+            for n in NGRAM:
+                if end >= n:
+                    self.after[tuple(history[end - n:end])] = end
+        self.indexed = len(history)
         for n in NGRAM:
-            if len(h) <= n:
-                continue
-            tail = h[-n:]
-            # windows of n tokens ending before the last one: starts 0 .. len - n - 1
-            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                draft = h[start:start + k].tolist()
-                if draft:
-                    return draft, None
+            at = self.after.get(tuple(history[-n:])) if len(history) > n else None
+            if at is not None:
+                return list(history[at:at + k]), None
         return [], None
 
     def verified(self, kept: int, drafted: int, emitted: list[int]) -> None:
@@ -272,6 +273,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             else:
                 n = 1 if want else PLAIN_RUN if ngram else PROBE_EVERY - since_probe
             n, done = max(1, min(left, n)), 0
+            watch = policy.could_pay()  # else no draft is looked for until the run ends (none could pay)
             run = engine.continue_from(y, n, sampler)
             t0 = time.perf_counter()
             try:
@@ -291,9 +293,9 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                     history.append(y)
                     produced += 1
                     yield y
-                    if ngram and not shadow:
+                    if ngram and not shadow and watch:
                         shadow = drafter.propose(history, k)[0]
-                    if done < n and engine.trimmable and _resume(policy, drafter, shadow, since_probe,
+                    if watch and done < n and engine.trimmable and _resume(policy, drafter, shadow, since_probe,
                                                                  max_new - produced):
                         break
             finally:

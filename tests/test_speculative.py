@@ -108,6 +108,26 @@ def test_drafting_pauses_when_rejected(optimized):
     assert got == want and stats.steps <= 6 and stats.paused > TOKENS // 2 and stats.accepted == 0
 
 
+
+def test_ngram_drafts_follow_the_latest_earlier_occurrence():
+    """The drafter's index, grown a token at a time, proposes what a search of the whole history finds: the tokens
+    after the latest earlier occurrence of the last 3, else 2, else 1 tokens."""
+    def search(h, k):
+        for n in speculative.NGRAM:
+            starts = [i for i in range(len(h) - n) if h[i:i + n] == h[-n:]]
+            if len(h) > n and starts:
+                return h[starts[-1] + n:starts[-1] + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    d = speculative.NgramDrafter()
+    for _ in range(3):
+        history = [int(t) for t in rng.integers(0, 6, 5)]
+        d.start(history)
+        for _ in range(60):
+            assert d.propose(history, 4)[0] == search(history, 4)
+            history.append(int(rng.integers(0, 6)))
+
 def test_policy_drafts_what_pays():
     """The policy's choice: a plain step first (timed twice: the first compiles), no drafts when every one is
     rejected, many when all are kept and a step of many tokens costs about one token's; few when long steps cost
