@@ -217,3 +217,23 @@ def test_qkv_heads_takes_every_fused_rope_form(exported, tmp_path, skip):
     ids = [3, 4, 5, 6, 2]
     got, want = _logits(sess, ids, 3), _logits(Session(model, backend="torch"), ids, 3)
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(got).max())
+
+
+def test_few_causal_queries_in_groups_match_one_call():
+    """A verification's few causal queries over the filled rows, in groups of VECTOR_ROWS (MLX's CUDA vector
+    kernel; cuDNN would build a graph per key length): each group over the keys up to its own last row gives what
+    one causal call over all of them gives (grouped-query heads, 4-7 rows; forced here on the CPU)."""
+    import mlx.core as mx
+    from fuselm.runtime_metal.backends.mlx_backend import VECTOR_ROWS, MLXBackend
+
+    b = MLXBackend(device="cpu")
+    rng = np.random.default_rng(0)
+    for rows in range(VECTOR_ROWS + 1, 8):
+        q, k, v = (mx.array(rng.standard_normal((1, h, s, 16)).astype(np.float32))
+                   for h, s in ((4, rows), (2, 9 + rows), (2, 9 + rows)))
+        whole = np.array(b.sdpa(q, k, v, "causal", 0.25))
+        b.vector_rows = VECTOR_ROWS
+        grouped = np.array(b.sdpa(q, k, v, "causal", 0.25))
+        b.vector_rows = None
+        np.testing.assert_allclose(grouped, whole, atol=1e-5)
+        assert not np.allclose(whole[:, :, 0], np.array(b.sdpa(q[:, :, :1], k, v, None, 0.25))[:, :, 0], atol=1e-3)

@@ -64,6 +64,8 @@ _BINARY = {
 
 
 HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
+VECTOR_ROWS = 3  # the most query rows MLX's CUDA sdpa runs on its vector kernel (more: cuDNN, a graph per shape)
+FEW_ROWS = 16  # causal queries this few go to that kernel in groups (a verification step; a prompt: cuDNN)
 
 
 def gpu_kind() -> str | None:
@@ -254,6 +256,7 @@ class MLXBackend(Backend):
     compile_default = True
     quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
+    vector_rows: int | None = None  # causal queries in groups of this many where a few come (CUDA: VECTOR_ROWS)
     # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
     # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
     inflight_layers = switches.number("FUSELM_INFLIGHT", 2) or None
@@ -271,6 +274,7 @@ class MLXBackend(Backend):
             self.device = f"gpu ({kind})"
             self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
             self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
+            self.vector_rows = VECTOR_ROWS if kind == "CUDA" else None
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
@@ -564,6 +568,15 @@ class MLXBackend(Backend):
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
             mask = mask.astype(q.dtype)
+        rows, n = q.shape[2], self.vector_rows
+        if mask == "causal" and n and n < rows <= FEW_ROWS:
+            # a few causal queries (a speculative verification): MLX's CUDA backend would run cuDNN, which builds
+            # a graph for each key length (tens of ms a step); its vector kernel takes n rows at a time, each group
+            # over the keys up to its own last row (causal aligns the rows at the keys' end)
+            t = k.shape[2] - rows
+            return mx.concatenate([mx.fast.scaled_dot_product_attention(
+                q[:, :, r:r + n], k[:, :, :t + min(rows, r + n)], v[:, :, :t + min(rows, r + n)], scale=scale,
+                mask="causal") for r in range(0, rows, n)], axis=2)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):
