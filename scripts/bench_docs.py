@@ -592,7 +592,7 @@ SPECULATIVE_COLS = [Col("prompt", lambda r: f"{r['kind']}: {r['prompt']}", str),
                                                                      lambda v: f"{100 * v:.0f} %"),
                     Col("tokens / step", "fuselm:ngram:tokens_per_step"), Col("draft / plain", "fuselm:draft/plain"),
                     Col("mlx-lm draft / plain", "mlx-lm:draft/plain"),
-                    Col("llama.cpp lookup / plain", "llama.cpp:ngram/plain"),
+                    Col("llama.cpp lookup / plain", ("llama.cpp:ngram/plain",)),
                     Col("same tokens", "fuselm:ngram:same_tokens")]
 API_CLI_COLS = [Col("figure", "figure", str), Col("fuselm.stream_generate", "api"), Col("fuselm run", "cli"),
                 Col("ratio", "api_over_cli")]
@@ -648,6 +648,8 @@ FAMILIES: list[tuple[str, str, str]] = [
     (r"traced_sweep.*\.json", "traced sweep (scripts/traced_sweep.py)", "which-model-types-convert"),
     (r"quality-.*\.json", "quality on real text (bench/quality.py)", "quality-on-real-text"),
     (r"(h200/)?speculative.*\.(json|log)", "speculative decoding (bench/speculative.py)", "speculative-decoding"),
+    (r"(h200/)?verify-step.*\.json", "a verification step's cost (bench/verify_step.py)", "speculative-decoding"),
+    (r"h200/token-check.*\.(json|log)", "GPU token check (bench/mlx_peer.py --token-check)", "hybrid-models-recurrent-state"),
     (r"(h200/)?api-vs-cli.*\.json", "the Python iterator against the command line (bench/api_vs_cli.py)",
      "one-seam-for-running"),
     (r"convert_traced_prewrite.*\.json", "convert experiment (bench/convert.py)", "convert"),
