@@ -91,7 +91,7 @@ def formats(spec) -> tuple[KVFormat, KVFormat]:
     return KVFormat(spec.key_bits, group), KVFormat(spec.value_bits, group)
 
 
-def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat, compute_dtype: int | None = None):
+def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat):
     """A zeroed preallocated cache [B, H, L, D] in `fmt`: a backend array, or (q, scales, biases)."""
     if fmt.quantized:
         kv_quant.check_group(backend, int(shape[3]), group_for(fmt, int(shape[3])), "model's")

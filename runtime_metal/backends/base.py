@@ -14,15 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
-from . import state_kernels
-
-UNARY = ("neg", "abs", "exp", "log", "sqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "erf",
-         "relu", "floor", "ceil", "round", "sign", "not", "isnan", "isinf", "asin", "acos", "atan",
-         "sinh", "cosh", "asinh", "acosh", "atanh", "softplus", "bitwise_not")
-BINARY = ("add", "sub", "mul", "div", "pow", "max", "min", "mod", "fmod", "equal", "less", "less_equal",
-          "greater", "greater_equal", "and", "or", "xor", "bitwise_and", "bitwise_or", "bitwise_xor")
-REDUCE = ("sum", "mean", "max", "min", "prod")
+from . import kv_quant, state_kernels
 
 
 @dataclass
@@ -385,14 +379,29 @@ class Backend:
 
 
     # --- the 8-bit KV cache (format: kv_quant.py) --------------------------------------------
-    # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout.
+    # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout; these defaults
+    # keep q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group], and dequantize every block read.
     def kv_empty(self, shape: tuple, group: int) -> tuple:
         """A zeroed 8-bit cache for [B, H, L, D] values in groups of `group` channels."""
-        raise NotImplementedError
+        b, h, length, d = shape
+        return (self.full(shape, 0, TensorProto.UINT8),
+                *(self.full((b, h, length, d // group), 0, TensorProto.FLOAT16) for _ in range(2)))
 
     def kv_quantize(self, x, group: int) -> tuple:
-        """New rows x [B, H, S, D] (floats) as (q, scales, biases) in the stored layout."""
-        raise NotImplementedError
+        """New rows x [B, H, S, D] (floats) as (q, scales, biases) in the stored layout, quantized against the
+        float16 scale and bias actually stored, so dequantization undoes exactly this."""
+        f32, levels = TensorProto.FLOAT, kv_quant.LEVELS
+        b, h, s, d = self.shape(x)
+        xg = self.reshape(self.cast(x, f32), (b, h, s, d // group, group))
+        lo = self.reduce("min", xg, (4,), False)
+        span = self.binary("sub", self.reduce("max", xg, (4,), False), lo)
+        scale = self.cast(self.binary("div", span, self.full((), levels, f32)), TensorProto.FLOAT16)
+        bias = self.cast(lo, TensorProto.FLOAT16)
+        sf, bf = (self.reshape(self.cast(a, f32), (b, h, s, d // group, 1)) for a in (scale, bias))
+        safe = self.where(self.binary("greater", sf, self.full((), 0, f32)), sf, self.full((), 1, f32))
+        q = self.unary("round", self.binary("div", self.binary("sub", xg, bf), safe))
+        q = self.binary("min", self.binary("max", q, self.full((), 0, f32)), self.full((), levels, f32))
+        return self.reshape(self.cast(q, TensorProto.UINT8), (b, h, s, d)), scale, bias
 
     def kv_head_dim(self, stored: tuple) -> int:
         """head_dim D of a stored cache (the default layout keeps one q value per element)."""
@@ -400,15 +409,21 @@ class Backend:
 
     def kv_dequantize(self, stored: tuple, to: int):
         """Stored rows as floats [B, H, T, D] of ONNX element type `to`."""
-        raise NotImplementedError
+        q, s, z = stored
+        b, h, t, d = self.shape(q)
+        g = self.shape(s)[-1]
+        s, z = (self.reshape(self.cast(a, TensorProto.FLOAT), (b, h, t, g, 1)) for a in (s, z))
+        x = self.binary("add", self.binary("mul", self.reshape(self.cast(q, TensorProto.FLOAT), (b, h, t, g, d // g)), s), z)
+        return self.cast(self.reshape(x, (b, h, t, d)), to)
 
     def kv_scores(self, q, block: tuple):
         """q [B, Hkv, R, D] (query heads grouped per kv head, already scaled) · the block's keysᵀ: f32 [B, Hkv, R, T]."""
-        raise NotImplementedError
+        k = self.kv_dequantize(block, TensorProto.FLOAT)
+        return self.matmul(self.cast(q, TensorProto.FLOAT), self.transpose(k, (0, 1, 3, 2)))
 
     def kv_values(self, p, block: tuple):
         """p f32 [B, Hkv, R, T] · the block's values: f32 [B, Hkv, R, D]."""
-        raise NotImplementedError
+        return self.matmul(self.cast(p, TensorProto.FLOAT), self.kv_dequantize(block, TensorProto.FLOAT))
 
 
 def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int,
@@ -420,11 +435,6 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
     s = np.repeat(scale.astype(np.float32), block, axis=axis)[cut]
     z = np.repeat(zero_point.astype(np.float32), block, axis=axis)[cut] if zero_point is not None else 0.0
     return (q.astype(np.float32) - z) * s
-
-
-def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
-    """Host reference of a stacked blocked DequantizeLinear along the last axis ([E, N, K] experts)."""
-    return dequantize_blocked(q, scale, zero_point, block, axis=-1)
 
 
 class StepQueue:

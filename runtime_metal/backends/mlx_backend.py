@@ -17,7 +17,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, mlx_forms, mlx_state
-from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -580,25 +580,26 @@ class MLXBackend(Backend):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):
-        """MLX affine quantization: w = q * scale + bias, groups along the input dim, packed into uint32
-        from the low bits up; ONNX's (q - zp) * scale is bias = -zp * scale."""
         k, n = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
             w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
             return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        # [N, K]: MLX quantizes rows along the last dim; transposed and packed on the device (a host
-        # transpose of every weight is most of a load)
+        # [N, K]: MLX quantizes rows along the last dim; transposed on the device (a host transpose of every
+        # weight is most of a load)
         qt = mx.transpose(mx.array(q.astype(np.uint8, copy=False)))
+        return self._affine(qt, scale.T, None if zero_point is None else zero_point.T, k, n, bits, block)
+
+    def _affine(self, q, scale, zero_point, k, n, bits, block) -> QuantizedWeight:
+        """MLX affine quantization of q [..., N, K]: w = q * scale + bias, packed into uint32 from the low bits up;
+        ONNX's (q - zp) * scale is bias = -zp * scale (scales in the compute dtype)."""
         if bits == 4:
-            pairs = qt.reshape(n, k // 2, 2)
-            qt = pairs[..., 0] | (pairs[..., 1] << 4)
-        packed = mx.contiguous(qt).view(mx.uint32)  # little endian: first value in the low bits
-        s = np.ascontiguousarray(scale.T.astype(np.float32))
-        zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        bias = np.ascontiguousarray(-zp * s)
-        data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
-        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until
-        # the first step, every weight's at once
+            pairs = q.reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
+            q = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(q).view(mx.uint32)  # little endian: first value in the low bits
+        s = np.ascontiguousarray(scale.astype(np.float32))
+        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        data = (packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s)))
+        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until the first step
         mx.eval(data)
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
@@ -636,20 +637,11 @@ class MLXBackend(Backend):
     def prepare_experts(self, q, scale, zero_point, block, bits):
         """MLX's affine format per expert ([E, N, K] is already MLX's [out, in] row layout): packed
         uint32 [E, N, K*bits/32], scales and biases [E, N, K/block], bias = -zp * scale."""
-        e, n, k = q.shape
+        _, n, k = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
-            w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+            w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype)
             return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        qb = mx.array(q.astype(np.uint8, copy=False))
-        if bits == 4:
-            pairs = qb.reshape(e, n, k // 2, 2)
-            qb = pairs[..., 0] | (pairs[..., 1] << 4)
-        packed = mx.contiguous(qb).view(mx.uint32)
-        s = scale.astype(np.float32)
-        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        data = (packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s)))
-        mx.eval(data)  # now, as prepare_quantized: a lazy weight would hold its unpacked uint8 source until the first step
-        return QuantizedWeight(data, k, n, bits, block, "mlx")
+        return self._affine(mx.array(q.astype(np.uint8, copy=False)), scale, zero_point, k, n, bits, block)
 
     def select_experts(self, scores, k):
         """mlx-lm's top_k: mx.argpartition (no sort), the k largest at the end (no negation); uint32 indices,

@@ -17,7 +17,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, torch_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight, dequantize_blocked
 
 TORCH_DTYPES = {
     TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
@@ -416,7 +416,7 @@ class TorchBackend(Backend):
 
     def prepare_experts(self, q, scale, zero_point, block, bits):
         # dequantized once at load, in the float dtype the graph computes in (torch has no gathered int4 matmul)
-        w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
+        w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype)
         return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
@@ -454,35 +454,7 @@ class TorchBackend(Backend):
                 return int(pos)
         return None
 
-    # --- the 8-bit KV cache: q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group] ----------
-    def kv_empty(self, shape, group):
-        bsz, h, length, d = shape
-        return (torch.zeros((bsz, h, length, d), dtype=torch.uint8, device=self._dev),
-                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev),
-                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev))
-
-    def kv_quantize(self, x, group):
-        bsz, h, s, d = x.shape
-        xg = x.float().reshape(bsz, h, s, d // group, group)
-        lo, hi = xg.amin(-1), xg.amax(-1)
-        scale = ((hi - lo) / kv_quant.LEVELS).to(torch.float16)
-        bias = lo.to(torch.float16)
-        # quantize against the float16 scale and bias actually stored, so dequantization undoes exactly this
-        sf, bf = scale.float(), bias.float()
-        safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-        q = ((xg - bf[..., None]) / safe[..., None]).round_().clamp_(0, kv_quant.LEVELS).to(torch.uint8)
-        return q.reshape(bsz, h, s, d), scale, bias
-
-    def kv_dequantize(self, stored, to):
-        return self._kv_floats(stored).to(TORCH_DTYPES[to])
-
-    def _kv_floats(self, stored):
-        q, s, z = stored
-        bsz, h, t, d = q.shape
-        group = d // s.shape[-1]
-        x = q.float().reshape(bsz, h, t, d // group, group).mul_(s.float()[..., None]).add_(z.float()[..., None])
-        return x.reshape(bsz, h, t, d)
-
+    # --- the 8-bit KV cache (Backend's layout): decode folds the affine fix-up into the small products -----
     def kv_scores(self, q, block):
         # Σ_d q_d (k_d·s_g + z_g) = Σ_g s_g (q_g · k_g) + z_g Σ_{d∈g} q_d: one int8→f32 conversion of the keys,
         # the scales applied to the small [R, T] products
@@ -490,7 +462,7 @@ class TorchBackend(Backend):
         group = kv_quant.group_of(self, block)
         qf = q.float()
         if qf.shape[2] > _FOLD_MAX_QUERIES:
-            return qf @ self._kv_floats(block).transpose(-1, -2)
+            return super().kv_scores(q, block)
         k = kq.float()
         ks, kz = ks.float().transpose(-1, -2), kz.float().transpose(-1, -2)  # [B, H, G, T]
         out = None
@@ -506,7 +478,7 @@ class TorchBackend(Backend):
         vq, vs, vz = block
         group = kv_quant.group_of(self, block)
         if p.shape[2] > _FOLD_MAX_QUERIES:
-            return p @ self._kv_floats(block)
+            return super().kv_values(p, block)
         v = vq.float()
         g = vq.shape[-1] // group
         vs, vz = vs.float().transpose(-1, -2), vz.float().transpose(-1, -2)  # [B, H, G, T]
