@@ -2,18 +2,14 @@
 
 torch's CPU low-bit kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are scalar without
 AVX-512 and slower than an f32 matmul at decode, and a dequantized f32 copy moves 8x the bytes of 4-bit
-weights through memory every token. So on CPUs
-fuselm uses its own kernels (cpu_kernels.cpp, built once at install: kernel_build.py), chosen at run
-time by what the CPU has (`cpu_isa`: AVX-512 VNNI, AVX2, scalar) over one packed layout:
+weights through memory every token. So on CPUs fuselm uses its own kernels (cpu_kernels.cpp, built once at
+install: kernel_build.py), chosen at run time by what the CPU has (`cpu_isa`) over one packed layout:
 - int8 activations (the default, `cpu_activations`): int8 x times 4/8-bit weights with integer
   accumulation, one dequantization per sub-block of 32, for decode (GEMV) and
   prefill alike (the same kernel as an integer GEMM: no dequantized weights);
 - int16 activations: the int16 GEMV for decode, and for prefill (more than 16 rows) a dequantize into
   a reusable f32 buffer + BLAS GEMM (f32-exact activations, for validation).
-bench/gemv_cpu.py measures both against onnxruntime's MatMulNBits and torch's own kernels
-(docs/benchmarks.md, "CPU kernels"). Without kernels (no prebuilt module and no compiler) weights are
-dequantized to f32 at load ("dequant"), the fastest correct path left. Decode attention is torch's
-(torch_backend.py); the hand-written attention kernel lost to it and was deleted.
+Without kernels (no prebuilt module and no compiler) weights are dequantized to f32 at load ("dequant").
 """
 
 from __future__ import annotations
