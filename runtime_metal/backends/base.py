@@ -163,7 +163,7 @@ class Backend:
                 sample(x, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
             return self.asarray(np.array([tok], np.int64))
         x = self.reshape(logits, (-1,))
-        tok = self.arg_reduce("max", x, 0, True, False)
+        tok = self.arg_reduce("max", x, 0, True)
         bad = self.binary("or", self.unary("isnan", x), self.binary("equal", x, self.full((1,), np.inf, self.dtype(x))))
         bad = self.reduce("max", self.cast(bad, 6), (0,), True)  # int32
         return self.where(self.cast(bad, 9), self.full((1,), -1, 7), tok)
@@ -181,7 +181,8 @@ class Backend:
     def reduce(self, op: str, x, axes: tuple | None, keepdims: bool):
         raise NotImplementedError
 
-    def arg_reduce(self, op: str, x, axis: int, keepdims: bool, select_last: bool):
+    def arg_reduce(self, op: str, x, axis: int, keepdims: bool):
+        """int64 index of the first max / min along `axis`."""
         raise NotImplementedError
 
     def matmul(self, a, b):
@@ -234,9 +235,6 @@ class Backend:
         raise NotImplementedError
 
     def scatter_nd(self, x, idx, updates, reduction: str):
-        raise NotImplementedError
-
-    def trilu(self, x, k: int, upper: bool):
         raise NotImplementedError
 
     # --- recurrent-state ops (fuselm::CausalConv1D / GatedDeltaNet / Mamba2 / Mamba): state_kernels.py over the primitives;

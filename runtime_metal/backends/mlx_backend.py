@@ -392,14 +392,8 @@ class MLXBackend(Backend):
         out = fn(x, axis=axes, keepdims=keepdims)
         return out.astype(x.dtype) if out.dtype != x.dtype else out
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = mx.argmax if op == "max" else mx.argmin
-        if select_last:
-            flipped = x[(slice(None),) * axis + (slice(None, None, -1),)]
-            out = x.shape[axis] - 1 - fn(flipped, axis=axis, keepdims=keepdims).astype(mx.int64)
-        else:
-            out = fn(x, axis=axis, keepdims=keepdims)
-        return out.astype(mx.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        return (mx.argmax if op == "max" else mx.argmin)(x, axis=axis, keepdims=keepdims).astype(mx.int64)
 
     def matmul(self, a, b):
         if a.dtype in _INTEGER:  # MLX multiplies floats only
@@ -473,13 +467,6 @@ class MLXBackend(Backend):
             return out
         at = x.at[key]
         return {"add": at.add, "mul": at.multiply, "max": at.maximum, "min": at.minimum}[reduction](updates)
-
-    def trilu(self, x, k, upper):
-        if x.ndim < 2:
-            return x
-        mask = mx.tri(x.shape[-2], x.shape[-1], k=k - 1 if upper else k, dtype=mx.bool_)
-        mask = mx.logical_not(mask) if upper else mask
-        return mx.where(mask, x, mx.zeros_like(x))
 
     # --- recurrent-state ops: each token's step one compiled function (mlx_state.py) --------------------
     def state_zeros(self, shape):

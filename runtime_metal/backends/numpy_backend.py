@@ -82,14 +82,8 @@ class NumpyBackend(Backend):
         fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
         return np.asarray(fn(x, axis=axes, keepdims=keepdims)).astype(x.dtype)
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = np.argmax if op == "max" else np.argmin
-        if select_last:
-            x = np.flip(x, axis)
-            out = x.shape[axis] - 1 - fn(x, axis=axis)
-        else:
-            out = fn(x, axis=axis)
-        out = out.astype(np.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        out = (np.argmax if op == "max" else np.argmin)(x, axis=axis).astype(np.int64)
         return np.expand_dims(out, axis) if keepdims else out
 
     def matmul(self, a, b):
@@ -171,9 +165,6 @@ class NumpyBackend(Backend):
         else:
             ufunc.at(out, key, updates)
         return out
-
-    def trilu(self, x, k, upper):
-        return np.triu(x, k) if upper else np.tril(x, k)
 
     def rms_norm(self, x, weight, eps):
         xf = x.astype(np.float32)

@@ -229,13 +229,8 @@ class TorchBackend(Backend):
             x = torch.prod(x, dim=d, keepdim=keepdims)
         return x
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = torch.argmax if op == "max" else torch.argmin
-        if select_last:
-            out = x.shape[axis] - 1 - fn(torch.flip(x, (axis,)), dim=axis, keepdim=keepdims)
-        else:
-            out = fn(x, dim=axis, keepdim=keepdims)
-        return out.to(torch.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        return (torch.argmax if op == "max" else torch.argmin)(x, dim=axis, keepdim=keepdims).to(torch.int64)
 
     def matmul(self, a, b):
         return torch.matmul(a, b)
@@ -334,9 +329,6 @@ class TorchBackend(Backend):
         red = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
         index = flat_idx.reshape(-1, *([1] * len(inner))).expand(-1, *inner)
         return view.scatter_reduce(0, index, upd, reduce=red, include_self=True).reshape(x.shape)
-
-    def trilu(self, x, k, upper):
-        return torch.triu(x, k) if upper else torch.tril(x, k)
 
     # --- fused kernels ----------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
