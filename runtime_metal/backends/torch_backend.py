@@ -57,10 +57,9 @@ _BINARY = {
 }
 
 
-# Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA's
-# kernel splits tiny problems across threads (milliseconds of fork/join on a busy 2-core box); on
-# CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V out to every
-# query head (2 more kernels and Hq/Hkv times the cache bytes per layer and token).
+# Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA splits tiny
+# problems across threads; on CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V
+# out to every query head.
 _GROUPED_MAX_QUERIES = 16
 
 

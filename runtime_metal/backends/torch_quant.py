@@ -81,8 +81,7 @@ def cpu_activations() -> str:
 def cpu_kind(isa: str, act: str, bits: int) -> str:
     """The kernel a weight runs, as describe() reports it (e.g. avx2-int8). int16 x runs the AVX2 kernel
     on AVX-512 CPUs too; on AVX2, 8-bit weights take int16 x in both modes: int8 x would need two
-    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and measured no faster than int16
-    (bench/gemv_cpu.py: 20.1 vs 21.6 GB/s for a 1024x32768 8-bit weight, 1 thread), 250x coarser."""
+    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and is no faster than int16, 250x coarser."""
     if act == "int16" or (isa == "avx2" and bits == 8):
         return f"{'scalar' if isa == 'scalar' else 'avx2'}-int16"
     return f"{isa}-{act}"

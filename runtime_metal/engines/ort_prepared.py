@@ -80,8 +80,8 @@ def _lower(model_dir: Path, out: Path, level: int) -> None:
         optimize(model_dir, out, target="onnxruntime", accuracy_level=level, last_logits=True, quiet=True)
     except (FuselmError, CheckFailed) as e:
         raise CannotPrepare(f"`fuselm optimize --target onnxruntime` refused it ({e})") from None
-    # The passes' graph is cyclic garbage holding a mapping of every source weight (the 0.6B q4: 0.5 GB
-    # resident): free it now, not whenever the collector next runs (this process goes on to generate).
+    # the passes' graph is cyclic garbage holding a mapping of every source weight: free it now (this process
+    # goes on to generate)
     gc.collect()
     graph = onnx.load(str(out / contract.MODEL_NAME), load_external_data=False).graph
     if not any(n.domain == ORT_DOMAIN and n.op_type == "MatMulNBits" for n in graph.node):
