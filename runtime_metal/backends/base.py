@@ -304,12 +304,14 @@ class Backend:
         """Convert a blocked DequantizeLinear weight once, at load.
 
         q [K, N] unsigned integers (one value per byte), scale/zero_point [K/block, N]: the weight is
-        (q - zero_point) * scale, blocks along K (the MatMul's reduction dim)."""
-        raise NotImplementedError
+        (q - zero_point) * scale, blocks along K (the MatMul's reduction dim). This default dequantizes it to the
+        scales' float dtype ("dequant")."""
+        w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype, copy=False)
+        return QuantizedWeight(self.asarray(w), q.shape[0], q.shape[1], bits, block, "dequant")
 
     def quantized_matmul(self, x, w: QuantizedWeight):
-        """x [..., K] @ dequantize(w) [K, N]."""
-        raise NotImplementedError
+        """x [..., K] @ dequantize(w) [K, N] (this default: `w` dequantized at load)."""
+        return self.matmul(x, w.data)
 
     def quantized_gather(self, w: QuantizedWeight, ids):
         """Rows `ids` (any shape) of the [N, K] table whose transpose `w` holds, dequantized: [*ids, K]
@@ -321,8 +323,10 @@ class Backend:
         """Convert a stacked blocked DequantizeLinear expert weight once, at load (fuselm::MoE).
 
         q [E, N, K] unsigned integers (one value per byte), scale/zero_point [E, N, K/block]: expert e's
-        weight is (q[e] - zero_point[e]) * scale[e], [out, in] with blocks along K (the input dim)."""
-        raise NotImplementedError
+        weight is (q[e] - zero_point[e]) * scale[e], [out, in] with blocks along K (the input dim). This default
+        dequantizes them, as `prepare_quantized`'s."""
+        w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype, copy=False)
+        return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
         """Each token's selected experts: x [T, K] (shared by the slots) or [T, k, K] (one per slot),

@@ -16,7 +16,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, mlx_forms, mlx_state
-from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked
+from .base import Backend, QuantizedWeight, StepQueue
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -510,8 +510,7 @@ class MLXBackend(Backend):
     def prepare_quantized(self, q, scale, zero_point, block, bits):
         k, n = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
-            w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
-            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
+            return super().prepare_quantized(q, scale, zero_point, block, bits)
         # [N, K]: MLX quantizes rows along the last dim; transposed on the device (a host transpose of every
         # weight is most of a load)
         qt = mx.transpose(mx.array(q.astype(np.uint8, copy=False)))
@@ -567,8 +566,7 @@ class MLXBackend(Backend):
         uint32 [E, N, K*bits/32], scales and biases [E, N, K/block], bias = -zp * scale."""
         _, n, k = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
-            w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype)
-            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
+            return super().prepare_experts(q, scale, zero_point, block, bits)
         return self._affine(mx.array(q.astype(np.uint8, copy=False)), scale, zero_point, k, n, bits, block)
 
     def select_experts(self, scores, k):

@@ -8,7 +8,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..loader import NP_DTYPES
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight
 
 _FROM_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in (TensorProto.UINT4, TensorProto.INT4)}
 
@@ -198,17 +198,6 @@ class NumpyBackend(Backend):
         if mask is not None:
             s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask
         return np.matmul(self.softmax(s, -1), v).astype(q.dtype)
-
-    def prepare_quantized(self, q, scale, zero_point, block, bits):
-        w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
-        return QuantizedWeight(w, q.shape[0], q.shape[1], bits, block, "dequant")
-
-    def quantized_matmul(self, x, w):
-        return np.matmul(x, w.data)
-
-    def prepare_experts(self, q, scale, zero_point, block, bits):
-        w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype)
-        return QuantizedWeight(w, q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
         w = w.data if isinstance(w, QuantizedWeight) else w

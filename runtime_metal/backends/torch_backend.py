@@ -17,7 +17,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, torch_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked
+from .base import Backend, QuantizedWeight
 
 TORCH_DTYPES = {
     TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
@@ -396,19 +396,12 @@ class TorchBackend(Backend):
                                      None if zero_point is None else zero_point[:, c:c + _PREPARE_COLUMNS], block, bits)
                  for c in range(0, n, _PREPARE_COLUMNS)]
         if parts[0].kind not in torch_quant.CPU_KINDS:
-            w = dequantize_blocked(q, scale, zero_point, block)  # the no-kernels fallback: as torch_quant does
-            return QuantizedWeight(self.asarray(w.astype(scale.dtype, copy=False)), q.shape[0], n, bits, block,
-                                   "dequant")
+            return super().prepare_quantized(q, scale, zero_point, block, bits)  # no kernels: as torch_quant does
         data = tuple(torch.cat([p.data[i] for p in parts]) for i in range(len(parts[0].data)))
         return QuantizedWeight(data, q.shape[0], n, bits, block, parts[0].kind)
 
     def quantized_matmul(self, x, w):
         return torch_quant.matmul(x, w)
-
-    def prepare_experts(self, q, scale, zero_point, block, bits):
-        # dequantized once at load, in the float dtype the graph computes in (torch has no gathered int4 matmul)
-        w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype)
-        return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
         w = w.data if isinstance(w, QuantizedWeight) else w
