@@ -139,10 +139,8 @@ class Backend:
     def drift_tolerance(self, weights: list[QuantizedWeight]) -> float:
         """How far two orders of the same float work (static vs dynamic decode, the compiled vs the eager
         step) may drift, as a share of the largest logit, for a graph with these quantized weights: half
-        precision rounds at every matmul, and a last-bit difference upstream (attention over a padded
-        static buffer vs the exact length) flips roundings that grow over the layers (4B-shaped, 36
-        layers: beyond 1e-3); f32 stays within 1e-3. A backend whose weight kinds round activations
-        (to bf16, to int8) says so here."""
+        precision rounds at every matmul, and a last-bit difference upstream flips roundings that grow over
+        the layers; f32 stays within 1e-3. A backend whose weight kinds round activations says so here."""
         return 3e-2 if self.compute != "f32" else 1e-3
 
     def compile_step(self, fn, args: tuple, n_inputs: int):

@@ -82,7 +82,7 @@ class ThreadedSteps(StepQueue):
     """Generation with the step after next built by a second host thread while this one encodes the next.
 
     A host-bound decode token costs the Python build of its graph plus MLX's encode of it inside
-    `mx.async_eval` (~5 µs per kernel; bench/mlx_kernel_profile.py --host). async_eval releases the GIL,
+    `mx.async_eval`. async_eval releases the GIL,
     so while this thread encodes step n+1 the build thread builds step n+2 (Python), and a token costs
     the larger of the two instead of their sum. Every evaluation stays on this thread and its default
     stream (MLX's streams belong to one thread; the build thread's ops name this thread's stream); the

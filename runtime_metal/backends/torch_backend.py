@@ -100,8 +100,8 @@ _PREPARE_COLUMNS = 16384
 
 def _return_freed_memory() -> None:
     """glibc raises its mmap threshold to the largest block freed so far (up to 32 MB), so a prefill
-    chunk's activations, once freed, stay in the heap and the next layer's land beside them: peak RSS
-    grew by ~20 MB a layer. A fixed threshold maps every block >= 256 KB and unmaps it on free."""
+    chunk's activations, once freed, stay in the heap and the next layer's land beside them (peak RSS grew
+    with every layer). A fixed threshold maps every block >= 256 KB and unmaps it on free."""
     try:
         import ctypes
 
