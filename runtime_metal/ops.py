@@ -462,7 +462,8 @@ def Trilu(b, x, k=None, *, upper=1):
     n, m = b.shape(x)[-2:]
     i64 = TensorProto.INT64
     diagonal = b.binary("sub", b.reshape(b.arange(0, m, 1, i64), (1, m)), b.reshape(b.arange(0, n, 1, i64), (n, 1)))
-    keep = b.binary("greater_equal" if upper else "less_equal", diagonal, b.full((), ints(k)[0] if k is not None else 0, i64))
+    k = b.full((), ints(k)[0] if k is not None else 0, i64)
+    keep = b.binary("greater_equal" if upper else "less_equal", diagonal, k)
     return b.where(keep, x, b.full((), 0, b.dtype(x)))
 
 

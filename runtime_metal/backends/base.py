@@ -413,7 +413,8 @@ class Backend:
         b, h, t, d = self.shape(q)
         g = self.shape(s)[-1]
         s, z = (self.reshape(self.cast(a, TensorProto.FLOAT), (b, h, t, g, 1)) for a in (s, z))
-        x = self.binary("add", self.binary("mul", self.reshape(self.cast(q, TensorProto.FLOAT), (b, h, t, g, d // g)), s), z)
+        x = self.reshape(self.cast(q, TensorProto.FLOAT), (b, h, t, g, d // g))
+        x = self.binary("add", self.binary("mul", x, s), z)
         return self.cast(self.reshape(x, (b, h, t, d)), to)
 
     def kv_scores(self, q, block: tuple):

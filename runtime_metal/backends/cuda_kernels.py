@@ -1,9 +1,10 @@
 """Weight-only 4/8-bit GEMV for CUDA decode, in Triton: the blocked weights read as they are stored.
 
-torch's tinygemm is 4-bit only and rounds activations to bf16, and `_weight_int8pack_mm` is per channel
-(blocked 8-bit weights would need a bf16 copy). This kernel reads exactly what the graph stores: q [N, K] packed two 4-bit values per byte (or one
-8-bit value), f32 scales and uint8 zero points per block of K, and f32 activations. One program
-computes BLOCK_N outputs for one row of x, looping over K; per block it uses
+torch's tinygemm is 4-bit only and rounds activations to bf16, and `_weight_int8pack_mm` is per
+channel (blocked 8-bit weights would need a bf16 copy). This kernel reads exactly what the graph
+stores: q [N, K] packed two 4-bit values per byte (or one 8-bit value), f32 scales and uint8 zero
+points per block of K, and f32 activations. One program computes BLOCK_N outputs for one row of x,
+looping over K; per block it uses
 
     y[n] += scale[n, g] * (q[n, g] . x[g] - zp[n, g] * sum(x[g]))
 

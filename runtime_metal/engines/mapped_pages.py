@@ -11,9 +11,10 @@ between the scan of /proc/self/smaps and the madvise, no mapping of the file may
 its range reused.
 
 While a session loads, MatMulNBits reads every weight to pack it, and onnxruntime drops the weights'
-mappings only once all are packed: their pages pile up over the packed copies (the load's peak). `while_loading(path)` pages them out as the load goes (MADV_PAGEOUT, every 10 ms from a
-daemon thread). Page-out never loses data (a clean file page is read back, an anonymous one would go
-to swap), so a mapping unmapped and reused between the scan and the madvise costs at most a re-read.
+mappings only once all are packed: their pages pile up over the packed copies (the load's peak).
+`while_loading(path)` pages them out as the load goes (MADV_PAGEOUT, every 10 ms from a daemon
+thread). Page-out never loses data (a clean file page is read back, an anonymous one would go to
+swap), so a mapping unmapped and reused between the scan and the madvise costs at most a re-read.
 Linux only (elsewhere both are no-ops; MADV_PAGEOUT needs Linux 5.4, older kernels refuse it).
 """
 
