@@ -122,15 +122,6 @@ class Backend:
         None where the backend cannot count them."""
         return None
 
-    def random_key(self, seed: int):
-        """A device random key, for a `pick_token` that samples on the device (Sampler.next_key). The
-        default `pick_token` samples on the host with the sampler's numpy generator and asks for none."""
-        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
-
-    def split_key(self, key) -> tuple:
-        """(the next key, a key to use now) from `key`."""
-        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
-
     def int8_activations(self, weights: list[QuantizedWeight]) -> bool:
         """Whether these weights' matmuls round their activations to int8 (validate then compares with
         onnxruntime's own int8 activations, MatMulNBits at accuracy level 4)."""

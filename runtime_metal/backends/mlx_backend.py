@@ -294,7 +294,10 @@ class MLXBackend(Backend):
                 p = mx.softmax(z[order], precise=True)
                 drop = (mx.cumsum(p) - p) >= sampler.top_p  # keep the smallest prefix reaching top_p
                 z = mx.put_along_axis(z, order, mx.where(drop, -mx.inf, z[order]), axis=0)
-            tok = mx.random.categorical(z, key=sampler.next_key(self))
+            if sampler.device_key is None:  # seeded once from the sampler's generator
+                sampler.device_key = mx.random.key(int(sampler.rng.integers(0, 2**31 - 1)))
+            sampler.device_key, key = mx.random.split(sampler.device_key)
+            tok = mx.random.categorical(z, key=key)
         bad = mx.any(mx.isnan(x) | (x == mx.inf))
         return mx.where(bad, -1, tok.astype(mx.int32))
 
@@ -308,13 +311,6 @@ class MLXBackend(Backend):
         counts = graph_kernels([y, *sess.buffers.values()])
         sess.buffers, sess.pos = saved, pos  # the step is not kept: the same rows are written again later
         return {**counts, "what": "mx.compile fused graph" if sess.compiled is not None else "eager graph"}
-
-    def random_key(self, seed: int):
-        return mx.random.key(seed)
-
-    def split_key(self, key):
-        k = mx.random.split(key)
-        return k[0], k[1]
 
     # --- math ---------------------------------------------------------------------------
     def unary(self, op, x):
