@@ -55,10 +55,11 @@ class Backend:
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
     # oldest (executor.InFlight); None: the whole run is queued at once, then computed
     inflight_layers: int | None = None
-    # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any
-    # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
+    # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any divisor of
+    # head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing; 4096·Hkv·D f32 is
+    # 16 MiB at Hkv=8, D=128)
     kv_groups: tuple[int, ...] | None = None
-    kv_block_keys: int | None = None
+    kv_block_keys: int | None = 4096
     # the QuantizedWeight kind whose rows `quantized_gather` reads (MLX: [N, K] packed, as mlx-lm's
     # QuantizedEmbedding): a 4-bit embedding is then gathered from the tied lm_head's copy (None: QGather)
     quantized_gather_kind: str | None = None

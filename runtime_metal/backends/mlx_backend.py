@@ -193,6 +193,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     kv_groups = (32, 64, 128)  # what mx.quantize takes
+    kv_block_keys = None  # its quantized matmuls read the stored block as it is
     lazy = True
     compile_default = True
     quantized_gather_kind = "mlx"

@@ -48,7 +48,6 @@ _BINARY = {
 class NumpyBackend(Backend):
     name = "numpy"
     device = "host"
-    kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once
 
     def asarray(self, value):
         return np.asarray(value)

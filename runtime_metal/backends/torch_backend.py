@@ -116,7 +116,6 @@ class TorchBackend(Backend):
     decode steps run torch's own pool at one thread (tiny ops lose to fork/join), the kernels keep all."""
 
     name = "torch"
-    kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once (4096·Hkv·D f32: 16 MiB at Hkv=8, D=128)
 
     def __init__(self, device: str | None = None, threads: int | None = None):
         self.device = str(torch.device(device or "cpu"))
