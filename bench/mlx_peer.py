@@ -25,7 +25,7 @@ the median, min and max over `--runs` runs (default 5) of:
   milliseconds to build the step (the call that returns the lazy token), host syncs; by primitive in
   a table per shape. MLX's CPU backend runs mx.fast.* and mx.dequantize as unfused fallbacks, so there
   the step is also counted with those ops as one kernel each ("fused ops as one", the graph a GPU runs;
-  runtime_metal/backends/mlx_backend.py fused_ops_as_one).
+  bench/mlx_standins.py).
 Writes bench/results/mlx-peer-<device>.json and prints a table with the fuselm/mlx-lm ratios.
 `--stash` (no MLX needed) makes the checkpoints and fuselm's graphs only: bench/h200_mlx.sh's CPU phase.
 """
@@ -199,9 +199,9 @@ def per_token(engine, context: int) -> dict:
 
 def fused_as_one(make, context: int) -> dict:
     """On MLX's CPU backend: the kernels of one decode step with MLX's fused ops counted as one each
-    (mlx_backend.fused_ops_as_one, a fresh engine built inside it: its values are wrong, its graph is the
+    (mlx_standins.fused_ops_as_one, a fresh engine built inside it: its values are wrong, its graph is the
     GPU's), so the count compares with a Metal or CUDA one."""
-    from fuselm.runtime_metal.backends.mlx_backend import fused_ops_as_one, graph_kernels
+    from mlx_standins import fused_ops_as_one, standin_kernels
 
     with fused_ops_as_one():
         engine = make()
@@ -209,7 +209,7 @@ def fused_as_one(make, context: int) -> dict:
         import mlx.core as mx
 
         mx.eval(ins)
-        return graph_kernels(outs, standins=True)
+        return standin_kernels(outs)
 
 
 def spread(values: list[float]) -> dict:

@@ -417,12 +417,6 @@ def rope_form(nodes) -> RopeForm | None:
     return RopeForm(layouts.pop(), heads, normed.pop()) if layouts else None
 
 
-def rope_layout(nodes) -> bool | None:
-    """The one `interleaved` value the FusedRoPE nodes of a graph use (None: no FusedRoPE node)."""
-    form = rope_form(nodes)
-    return None if form is None else form.interleaved
-
-
 def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
     """A Constant whose value is the function attribute `function_attr` (an attribute reference)."""
     node = oh.make_node("Constant", [], [output])

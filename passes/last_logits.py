@@ -18,8 +18,8 @@ class LastPositionLogits(Fusion):
     """head(x [B, S, H]) -> logits  ->  head(Slice(x, -logits_to_keep:, axis 1)) -> logits [B, keep, vocab].
 
     A generation loop reads the logits of a prompt's last position only (a speculative verification step: of
-    its last k + 1); a graph that computes every position's pays the vocabulary-wide head S times per prompt
-    (the 0.6B's q8 head at a 512-token prompt: 80 G multiply-adds and a 311 MB output). The pattern: the node
+    its last k + 1); a graph that computes every position's pays the vocabulary-wide head S times per prompt.
+    The pattern: the node
     writing the graph output `logits` is a matmul (MatMul, com.microsoft MatMulNBits) whose activation (or
     output) has rank 3; a Slice of its last `logits_to_keep` positions along axis 1 goes in front of it, and
     `logits_to_keep` (int64 [1], contract.LOGITS_TO_KEEP: HF's name for it) becomes a graph input whose

@@ -114,7 +114,7 @@ def map_tables_apart(path: str | Path) -> int:
 
     onnxruntime maps each external initializer by itself: the head's copy is prepacked and its mapping
     dropped, the embedding's stays mapped and only the rows looked up are read. One initializer read by
-    both keeps the whole table resident beside the packed copy (the 0.6B q8 table: 148 MB of peak RSS).
+    both keeps the whole table resident beside the packed copy.
     Rewrites model.onnx only; the data file keeps one copy of the table."""
     from fuselm.graphcheck import ORT_DOMAIN
 

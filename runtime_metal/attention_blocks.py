@@ -114,22 +114,16 @@ def _mask5(b, mask, hkv: int, r: int):
 
 def _block(b, x, t0: int, t1: int):
     """Keys/values t0..t1: a float array (f32) or a quantized tuple."""
-    if isinstance(x, StoredKV):
-        if x.quantized:
-            return kv_quant.rows(x.data, t0, t1)
-        return b.cast(b.slice(x.data, (slice(None), slice(None), slice(t0, t1))), 1)
-    return b.cast(b.slice(x, (slice(None), slice(None), slice(t0, t1))), 1)
+    if isinstance(x, StoredKV) and x.quantized:
+        return kv_quant.rows(x.data, t0, t1)
+    return b.cast(b.slice(x.data if isinstance(x, StoredKV) else x, (slice(None), slice(None), slice(t0, t1))), 1)
 
 
 def _scores(b, qg, k, t0: int, t1: int):
     blk = _block(b, k, t0, t1)
-    if isinstance(blk, tuple):
-        return b.kv_scores(qg, blk)
-    return b.matmul(qg, b.transpose(blk, (0, 1, 3, 2)))
+    return b.kv_scores(qg, blk) if isinstance(blk, tuple) else b.matmul(qg, b.transpose(blk, (0, 1, 3, 2)))
 
 
 def _values(b, p, v, t0: int, t1: int):
     blk = _block(b, v, t0, t1)
-    if isinstance(blk, tuple):
-        return b.kv_values(p, blk)
-    return b.matmul(p, blk)
+    return b.kv_values(p, blk) if isinstance(blk, tuple) else b.matmul(p, blk)

@@ -1,35 +1,19 @@
 """The KV cache behind the graph's past/present contract: preallocated, written in place.
 
-The graph sees `past_key_values.{i}.key` as a tensor [B, H, past, D] and concatenates the new
-keys to it. The runtime feeds a `CacheView` instead: one preallocated buffer [B, H, max_len, D]
-per input. Appending writes the new rows into the buffer (no reallocation, no copy of the past)
-and hands the graph a view.
+The graph sees `past_key_values.{i}.key` [B, H, past, D] and concatenates the new keys to it; the runtime
+feeds a `CacheView` of one preallocated buffer [B, H, max_len, D] instead, writes the new rows into it and
+hands the graph a view. Modes:
+- dynamic (prefill chunks): the graph sees the `pos` rows written so far and gets buffer[:, :, :pos+S] back;
+- static (decode): the graph sees max_len - S past rows and gets the whole buffer, so every step has the same
+  shapes and can be compiled; rows past the position are masked (by the attention mask, or by `pos`);
+- causal reads (`Backend.causal_reads`; rewrites/causal_masks.py): static, but Attention reads only rows
+  0..pos (a window: its last rows) with no array mask. A layer whose QKV output gives k and v as one array
+  (rewrites/qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`), written by one update.
 
-Two modes:
-- dynamic (prefill chunks): the graph sees the `pos` rows written so far; the view it gets back
-  is buffer[:, :, :pos+S].
-- static (decode): the graph sees max_len - S past rows and gets the whole buffer back, so every
-  decode step has the same shapes and can be compiled (mx.compile, torch.compile, CUDA graphs).
-  Rows after the current position are masked by position: the attention mask fed to the graph has
-  zeros there (and ops without a mask input mask by `pos` themselves).
-- causal reads (`Backend.causal_reads`, MLX; rewrites/causal_masks.py): the plan is the static one, but `pos` is a
-  host int and Attention reads only rows 0..pos (a sliding window: its last rows) with no array mask,
-  so the backend's fused attention runs on every device. A layer whose QKV output gives the k and v
-  rows as one array (rewrites/qkv_heads.py) keeps K and V in one buffer [B, 2H, L, D] (`packed`; the views'
-  `heads` select their half) and writes both with one update (`CacheView.append_both`).
-
-Storage format (`--kv-bits`, `--kv-bits-k`, `--kv-bits-v`, `--kv-group-size`; a runtime choice, the
-graph still sees float past/present):
-- the graph's dtype (default), or float32 / float16 (`16`): one float buffer [B, H, L, D];
-- 8-bit (`8`): affine per token, kv head and group of channels, float16 scales and biases (bfloat16
-  where MLX computes in bfloat16; backends/kv_quant.py): (q, scales, biases), 0.258-0.281x of f32 for groups of 128-32.
-A cache stored in another format than the compute dtype reaches Attention as a `StoredKV`, which
-attention_blocks.py reads block by block in that format; any other consumer (a graph whose attention
-is not one Attention op) gets the rows as floats.
-
-The session's buffers (`in_place`, `packed_pairs`, `allocate`, `view`): one per past input, by name,
-a packed pair's two names on one buffer; a graph that reads its cache with other ops keeps the
-present tensors it returns instead.
+Storage (`--kv-bits[-k|-v]`, `--kv-group-size`; the graph still sees floats): the graph's dtype, float32 /
+float16, or 8-bit (backends/kv_quant.py: (q, scales, biases)). A cache stored in another format than the
+compute dtype reaches Attention as a `StoredKV`, read block by block (attention_blocks.py); other consumers
+get floats.
 """
 
 from __future__ import annotations
@@ -91,7 +75,7 @@ def formats(spec) -> tuple[KVFormat, KVFormat]:
     return KVFormat(spec.key_bits, group), KVFormat(spec.value_bits, group)
 
 
-def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat, compute_dtype: int | None = None):
+def make_cache(backend, shape: tuple, graph_dtype: int, fmt: KVFormat):
     """A zeroed preallocated cache [B, H, L, D] in `fmt`: a backend array, or (q, scales, biases)."""
     if fmt.quantized:
         kv_quant.check_group(backend, int(shape[3]), group_for(fmt, int(shape[3])), "model's")

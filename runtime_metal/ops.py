@@ -239,14 +239,19 @@ for _name, _args in {"ReduceSum": ("sum",), "ReduceMean": ("mean",), "ReduceMax"
     _reduce(_name, *_args)
 
 
-@op("ArgMax")
-def ArgMax(b, x, *, axis=0, keepdims=1, select_last_index=0):
-    return b.arg_reduce("max", x, _axis(axis, len(b.shape(x))), keepdims == 1, bool(select_last_index))
+def _arg_reduce(kind: str):
+    def fn(b, x, *, axis=0, keepdims=1, select_last_index=0):
+        axis = _axis(axis, len(b.shape(x)))
+        if not select_last_index:
+            return b.arg_reduce(kind, x, axis, keepdims == 1)
+        last = b.arg_reduce(kind, b.slice(x, (slice(None),) * axis + (slice(None, None, -1),)), axis, keepdims == 1)
+        return b.binary("sub", b.full((), b.shape(x)[axis] - 1, TensorProto.INT64), last)  # index in the flipped x
+
+    op(f"Arg{kind.capitalize()}")(fn)
 
 
-@op("ArgMin")
-def ArgMin(b, x, *, axis=0, keepdims=1, select_last_index=0):
-    return b.arg_reduce("min", x, _axis(axis, len(b.shape(x))), keepdims == 1, bool(select_last_index))
+_arg_reduce("max")
+_arg_reduce("min")
 
 
 @op("MatMul")
@@ -454,7 +459,12 @@ def ScatterND(b, x, idx, updates, *, reduction="none"):
 
 @op("Trilu", host_inputs=(1,))
 def Trilu(b, x, k=None, *, upper=1):
-    return b.trilu(x, ints(k)[0] if k is not None else 0, bool(upper))
+    n, m = b.shape(x)[-2:]
+    i64 = TensorProto.INT64
+    diagonal = b.binary("sub", b.reshape(b.arange(0, m, 1, i64), (1, m)), b.reshape(b.arange(0, n, 1, i64), (n, 1)))
+    k = b.full((), ints(k)[0] if k is not None else 0, i64)
+    keep = b.binary("greater_equal" if upper else "less_equal", diagonal, k)
+    return b.where(keep, x, b.full((), 0, b.dtype(x)))
 
 
 @op("Range", host_inputs=(0, 1, 2))

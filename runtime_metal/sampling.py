@@ -21,7 +21,7 @@ class Sampler:
     top_p: float = 1.0
     seed: int | None = None
     _rng: np.random.Generator | None = field(default=None, repr=False)
-    _key: object = field(default=None, repr=False)
+    device_key: object = field(default=None, repr=False)  # a backend that samples on the device keeps its key here
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -35,13 +35,6 @@ class Sampler:
     @property
     def rng(self) -> np.random.Generator:
         return self._rng
-
-    def next_key(self, backend):
-        """A fresh device random key (backends with device sampling), seeded once from `seed`."""
-        if self._key is None:
-            self._key = backend.random_key(int(self._rng.integers(0, 2**31 - 1)))
-        self._key, sub = backend.split_key(self._key)
-        return sub
 
 
 def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:

@@ -664,14 +664,10 @@ def verify_grouped(modules: list[nn.Module], model_type: str) -> None:
         router = m.router
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(5, router.layer.in_features, generator=gen)
-        saved = router.layer._parameters["weight"]  # (on the meta device while the model is probed)
-        router.layer._parameters["weight"] = nn.Parameter(torch.randn(saved.shape, generator=gen), requires_grad=False)
-        try:
-            with torch.no_grad():
-                _, token, gate, sizes, _ = router(x)
-                _, token2, gate2, expert2, _ = _ungrouped_route(router)(x)
-        finally:
-            router.layer._parameters["weight"] = saved
+        weight = torch.randn(router.layer.weight.shape, generator=gen)  # (on the meta device while the model is probed)
+        with _swapped(router.layer, weight=weight), torch.no_grad():
+            _, token, gate, sizes, _ = router(x)
+            _, token2, gate2, expert2, _ = _ungrouped_route(router)(x)
         n_exp = router.layer.out_features
         expert = torch.repeat_interleave(torch.arange(n_exp), torch.as_tensor(sizes))
         want = torch.zeros(len(x), n_exp).index_put_((token, expert), gate.float(), accumulate=True)
@@ -712,19 +708,14 @@ def verify_looped(modules: list[nn.Module], model_type: str) -> None:
     """The experts' own loop against the gathered form on random tokens, weights and routing; refuses experts
     that compute something else."""
     for m in modules[:1]:
-        gen = torch.Generator().manual_seed(0)
-        saved = dict(m.mlp._parameters)  # (on the meta device while the model is probed)
-        for n in ("w1", "v1", "w2"):
-            m.mlp._parameters[n] = nn.Parameter(torch.randn(saved[n].shape, generator=gen) * 0.3, requires_grad=False)
-        try:
-            n_exp = saved["w1"].shape[0] // m.ffn_hidden_size
-            x = torch.randn(1, 5, saved["w1"].shape[1], generator=gen)
-            index = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(5)])
-            weights = torch.rand(5, 2, generator=gen)
-            with torch.no_grad():
-                want, got = m(x, index, weights), _looped_rows(m)(x, index, weights)
-        finally:
-            m.mlp._parameters.update(saved)
+        gen = torch.Generator().manual_seed(0)  # (the weights are on the meta device while the model is probed)
+        params = {n: torch.randn(getattr(m.mlp, n).shape, generator=gen) * 0.3 for n in ("w1", "v1", "w2")}
+        n_exp = params["w1"].shape[0] // m.ffn_hidden_size
+        x = torch.randn(1, 5, params["w1"].shape[1], generator=gen)
+        index = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(5)])
+        weights = torch.rand(5, 2, generator=gen)
+        with _swapped(m.mlp, **params), torch.no_grad():
+            want, got = m(x, index, weights), _looped_rows(m)(x, index, weights)
         if not torch.allclose(want, got, atol=1e-5, rtol=1e-4):
             raise FuselmError(f"model_type {model_type!r}: its experts at {type(m).__name__} do not compute a GLU of "
                               "w1 / v1 / w2 per routed expert; not supported by the traced exporter")

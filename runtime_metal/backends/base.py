@@ -14,15 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
-from . import state_kernels
-
-UNARY = ("neg", "abs", "exp", "log", "sqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "erf",
-         "relu", "floor", "ceil", "round", "sign", "not", "isnan", "isinf", "asin", "acos", "atan",
-         "sinh", "cosh", "asinh", "acosh", "atanh", "softplus", "bitwise_not")
-BINARY = ("add", "sub", "mul", "div", "pow", "max", "min", "mod", "fmod", "equal", "less", "less_equal",
-          "greater", "greater_equal", "and", "or", "xor", "bitwise_and", "bitwise_or", "bitwise_xor")
-REDUCE = ("sum", "mean", "max", "min", "prod")
+from . import kv_quant, state_kernels
 
 
 @dataclass
@@ -61,10 +55,11 @@ class Backend:
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
     # oldest (executor.InFlight); None: the whole run is queued at once, then computed
     inflight_layers: int | None = None
-    # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any
-    # divisor of head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing)
+    # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any divisor of
+    # head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing; 4096·Hkv·D f32 is
+    # 16 MiB at Hkv=8, D=128)
     kv_groups: tuple[int, ...] | None = None
-    kv_block_keys: int | None = None
+    kv_block_keys: int | None = 4096
     # the QuantizedWeight kind whose rows `quantized_gather` reads (MLX: [N, K] packed, as mlx-lm's
     # QuantizedEmbedding): a 4-bit embedding is then gathered from the tied lm_head's copy (None: QGather)
     quantized_gather_kind: str | None = None
@@ -128,15 +123,6 @@ class Backend:
         None where the backend cannot count them."""
         return None
 
-    def random_key(self, seed: int):
-        """A device random key, for a `pick_token` that samples on the device (Sampler.next_key). The
-        default `pick_token` samples on the host with the sampler's numpy generator and asks for none."""
-        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
-
-    def split_key(self, key) -> tuple:
-        """(the next key, a key to use now) from `key`."""
-        raise NotImplementedError(f"the {self.name} backend samples on the host: it has no device random keys")
-
     def int8_activations(self, weights: list[QuantizedWeight]) -> bool:
         """Whether these weights' matmuls round their activations to int8 (validate then compares with
         onnxruntime's own int8 activations, MatMulNBits at accuracy level 4)."""
@@ -145,10 +131,8 @@ class Backend:
     def drift_tolerance(self, weights: list[QuantizedWeight]) -> float:
         """How far two orders of the same float work (static vs dynamic decode, the compiled vs the eager
         step) may drift, as a share of the largest logit, for a graph with these quantized weights: half
-        precision rounds at every matmul, and a last-bit difference upstream (attention over a padded
-        static buffer vs the exact length) flips roundings that grow over the layers (4B-shaped, 36
-        layers: beyond 1e-3); f32 stays within 1e-3. A backend whose weight kinds round activations
-        (to bf16, to int8) says so here."""
+        precision rounds at every matmul, and a last-bit difference upstream flips roundings that grow over
+        the layers; f32 stays within 1e-3. A backend whose weight kinds round activations says so here."""
         return 3e-2 if self.compute != "f32" else 1e-3
 
     def compile_step(self, fn, args: tuple, n_inputs: int):
@@ -169,7 +153,7 @@ class Backend:
                 sample(x, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
             return self.asarray(np.array([tok], np.int64))
         x = self.reshape(logits, (-1,))
-        tok = self.arg_reduce("max", x, 0, True, False)
+        tok = self.arg_reduce("max", x, 0, True)
         bad = self.binary("or", self.unary("isnan", x), self.binary("equal", x, self.full((1,), np.inf, self.dtype(x))))
         bad = self.reduce("max", self.cast(bad, 6), (0,), True)  # int32
         return self.where(self.cast(bad, 9), self.full((1,), -1, 7), tok)
@@ -187,7 +171,8 @@ class Backend:
     def reduce(self, op: str, x, axes: tuple | None, keepdims: bool):
         raise NotImplementedError
 
-    def arg_reduce(self, op: str, x, axis: int, keepdims: bool, select_last: bool):
+    def arg_reduce(self, op: str, x, axis: int, keepdims: bool):
+        """int64 index of the first max / min along `axis`."""
         raise NotImplementedError
 
     def matmul(self, a, b):
@@ -240,9 +225,6 @@ class Backend:
         raise NotImplementedError
 
     def scatter_nd(self, x, idx, updates, reduction: str):
-        raise NotImplementedError
-
-    def trilu(self, x, k: int, upper: bool):
         raise NotImplementedError
 
     # --- recurrent-state ops (fuselm::CausalConv1D / GatedDeltaNet / Mamba2 / Mamba): state_kernels.py over the primitives;
@@ -312,12 +294,14 @@ class Backend:
         """Convert a blocked DequantizeLinear weight once, at load.
 
         q [K, N] unsigned integers (one value per byte), scale/zero_point [K/block, N]: the weight is
-        (q - zero_point) * scale, blocks along K (the MatMul's reduction dim)."""
-        raise NotImplementedError
+        (q - zero_point) * scale, blocks along K (the MatMul's reduction dim). This default dequantizes it to the
+        scales' float dtype ("dequant")."""
+        w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype, copy=False)
+        return QuantizedWeight(self.asarray(w), q.shape[0], q.shape[1], bits, block, "dequant")
 
     def quantized_matmul(self, x, w: QuantizedWeight):
-        """x [..., K] @ dequantize(w) [K, N]."""
-        raise NotImplementedError
+        """x [..., K] @ dequantize(w) [K, N] (this default: `w` dequantized at load)."""
+        return self.matmul(x, w.data)
 
     def quantized_gather(self, w: QuantizedWeight, ids):
         """Rows `ids` (any shape) of the [N, K] table whose transpose `w` holds, dequantized: [*ids, K]
@@ -329,8 +313,10 @@ class Backend:
         """Convert a stacked blocked DequantizeLinear expert weight once, at load (fuselm::MoE).
 
         q [E, N, K] unsigned integers (one value per byte), scale/zero_point [E, N, K/block]: expert e's
-        weight is (q[e] - zero_point[e]) * scale[e], [out, in] with blocks along K (the input dim)."""
-        raise NotImplementedError
+        weight is (q[e] - zero_point[e]) * scale[e], [out, in] with blocks along K (the input dim). This default
+        dequantizes them, as `prepare_quantized`'s."""
+        w = dequantize_blocked(q, scale, zero_point, block, axis=-1).astype(scale.dtype, copy=False)
+        return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
         """Each token's selected experts: x [T, K] (shared by the slots) or [T, k, K] (one per slot),
@@ -385,14 +371,29 @@ class Backend:
 
 
     # --- the 8-bit KV cache (format: kv_quant.py) --------------------------------------------
-    # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout.
+    # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout; these defaults
+    # keep q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group], and dequantize every block read.
     def kv_empty(self, shape: tuple, group: int) -> tuple:
         """A zeroed 8-bit cache for [B, H, L, D] values in groups of `group` channels."""
-        raise NotImplementedError
+        b, h, length, d = shape
+        return (self.full(shape, 0, TensorProto.UINT8),
+                *(self.full((b, h, length, d // group), 0, TensorProto.FLOAT16) for _ in range(2)))
 
     def kv_quantize(self, x, group: int) -> tuple:
-        """New rows x [B, H, S, D] (floats) as (q, scales, biases) in the stored layout."""
-        raise NotImplementedError
+        """New rows x [B, H, S, D] (floats) as (q, scales, biases) in the stored layout, quantized against the
+        float16 scale and bias actually stored, so dequantization undoes exactly this."""
+        f32, levels = TensorProto.FLOAT, kv_quant.LEVELS
+        b, h, s, d = self.shape(x)
+        xg = self.reshape(self.cast(x, f32), (b, h, s, d // group, group))
+        lo = self.reduce("min", xg, (4,), False)
+        span = self.binary("sub", self.reduce("max", xg, (4,), False), lo)
+        scale = self.cast(self.binary("div", span, self.full((), levels, f32)), TensorProto.FLOAT16)
+        bias = self.cast(lo, TensorProto.FLOAT16)
+        sf, bf = (self.reshape(self.cast(a, f32), (b, h, s, d // group, 1)) for a in (scale, bias))
+        safe = self.where(self.binary("greater", sf, self.full((), 0, f32)), sf, self.full((), 1, f32))
+        q = self.unary("round", self.binary("div", self.binary("sub", xg, bf), safe))
+        q = self.binary("min", self.binary("max", q, self.full((), 0, f32)), self.full((), levels, f32))
+        return self.reshape(self.cast(q, TensorProto.UINT8), (b, h, s, d)), scale, bias
 
     def kv_head_dim(self, stored: tuple) -> int:
         """head_dim D of a stored cache (the default layout keeps one q value per element)."""
@@ -400,15 +401,22 @@ class Backend:
 
     def kv_dequantize(self, stored: tuple, to: int):
         """Stored rows as floats [B, H, T, D] of ONNX element type `to`."""
-        raise NotImplementedError
+        q, s, z = stored
+        b, h, t, d = self.shape(q)
+        g = self.shape(s)[-1]
+        s, z = (self.reshape(self.cast(a, TensorProto.FLOAT), (b, h, t, g, 1)) for a in (s, z))
+        x = self.reshape(self.cast(q, TensorProto.FLOAT), (b, h, t, g, d // g))
+        x = self.binary("add", self.binary("mul", x, s), z)
+        return self.cast(self.reshape(x, (b, h, t, d)), to)
 
     def kv_scores(self, q, block: tuple):
         """q [B, Hkv, R, D] (query heads grouped per kv head, already scaled) · the block's keysᵀ: f32 [B, Hkv, R, T]."""
-        raise NotImplementedError
+        k = self.kv_dequantize(block, TensorProto.FLOAT)
+        return self.matmul(self.cast(q, TensorProto.FLOAT), self.transpose(k, (0, 1, 3, 2)))
 
     def kv_values(self, p, block: tuple):
         """p f32 [B, Hkv, R, T] · the block's values: f32 [B, Hkv, R, D]."""
-        raise NotImplementedError
+        return self.matmul(self.cast(p, TensorProto.FLOAT), self.kv_dequantize(block, TensorProto.FLOAT))
 
 
 def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int,
@@ -420,11 +428,6 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
     s = np.repeat(scale.astype(np.float32), block, axis=axis)[cut]
     z = np.repeat(zero_point.astype(np.float32), block, axis=axis)[cut] if zero_point is not None else 0.0
     return (q.astype(np.float32) - z) * s
-
-
-def dequantize_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, block: int) -> np.ndarray:
-    """Host reference of a stacked blocked DequantizeLinear along the last axis ([E, N, K] experts)."""
-    return dequantize_blocked(q, scale, zero_point, block, axis=-1)
 
 
 class StepQueue:

@@ -1,23 +1,17 @@
 """Weight-only 4/8-bit GEMV for CUDA decode, in Triton: the blocked weights read as they are stored.
 
-Decode reads every weight once per token, so its speed is the rate at which the quantized bytes
-stream in. torch's own kernels do not fit fuselm's weights well: tinygemm
-(`_weight_int4pack_mm`) is 4-bit only, rounds activations to bf16 and is built for tensor-core
-tiles rather than M = 1; `_weight_int8pack_mm` is per channel, so blocked 8-bit weights (fuselm's
-lm_head) had to be dequantized to a bf16 copy (2x the bytes of the 8-bit weight, every token).
-
-This kernel reads exactly what the graph stores: q [N, K] packed two 4-bit values per byte (or one
-8-bit value), f32 scales and uint8 zero points per block of K, and f32 activations. One program
-computes BLOCK_N outputs for one row of x, looping over K; per block it uses
+torch's tinygemm is 4-bit only and rounds activations to bf16, and `_weight_int8pack_mm` is per
+channel (blocked 8-bit weights would need a bf16 copy). This kernel reads exactly what the graph
+stores: q [N, K] packed two 4-bit values per byte (or one 8-bit value), f32 scales and uint8 zero
+points per block of K, and f32 activations. One program computes BLOCK_N outputs for one row of x,
+looping over K; per block it uses
 
     y[n] += scale[n, g] * (q[n, g] . x[g] - zp[n, g] * sum(x[g]))
 
 so the zero point costs one multiply per block. Accumulation is f32 (no bf16 rounding of the
 activations). Configurations are autotuned per (N, K) at the first call, outside CUDA-graph
 capture (the session's eager warm-up steps), by Triton's do_bench: it flushes L2 before each timed
-call, so the weight comes from memory as in decode, and the flush hides the host launch cost.
-(Timing inside a CUDA graph without the flush picks L2-hot configurations, which decode slower once
-the weights come from memory.)
+call, so the weight comes from memory as in decode (L2-hot timings pick configurations slower in decode).
 
 Prefill (many rows) dequantizes to bf16 in one pass (`dequantize`) and uses cuBLAS.
 """

@@ -6,7 +6,6 @@ Only MLX's own ops are used, so what runs here in CI is what runs on the Apple G
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from functools import partial
 
@@ -17,7 +16,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, mlx_forms, mlx_state
-from .base import Backend, QuantizedWeight, StepQueue, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight, StepQueue
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -83,7 +82,7 @@ class ThreadedSteps(StepQueue):
     """Generation with the step after next built by a second host thread while this one encodes the next.
 
     A host-bound decode token costs the Python build of its graph plus MLX's encode of it inside
-    `mx.async_eval` (~5 µs per kernel; bench/mlx_kernel_profile.py --host). async_eval releases the GIL,
+    `mx.async_eval`. async_eval releases the GIL,
     so while this thread encodes step n+1 the build thread builds step n+2 (Python), and a token costs
     the larger of the two instead of their sum. Every evaluation stays on this thread and its default
     stream (MLX's streams belong to one thread; the build thread's ops name this thread's stream); the
@@ -163,10 +162,9 @@ VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Transpose", "Slice", 
          "StopGradient", "Depends", "Split", "Copy", "View"}
 
 
-def graph_kernels(outputs: list, standins: bool = False) -> dict:
+def graph_kernels(outputs: list) -> dict:
     """The primitives that compute `outputs` from what is already evaluated (mx.export_to_dot): all of them,
-    the ones that launch work ('kernels': not views), and the kernels by primitive, most frequent first.
-    `standins`: the graph was built inside `fused_ops_as_one`; its stand-ins are counted as the fused ops."""
+    the ones that launch work ('kernels': not views), and the kernels by primitive, most frequent first."""
     import io
     import re
 
@@ -177,64 +175,7 @@ def graph_kernels(outputs: list, standins: bool = False) -> dict:
     for x in labels:
         if x not in VIEWS and not x.startswith("View"):  # "View float32": a reinterpreted dtype
             by[x] = by.get(x, 0) + 1
-    if standins:
-        for label, (name, concat) in _STANDINS.items():
-            n = by.pop(label, 0)
-            by["Concatenate"] = by.get("Concatenate", 0) - n * concat
-            by[name] = by.get(name, 0) + n
-        by = {k: v for k, v in by.items() if v}
     return {"kernels": sum(by.values()), "primitives": len(labels), "top": sorted(by.items(), key=lambda kv: -kv[1])}
-
-
-# the stand-in's primitive -> (the fused op it counts as, whether a Concatenate of its inputs comes with it)
-_STANDINS = {"Softmax": ("RMSNorm", 0), "Partition": ("LayerNorm", 0), "CumMax": ("RoPE", 0),
-             "CumLogAddExp": ("ScaledDotProductAttention", 1), "CumMin": ("Dequantize", 1)}
-
-
-@contextlib.contextmanager
-def fused_ops_as_one():
-    """Count MLX's fused ops as the one kernel each is on a GPU. MLX's CPU backend runs mx.fast.* and
-    mx.dequantize as unfused fallbacks (a dozen primitives each), so a count made there overstates what a
-    Mac or CUDA launches; inside this block each call is one primitive instead: a sort or scan of its
-    input, or of a Concatenate of everything it reads (so the kernels making its inputs still count),
-    cut to the output's shape; the norms' stand-in is a softmax (it normalizes), so the values, wrong,
-    stay bounded over any number of layers and the session decides its modes as usual. For counting
-    only, on a model built inside the block; `graph_kernels(..., standins=True)` relabels the stand-ins
-    (a softmax the graph has of its own, as the 8-bit cache's attention, is counted as RMSNorm there)."""
-    def one(fn, first, *rest, shape):
-        size = int(np.prod(shape))
-        if not rest and first.size == size:
-            return fn(first)
-        # the output's values come from the float inputs; integer ones (packed weights) are only read
-        floats = [a for a in (first, *rest) if isinstance(a, mx.array) and a.dtype not in _INTEGER]
-        ints = [a.reshape(-1).view(mx.float32) for a in (first, *rest)
-                if isinstance(a, mx.array) and a.dtype in (mx.uint32, mx.int32)]
-        flat = [a.reshape(-1).astype(mx.float32) if a.dtype != mx.float32 else a.reshape(-1) for a in floats]
-        n = sum(a.size for a in flat)
-        pad = [mx.broadcast_to(mx.array(0.0), (size - n,))] if n < size else []
-        return fn(mx.concatenate(flat + pad + ints)[:size].reshape(shape))
-
-    def scan(f):
-        return lambda x: f(x, axis=-1)
-
-    standins = {
-        (mx.fast, "rms_norm"): lambda x, *a, **k: one(lambda y: mx.softmax(y, axis=-1), x, shape=x.shape),
-        (mx.fast, "layer_norm"): lambda x, *a, **k: one(lambda y: mx.partition(y, 0), x, shape=x.shape),
-        (mx.fast, "rope"): lambda x, *a, **k: one(scan(mx.cummax), x, shape=x.shape),
-        (mx.fast, "scaled_dot_product_attention"): lambda q, k, v, *a, mask=None, **kw: one(
-            scan(mx.logcumsumexp), q, k, v, *([mask] if isinstance(mask, mx.array) else []),
-            shape=(*q.shape[:-1], v.shape[-1])),
-        (mx, "dequantize"): lambda w, scales, biases=None, *a, **k: one(
-            scan(mx.cummin), scales, biases, w, shape=(*w.shape[:-1], w.shape[-1] * 32 // k.get("bits", 4))),
-    }
-    saved = {key: getattr(*key) for key in standins}
-    for (mod, name), fn in standins.items():
-        setattr(mod, name, fn)
-    try:
-        yield
-    finally:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, fn)
 
 
 @mx.compile
@@ -252,6 +193,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     kv_groups = (32, 64, 128)  # what mx.quantize takes
+    kv_block_keys = None  # its quantized matmuls read the stored block as it is
     lazy = True
     compile_default = True
     quantized_gather_kind = "mlx"
@@ -353,7 +295,10 @@ class MLXBackend(Backend):
                 p = mx.softmax(z[order], precise=True)
                 drop = (mx.cumsum(p) - p) >= sampler.top_p  # keep the smallest prefix reaching top_p
                 z = mx.put_along_axis(z, order, mx.where(drop, -mx.inf, z[order]), axis=0)
-            tok = mx.random.categorical(z, key=sampler.next_key(self))
+            if sampler.device_key is None:  # seeded once from the sampler's generator
+                sampler.device_key = mx.random.key(int(sampler.rng.integers(0, 2**31 - 1)))
+            sampler.device_key, key = mx.random.split(sampler.device_key)
+            tok = mx.random.categorical(z, key=key)
         bad = mx.any(mx.isnan(x) | (x == mx.inf))
         return mx.where(bad, -1, tok.astype(mx.int32))
 
@@ -367,13 +312,6 @@ class MLXBackend(Backend):
         counts = graph_kernels([y, *sess.buffers.values()])
         sess.buffers, sess.pos = saved, pos  # the step is not kept: the same rows are written again later
         return {**counts, "what": "mx.compile fused graph" if sess.compiled is not None else "eager graph"}
-
-    def random_key(self, seed: int):
-        return mx.random.key(seed)
-
-    def split_key(self, key):
-        k = mx.random.split(key)
-        return k[0], k[1]
 
     # --- math ---------------------------------------------------------------------------
     def unary(self, op, x):
@@ -392,14 +330,8 @@ class MLXBackend(Backend):
         out = fn(x, axis=axes, keepdims=keepdims)
         return out.astype(x.dtype) if out.dtype != x.dtype else out
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = mx.argmax if op == "max" else mx.argmin
-        if select_last:
-            flipped = x[(slice(None),) * axis + (slice(None, None, -1),)]
-            out = x.shape[axis] - 1 - fn(flipped, axis=axis, keepdims=keepdims).astype(mx.int64)
-        else:
-            out = fn(x, axis=axis, keepdims=keepdims)
-        return out.astype(mx.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        return (mx.argmax if op == "max" else mx.argmin)(x, axis=axis, keepdims=keepdims).astype(mx.int64)
 
     def matmul(self, a, b):
         if a.dtype in _INTEGER:  # MLX multiplies floats only
@@ -473,13 +405,6 @@ class MLXBackend(Backend):
             return out
         at = x.at[key]
         return {"add": at.add, "mul": at.multiply, "max": at.maximum, "min": at.minimum}[reduction](updates)
-
-    def trilu(self, x, k, upper):
-        if x.ndim < 2:
-            return x
-        mask = mx.tri(x.shape[-2], x.shape[-1], k=k - 1 if upper else k, dtype=mx.bool_)
-        mask = mx.logical_not(mask) if upper else mask
-        return mx.where(mask, x, mx.zeros_like(x))
 
     # --- recurrent-state ops: each token's step one compiled function (mlx_state.py) --------------------
     def state_zeros(self, shape):
@@ -580,25 +505,25 @@ class MLXBackend(Backend):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def prepare_quantized(self, q, scale, zero_point, block, bits):
-        """MLX affine quantization: w = q * scale + bias, groups along the input dim, packed into uint32
-        from the low bits up; ONNX's (q - zp) * scale is bias = -zp * scale."""
         k, n = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
-            w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
-            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        # [N, K]: MLX quantizes rows along the last dim; transposed and packed on the device (a host
-        # transpose of every weight is most of a load)
+            return super().prepare_quantized(q, scale, zero_point, block, bits)
+        # [N, K]: MLX quantizes rows along the last dim; transposed on the device (a host transpose of every
+        # weight is most of a load)
         qt = mx.transpose(mx.array(q.astype(np.uint8, copy=False)))
+        return self._affine(qt, scale.T, None if zero_point is None else zero_point.T, k, n, bits, block)
+
+    def _affine(self, q, scale, zero_point, k, n, bits, block) -> QuantizedWeight:
+        """MLX affine quantization of q [..., N, K]: w = q * scale + bias, packed into uint32 from the low bits up;
+        ONNX's (q - zp) * scale is bias = -zp * scale (scales in the compute dtype)."""
         if bits == 4:
-            pairs = qt.reshape(n, k // 2, 2)
-            qt = pairs[..., 0] | (pairs[..., 1] << 4)
-        packed = mx.contiguous(qt).view(mx.uint32)  # little endian: first value in the low bits
-        s = np.ascontiguousarray(scale.T.astype(np.float32))
-        zp = zero_point.T.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        bias = np.ascontiguousarray(-zp * s)
-        data = (packed, self.asarray(s), self.asarray(bias))  # scales in the compute dtype
-        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until
-        # the first step, every weight's at once
+            pairs = q.reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
+            q = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed = mx.contiguous(q).view(mx.uint32)  # little endian: first value in the low bits
+        s = np.ascontiguousarray(scale.astype(np.float32))
+        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
+        data = (packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s)))
+        # evaluated now: a lazy weight would hold its unpacked uint8 source (2x a 4-bit weight) until the first step
         mx.eval(data)
         return QuantizedWeight(data, k, n, bits, block, "mlx")
 
@@ -636,20 +561,10 @@ class MLXBackend(Backend):
     def prepare_experts(self, q, scale, zero_point, block, bits):
         """MLX's affine format per expert ([E, N, K] is already MLX's [out, in] row layout): packed
         uint32 [E, N, K*bits/32], scales and biases [E, N, K/block], bias = -zp * scale."""
-        e, n, k = q.shape
+        _, n, k = q.shape
         if block not in (32, 64, 128) or bits not in (4, 8) or k % block:
-            w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
-            return QuantizedWeight(self.asarray(w), k, n, bits, block, "dequant")
-        qb = mx.array(q.astype(np.uint8, copy=False))
-        if bits == 4:
-            pairs = qb.reshape(e, n, k // 2, 2)
-            qb = pairs[..., 0] | (pairs[..., 1] << 4)
-        packed = mx.contiguous(qb).view(mx.uint32)
-        s = scale.astype(np.float32)
-        zp = zero_point.astype(np.float32) if zero_point is not None else np.zeros_like(s)
-        data = (packed, self.asarray(s), self.asarray(np.ascontiguousarray(-zp * s)))
-        mx.eval(data)  # now, as prepare_quantized: a lazy weight would hold its unpacked uint8 source until the first step
-        return QuantizedWeight(data, k, n, bits, block, "mlx")
+            return super().prepare_experts(q, scale, zero_point, block, bits)
+        return self._affine(mx.array(q.astype(np.uint8, copy=False)), scale, zero_point, k, n, bits, block)
 
     def select_experts(self, scores, k):
         """mlx-lm's top_k: mx.argpartition (no sort), the k largest at the end (no negation); uint32 indices,

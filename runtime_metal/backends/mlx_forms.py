@@ -3,12 +3,10 @@
 A matmul over at least WIDE_ROWS rows (a prompt chunk; decode is one row) can run as
 `mx.quantized_matmul` ("quantized") or as the weight dequantized to the compute dtype and a plain GEMM
 on that transient copy ("dequantize"). Which is faster depends on the device's kernels, the weight's
-shape and the row count: on MLX's CUDA backend dequantize + GEMM is several times faster at 2048 rows of
-Qwen3-4B's weights, and the quantized kernel faster at one row (bench/mlx_qmm_forms.py,
-docs/benchmarks.md). So each (device, weight shape, row count rounded up to a power
-of two) is timed once on the real weight, the first time it comes (a speed probe, not a device check:
-on Metal the quantized kernel keeps the shapes where it wins), and the choice is kept in this process
-and in FORMS_FILE in fuselm's cache folder "mlx" for later processes (FUSELM_MATMUL_FORMS_CACHE=0: this
+shape and the row count, so each (device, weight shape, row count rounded up to a power of two) is
+timed once on the real weight, the first time it comes (a speed probe, not a device check: on Metal
+the quantized kernel keeps the shapes where it wins), and the choice is kept in this process and in
+FORMS_FILE in fuselm's cache folder "mlx" for later processes (FUSELM_MATMUL_FORMS_CACHE=0: this
 process only). FUSELM_WIDE_DEQUANT=1 / 0 forces one form.
 """
 

@@ -8,8 +8,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..loader import NP_DTYPES
-from . import kv_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight
 
 _FROM_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in (TensorProto.UINT4, TensorProto.INT4)}
 
@@ -49,7 +48,6 @@ _BINARY = {
 class NumpyBackend(Backend):
     name = "numpy"
     device = "host"
-    kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once
 
     def asarray(self, value):
         return np.asarray(value)
@@ -83,14 +81,8 @@ class NumpyBackend(Backend):
         fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
         return np.asarray(fn(x, axis=axes, keepdims=keepdims)).astype(x.dtype)
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = np.argmax if op == "max" else np.argmin
-        if select_last:
-            x = np.flip(x, axis)
-            out = x.shape[axis] - 1 - fn(x, axis=axis)
-        else:
-            out = fn(x, axis=axis)
-        out = out.astype(np.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        out = (np.argmax if op == "max" else np.argmin)(x, axis=axis).astype(np.int64)
         return np.expand_dims(out, axis) if keepdims else out
 
     def matmul(self, a, b):
@@ -173,9 +165,6 @@ class NumpyBackend(Backend):
             ufunc.at(out, key, updates)
         return out
 
-    def trilu(self, x, k, upper):
-        return np.triu(x, k) if upper else np.tril(x, k)
-
     def rms_norm(self, x, weight, eps):
         xf = x.astype(np.float32)
         y = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -209,17 +198,6 @@ class NumpyBackend(Backend):
             s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask
         return np.matmul(self.softmax(s, -1), v).astype(q.dtype)
 
-    def prepare_quantized(self, q, scale, zero_point, block, bits):
-        w = dequantize_blocked(q, scale, zero_point, block).astype(scale.dtype)
-        return QuantizedWeight(w, q.shape[0], q.shape[1], bits, block, "dequant")
-
-    def quantized_matmul(self, x, w):
-        return np.matmul(x, w.data)
-
-    def prepare_experts(self, q, scale, zero_point, block, bits):
-        w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
-        return QuantizedWeight(w, q.shape[2], q.shape[1], bits, block, "dequant")
-
     def expert_matmul(self, x, w, experts):
         w = w.data if isinstance(w, QuantizedWeight) else w
         t, k = experts.shape
@@ -236,33 +214,3 @@ class NumpyBackend(Backend):
 
     def host_int(self, pos):
         return int(pos)
-
-    # --- the 8-bit KV cache: q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group] ----------
-    def kv_empty(self, shape, group):
-        bsz, h, length, d = shape
-        return (np.zeros((bsz, h, length, d), np.uint8), np.zeros((bsz, h, length, d // group), np.float16),
-                np.zeros((bsz, h, length, d // group), np.float16))
-
-    def kv_quantize(self, x, group):
-        bsz, h, s, d = x.shape
-        xg = np.asarray(x, np.float32).reshape(bsz, h, s, d // group, group)
-        lo = xg.min(-1)
-        scale = ((xg.max(-1) - lo) / kv_quant.LEVELS).astype(np.float16)
-        bias = lo.astype(np.float16)
-        sf = scale.astype(np.float32)  # quantized against the stored float16 scale and bias
-        safe = np.where(sf > 0, sf, np.float32(1))
-        q = np.clip(np.round((xg - bias.astype(np.float32)[..., None]) / safe[..., None]), 0, kv_quant.LEVELS)
-        return q.astype(np.uint8).reshape(bsz, h, s, d), scale, bias
-
-    def kv_dequantize(self, stored, to):
-        q, s, z = stored
-        bsz, h, t, d = q.shape
-        g = s.shape[-1]
-        x = q.reshape(bsz, h, t, g, d // g) * s.astype(np.float32)[..., None] + z.astype(np.float32)[..., None]
-        return x.reshape(bsz, h, t, d).astype(NP_DTYPES[to])
-
-    def kv_scores(self, q, block):
-        return np.matmul(q.astype(np.float32), np.swapaxes(self.kv_dequantize(block, TensorProto.FLOAT), -1, -2))
-
-    def kv_values(self, p, block):
-        return np.matmul(p.astype(np.float32), self.kv_dequantize(block, TensorProto.FLOAT))

@@ -17,7 +17,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, torch_quant
-from .base import Backend, QuantizedWeight, dequantize_blocked, dequantize_experts
+from .base import Backend, QuantizedWeight
 
 TORCH_DTYPES = {
     TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
@@ -57,10 +57,9 @@ _BINARY = {
 }
 
 
-# Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA's
-# kernel splits tiny problems across threads (milliseconds of fork/join on a busy 2-core box); on
-# CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V out to every
-# query head (2 more kernels and Hq/Hkv times the cache bytes per layer and token).
+# Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA splits tiny
+# problems across threads; on CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V
+# out to every query head.
 _GROUPED_MAX_QUERIES = 16
 
 
@@ -101,8 +100,8 @@ _PREPARE_COLUMNS = 16384
 
 def _return_freed_memory() -> None:
     """glibc raises its mmap threshold to the largest block freed so far (up to 32 MB), so a prefill
-    chunk's activations, once freed, stay in the heap and the next layer's land beside them: peak RSS
-    grew by ~20 MB a layer. A fixed threshold maps every block >= 256 KB and unmaps it on free."""
+    chunk's activations, once freed, stay in the heap and the next layer's land beside them (peak RSS grew
+    with every layer). A fixed threshold maps every block >= 256 KB and unmaps it on free."""
     try:
         import ctypes
 
@@ -117,7 +116,6 @@ class TorchBackend(Backend):
     decode steps run torch's own pool at one thread (tiny ops lose to fork/join), the kernels keep all."""
 
     name = "torch"
-    kv_block_keys = 4096  # keys of the 8-bit cache dequantized at once (4096·Hkv·D f32: 16 MiB at Hkv=8, D=128)
 
     def __init__(self, device: str | None = None, threads: int | None = None):
         self.device = str(torch.device(device or "cpu"))
@@ -229,13 +227,8 @@ class TorchBackend(Backend):
             x = torch.prod(x, dim=d, keepdim=keepdims)
         return x
 
-    def arg_reduce(self, op, x, axis, keepdims, select_last):
-        fn = torch.argmax if op == "max" else torch.argmin
-        if select_last:
-            out = x.shape[axis] - 1 - fn(torch.flip(x, (axis,)), dim=axis, keepdim=keepdims)
-        else:
-            out = fn(x, dim=axis, keepdim=keepdims)
-        return out.to(torch.int64)
+    def arg_reduce(self, op, x, axis, keepdims):
+        return (torch.argmax if op == "max" else torch.argmin)(x, dim=axis, keepdim=keepdims).to(torch.int64)
 
     def matmul(self, a, b):
         return torch.matmul(a, b)
@@ -335,9 +328,6 @@ class TorchBackend(Backend):
         index = flat_idx.reshape(-1, *([1] * len(inner))).expand(-1, *inner)
         return view.scatter_reduce(0, index, upd, reduce=red, include_self=True).reshape(x.shape)
 
-    def trilu(self, x, k, upper):
-        return torch.triu(x, k) if upper else torch.tril(x, k)
-
     # --- fused kernels ----------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
         return F.rms_norm(x, (x.shape[-1],), weight if weight.dim() == 1 else weight.expand(x.shape[-1:]), eps)
@@ -405,19 +395,12 @@ class TorchBackend(Backend):
                                      None if zero_point is None else zero_point[:, c:c + _PREPARE_COLUMNS], block, bits)
                  for c in range(0, n, _PREPARE_COLUMNS)]
         if parts[0].kind not in torch_quant.CPU_KINDS:
-            w = dequantize_blocked(q, scale, zero_point, block)  # the no-kernels fallback: as torch_quant does
-            return QuantizedWeight(self.asarray(w.astype(scale.dtype, copy=False)), q.shape[0], n, bits, block,
-                                   "dequant")
+            return super().prepare_quantized(q, scale, zero_point, block, bits)  # no kernels: as torch_quant does
         data = tuple(torch.cat([p.data[i] for p in parts]) for i in range(len(parts[0].data)))
         return QuantizedWeight(data, q.shape[0], n, bits, block, parts[0].kind)
 
     def quantized_matmul(self, x, w):
         return torch_quant.matmul(x, w)
-
-    def prepare_experts(self, q, scale, zero_point, block, bits):
-        # dequantized once at load, in the float dtype the graph computes in (torch has no gathered int4 matmul)
-        w = dequantize_experts(q, scale, zero_point, block).astype(scale.dtype)
-        return QuantizedWeight(self.asarray(w), q.shape[2], q.shape[1], bits, block, "dequant")
 
     def expert_matmul(self, x, w, experts):
         w = w.data if isinstance(w, QuantizedWeight) else w
@@ -454,35 +437,7 @@ class TorchBackend(Backend):
                 return int(pos)
         return None
 
-    # --- the 8-bit KV cache: q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group] ----------
-    def kv_empty(self, shape, group):
-        bsz, h, length, d = shape
-        return (torch.zeros((bsz, h, length, d), dtype=torch.uint8, device=self._dev),
-                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev),
-                torch.zeros((bsz, h, length, d // group), dtype=torch.float16, device=self._dev))
-
-    def kv_quantize(self, x, group):
-        bsz, h, s, d = x.shape
-        xg = x.float().reshape(bsz, h, s, d // group, group)
-        lo, hi = xg.amin(-1), xg.amax(-1)
-        scale = ((hi - lo) / kv_quant.LEVELS).to(torch.float16)
-        bias = lo.to(torch.float16)
-        # quantize against the float16 scale and bias actually stored, so dequantization undoes exactly this
-        sf, bf = scale.float(), bias.float()
-        safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-        q = ((xg - bf[..., None]) / safe[..., None]).round_().clamp_(0, kv_quant.LEVELS).to(torch.uint8)
-        return q.reshape(bsz, h, s, d), scale, bias
-
-    def kv_dequantize(self, stored, to):
-        return self._kv_floats(stored).to(TORCH_DTYPES[to])
-
-    def _kv_floats(self, stored):
-        q, s, z = stored
-        bsz, h, t, d = q.shape
-        group = d // s.shape[-1]
-        x = q.float().reshape(bsz, h, t, d // group, group).mul_(s.float()[..., None]).add_(z.float()[..., None])
-        return x.reshape(bsz, h, t, d)
-
+    # --- the 8-bit KV cache (Backend's layout): decode folds the affine fix-up into the small products -----
     def kv_scores(self, q, block):
         # Σ_d q_d (k_d·s_g + z_g) = Σ_g s_g (q_g · k_g) + z_g Σ_{d∈g} q_d: one int8→f32 conversion of the keys,
         # the scales applied to the small [R, T] products
@@ -490,7 +445,7 @@ class TorchBackend(Backend):
         group = kv_quant.group_of(self, block)
         qf = q.float()
         if qf.shape[2] > _FOLD_MAX_QUERIES:
-            return qf @ self._kv_floats(block).transpose(-1, -2)
+            return super().kv_scores(q, block)
         k = kq.float()
         ks, kz = ks.float().transpose(-1, -2), kz.float().transpose(-1, -2)  # [B, H, G, T]
         out = None
@@ -506,7 +461,7 @@ class TorchBackend(Backend):
         vq, vs, vz = block
         group = kv_quant.group_of(self, block)
         if p.shape[2] > _FOLD_MAX_QUERIES:
-            return p @ self._kv_floats(block)
+            return super().kv_values(p, block)
         v = vq.float()
         g = vq.shape[-1] // group
         vs, vz = vs.float().transpose(-1, -2), vz.float().transpose(-1, -2)  # [B, H, G, T]

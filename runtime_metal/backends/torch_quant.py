@@ -2,18 +2,14 @@
 
 torch's CPU low-bit kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) are scalar without
 AVX-512 and slower than an f32 matmul at decode, and a dequantized f32 copy moves 8x the bytes of 4-bit
-weights through memory every token. So on CPUs
-fuselm uses its own kernels (cpu_kernels.cpp, built once at install: kernel_build.py), chosen at run
-time by what the CPU has (`cpu_isa`: AVX-512 VNNI, AVX2, scalar) over one packed layout:
+weights through memory every token. So on CPUs fuselm uses its own kernels (cpu_kernels.cpp, built once at
+install: kernel_build.py), chosen at run time by what the CPU has (`cpu_isa`) over one packed layout:
 - int8 activations (the default, `cpu_activations`): int8 x times 4/8-bit weights with integer
   accumulation, one dequantization per sub-block of 32, for decode (GEMV) and
   prefill alike (the same kernel as an integer GEMM: no dequantized weights);
 - int16 activations: the int16 GEMV for decode, and for prefill (more than 16 rows) a dequantize into
   a reusable f32 buffer + BLAS GEMM (f32-exact activations, for validation).
-bench/gemv_cpu.py measures both against onnxruntime's MatMulNBits and torch's own kernels
-(docs/benchmarks.md, "CPU kernels"). Without kernels (no prebuilt module and no compiler) weights are
-dequantized to f32 at load ("dequant"), the fastest correct path left. Decode attention is torch's
-(torch_backend.py); the hand-written attention kernel lost to it and was deleted.
+Without kernels (no prebuilt module and no compiler) weights are dequantized to f32 at load ("dequant").
 """
 
 from __future__ import annotations
@@ -85,8 +81,7 @@ def cpu_activations() -> str:
 def cpu_kind(isa: str, act: str, bits: int) -> str:
     """The kernel a weight runs, as describe() reports it (e.g. avx2-int8). int16 x runs the AVX2 kernel
     on AVX-512 CPUs too; on AVX2, 8-bit weights take int16 x in both modes: int8 x would need two
-    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and measured no faster than int16
-    (bench/gemv_cpu.py: 20.1 vs 21.6 GB/s for a 1024x32768 8-bit weight, 1 thread), 250x coarser."""
+    vpmaddubsw per byte (a whole byte x 127 x 2 saturates int16) and is no faster than int16, 250x coarser."""
     if act == "int16" or (isa == "avx2" and bits == 8):
         return f"{'scalar' if isa == 'scalar' else 'avx2'}-int16"
     return f"{isa}-{act}"

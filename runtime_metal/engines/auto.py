@@ -1,17 +1,13 @@
 """`--backend auto`: which engine runs a model directory, and why (`fuselm.load`'s rule, the one place it lives).
 
-The rule follows `python bench/cpu_auto.py` (the torch backend and onnxruntime on the same q4 model;
-docs/benchmarks.md, "Which CPU engine auto runs"):
+The rule (docs/benchmarks.md, "Which CPU engine auto runs"):
 - a graph lowered for onnxruntime (`fuselm optimize --target onnxruntime`, com.microsoft ops):
   onnxruntime; only it runs those ops, and on a CPU it is the fastest path;
 - a GPU (Metal, CUDA): runtime_metal's own choice (MLX on Metal, torch on CUDA);
 - a CPU and a standard quantized (q4/q8) graph, onnxruntime importable and the prepared store on
   (FUSELM_PREPARED): onnxruntime on the graph lowered for it, prepared once in fuselm's cache folder
-  (ort_prepared.py), several times the torch backend's decode speed; onnxruntime on the standard graph
-  itself is slower than the torch backend (it cannot fuse the tied lm_head's `Transpose(DequantizeLinear)`
-  into MatMulNBits, so it dequantizes the vocabulary-wide head every token), so the standard graph is never
-  run there. A graph the passes cannot lower runs on
-  the torch backend, the reason in the header;
+  (ort_prepared.py); never the standard graph itself (onnxruntime dequantizes its tied head every token). A
+  graph the passes cannot lower runs on the torch backend, the reason in the header;
 - a CPU and a float graph: the torch backend (the f32 reference);
 - options only runtime_metal honours (--compile, --kv-bits, ...) keep a standard graph there.
 `--backend torch` always runs the torch backend (the f32 reference on a CPU).

@@ -1,11 +1,9 @@
 """Resident pages of a model's data file that onnxruntime maps and never reads again, given back.
 
-onnxruntime maps each external initializer of a model on its own. MatMulNBits copies its weights,
-scales and zero points into packed buffers at load and drops the weights' mappings, but keeps the
-scales' and zero points' mapped: 70-80 MB of the 0.6B q4 graph's file pages stay resident though no
-kernel reads them again. A gather reads the embedding's rows through its mapping, and each row read
-brings its neighbours (the kernel's fault-around): ~50 MB after a 512-token prompt, ~15 MB with
-MADV_RANDOM on the mappings, which `while_loading` sets. `release(path)` drops this process's pages
+onnxruntime maps each external initializer of a model on its own. MatMulNBits packs its weights, scales and
+zero points at load and drops the weights' mappings, but keeps the scales' and zero points' mapped and resident
+though no kernel reads them again; a gather of embedding rows faults in their neighbours too (`while_loading` sets
+MADV_RANDOM on the mappings). `release(path)` drops this process's pages
 of every clean mapping of `path` (MADV_DONTNEED). A clean page of a file mapping that is touched
 again is read back from the file (the page cache), so no result changes; a mapping with a written
 page (copied on write, counted as anonymous) is left alone. Call it only while onnxruntime is idle:
@@ -13,10 +11,10 @@ between the scan of /proc/self/smaps and the madvise, no mapping of the file may
 its range reused.
 
 While a session loads, MatMulNBits reads every weight to pack it, and onnxruntime drops the weights'
-mappings only once all are packed: their pages pile up to ~150 MB over the packed copies (the load's
-peak). `while_loading(path)` pages them out as the load goes (MADV_PAGEOUT, every 10 ms from a
-daemon thread). Page-out never loses data (a clean file page is read back, an anonymous one would go
-to swap), so a mapping unmapped and reused between the scan and the madvise costs at most a re-read.
+mappings only once all are packed: their pages pile up over the packed copies (the load's peak).
+`while_loading(path)` pages them out as the load goes (MADV_PAGEOUT, every 10 ms from a daemon
+thread). Page-out never loses data (a clean file page is read back, an anonymous one would go to
+swap), so a mapping unmapped and reused between the scan and the madvise costs at most a re-read.
 Linux only (elsewhere both are no-ops; MADV_PAGEOUT needs Linux 5.4, older kernels refuse it).
 """
 
@@ -39,8 +37,7 @@ _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
 def mappings(path: Path, clean: bool = True) -> list[tuple[int, int]]:
     """(start, end) of this process's mappings of `path`; `clean`: only those with no anonymous (written)
-    page, read from /proc/self/smaps (~18 ms with onnxruntime's 344 mappings of a 0.6B graph), else all of
-    them from /proc/self/maps (~1 ms)."""
+    page, read from /proc/self/smaps (slower), else all of them from /proc/self/maps."""
     target, spans, cur = str(Path(path).resolve()), [], None
     with open("/proc/self/smaps" if clean else "/proc/self/maps") as f:
         for line in f:

@@ -56,9 +56,7 @@ def int8_activations(model_dir: Path) -> bool:
 
 
 RELEASE_EVERY = 64  # decode steps between two releases of the data file's resident pages
-# prompt tokens per run (bench/cpu_rss.py: a 512-token prompt in one run held 70 MB more of onnxruntime's arena, at the
-# same prefill speed)
-PREFILL_CHUNK = 128
+PREFILL_CHUNK = 128  # prompt tokens per run: a whole long prompt grows onnxruntime's arena, no faster
 
 
 class GenaiLoop:
@@ -112,9 +110,7 @@ class BoundLoop:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
-        # MatMulNBits packs its weights on the session's threads: load 1.01 -> 0.86 s (0.6B q4, 2 cores, medians of 3),
-        # peak after a 512-token prompt 720 -> 723 MB; the weights' pages it reads pile up faster, and while_loading
-        # pages them out (the load's peak: 1021 MB without it)
+        # MatMulNBits packs its weights on the session's threads (a faster load; while_loading pages out what it reads)
         so.add_session_config_entry("session.prepack.enable_parallel", "1")
         self.ort = ort
         self.data = model_dir / contract.DATA_NAME

@@ -12,16 +12,11 @@ torch backend and says why.
 A fresh process finds the copy by the source's stat fingerprint (`existing`: no onnx, no graph read) and
 runs it unchecked: it was checked when it was written, and its stamp proves it is what was written.
 
-The copy only generates, so its head runs on the prompt's last position (passes/last_logits.py: at a
-512-token prompt the 0.6B's q8 head is 80 G multiply-adds and a 311 MB logits buffer less); onnxruntime-genai
+The copy only generates, so its head runs on the prompt's last position (passes/last_logits.py); onnxruntime-genai
 0.18 binds a [B, S, vocab] logits buffer and rejects such a graph, so the copy runs on onnxruntime's IO-binding
-loop (engines/ort.py BoundLoop). Its genai_config.json (as every lowered graph's, fuselm/genai_config.py;
-the IO-binding loop reads it) turns onnxruntime's graph optimizations off: the passes already lowered the graph, and onnxruntime's
-optimizer only folds the tied embedding's Reshape into a second copy of the table and inlines SwiGLU: with it off
-the greedy tokens and the decode time are the same, and a load costs less CPU and memory. Saving onnxruntime's
-optimized graph at prepare time (`optimized_model_filepath`, also with its prepacked weights) loads no faster
-(prepacking the MatMulNBits weights is most of a load, and the saved copy does it again) and writes that
-folded copy into the data file.
+loop (engines/ort.py BoundLoop). Its genai_config.json (fuselm/genai_config.py) turns onnxruntime's graph
+optimizations off: the passes already lowered the graph, and onnxruntime's optimizer would only copy the tied
+embedding's table and inline SwiGLU.
 """
 
 from __future__ import annotations
@@ -85,8 +80,8 @@ def _lower(model_dir: Path, out: Path, level: int) -> None:
         optimize(model_dir, out, target="onnxruntime", accuracy_level=level, last_logits=True, quiet=True)
     except (FuselmError, CheckFailed) as e:
         raise CannotPrepare(f"`fuselm optimize --target onnxruntime` refused it ({e})") from None
-    # The passes' graph is cyclic garbage holding a mapping of every source weight (the 0.6B q4: 0.5 GB
-    # resident): free it now, not whenever the collector next runs (this process goes on to generate).
+    # the passes' graph is cyclic garbage holding a mapping of every source weight: free it now (this process
+    # goes on to generate)
     gc.collect()
     graph = onnx.load(str(out / contract.MODEL_NAME), load_external_data=False).graph
     if not any(n.domain == ORT_DOMAIN and n.op_type == "MatMulNBits" for n in graph.node):
