@@ -37,10 +37,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fuselm import __version__, contract, switches
 
-from .backends.base import QuantizedWeight
+if TYPE_CHECKING:  # base.py imports onnx, which a run of the prepared copy does without
+    from .backends.base import QuantizedWeight
 
 _ENTRY = "::"  # weight name :: part index
 STAMP = ".fuselm-prepared.json"  # in a prepared directory: its key and its files
@@ -147,6 +149,8 @@ class PreparedStore:
 
 
 def _weights(arrays: dict, table: dict) -> dict[str, QuantizedWeight]:
+    from .backends.base import QuantizedWeight
+
     out = {}
     for name, (k, n, bits, block, kind, count, is_tuple) in table.items():
         parts = tuple(arrays[f"{name}{_ENTRY}{i}"] for i in range(count))
