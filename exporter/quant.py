@@ -225,11 +225,6 @@ def pack_uint4(values: np.ndarray) -> bytes:
     return (v[0::2] | (v[1::2] << 4)).tobytes()
 
 
-def unpack_uint4(data: bytes, count: int) -> np.ndarray:
-    b = np.frombuffer(data, np.uint8)
-    return np.stack([b & 0x0F, b >> 4], axis=1).ravel()[:count]
-
-
 @dataclass(frozen=True)
 class Precision:
     """How one class of tensors is stored: f32, f16 or quantized (bits, block, the method that picks each

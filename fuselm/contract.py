@@ -289,6 +289,13 @@ def rope_schema(extended: bool = True):
                     attributes=attributes)
 
 
+def _function(op: str, inputs, outputs: list[str], nodes: list, documented, attributes=(), attribute_protos=()):
+    """The FunctionProto of fuselm::`op` (opset-23 ops), its doc string `documented`'s docstring."""
+    return oh.make_function(DOMAIN, op, list(inputs), outputs, nodes, opset_imports=[oh.make_opsetid("", OPSET)],
+                            attributes=list(attributes), attribute_protos=list(attribute_protos),
+                            doc_string=documented.__doc__)
+
+
 def _c64(name, values) -> onnx.NodeProto:
     return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
 
@@ -319,8 +326,7 @@ def fused_rope_function(interleaved: bool = False, heads: bool = False, normed: 
         post = [oh.make_node("Shape", ["X"], ["shape_x"]), oh.make_node("Reshape", [y, "shape_x"], ["Y"])]
     if normed:
         norm = oh.make_node("RMSNormalization", [x, "norm_weight"], ["x_normed"], axis=-1, stash_type=1)
-        ref = norm.attribute.add()
-        ref.name, ref.type, ref.ref_attr_name = "epsilon", onnx.AttributeProto.FLOAT, "epsilon"
+        norm.attribute.append(oh.make_attribute_ref("epsilon", onnx.AttributeProto.FLOAT))
         pre.append(norm)
         x = "x_normed"
     nodes = [
@@ -354,13 +360,8 @@ def fused_rope_function(interleaved: bool = False, heads: bool = False, normed: 
         attributes.append(oh.make_attribute("num_heads", 0))
     if normed:
         attributes.append(oh.make_attribute("epsilon", RMS_EPSILON))
-    return oh.make_function(
-        DOMAIN, ROPE_OP, ["X", "position_ids", *(["norm_weight"] if normed else [])], ["Y"], nodes,
-        opset_imports=[oh.make_opsetid("", OPSET)],
-        attributes=["inv_freq"],
-        attribute_protos=attributes,
-        doc_string=fused_rope_function.__doc__,
-    )
+    return _function(ROPE_OP, ["X", "position_ids", *(["norm_weight"] if normed else [])], ["Y"], nodes,
+                     fused_rope_function, ["inv_freq"], attributes)
 
 
 def rope_in_standard_ops(node: onnx.NodeProto) -> list[onnx.NodeProto]:
@@ -420,8 +421,7 @@ def rope_form(nodes) -> RopeForm | None:
 def _attr_constant(output: str, const_attr: str, function_attr: str, kind: int) -> onnx.NodeProto:
     """A Constant whose value is the function attribute `function_attr` (an attribute reference)."""
     node = oh.make_node("Constant", [], [output])
-    ref = node.attribute.add()
-    ref.name, ref.type, ref.ref_attr_name = const_attr, kind, function_attr
+    node.attribute.append(oh.make_attribute_ref(const_attr, kind, ref_attr_name=function_attr))
     return node
 
 
@@ -466,8 +466,7 @@ def swiglu_function() -> onnx.FunctionProto:
              oh.make_node("Sigmoid", ["gate"], ["sig"]),
              oh.make_node("Mul", ["gate", "sig"], ["silu"]),
              oh.make_node("Mul", ["silu", "up"], ["Y"])]
-    return oh.make_function(DOMAIN, SWIGLU_OP, ["X"], ["Y"], nodes, opset_imports=[oh.make_opsetid("", OPSET)],
-                            attributes=[], doc_string=swiglu_function.__doc__)
+    return _function(SWIGLU_OP, ["X"], ["Y"], nodes, swiglu_function)
 
 
 # --- fuselm::LatentAttention ---------------------------------------------------------------------
@@ -508,15 +507,12 @@ def latent_attention_function() -> onnx.FunctionProto:
     A runtime may compute it absorbed instead (the weight's key columns folded into Q, its value columns applied
     after attention: attention over the latent itself, one kv head), where that costs fewer multiply-adds (decode).
     """
-    def c64(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
-
     def attr_1d(out, attr):
         return [_attr_constant(f"{out}_0", "value_int", attr, onnx.AttributeProto.INT),
                 oh.make_node("Reshape", [f"{out}_0", "one_d"], [out])]
 
     nodes = [
-        c64("one_d", [1]), c64("zero_minus1", [0, -1]), c64("ones_1", [1]),
+        _c64("one_d", [1]), _c64("zero_minus1", [0, -1]), _c64("ones_1", [1]),
         *attr_1d("heads", "num_heads"), *attr_1d("nope", "qk_nope_head_dim"), *attr_1d("vdim", "v_head_dim"),
         oh.make_node("Add", ["nope", "vdim"], ["head_kv"]),
         oh.make_node("Squeeze", ["latent", "one_d"], ["latent3"]),  # [B,T,r]
@@ -531,12 +527,10 @@ def latent_attention_function() -> onnx.FunctionProto:
         oh.make_node("Concat", ["k_nope", "k_rot_heads"], ["K"], axis=-1),
     ]
     attention = oh.make_node("Attention", ["Q", "K", "V", "mask"], ["Y"])
-    ref = attention.attribute.add()
-    ref.name, ref.type, ref.ref_attr_name = "scale", onnx.AttributeProto.FLOAT, "scale"
+    attention.attribute.append(oh.make_attribute_ref("scale", onnx.AttributeProto.FLOAT))
     nodes.append(attention)
-    return oh.make_function(DOMAIN, LATENT_OP, ["Q", "latent", "k_rot", "weight", "mask"], ["Y"], nodes,
-                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[*LATENT_ATTRS, "scale"],
-                            doc_string=latent_attention_function.__doc__)
+    return _function(LATENT_OP, ["Q", "latent", "k_rot", "weight", "mask"], ["Y"], nodes, latent_attention_function,
+                     [*LATENT_ATTRS, "scale"])
 
 
 # --- recurrent-state ops: fuselm::CausalConv1D, fuselm::GatedDeltaNet, fuselm::Mamba2, fuselm::Mamba -----
@@ -626,9 +620,7 @@ def causal_conv1d_function() -> onnx.FunctionProto:
              oh.make_node("Mul", ["windows", "w_kc"], ["taps_x"]),
              oh.make_node("ReduceSum", ["taps_x", "two_1"], ["Y"], keepdims=0),
              oh.make_node("Slice", ["full", "seq_1", "big", "one_1"], ["present_state"])]
-    return oh.make_function(DOMAIN, CONV_OP, list(CONV_INPUTS), ["Y", "present_state"], nodes,
-                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
-                            doc_string=causal_conv1d_function.__doc__)
+    return _function(CONV_OP, CONV_INPUTS, ["Y", "present_state"], nodes, causal_conv1d_function)
 
 
 def gated_delta_function() -> onnx.FunctionProto:
@@ -667,9 +659,7 @@ def gated_delta_function() -> onnx.FunctionProto:
              oh.make_node("Reshape", ["decay", "per_channel"], ["decay_heads"]),  # [B,S,Hv,1] or [B,S,Hv,Dk]
              oh.make_node("Scan", ["past_state", "q_heads", "k_heads", "value", "decay_heads", "beta"], ["present_state", "Y"],
                           body=body, num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])]
-    return oh.make_function(DOMAIN, GDN_OP, list(GDN_INPUTS), ["Y", "present_state"], nodes,
-                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
-                            doc_string=gated_delta_function.__doc__)
+    return _function(GDN_OP, GDN_INPUTS, ["Y", "present_state"], nodes, gated_delta_function)
 
 
 def mamba2_function() -> onnx.FunctionProto:
@@ -713,10 +703,8 @@ def mamba2_function() -> onnx.FunctionProto:
              oh.make_node("Unsqueeze", ["D", "minus_one"], ["d_col"]),  # [H, 1]
              oh.make_node("Mul", ["X", "d_col"], ["skip"]),
              oh.make_node("Add", ["y_scan", "skip"], ["Y"])]
-    return oh.make_function(DOMAIN, MAMBA2_OP, list(MAMBA2_INPUTS), ["Y", "present_state"], nodes,
-                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
-                            attribute_protos=[oh.make_attribute("dt_min", 0.0), oh.make_attribute("dt_max", float("inf"))],
-                            doc_string=mamba2_function.__doc__)
+    return _function(MAMBA2_OP, MAMBA2_INPUTS, ["Y", "present_state"], nodes, mamba2_function, [],
+                     [oh.make_attribute("dt_min", 0.0), oh.make_attribute("dt_max", float("inf"))])
 
 
 def mamba_function() -> onnx.FunctionProto:
@@ -750,9 +738,7 @@ def mamba_function() -> onnx.FunctionProto:
                           body=body, num_scan_inputs=4, scan_input_axes=[1] * 4, scan_output_axes=[1]),
              oh.make_node("Mul", ["X", "D"], ["skip"]),
              oh.make_node("Add", ["y_scan", "skip"], ["Y"])]
-    return oh.make_function(DOMAIN, MAMBA_OP, list(MAMBA2_INPUTS), ["Y", "present_state"], nodes,
-                            opset_imports=[oh.make_opsetid("", OPSET)], attributes=[],
-                            doc_string=mamba_function.__doc__)
+    return _function(MAMBA_OP, MAMBA2_INPUTS, ["Y", "present_state"], nodes, mamba_function)
 
 
 STATE_FUNCTIONS = {CONV_OP: causal_conv1d_function, GDN_OP: gated_delta_function, MAMBA2_OP: mamba2_function,
@@ -833,13 +819,9 @@ def moe_schema():
         outputs=[OpSchema.FormalParameter("Y", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute("top_k", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("normalize", oh.make_attribute("normalize", 0), ""),
-                    OpSchema.Attribute("activation", oh.make_attribute("activation", "silu"), ""),
-                    OpSchema.Attribute("scoring", oh.make_attribute("scoring", "softmax"), ""),
-                    OpSchema.Attribute("scaling", oh.make_attribute("scaling", 1.0), ""),
-                    OpSchema.Attribute("alpha", oh.make_attribute("alpha", 1.0), ""),
-                    OpSchema.Attribute("limit", oh.make_attribute("limit", float("inf")), ""),
-                    OpSchema.Attribute("jitter_eps", oh.make_attribute("jitter_eps", 0.01), "")])
+                    *(OpSchema.Attribute(n, oh.make_attribute(n, v), "") for n, v in (
+                        ("normalize", 0), ("activation", "silu"), ("scoring", "softmax"), ("scaling", 1.0),
+                        ("alpha", 1.0), ("limit", float("inf")), ("jitter_eps", 0.01)))])
 
 
 def moe_function(activation: str = "silu", scoring: str = "softmax", biased: bool = False,
@@ -868,9 +850,6 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     if activation not in MOE_ACTIVATIONS or scoring not in MOE_SCORINGS or (selection_bias and scoring != "softmax"):
         raise FuselmError(f"fuselm::MoE activation {activation!r} / scoring {scoring!r} is not one of "
                           f"{', '.join(MOE_ACTIVATIONS)} / {', '.join(MOE_SCORINGS)} (a selection bias: softmax only)")
-
-    def c64(name, values):
-        return oh.make_node("Constant", [], [name], value=oh.make_tensor(name, TensorProto.INT64, [len(values)], values))
 
     if activation == "silu":
         act = [oh.make_node("Sigmoid", ["gate"], ["gate_sig"]), oh.make_node("Mul", ["gate", "gate_sig"], ["gate_act"]),
@@ -922,7 +901,7 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
         _attr_constant("scale", "value_float", "scaling", onnx.AttributeProto.FLOAT),
         oh.make_node("Constant", [], ["one_f"], value_float=1.0),
         oh.make_node("Constant", [], ["zero_f"], value_float=0.0),
-        c64("one_d", [1]), c64("minus1", [-1]), c64("axis0", [0]), *([c64("axis1", [1])] if biased else []),
+        _c64("one_d", [1]), _c64("minus1", [-1]), _c64("axis0", [0]), *([_c64("axis1", [1])] if biased else []),
         oh.make_node("Reshape", ["k0", "one_d"], ["k"]),
         oh.make_node("Cast", ["norm_i"], ["norm_f"], to=TensorProto.FLOAT),
         oh.make_node("Shape", ["X"], ["x_shape"]),
@@ -955,14 +934,9 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
     clamp = [oh.make_attribute("alpha", 1.0), oh.make_attribute("limit", float("inf"))] if activation == "clamped_swiglu" else []
     if scoring == "sparsemixer":
         clamp.append(oh.make_attribute("jitter_eps", 0.01))
-    return oh.make_function(
-        DOMAIN, MOE_OP, list(MOE_INPUTS if biased else MOE_INPUTS[:5]), ["Y"], nodes,
-        opset_imports=[oh.make_opsetid("", OPSET)],
-        attributes=["top_k"],
-        attribute_protos=[oh.make_attribute("normalize", 0), oh.make_attribute("activation", activation),
-                          oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0), *clamp],
-        doc_string=moe_function.__doc__,
-    )
+    return _function(MOE_OP, MOE_INPUTS if biased else MOE_INPUTS[:5], ["Y"], nodes, moe_function, ["top_k"],
+                     [oh.make_attribute("normalize", 0), oh.make_attribute("activation", activation),
+                      oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0), *clamp])
 
 
 def _sparsemixer_body() -> list[onnx.NodeProto]:

@@ -98,12 +98,6 @@ def layer_assignment(graph: ir.Graph) -> dict[ir.Node, int]:
     return _assign(graph)[0]
 
 
-def layer_nodes(graph: ir.Graph, layer: int | None) -> list[ir.Node]:
-    if layer is None:
-        return []
-    return [n for n, i in layer_assignment(graph).items() if i == layer]
-
-
 def nodes_per_layer(graph: ir.Graph) -> dict:
     """{"layers": [nodes inside layer 0, 1, ...], "per_layer": the largest, "uniform": whether all
     layers have the same, "shared": every other node (embedding, mask, positions, final norm, lm_head)}."""
@@ -150,7 +144,7 @@ def layer_picture(graph: ir.Graph, layer: int | None) -> dict:
     """The picture of one layer (empty when the graph does not say which nodes it holds)."""
     if layer is None:
         return {"layer": None, "nodes": [], "edges": [], "width": 0, "height": 0}
-    return _picture(layer_nodes(graph, layer), layer)
+    return _picture([n for n, i in layer_assignment(graph).items() if i == layer], layer)
 
 
 def _layout(picture: dict) -> None:

@@ -367,10 +367,6 @@ MAPPED: dict[str, Callable[[ir.Graph, ir.Node, _Shared], str]] = {
 }
 
 
-def _is_contrib(n: ir.Node) -> bool:
-    return n.domain == ORT_DOMAIN or (n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_CONTRIB)
-
-
 class FromGenAI(Pass):
     """onnxruntime contrib ops (as onnxruntime-genai's builder writes them) -> standard ops.
 
@@ -392,7 +388,8 @@ class FromGenAI(Pass):
 
     def apply(self, model: ir.Model, stats: Stats) -> bool:
         graph = model.graph
-        nodes = [n for n in graph if _is_contrib(n)]
+        nodes = [n for n in graph if n.domain == ORT_DOMAIN
+                 or (n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_CONTRIB)]
         if not nodes:
             return False
         shared = _Shared(graph)

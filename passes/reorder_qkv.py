@@ -44,7 +44,7 @@ class ReorderQKVProjections(Pass):
             i = min(order[p.matmul] for p in projs) - 1
             while i >= 0 and nodes[i] in taken:
                 i -= 1
-            _detach(graph, wanted)
+            graph.remove(wanted)  # keeps inputs/outputs connected; the nodes are re-inserted right away
             if i >= 0:
                 graph.insert_after(nodes[i], wanted)
             else:
@@ -52,7 +52,3 @@ class ReorderQKVProjections(Pass):
             stats.fire(projs[0].name)
             modified = True
         return modified
-
-
-def _detach(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    graph.remove(nodes)  # keeps inputs/outputs connected; the nodes are re-inserted right away

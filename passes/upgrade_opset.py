@@ -22,10 +22,6 @@ OLDEST_OPSET = 14  # the oldest opset the exporters users bring write (optimum's
 _HELD = "fuselm.held"
 
 
-def default_opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-
-
 class UpgradeOpset(Pass):
     """Default-domain opset 14..22 -> 23 with onnx's version converter (its adapters rewrite the ops
     whose signature changed, e.g. ReduceMean's axes attribute becoming an input at 18).
@@ -40,7 +36,7 @@ class UpgradeOpset(Pass):
     aliases = ("upgrade-opset", "opset")
 
     def apply(self, model: ir.Model, stats: Stats) -> bool:
-        opset = default_opset(model)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         if opset == TARGET_OPSET:
             return False
         if opset > TARGET_OPSET or opset < OLDEST_OPSET:

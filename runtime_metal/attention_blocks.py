@@ -42,7 +42,7 @@ def attention(b, q, k, v, mask, scale: float):
     mask None, bool (True attends) or additive, broadcastable to [B, Hq, S, T]. Returns [B, Hq, S, Dv]
     in q's dtype."""
     bsz, hq, s, d = b.shape(q)
-    hkv, t = _dims(b, k)
+    hkv, t = _shape(b, k)[1:3]
     r = hq // hkv
     length = _read_length(k, v, t)
     block = max(MIN_BLOCK, SCORE_BUDGET // max(1, hq * s))
@@ -76,7 +76,7 @@ def attention(b, q, k, v, mask, scale: float):
             acc = b.binary("add", b.binary("mul", acc, alpha), pv)
         m = m_new
     if acc is None:  # no keys at all
-        return b.full((bsz, hq, s, _dims_v(b, v)), 0, b.dtype(q))
+        return b.full((bsz, hq, s, _shape(b, v)[3]), 0, b.dtype(q))
     l_sum = b.where(b.binary("equal", l_sum, _f32(b, 0.0)), _f32(b, 1.0), l_sum)
     y = b.binary("div", acc, l_sum)
     return b.cast(b.reshape(y, (bsz, hq, s, b.shape(y)[-1])), b.dtype(q))
@@ -86,13 +86,8 @@ def _f32(b, value):
     return b.asarray(np.array(value, np.float32))
 
 
-def _dims(b, k) -> tuple[int, int]:
-    shape = k.shape if isinstance(k, StoredKV) else b.shape(k)
-    return int(shape[1]), int(shape[2])
-
-
-def _dims_v(b, v) -> int:
-    return int((v.shape if isinstance(v, StoredKV) else b.shape(v))[3])
+def _shape(b, x) -> tuple[int, ...]:
+    return tuple(int(d) for d in (x.shape if isinstance(x, StoredKV) else b.shape(x)))
 
 
 def _read_length(k, v, t: int) -> int:

@@ -165,15 +165,11 @@ def init_group(timeout: float):
 class Bells:
     """A doorbell beside the ring's connections, from each rank to the next.
 
-    MLX's ring backend waits for a message by polling its non-blocking socket while a receive is
-    pending (mlx/distributed/ring/ring.cpp, SocketThread::worker): a rank that posts its receive
-    before the message comes keeps a core busy, and where ranks share a host's cores (the test
-    here: 2 and 3 ranks on 2 cores) it is the core the working rank needs (2 ranks took 2.4x one
-    rank's time per token). So a rank sleeps on a blocking socket of its own (`wait`, no CPU) until
-    the rank before it, its send finished, writes one byte (`ring`); the receive it then posts finds
-    its message there. Every message to the next rank is rung once and every one from the rank before
-    waited for once. The data still goes over mx.distributed; a bell carries none. Only for the ring
-    backend, whose hostfile names each rank's address (another backend waits as MLX does)."""
+    MLX's ring backend polls its socket while a receive is pending, so a rank waiting for its message keeps a
+    core busy, the one the working rank needs where ranks share a host's cores. So a rank sleeps on a blocking
+    socket of its own (`wait`) until the rank before it, its send finished, writes one byte (`ring`). The data
+    still goes over mx.distributed; a bell carries none. Only for the ring backend, whose hostfile names each
+    rank's address."""
 
     def __init__(self, rank: int, size: int, hosts: list[str]):
         self.rank, self.size, self.hosts = rank, size, hosts
@@ -184,12 +180,8 @@ class Bells:
     @classmethod
     def open(cls, rank: int, size: int) -> Bells | None:
         """A listening bell for the ring backend when all ranks share this host and, with the launcher,
-        outnumber its cores (None otherwise: a rank with a core of its own waits fastest on MLX's own
-        poll, and a bell costs a round trip per step). mlx.launch spins a core of its own (its output
-        threads select on an always-writable pipe); fuselm's launcher (pipeline_launch.py) does not.
-        bench/pipeline.py times both launchers with and without bells. Every rank decides the same (one
-        hostfile, one host's core count); FUSELM_PIPE_BELLS=on/off, set alike on every rank, overrides
-        the choice."""
+        outnumber its cores (mlx.launch spins a core of its own; fuselm's launcher does not). Every rank
+        decides the same; FUSELM_PIPE_BELLS=on/off, set alike on every rank, overrides the choice."""
         hosts = _ring_hosts()
         if os.environ.get("FUSELM_MLX_BACKEND", "ring") != "ring" or not hosts or len(hosts) != size:
             return None

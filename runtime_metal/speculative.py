@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import probabilities
+from .sampling import probabilities, sample
 
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
@@ -130,8 +130,6 @@ class ModelDrafter:
         self.fed = len(prompt)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list | None]:
-        from .sampling import sample
-
         if len(history) - 1 > self.fed:  # catch up with the text the target accepted, all but its last token
             self.engine.forward(history[self.fed:-1])
         self.fed = len(history) - 1
@@ -246,7 +244,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     drafter.start(ids)
     history = list(ids)
     rows = engine.forward(ids)
-    y = _pick(rows[-1], sampler)
+    y = sample(rows[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
     history.append(y)
     yield y
     produced = 1
@@ -345,12 +343,6 @@ def _probe(policy: Policy, drafter) -> bool:
     (a device whose multi-token step costs many one-token steps never drafts), an n-gram drafter only while its
     shadow drafts match half the time."""
     return policy.could_pay() and (isinstance(drafter, ModelDrafter) or policy.alpha >= 0.5)
-
-
-def _pick(logits: np.ndarray, sampler) -> int:
-    from .sampling import sample
-
-    return sample(logits, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
 
 
 def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tuple[int, int]:

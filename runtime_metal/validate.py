@@ -40,19 +40,9 @@ def default_prompt(model_dir, tok) -> list[int]:
     return tok.encode(DEFAULT_PROMPT)
 
 
-
-
-
-
-
-
 # What a half-precision run may drift from the f32 reference beyond HF's own run in that format: one
 # rounding of the format's mantissa (bf16 8 bits, f16 11) of the largest logit.
 HALF_FLOOR = {"bf16": 2.0**-8, "f16": 2.0**-11}
-
-
-
-
 
 
 def validate(model, reference, options: Options | None = None, tokens: int = 16, prompt=None, standard=None,

@@ -152,7 +152,7 @@ def test_quantize_axes_agree_bit_for_bit(bits, shape, block):
     """Blocks along axis 1 (HF's [out, in] linears, embedding rows) give axis 0's result on the
     transpose exactly (ragged last blocks and all-zero blocks included), and each value is within
     half a step of the block's affine grid (checked with the independent `_dequant`)."""
-    from fuselm.exporter.quant import Packed, quantize, quantize_linear, unpack_uint4
+    from fuselm.exporter.quant import Packed, quantize, quantize_linear
 
     w = np.random.default_rng(bits).standard_normal(shape).astype(np.float32) * 0.02
     w[:, :block] = 0
@@ -161,7 +161,8 @@ def test_quantize_axes_agree_bit_for_bit(bits, shape, block):
     for a, b, c in zip(rows, cols, quantize_linear(w, bits, block), strict=True):
         if isinstance(c, Packed):  # uint4 [in, out] bytes in ONNX's packing
             assert bits == 4 and c.data.shape == (b.shape[0], b.shape[1] // 2)
-            c = unpack_uint4(c.data.tobytes(), b.size).reshape(b.shape)
+            packed = np.frombuffer(c.data.tobytes(), np.uint8)  # low nibble first
+            c = np.stack([packed & 0x0F, packed >> 4], axis=1).ravel()[: b.size].reshape(b.shape)
         assert a.dtype == b.dtype and np.array_equal(a.T, b) and np.array_equal(b, c)
     q, s, z = rows
     assert q.max() <= 2**bits - 1 and z.max() <= 2**bits - 1

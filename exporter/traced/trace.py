@@ -246,7 +246,8 @@ def _dry_run(skel: Skeleton, wrapper: _LayerWrapper, args: tuple) -> dict[str, t
                 mode = _cache_mode(wrapper, args)
                 wrapper.plan.cache = mode
                 wrapper.latent = _latent_check(wrapper, args) if mode == "latent" else None
-                wrapper.cache = _cache_for(mode)
+                caches = {"kv": lambda: None, "length": attention_op.LengthCache, "latent": attention_op.TraceCache}
+                wrapper.cache = caches[mode]()
             return _shapes(wrapper, wrapper(*args)[1:])
         except (_NoAttention, attention_op.NotOneAttention):
             if wrapper.inline:
@@ -324,10 +325,6 @@ def _latent_check(wrapper: _LayerWrapper, args: tuple):
             h.remove()
         for m in linears:
             m.__dict__.pop("_fuselm_read_latent", None)
-
-
-def _cache_for(mode: str):
-    return {"kv": None, "length": attention_op.LengthCache(), "latent": attention_op.TraceCache()}[mode]
 
 
 def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None, carried: dict | None = None) -> Template:

@@ -369,7 +369,6 @@ class Backend:
         `pos` is a Python int or a 0-d integer array (static-shape decode, compiled graphs)."""
         raise NotImplementedError
 
-
     # --- the 8-bit KV cache (format: kv_quant.py) --------------------------------------------
     # A stored cache is a tuple (q, scales, biases) of arrays [B, H, L, ·] in the backend's layout; these defaults
     # keep q uint8 [B, H, L, D], float16 scales and biases [B, H, L, D/group], and dequantize every block read.
