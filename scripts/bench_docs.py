@@ -649,7 +649,7 @@ FAMILIES: list[tuple[str, str, str]] = [
     (r"quality-.*\.json", "quality on real text (bench/quality.py)", "quality-on-real-text"),
     (r"(h200/)?speculative.*\.(json|log)", "speculative decoding (bench/speculative.py)", "speculative-decoding"),
     (r"(h200/)?verify-step.*\.json", "a verification step's cost (bench/verify_step.py)", "speculative-decoding"),
-    (r"h200/token-check.*\.(json|log)", "GPU token check (bench/mlx_peer.py --token-check)", "hybrid-models-recurrent-state"),
+    (r"(h200/)?token-check.*\.(json|log)", "MLX token check (bench/mlx_peer.py --token-check)", "hybrid-models-recurrent-state"),
     (r"(h200/)?api-vs-cli.*\.json", "the Python iterator against the command line (bench/api_vs_cli.py)",
      "one-seam-for-running"),
     (r"convert_traced_prewrite.*\.json", "convert experiment (bench/convert.py)", "convert"),
