@@ -772,6 +772,9 @@ MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 # softmax over the experts within a relative distance 2·jitter_eps of that slot's logit)
 MOE_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 MOE_INPUTS = ("X", "router", "gate_up", "down", "bias", "router_bias", "gate_up_bias", "down_bias")
+# fuselm::MoE's attributes with defaults (schema and function body)
+MOE_DEFAULTS = {"normalize": 0, "activation": "silu", "scoring": "softmax", "scaling": 1.0, "alpha": 1.0,
+                "limit": float("inf"), "jitter_eps": 0.01}
 MOE_BIASES = MOE_INPUTS[5:]  # optional, all three or none: gpt-oss's router and expert biases
 
 
@@ -819,9 +822,7 @@ def moe_schema():
         outputs=[OpSchema.FormalParameter("Y", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute("top_k", OpSchema.AttrType.INT, ""),
-                    *(OpSchema.Attribute(n, oh.make_attribute(n, v), "") for n, v in (
-                        ("normalize", 0), ("activation", "silu"), ("scoring", "softmax"), ("scaling", 1.0),
-                        ("alpha", 1.0), ("limit", float("inf")), ("jitter_eps", 0.01)))])
+                    *(OpSchema.Attribute(n, oh.make_attribute(n, v), "") for n, v in MOE_DEFAULTS.items())])
 
 
 def moe_function(activation: str = "silu", scoring: str = "softmax", biased: bool = False,
@@ -931,12 +932,12 @@ def moe_function(activation: str = "silu", scoring: str = "softmax", biased: boo
         oh.make_node("Reshape", ["y2", "x_shape"], ["Y"]),
     ]
     # the forms without biases or clamping keep the body they had before those existed (graphs written then still check)
-    clamp = [oh.make_attribute("alpha", 1.0), oh.make_attribute("limit", float("inf"))] if activation == "clamped_swiglu" else []
-    if scoring == "sparsemixer":
-        clamp.append(oh.make_attribute("jitter_eps", 0.01))
+    given = {**MOE_DEFAULTS, "activation": activation, "scoring": scoring}
+    names = ["normalize", "activation", "scoring", "scaling"]
+    names += ["alpha", "limit"] if activation == "clamped_swiglu" else []
+    names += ["jitter_eps"] if scoring == "sparsemixer" else []
     return _function(MOE_OP, MOE_INPUTS if biased else MOE_INPUTS[:5], ["Y"], nodes, moe_function, ["top_k"],
-                     [oh.make_attribute("normalize", 0), oh.make_attribute("activation", activation),
-                      oh.make_attribute("scoring", scoring), oh.make_attribute("scaling", 1.0), *clamp])
+                     [oh.make_attribute(n, given[n]) for n in names])
 
 
 def _sparsemixer_body() -> list[onnx.NodeProto]:

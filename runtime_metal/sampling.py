@@ -36,6 +36,14 @@ class Sampler:
     def rng(self) -> np.random.Generator:
         return self._rng
 
+    def pick(self, logits: np.ndarray) -> int:
+        """The next token from these logits (host; `sample`)."""
+        return sample(logits, self.temperature, self.top_k, self.top_p, self._rng)
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """What `pick` draws from (`probabilities`)."""
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
 
 def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """The distribution sampling draws from: softmax(logits / temperature), cut to the top-k, then to the top-p

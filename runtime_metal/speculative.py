@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import probabilities, sample
-
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
 PROBE_EVERY = 16  # plain tokens after which a paused draft model is tried again
@@ -142,8 +140,8 @@ class ModelDrafter:
         logits = self.engine.forward([history[-1]])[-1]
         self.fed += 1
         for i in range(k):
-            dists.append(probabilities(logits, s.temperature, s.top_k, s.top_p))
-            tokens.append(sample(logits, s.temperature, s.top_k, s.top_p, s.rng))
+            dists.append(s.distribution(logits))
+            tokens.append(s.pick(logits))
             if i + 1 < k:
                 logits = self.engine.forward([tokens[-1]])[-1]
                 self.fed += 1
@@ -244,7 +242,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     drafter.start(ids)
     history = list(ids)
     rows = engine.forward(ids)
-    y = sample(rows[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+    y = sampler.pick(rows[-1])
     history.append(y)
     yield y
     produced = 1
@@ -355,7 +353,7 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
         return kept, int(target[kept])
     rng = sampler.rng
     for i, d in enumerate(draft):
-        p = probabilities(rows[i], sampler.temperature, sampler.top_k, sampler.top_p)
+        p = sampler.distribution(rows[i])
         qi = q[i] if q is not None else None
         q_d = 1.0 if qi is None else float(qi[d])
         if q_d > 0 and rng.random() < min(1.0, float(p[d]) / q_d):
@@ -369,5 +367,5 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
         if total <= 0:  # p == q: any draw from p is right
             residual, total = p, p.sum()
         return i, int(rng.choice(residual.size, p=residual / total))
-    p = probabilities(rows[len(draft)], sampler.temperature, sampler.top_k, sampler.top_p)
+    p = sampler.distribution(rows[len(draft)])
     return len(draft), int(rng.choice(p.size, p=p))

@@ -146,11 +146,8 @@ class Backend:
 
         This default picks greedily on the device and samples on the host."""
         if not sampler.greedy:
-            from ..sampling import sample
-
             x = np.asarray(self.to_numpy(logits), np.float32).reshape(-1)
-            tok = -1 if np.isnan(x).any() or np.isposinf(x).any() else \
-                sample(x, sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+            tok = -1 if np.isnan(x).any() or np.isposinf(x).any() else sampler.pick(x)
             return self.asarray(np.array([tok], np.int64))
         x = self.reshape(logits, (-1,))
         tok = self.arg_reduce("max", x, 0, True)

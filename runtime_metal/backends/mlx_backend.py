@@ -494,7 +494,7 @@ class MLXBackend(Backend):
         if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:
             mask = mask.astype(q.dtype)
         rows, n = q.shape[2], self.vector_rows
-        if mask == "causal" and n and n < rows <= FEW_ROWS:
+        if n and n < rows <= FEW_ROWS and mask == "causal":
             # a few causal queries (a speculative verification): MLX's CUDA backend would run cuDNN, which builds
             # a graph for each key length (tens of ms a step); its vector kernel takes n rows at a time, each group
             # over the keys up to its own last row (causal aligns the rows at the keys' end)

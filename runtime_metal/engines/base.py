@@ -78,10 +78,8 @@ class Engine:
     # --- runs over them ------------------------------------------------------------------------
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Prefill `ids`, then yield up to `max_new` tokens picked by `sampler` (the caller stops at eos)."""
-        from ..sampling import sample
-
         self.reset(len(ids) + max_new)
-        token = sample(self.forward(ids)[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+        token = sampler.pick(self.forward(ids)[-1])
         yield token
         yield from self.continue_from(token, max_new - 1, sampler)
 
@@ -89,10 +87,8 @@ class Engine:
         """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands. Closed
         early, a `trimmable` engine stands after the last token yielded (a speculative loop stops a plain run when
         drafting should resume)."""
-        from ..sampling import sample
-
         for _ in range(n):
-            token = sample(self.forward([token])[-1], sampler.temperature, sampler.top_k, sampler.top_p, sampler.rng)
+            token = sampler.pick(self.forward([token])[-1])
             yield token
 
     def score(self, ids: list[int]) -> np.ndarray:
