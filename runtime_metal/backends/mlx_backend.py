@@ -7,6 +7,7 @@ Only MLX's own ops are used, so what runs here in CI is what runs on the Apple G
 from __future__ import annotations
 
 import functools
+import os
 from functools import partial
 
 import mlx.core as mx
@@ -222,6 +223,8 @@ class MLXBackend(Backend):
             self.device = "cpu"
         if dtype not in ("f32", *HALF):
             raise FuselmError(f"--dtype {dtype!r} is not one of f32, f16, bf16")
+        if dtype == "f32":  # f32 means f32: MLX runs float32 matmuls as TF32 where the device can (CUDA, M5) unless
+            os.environ.setdefault("MLX_ENABLE_TF32", "0")  # told not to; it reads this once, at its first matmul
         self.compute = dtype
         self._float = HALF.get(dtype, mx.float32)
         self._to_mx = {**MX_DTYPES, TensorProto.FLOAT: self._float}
