@@ -253,26 +253,30 @@ def greedy_tokens(model: Path, backend: str, dtype: str, n: int) -> tuple[list[i
     return r["tokens"], r["what"], margins
 
 
-def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32, save=None) -> dict:
+def token_check(work: Path, points: list[tuple[str, dict]], dtype: str, n: int = 32, save=None,
+                only: list[str] = ()) -> dict:
     """Greedy tokens against fuselm torch f32 (CUDA where there) on one q4 graph: fuselm MLX in f32 and bf16 on the
     trained demo model and on each benchmarked checkpoint (`points`: its name and prepare()'s paths), where mlx-lm's
     tokens on its own q4 directory (in `dtype`) are compared too (its own quantization: other weights). Random weights
     give near-tied logits, where two kernels may pick differently: `first_difference` says where the tokens part and
     `reference_margin` torch's top-two logit gap there. On a CPU torch dequantizes the weights (FUSELM_NO_CPU_KERNELS:
-    its int8-activation kernels drift by ~1e-2, more than such ties). `save(checks)` after each child process."""
+    its int8-activation kernels drift by ~1e-2, more than such ties). `save(checks)` after each child process; `only`
+    names the comparisons to make ("mlx-f32", "mlx-bf16", "mlx-lm", "demo"; empty: all)."""
     import fuselm
     from fuselm.synth import make_checkpoint
 
     hf, exp, opt = work / "demo-hf", work / "demo-q4", work / "demo-q4-opt"
-    if not (opt / "fuselm.json").is_file():
+    demo = [("demo", {"fuselm": opt})] if not only or "demo" in only else []
+    if demo and not (opt / "fuselm.json").is_file():
         make_checkpoint(hf, "qwen3", train_steps=150, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2)
         fuselm.convert(hf, exp, quant="q4", force=True, quiet=True)
         fuselm.optimize(exp, opt, force=True, quiet=True)
     out = {}
-    for name, paths in [("demo", {"fuselm": opt}), *points]:
+    for name, paths in [*demo, *points]:
         runs = [("torch", "f32", paths["fuselm"]), ("mlx", "f32", paths["fuselm"]), ("mlx", "bf16", paths["fuselm"])]
         runs += [("mlx-lm", dtype, paths["mlx-lm"])] if "mlx-lm" in paths else []
+        runs = [r for r in runs if not only or r[0] == "torch" or (r[0] if r[0] == "mlx-lm" else f"mlx-{r[1]}") in only]
         for backend, dt, model in runs:
             res = subprocess.run([sys.executable, __file__, "--child", f"tokens-{backend}", "--model", str(model),
                                   "--dtype", dt, "--runs", str(n)], capture_output=True, text=True,
@@ -508,9 +512,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", help="fuselm's --dtype (auto: bf16 on a GPU, as mlx-lm runs)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fuselm-bench-mlx")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/mlx-peer-<device>.json)")
-    ap.add_argument("--token-check", action="store_true",
+    ap.add_argument("--token-check", nargs="*", default=None, choices=["mlx-f32", "mlx-bf16", "mlx-lm", "demo"],
                     help="also compare greedy tokens with fuselm-torch f32's on one q4 graph: fuselm-MLX f32 / bf16 on the "
-                         "trained demo model and on each shape's checkpoint, and there mlx-lm's")
+                         "trained demo model and on each shape's checkpoint, and there mlx-lm's (naming some: only those)")
     ap.add_argument("--stash", action="store_true",
                     help="only make the checkpoints and fuselm's graphs, timed (no MLX needed; bench/h200_mlx.sh stash)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -573,8 +577,8 @@ def main(argv=None) -> int:
             "rows": rows, "summary": summary, "token_check": checks}, indent=2) + "\n")
 
     write(None)
-    if args.token_check:
-        checks = token_check(args.work, points, dtype, save=write)
+    if args.token_check is not None:
+        checks = token_check(args.work, points, dtype, save=write, only=args.token_check)
         print("token check: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                             for k, v in checks.items()}))
         write(checks)
