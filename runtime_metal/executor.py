@@ -336,9 +336,7 @@ class Profiler:
         self.times: dict[str, list] = {}
 
     def start(self, b):
-        if not self.enabled:
-            return None
-        return time.perf_counter()
+        return time.perf_counter() if self.enabled else None
 
     def stop(self, b, op_type: str, outs, t0) -> None:
         if t0 is None:

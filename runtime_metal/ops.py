@@ -58,10 +58,6 @@ def _axis(axis: int, rank: int, end: bool = False) -> int:
 
 
 # --- elementwise ----------------------------------------------------------------------
-def _unary(name: str, prim: str):
-    op(name)(lambda b, x: b.unary(prim, x))
-
-
 for _name, _prim in {
     "Neg": "neg", "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
     "Sin": "sin", "Cos": "cos", "Tan": "tan", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf",
@@ -69,19 +65,14 @@ for _name, _prim in {
     "IsNaN": "isnan", "Asin": "asin", "Acos": "acos", "Atan": "atan", "Sinh": "sinh", "Cosh": "cosh",
     "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Softplus": "softplus", "BitwiseNot": "bitwise_not",
 }.items():
-    _unary(_name, _prim)
-
-
-def _binary(name: str, prim: str):
-    op(name)(lambda b, x, y: b.binary(prim, x, y))
-
+    op(_name)(lambda b, x, *, _prim=_prim: b.unary(_prim, x))
 
 for _name, _prim in {
     "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "equal", "Less": "less",
     "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal", "And": "and",
     "Or": "or", "Xor": "xor", "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor",
 }.items():
-    _binary(_name, _prim)
+    op(_name)(lambda b, x, y, *, _prim=_prim: b.binary(_prim, x, y))
 
 
 def _variadic(name: str, prim: str, mean: bool = False):
@@ -485,14 +476,9 @@ def Constant(b, *, value=None, value_float=None, value_floats=None, value_int=No
              value_string=None, value_strings=None, sparse_value=None):
     if value is not None:
         return np.asarray(value)
-    if value_float is not None:
-        return np.array(value_float, np.float32)
-    if value_floats is not None:
-        return np.array(value_floats, np.float32)
-    if value_int is not None:
-        return np.array(value_int, np.int64)
-    if value_ints is not None:
-        return np.array(value_ints, np.int64)
+    for v, dtype in ((value_float, np.float32), (value_floats, np.float32), (value_int, np.int64), (value_ints, np.int64)):
+        if v is not None:
+            return np.array(v, dtype)
     raise FuselmError("Constant: string and sparse values are not supported")
 
 

@@ -219,7 +219,14 @@ class Backend:
         raise NotImplementedError
 
     def gather_nd(self, x, idx, batch_dims: int):
-        raise NotImplementedError
+        """Advanced indexing by the last axis of `idx` (numpy, torch and mlx arrays share it), per batch entry."""
+        if batch_dims == 0:
+            return x[tuple(idx[..., j] for j in range(self.shape(idx)[-1]))]
+        xb = self.reshape(x, (-1, *self.shape(x)[batch_dims:]))
+        ib = self.reshape(idx, (-1, *self.shape(idx)[batch_dims:]))
+        outs = [self.gather_nd(xb[i], ib[i], 0) for i in range(self.shape(xb)[0])]
+        out = self.concat([self.reshape(o, (1, *self.shape(o))) for o in outs], 0)
+        return self.reshape(out, (*self.shape(x)[:batch_dims], *self.shape(outs[0])))
 
     def scatter_nd(self, x, idx, updates, reduction: str):
         raise NotImplementedError

@@ -390,13 +390,6 @@ class MLXBackend(Backend):
         out = NumpyBackend().scatter_elements(self.to_numpy(x), self.to_numpy(idx), self.to_numpy(updates), axis, reduction)
         return mx.array(out)
 
-    def gather_nd(self, x, idx, batch_dims):
-        from .numpy_backend import NumpyBackend
-
-        if batch_dims == 0:
-            return x[tuple(idx[..., i] for i in range(idx.shape[-1]))]
-        return mx.array(NumpyBackend().gather_nd(self.to_numpy(x), self.to_numpy(idx), batch_dims))
-
     def scatter_nd(self, x, idx, updates, reduction):
         key = tuple(idx[..., i] for i in range(idx.shape[-1]))
         if reduction == "none":
