@@ -107,7 +107,6 @@ class Executor:
     def _trace(self, feeds: dict) -> tuple[Plan, dict]:
         g, b = self.graph, self.b
         b.new_step()
-        b.step_memo = {}
         env: dict[str, object] = dict(feeds)
         static: dict[str, np.ndarray] = dict(g.constants)
         steps: list[Step] = []
@@ -220,7 +219,6 @@ class Executor:
     def _execute(self, plan: Plan, feeds: dict) -> dict:
         env = dict(feeds)
         self.b.new_step()
-        self.b.step_memo = {}
         self.run_steps(plan.steps, env)
         return {name: (env[name] if const is None else const) for name, const in plan.outputs}
 

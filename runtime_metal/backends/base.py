@@ -63,7 +63,7 @@ class Backend:
     # the QuantizedWeight kind whose rows `quantized_gather` reads (MLX: [N, K] packed, as mlx-lm's
     # QuantizedEmbedding): a 4-bit embedding is then gathered from the tied lm_head's copy (None: QGather)
     quantized_gather_kind: str | None = None
-    step_memo: dict | None = None  # values shared by the ops of one graph run; the executor resets it per run
+    step_memo: dict | None = None  # values shared by the ops of one graph run (reset by `new_step`)
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value: np.ndarray):
@@ -93,7 +93,8 @@ class Backend:
         """Wait until `x` is computed (profiling); a no-op where execution is eager and synchronous."""
 
     def new_step(self) -> None:
-        """A graph run begins (backends that memoize within a step reset here)."""
+        """A graph run begins: the values its ops share (`step_memo`) start empty."""
+        self.step_memo = {}
 
     def async_eval(self, *xs) -> None:
         """Start computing `xs` without waiting (lazy backends); a no-op where execution is eager."""

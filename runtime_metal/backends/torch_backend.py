@@ -351,6 +351,7 @@ class TorchBackend(Backend):
 
     def new_step(self):
         """A graph run begins: nothing computed in an earlier step may be reused."""
+        super().new_step()
         self._rope_memo = None
 
     def sdpa(self, q, k, v, mask, scale):
