@@ -92,9 +92,7 @@ _variadic("Mean", "add", mean=True)
 
 
 def _np_dtype(b, x):
-    from .loader import NP_DTYPES
-
-    return NP_DTYPES[b.dtype(x)]
+    return _np_of(b.dtype(x))
 
 
 @op("Mod")
@@ -193,23 +191,15 @@ def _reduce(name: str, prim: str, pre: str | None = None, post: str | None = Non
         if not ax and noop_with_empty_axes:
             return x
         rank = len(b.shape(x))
-        if pre == "square":
-            x = b.binary("mul", x, x)
-        elif pre == "abs":
-            x = b.unary("abs", x)
-        elif pre == "exp":
-            x = b.unary("exp", x)
+        if pre:
+            x = b.binary("mul", x, x) if pre == "square" else b.unary(pre, x)
         axes_t = tuple(_axis(a, rank) for a in ax) if ax else tuple(range(rank))
         shape = b.shape(x)
         if any(shape[a] == 0 for a in axes_t):  # the reduction of an empty set is the op's identity
             out_shape = tuple(1 if i in axes_t else d for i, d in enumerate(shape) if keepdims == 1 or i not in axes_t)
             return b.full(out_shape, _IDENTITY[name](b.dtype(x)), b.dtype(x))
         out = b.reduce(prim, x, axes_t if ax else None, keepdims == 1)  # as ONNX's shape inference: only 1 keeps
-        if post == "sqrt":
-            out = b.unary("sqrt", out)
-        elif post == "log":
-            out = b.unary("log", out)
-        return out
+        return b.unary(post, out) if post else out
 
     op(name, host_inputs=(1,))(fn)
 
