@@ -67,6 +67,27 @@ def check_int8(int8: dict, hint: str = "") -> None:
                           f"({int8['ort_level4_kl']:.3g}){hint}")
 
 
+def verdict(console, result: dict, target: Trace, drift: list[float], who: str, int8: dict | None = None,
+            kinds: str = "", hint: str = "", quantized_as: str = "a quantized graph") -> dict:
+    """validate's ending, whichever engine ran: HF's drift reported for a quantized graph; with int8 activations
+    (`int8`: int8_kl's) the KL criterion, else `result`'s greedy tokens equal `target`'s; CheckFailed otherwise."""
+    first, name, hf_first = result["first_mismatch"], result["reference"], result["hf_first_diff"]
+    if result["quantized"] and hf_first is not None:
+        console.print(f"HF drift (expected for {quantized_as}): tokens first differ from HF at step {hf_first}")
+    if int8 is not None:
+        result["int8"] = int8
+        console.print(f"int8 activations{kinds}, {int8['criterion']}: {who} {int8['kl']:.3g}, onnxruntime's level-4 "
+                      f"fusion {int8['ort_level4_kl']:.3g} (greedy tokens leave {name}'s at step {first})")
+        check_int8(int8, hint)
+        console.print("[green]OK[/green]: int8-activation KL divergence within 2x onnxruntime's own int8 fusion's")
+        return result
+    if first is not None:
+        raise CheckFailed(f"greedy tokens differ from {name} at step {first}: {who} {result['tokens'][first]}, {name} "
+                          f"{target.tokens[first]} (max |Δlogit| there {drift[first]:.3g})")
+    console.print(f"[green]OK[/green]: {len(result['tokens'])} greedy tokens equal {name}'s")
+    return result
+
+
 def text_ids(tok, fallback: list[int]) -> list[int]:
     """TEXT_TOKENS tokens of the bundled text (fuselm/text.py) as the model's tokenizer reads it; without a
     tokenizer, `fallback` repeated to that length."""

@@ -167,7 +167,6 @@ class PiecewiseDecode:
             env = {sess.first_input: ids, contract.POSITION_IDS: positions(b, pos_dev, self.rows), **views}
         ex.ctx["logit_rows"] = self.rows
         b.new_step()
-        b.step_memo = {}
         for fn, fast, p, inputs in self.calls:
             if fn is not None:
                 env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))

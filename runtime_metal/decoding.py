@@ -85,15 +85,16 @@ class Static(Strategy):
         self.sess.pos += 1
         return self.sess.backend.slice(logits, (0, 0))
 
-    def eager(self, token) -> tuple:
-        """(ids, device position, logits [1, 1, vocab]) of the step at the session's position; the
+    def eager(self, token, n: int = 1) -> tuple:
+        """(ids, device position, logits [1, n, vocab]) of the step of `n` tokens at the session's position; the
         position is not moved on."""
         s = self.sess
         ids, pos_dev = s._ids(token), self.decoding.position()
-        feeds = static_feeds(s.backend, ids, pos_dev, s.max_len, s.first_input)
+        feeds = static_feeds(s.backend, ids, pos_dev, s.max_len, s.first_input, n)
         at = s.pos if s.causal_reads else pos_dev  # causal reads cut the filled rows at a host position
-        views = {c.name: s._view(c, at, 1, static=True) for c in s.caches}
-        return ids, pos_dev, s._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views)
+        views = {c.name: s._view(c, at, n, static=True) for c in s.caches}
+        return ids, pos_dev, s._run(ids, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views,
+                                    n)
 
     def describe(self) -> str:
         return self.mode.value + self.note + self.decoding.compile_state()
@@ -108,12 +109,8 @@ class Compiled(Strategy):
 
     def step(self, token):
         s, pos = self.sess, self.sess.pos
-        logits, nxt, bufs, states = self.fn(s._ids(token), self.decoding.position(),
-                                            [s.buffers[c.name] for c in s.caches], s.state.values())
-        s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
-        s.state.put(states)
+        logits, nxt = _run_compiled(s, self.fn, token, self.decoding.position(), 1)
         self.decoding.pos_dev = (pos + 1, nxt) if nxt is not None else None
-        s.pos += 1
         return s.backend.slice(logits, (0, 0))
 
     def describe(self) -> str:
@@ -129,23 +126,15 @@ class Checked(Strategy):
     def step(self, token):
         s, d, b = self.sess, self.decoding, self.sess.backend
         pos = s.pos
-        before, state_before = _rows(s, pos), s.state.snapshot()
-        dyn = s._step_dynamic(token)
-        after, state_after = _rows(s, pos), s.state.snapshot()
-        _put(s, before)
-        s.state.restore(state_before)
-        s.pos = pos
+        dyn, state_before, _, keep_dynamic = _dynamic_then_rewind(s, token, 1)
         ids, pos_dev, logits = Static(d).eager(token)
         out = b.slice(logits, (0, 0))
         x, y = (np.asarray(b.to_numpy(v), np.float64) for v in (dyn, out))
         diff = float(np.abs(x - y).max())
         if not diff <= d.tolerance() * max(1.0, float(np.abs(x).max())):  # (NaN: not kept)
             d.static, d.why = False, f"static-shape decode differed from it by {diff:.3g} on the first step"
-            _put(s, after)
-            s.state.restore(state_after)
-            s.pos = pos + 1
             self.ran = d.choose()
-            return dyn
+            return keep_dynamic()
         d.static = True
         self.ran = d.choose()  # the static strategy this cache length runs from now on
         if isinstance(self.ran, Static):
@@ -209,12 +198,7 @@ class Decoding:
         key = (s.max_len, len(ids))
         fn = self.verifiers.get(key)
         if fn is not None:
-            logits, _, bufs, states = fn(s._ids(ids), self.position(), [s.buffers[c.name] for c in s.caches],
-                                         s.state.values())
-            s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
-            s.state.put(states)
-            s.pos += len(ids)
-            return s.backend.slice(logits, (0,))
+            return s.backend.slice(_run_compiled(s, fn, ids, self.position(), len(ids))[0], (0,))
         # (static decode unchecked yet is fine: the build checks its own rows against a dynamic step's)
         if key in self.verifiers or not (s.causal_reads and self.static is not False and self.compile
                                          and not s.profiler.enabled):
@@ -225,25 +209,10 @@ class Decoding:
     def _build_rows(self, ids: list[int]):
         s, b, n = self.sess, self.sess.backend, len(ids)
         pos = s.pos
-        before, state_before = _rows(s, pos, n), s.state.snapshot()
-        dyn = s._step_dynamic(ids, n)
-        after, state_after = _rows(s, pos, n), s.state.snapshot()
-
-        def dynamic():  # the dynamic step's rows and state stand
-            _put(s, after)
-            s.state.restore(state_after)
-            s.pos = pos + n
-            return dyn
-
-        _put(s, before)
-        s.state.restore(state_before)
-        s.pos = pos
-        token, pos_dev = s._ids(ids), self.position()
-        feeds = static_feeds(b, token, pos_dev, s.max_len, s.first_input, n)
-        views = {c.name: s._view(c, pos, n, static=True) for c in s.caches}
-        eager = s._run(token, pos_dev, feeds[contract.ATTENTION_MASK], feeds[contract.POSITION_IDS], views, n)
-        plan = s.executor.plan_for({**feeds, **{c.name: s._view(c, pos, n, static=True) for c in s.caches},
-                                    **s.state.feeds()})
+        dyn, state_before, state_after, dynamic = _dynamic_then_rewind(s, ids, n)
+        token, pos_dev, eager = Static(self).eager(ids, n)
+        plan = s.executor.plan_for({**static_feeds(b, token, pos_dev, s.max_len, s.first_input, n),
+                                    **{c.name: s._view(c, pos, n, static=True) for c in s.caches}, **s.state.feeds()})
         tol = self.tolerance()
         if plan is None or not agrees(b, dyn, b.slice(eager, (0,)), tol):
             return dynamic()
@@ -322,11 +291,39 @@ def _close(b, want: list, got: list, tol: float) -> bool:
     return True
 
 
-def _rows(s, pos: int, n: int = 1) -> dict:
+def _run_compiled(s, fn, ids, pos_dev, n: int):
+    """A compiled step of `n` tokens at the session's position, its buffers and states kept; (logits, next position)."""
+    logits, nxt, bufs, states = fn(s._ids(ids), pos_dev, [s.buffers[c.name] for c in s.caches], s.state.values())
+    s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
+    s.state.put(states)
+    s.pos += n
+    return logits, nxt
+
+
+def _dynamic_then_rewind(s, ids, n: int):
+    """Run the step of `n` tokens dynamic, then put the cache rows, state and position back; (its logits, the state
+    before, the state after, `keep`: puts the dynamic step's rows, state and position back and returns its logits)."""
+    pos = s.pos
+    before, state_before = _rows(s, pos, n), s.state.snapshot()
+    dyn = s._step_dynamic(ids, n)
+    after, state_after = _rows(s, pos, n), s.state.snapshot()
+
+    def keep():
+        _put(s, after, state_after, pos + n)
+        return dyn
+
+    _put(s, before, state_before, pos)
+    return dyn, state_before, state_after, keep
+
+
+def _rows(s, pos: int, n: int) -> dict:
     """A host copy of the cache rows the step of `n` tokens at `pos` writes (kvcache.snapshot), one per buffer."""
     return {k: kvcache.snapshot(s.backend, v, pos, pos + n) for k, v in s.buffers.items() if k not in s.packed}
 
 
-def _put(s, saved: dict) -> None:
-    s.buffers = {**s.buffers, **{k: kvcache.restore(s.backend, s.buffers[k], v) for k, v in saved.items()}}
+def _put(s, rows: dict, state, pos: int) -> None:
+    """Cache rows (`_rows`), the recurrent state and the position put back."""
+    s.buffers = {**s.buffers, **{k: kvcache.restore(s.backend, s.buffers[k], v) for k, v in rows.items()}}
     s.buffers.update({v: s.buffers[k] for v, k in s.packed.items()})  # a packed pair: one buffer again
+    s.state.restore(state)
+    s.pos = pos

@@ -77,11 +77,9 @@ class Executor:
                     raise
                 at = getattr(self, "_at", None)
                 where = f"node {at.name!r} ({at.op_type})" if at is not None else "the graph"
-                raise FuselmError(
-                    f"{where} failed on this input ({type(e).__name__}: {str(e)[:300]}); "
-                    "the graph is invalid, or uses the op in a form the runtime does not support "
-                    "(FUSELM_DEBUG=1 shows every node)"
-                ) from e
+                raise FuselmError(f"{where} failed on this input ({type(e).__name__}: {str(e)[:300]}); the graph is "
+                                  "invalid, or uses the op in a form the runtime does not support (FUSELM_DEBUG=1 "
+                                  "shows every node)") from e
             if plan.reusable and not self.debug and self.limit is None:
                 self.plans[sig] = plan
                 if len(self.plans) > _MAX_PLANS:
@@ -107,7 +105,6 @@ class Executor:
     def _trace(self, feeds: dict) -> tuple[Plan, dict]:
         g, b = self.graph, self.b
         b.new_step()
-        b.step_memo = {}
         env: dict[str, object] = dict(feeds)
         static: dict[str, np.ndarray] = dict(g.constants)
         steps: list[Step] = []
@@ -140,11 +137,7 @@ class Executor:
                 continue
             spec = OPS[node.key]
             present = [x for x in node.inputs if x]
-            if (
-                all(x in static for x in present)
-                and not spec.wants_context
-                and node.domain != "fuselm.runtime"
-            ):
+            if all(x in static for x in present) and not spec.wants_context and node.domain != "fuselm.runtime":
                 try:
                     outs = call(spec, self.host, node, [static[x] if x else None for x in node.inputs])
                     for name, v in zip(node.outputs, outs, strict=False):
@@ -163,9 +156,7 @@ class Executor:
                     args.append(static[x] if host else self._to_device(x, static[x]))
                 else:
                     if x not in env:
-                        raise FuselmError(
-                            f"node {node.name!r}: input {x!r} is never produced; the graph is invalid"
-                        )
+                        raise FuselmError(f"node {node.name!r}: input {x!r} is never produced; the graph is invalid")
                     args.append(None)
                     slots.append((pos, x, host))
             run_args = list(args)
@@ -200,14 +191,8 @@ class Executor:
                 static[out] = static[src]
             else:
                 env[out] = env[src]
-                steps.append(
-                    Step(
-                        Node("Identity", "", node.name, [src], [out]),
-                        OPS[("", "Identity")],
-                        [None],
-                        [(0, src, False)],
-                    )
-                )
+                steps.append(Step(Node("Identity", "", node.name, [src], [out]), OPS[("", "Identity")], [None],
+                                  [(0, src, False)]))
 
     def _to_device(self, name: str, value: np.ndarray):
         if name in self.graph.constants:  # weights: converted once for every plan
@@ -220,7 +205,6 @@ class Executor:
     def _execute(self, plan: Plan, feeds: dict) -> dict:
         env = dict(feeds)
         self.b.new_step()
-        self.b.step_memo = {}
         self.run_steps(plan.steps, env)
         return {name: (env[name] if const is None else const) for name, const in plan.outputs}
 
@@ -249,10 +233,8 @@ class Executor:
         if not self.debug:
             return
         desc = lambda vs: ", ".join(_describe(self.b, v) for v in vs)  # noqa: E731
-        print(
-            f"[fuselm] {node.op_type:<18} {node.name}  ({where})\n    in:  {desc(ins)}\n    out: {desc(outs)}",
-            file=sys.stderr,
-        )
+        print(f"[fuselm] {node.op_type:<18} {node.name}  ({where})\n    in:  {desc(ins)}\n    out: {desc(outs)}",
+              file=sys.stderr)
 
 
 class InFlight:
@@ -336,9 +318,7 @@ class Profiler:
         self.times: dict[str, list] = {}
 
     def start(self, b):
-        if not self.enabled:
-            return None
-        return time.perf_counter()
+        return time.perf_counter() if self.enabled else None
 
     def stop(self, b, op_type: str, outs, t0) -> None:
         if t0 is None:

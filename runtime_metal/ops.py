@@ -58,10 +58,6 @@ def _axis(axis: int, rank: int, end: bool = False) -> int:
 
 
 # --- elementwise ----------------------------------------------------------------------
-def _unary(name: str, prim: str):
-    op(name)(lambda b, x: b.unary(prim, x))
-
-
 for _name, _prim in {
     "Neg": "neg", "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
     "Sin": "sin", "Cos": "cos", "Tan": "tan", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf",
@@ -69,19 +65,14 @@ for _name, _prim in {
     "IsNaN": "isnan", "Asin": "asin", "Acos": "acos", "Atan": "atan", "Sinh": "sinh", "Cosh": "cosh",
     "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Softplus": "softplus", "BitwiseNot": "bitwise_not",
 }.items():
-    _unary(_name, _prim)
-
-
-def _binary(name: str, prim: str):
-    op(name)(lambda b, x, y: b.binary(prim, x, y))
-
+    op(_name)(lambda b, x, *, _prim=_prim: b.unary(_prim, x))
 
 for _name, _prim in {
     "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "equal", "Less": "less",
     "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal", "And": "and",
     "Or": "or", "Xor": "xor", "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor",
 }.items():
-    _binary(_name, _prim)
+    op(_name)(lambda b, x, y, *, _prim=_prim: b.binary(_prim, x, y))
 
 
 def _variadic(name: str, prim: str, mean: bool = False):
@@ -101,9 +92,7 @@ _variadic("Mean", "add", mean=True)
 
 
 def _np_dtype(b, x):
-    from .loader import NP_DTYPES
-
-    return NP_DTYPES[b.dtype(x)]
+    return _np_of(b.dtype(x))
 
 
 @op("Mod")
@@ -202,23 +191,15 @@ def _reduce(name: str, prim: str, pre: str | None = None, post: str | None = Non
         if not ax and noop_with_empty_axes:
             return x
         rank = len(b.shape(x))
-        if pre == "square":
-            x = b.binary("mul", x, x)
-        elif pre == "abs":
-            x = b.unary("abs", x)
-        elif pre == "exp":
-            x = b.unary("exp", x)
+        if pre:
+            x = b.binary("mul", x, x) if pre == "square" else b.unary(pre, x)
         axes_t = tuple(_axis(a, rank) for a in ax) if ax else tuple(range(rank))
         shape = b.shape(x)
         if any(shape[a] == 0 for a in axes_t):  # the reduction of an empty set is the op's identity
             out_shape = tuple(1 if i in axes_t else d for i, d in enumerate(shape) if keepdims == 1 or i not in axes_t)
             return b.full(out_shape, _IDENTITY[name](b.dtype(x)), b.dtype(x))
         out = b.reduce(prim, x, axes_t if ax else None, keepdims == 1)  # as ONNX's shape inference: only 1 keeps
-        if post == "sqrt":
-            out = b.unary("sqrt", out)
-        elif post == "log":
-            out = b.unary("log", out)
-        return out
+        return b.unary(post, out) if post else out
 
     op(name, host_inputs=(1,))(fn)
 
@@ -485,14 +466,9 @@ def Constant(b, *, value=None, value_float=None, value_floats=None, value_int=No
              value_string=None, value_strings=None, sparse_value=None):
     if value is not None:
         return np.asarray(value)
-    if value_float is not None:
-        return np.array(value_float, np.float32)
-    if value_floats is not None:
-        return np.array(value_floats, np.float32)
-    if value_int is not None:
-        return np.array(value_int, np.int64)
-    if value_ints is not None:
-        return np.array(value_ints, np.int64)
+    for v, dtype in ((value_float, np.float32), (value_floats, np.float32), (value_int, np.int64), (value_ints, np.int64)):
+        if v is not None:
+            return np.array(v, dtype)
     raise FuselmError("Constant: string and sparse values are not supported")
 
 

@@ -20,7 +20,7 @@ from fuselm.options import Options
 from fuselm.reference import OrtRunner, hf_model, hf_steps
 from fuselm.tokenizer import load_tokenizer
 
-from .checks import _first_diff, _max_diff, check_int8, int8_kl, step_table, text_ids
+from .checks import _first_diff, _max_diff, int8_kl, step_table, text_ids, verdict
 from .engines import load
 from .engines.native import NativeEngine
 
@@ -94,31 +94,14 @@ def validate(model, reference, options: Options | None = None, tokens: int = 16,
               "max_logit_diff_ort": d_ort, "max_logit_diff_hf": d_hf, "backend": sess.backend.name,
               "device": sess.backend.device, "static_decode": sess.static_decode and sess.static_checked,
               "compiled": sess.compiled is not None, "compile_failed": sess.compile_failed,
-              "describe": sess.describe(), "why": why,
-              "quantized_kernel": next((n.attrs["weight"].kind for n in sess.graph.nodes if n.op_type == "QMatMul"),
-                                       None)}
-    if quantized and hf_drift is not None:
-        console.print(f"HF drift (expected for {mode}): tokens first differ from HF at step {hf_drift}")
-    # int8 activations: held against onnxruntime's own int8 fusion on real text (checks.int8_kl; scoring resets the
-    # session, so after the figures above are read)
-    int8 = None
+              "describe": sess.describe(), "why": why, "quantized_kernel": weights[0].kind if weights else None}
+    int8 = None  # held against onnxruntime's own int8 fusion on real text (scoring resets the session: last)
     if quantized and sess.backend.int8_activations(weights):
         text = text_ids(tok, ids)
         int8 = int8_kl(engine.score(text), sess.lm.path, text)
-    if int8 is not None:
-        result["int8"] = int8
-        console.print(f"int8 activations ({'/'.join(sorted({w.kind for w in weights}))}), {int8['criterion']}: fuselm "
-                      f"{int8['kl']:.3g}, onnxruntime level 4 {int8['ort_level4_kl']:.3g} (greedy tokens leave "
-                      f"onnxruntime level 1's at step {first})")
-        check_int8(int8, "; FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful")
-        console.print("[green]OK[/green]: int8-activation KL divergence within 2x onnxruntime's own int8 fusion's")
-        return result
-    if first is not None:
-        raise CheckFailed(f"greedy tokens differ from {target_name} at step {first}: fuselm {ours.tokens[first]}, "
-                          f"{target_name} {target.tokens[first]} (max |Δlogit| there "
-                          f"{(d_ort if quantized else d_hf)[first]:.3g})")
-    console.print(f"[green]OK[/green]: {tokens} greedy tokens equal {target_name}'s")
-    return result
+    return verdict(console, result, target, d_ort if quantized else d_hf, "fuselm", int8,
+                   f" ({'/'.join(sorted({w.kind for w in weights}))})", "; FUSELM_CPU_ACTIVATIONS=int16 runs f32-faithful",
+                   mode)
 
 
 def _validate_half(engine: NativeEngine, ref: Path, ids: list[int], n: int, quantized: bool, mode, quiet: bool) -> dict:

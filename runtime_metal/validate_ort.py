@@ -24,10 +24,10 @@ from pathlib import Path
 import onnx
 
 from fuselm import contract
-from fuselm.errors import CheckFailed, FuselmError
+from fuselm.errors import FuselmError
 from fuselm.reference import OrtRunner, hf_model, hf_steps
 
-from .checks import _first_diff, _max_diff, check_int8, int8_kl, step_table, text_ids
+from .checks import _first_diff, _max_diff, int8_kl, step_table, text_ids, verdict
 from .engines.ort import OrtEngine, int8_activations, lowered_for_onnxruntime
 
 
@@ -94,20 +94,4 @@ def validate(engine: OrtEngine, ref: Path, ids: list[int], tokens: int, standard
               "lowered": lowered, "activations": acts, "reference": target_name, "first_mismatch": first,
               "hf_first_diff": _first_diff(ours.tokens, hf.tokens), "max_logit_diff_standard": d_std,
               "max_logit_diff_hf": d_hf, "backend": "onnxruntime", "device": "cpu", "describe": what}
-    if quantized and result["hf_first_diff"] is not None:
-        console.print(f"HF drift (expected for a quantized graph): tokens first differ from HF at step "
-                      f"{result['hf_first_diff']}")
-    if int8:
-        result["int8"] = kl
-        console.print(f"int8 activations, {kl['criterion']}: this engine {kl['kl']:.3g}, onnxruntime's level-4 fusion "
-                      f"of the standard graph {kl['ort_level4_kl']:.3g} (greedy tokens leave the standard graph's at "
-                      f"step {first})")
-        check_int8(kl)
-        console.print("[green]OK[/green]: int8-activation KL divergence within 2x onnxruntime's own int8 fusion's")
-        return result
-    if first is not None:
-        d = (d_std if quantized else d_hf)[first]
-        raise CheckFailed(f"greedy tokens differ from {target_name} at step {first}: fuselm (onnxruntime) "
-                          f"{ours.tokens[first]}, {target_name} {target.tokens[first]} (max |Δlogit| there {d:.3g})")
-    console.print(f"[green]OK[/green]: {tokens} greedy tokens equal {target_name}'s")
-    return result
+    return verdict(console, result, target, d_std if quantized else d_hf, "fuselm (onnxruntime)", kl)

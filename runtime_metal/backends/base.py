@@ -63,7 +63,7 @@ class Backend:
     # the QuantizedWeight kind whose rows `quantized_gather` reads (MLX: [N, K] packed, as mlx-lm's
     # QuantizedEmbedding): a 4-bit embedding is then gathered from the tied lm_head's copy (None: QGather)
     quantized_gather_kind: str | None = None
-    step_memo: dict | None = None  # values shared by the ops of one graph run; the executor resets it per run
+    step_memo: dict | None = None  # values shared by the ops of one graph run (reset by `new_step`)
 
     # --- data movement ---------------------------------------------------------------
     def asarray(self, value: np.ndarray):
@@ -93,7 +93,8 @@ class Backend:
         """Wait until `x` is computed (profiling); a no-op where execution is eager and synchronous."""
 
     def new_step(self) -> None:
-        """A graph run begins (backends that memoize within a step reset here)."""
+        """A graph run begins: the values its ops share (`step_memo`) start empty."""
+        self.step_memo = {}
 
     def async_eval(self, *xs) -> None:
         """Start computing `xs` without waiting (lazy backends); a no-op where execution is eager."""
@@ -219,7 +220,14 @@ class Backend:
         raise NotImplementedError
 
     def gather_nd(self, x, idx, batch_dims: int):
-        raise NotImplementedError
+        """Advanced indexing by the last axis of `idx` (numpy, torch and mlx arrays share it), per batch entry."""
+        if batch_dims == 0:
+            return x[tuple(idx[..., j] for j in range(self.shape(idx)[-1]))]
+        xb = self.reshape(x, (-1, *self.shape(x)[batch_dims:]))
+        ib = self.reshape(idx, (-1, *self.shape(idx)[batch_dims:]))
+        outs = [self.gather_nd(xb[i], ib[i], 0) for i in range(self.shape(xb)[0])]
+        out = self.concat([self.reshape(o, (1, *self.shape(o))) for o in outs], 0)
+        return self.reshape(out, (*self.shape(x)[:batch_dims], *self.shape(outs[0])))
 
     def scatter_nd(self, x, idx, updates, reduction: str):
         raise NotImplementedError

@@ -288,20 +288,19 @@ class MLXBackend(Backend):
         x = logits.reshape(-1).astype(mx.float32)
         if sampler.temperature <= 0:
             return _greedy(x)
-        else:
-            z = x / sampler.temperature
-            if sampler.top_k and sampler.top_k < z.size:
-                kth = mx.sort(z)[-sampler.top_k]
-                z = mx.where(z < kth, -mx.inf, z)
-            if sampler.top_p < 1.0:
-                order = mx.argsort(-z)
-                p = mx.softmax(z[order], precise=True)
-                drop = (mx.cumsum(p) - p) >= sampler.top_p  # keep the smallest prefix reaching top_p
-                z = mx.put_along_axis(z, order, mx.where(drop, -mx.inf, z[order]), axis=0)
-            if sampler.device_key is None:  # seeded once from the sampler's generator
-                sampler.device_key = mx.random.key(int(sampler.rng.integers(0, 2**31 - 1)))
-            sampler.device_key, key = mx.random.split(sampler.device_key)
-            tok = mx.random.categorical(z, key=key)
+        z = x / sampler.temperature
+        if sampler.top_k and sampler.top_k < z.size:
+            kth = mx.sort(z)[-sampler.top_k]
+            z = mx.where(z < kth, -mx.inf, z)
+        if sampler.top_p < 1.0:
+            order = mx.argsort(-z)
+            p = mx.softmax(z[order], precise=True)
+            drop = (mx.cumsum(p) - p) >= sampler.top_p  # keep the smallest prefix reaching top_p
+            z = mx.put_along_axis(z, order, mx.where(drop, -mx.inf, z[order]), axis=0)
+        if sampler.device_key is None:  # seeded once from the sampler's generator
+            sampler.device_key = mx.random.key(int(sampler.rng.integers(0, 2**31 - 1)))
+        sampler.device_key, key = mx.random.split(sampler.device_key)
+        tok = mx.random.categorical(z, key=key)
         bad = mx.any(mx.isnan(x) | (x == mx.inf))
         return mx.where(bad, -1, tok.astype(mx.int32))
 
@@ -392,13 +391,6 @@ class MLXBackend(Backend):
 
         out = NumpyBackend().scatter_elements(self.to_numpy(x), self.to_numpy(idx), self.to_numpy(updates), axis, reduction)
         return mx.array(out)
-
-    def gather_nd(self, x, idx, batch_dims):
-        from .numpy_backend import NumpyBackend
-
-        if batch_dims == 0:
-            return x[tuple(idx[..., i] for i in range(idx.shape[-1]))]
-        return mx.array(NumpyBackend().gather_nd(self.to_numpy(x), self.to_numpy(idx), batch_dims))
 
     def scatter_nd(self, x, idx, updates, reduction):
         key = tuple(idx[..., i] for i in range(idx.shape[-1]))
@@ -663,13 +655,10 @@ class MLXBackend(Backend):
         return int(stored[0].shape[-1]) * 4
 
     def kv_dequantize(self, stored, to):
-        return self._kv_rows(stored, MX_DTYPES[to])
-
-    def _kv_rows(self, stored, dtype):
-        """The stored 8-bit rows as `dtype` (float32 scales and biases: one rounding, at the end)."""
+        """float32 scales and biases: one rounding, at the end."""
         q, s, z = stored
         return mx.dequantize(q, s.astype(mx.float32), z.astype(mx.float32), group_size=kv_quant.group_of(self, stored),
-                             bits=kv_quant.BITS).astype(dtype)
+                             bits=kv_quant.BITS).astype(MX_DTYPES[to])
 
     def kv_scores(self, q, block):
         return self._kv_matmul(q, block, transpose=True)
@@ -683,12 +672,13 @@ class MLXBackend(Backend):
         (MLX's CUDA backend has quantized kernels for x · Wᵀ over row-contiguous operands only)."""
         wq, s, z = block
         group = kv_quant.group_of(self, block)
-        x = _kv_operand(x, s)
+        # in the scales' dtype where x is half precision too, else float32
+        x = x if x.dtype == s.dtype and x.dtype in (mx.float16, mx.bfloat16) else x.astype(mx.float32)
         form = _kv_form(transpose)
         if form == "contiguous":
             wq, s, z = (mx.contiguous(a) for a in (wq, s, z))
         if form == "dequantize":
-            w = self._kv_rows(block, x.dtype)
+            w = self.kv_dequantize(block, _ONNX_OF[x.dtype])
             return mx.matmul(x, mx.swapaxes(w, -1, -2) if transpose else w)
         return mx.quantized_matmul(x, wq, s, z, transpose=transpose, group_size=group, bits=kv_quant.BITS)
 
@@ -731,7 +721,3 @@ def _kv_form(transpose: bool) -> str:
             continue
     return "dequantize"
 
-
-def _kv_operand(x, scales):
-    """x for a quantized matmul with `scales`: in their dtype when x is half precision too, else float32."""
-    return x if x.dtype == scales.dtype and x.dtype in (mx.float16, mx.bfloat16) else x.astype(mx.float32)

@@ -43,6 +43,7 @@ _BINARY = {
     "xor": np.logical_xor, "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or,
     "bitwise_xor": np.bitwise_xor,
 }
+_SCATTER = {"none": None, "add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 class NumpyBackend(Backend):
@@ -138,7 +139,7 @@ class NumpyBackend(Backend):
 
     def scatter_elements(self, x, idx, updates, axis, reduction):
         out = np.array(x, copy=True)
-        ufunc = {"none": None, "add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}[reduction]
+        ufunc = _SCATTER[reduction]
         full_idx = list(np.indices(idx.shape))
         full_idx[axis] = idx
         if ufunc is None:
@@ -147,17 +148,9 @@ class NumpyBackend(Backend):
             ufunc.at(out, tuple(full_idx), updates)
         return out
 
-    def gather_nd(self, x, idx, batch_dims):
-        batch = x.shape[:batch_dims]
-        xb = x.reshape((-1,) + x.shape[batch_dims:])
-        ib = idx.reshape((-1,) + idx.shape[batch_dims:])
-        outs = [xb[i][tuple(np.moveaxis(ib[i], -1, 0))] for i in range(xb.shape[0])]
-        out = np.stack(outs)
-        return out.reshape(batch + out.shape[1:])
-
     def scatter_nd(self, x, idx, updates, reduction):
         out = np.array(x, copy=True)
-        ufunc = {"none": None, "add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}[reduction]
+        ufunc = _SCATTER[reduction]
         key = tuple(np.moveaxis(idx, -1, 0))
         if ufunc is None:
             out[key] = updates

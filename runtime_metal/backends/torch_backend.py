@@ -29,10 +29,6 @@ TORCH_DTYPES = {
 _ONNX_OF = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-def _pow(a, b):
-    return torch.pow(a, b).to(a.dtype)
-
-
 def _div(a, b):
     if a.dtype.is_floating_point:
         return torch.div(a, b)
@@ -49,13 +45,14 @@ _UNARY = {
     "softplus": F.softplus, "bitwise_not": torch.bitwise_not,
 }
 _BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "pow": _pow, "max": torch.maximum,
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "pow": lambda a, b: torch.pow(a, b).to(a.dtype), "max": torch.maximum,
     "min": torch.minimum, "mod": torch.remainder, "fmod": torch.fmod, "equal": torch.eq, "less": torch.lt,
     "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "and": torch.logical_and,
     "or": torch.logical_or, "xor": torch.logical_xor, "bitwise_and": torch.bitwise_and,
     "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
 }
 
+_SCATTER = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}  # ONNX reduction -> torch's scatter_reduce
 
 # Decode (a few queries): two batched matmuls over the query heads grouped per kv head. On CPU SDPA splits tiny
 # problems across threads; on CUDA, f32 with a mask and enable_gqa falls to SDPA's math path, which copies K and V
@@ -301,16 +298,7 @@ class TorchBackend(Backend):
     def scatter_elements(self, x, idx, updates, axis, reduction):
         if reduction == "none":
             return torch.scatter(x, axis, idx, updates)
-        red = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
-        return torch.scatter_reduce(x, axis, idx, updates, reduce=red, include_self=True)
-
-    def gather_nd(self, x, idx, batch_dims):
-        batch = x.shape[:batch_dims]
-        xb = x.reshape((-1,) + tuple(x.shape[batch_dims:]))
-        ib = idx.reshape((-1,) + tuple(idx.shape[batch_dims:]))
-        outs = [xb[i][tuple(ib[i].movedim(-1, 0))] for i in range(xb.shape[0])]
-        out = torch.stack(outs)
-        return out.reshape(tuple(batch) + tuple(out.shape[1:]))
+        return torch.scatter_reduce(x, axis, idx, updates, reduce=_SCATTER[reduction], include_self=True)
 
     def scatter_nd(self, x, idx, updates, reduction):
         out = x.clone()
@@ -324,9 +312,8 @@ class TorchBackend(Backend):
         inner = tuple(x.shape[idx.shape[-1]:])
         view = out.reshape((-1,) + inner)
         upd = updates.reshape((-1,) + inner)
-        red = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
         index = flat_idx.reshape(-1, *([1] * len(inner))).expand(-1, *inner)
-        return view.scatter_reduce(0, index, upd, reduce=red, include_self=True).reshape(x.shape)
+        return view.scatter_reduce(0, index, upd, reduce=_SCATTER[reduction], include_self=True).reshape(x.shape)
 
     # --- fused kernels ----------------------------------------------------------------
     def rms_norm(self, x, weight, eps):
@@ -364,6 +351,7 @@ class TorchBackend(Backend):
 
     def new_step(self):
         """A graph run begins: nothing computed in an earlier step may be reused."""
+        super().new_step()
         self._rope_memo = None
 
     def sdpa(self, q, k, v, mask, scale):
