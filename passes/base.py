@@ -63,9 +63,11 @@ class Fusion(Pass):
 
     needs_opset: int | None = contract.OPSET
     only: set[str] | None = None  # anchor names to try (the pipeline's one-at-a-time retry), None: all
+    anchor_ops: tuple[str, ...] = ()  # the default anchors: the default-domain nodes of these ops
+    functions = False  # the rewrites write fuselm ops: attach their functions after a change
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        raise NotImplementedError
+        return [n for n in graph if n.op_type in self.anchor_ops and n.domain in ("", "ai.onnx")]
 
     def match(self, anchor: ir.Node) -> Any:
         raise NotImplementedError
@@ -94,6 +96,8 @@ class Fusion(Pass):
             modified = True
         if modified:
             ensure_sorted(graph)
+            if self.functions:
+                attach_functions(model)
         return modified
 
 
@@ -143,6 +147,11 @@ def scalar(value: ir.Value | None) -> float | None:
 def attr(node: ir.Node, name: str, default: Any = None) -> Any:
     a = node.attributes.get(name)
     return default if a is None else a.value
+
+
+def input_at(node: ir.Node, i: int) -> ir.Value | None:
+    """The node's input i, None when it is omitted."""
+    return node.inputs[i] if len(node.inputs) > i else None
 
 
 def users(value: ir.Value) -> list[ir.Node]:
@@ -257,6 +266,20 @@ def new_node(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], name:
     for value, n in zip(node.outputs, out_names, strict=False):
         value.name = n
     return node
+
+
+class Nodes(list):
+    """The nodes a rewrite makes, in order, for `graph.insert_before(anchor, nodes)`."""
+
+    def __init__(self, graph: ir.Graph, nodes: Iterable[ir.Node] = ()):
+        super().__init__(nodes)
+        self.graph = graph
+
+    def add(self, op_type: str, inputs: list[ir.Value | None], name: str, **kwargs) -> Any:
+        """`new_node(...)`, kept; returns its output (a tuple of its outputs when it has several)."""
+        node = new_node(self.graph, op_type, inputs, name, **kwargs)
+        self.append(node)
+        return node.outputs[0] if len(node.outputs) == 1 else tuple(node.outputs)
 
 
 def take_over(old: ir.Value, new: ir.Value) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,9 +64,7 @@ class FuseRMSNorm(Fusion):
     """
 
     aliases = ("fuse-rms-norm", "rms-norm", "rmsnorm")
-
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type in ("ReduceMean", "ReduceSum") and n.domain in ("", "ai.onnx")]
+    anchor_ops = ("ReduceMean", "ReduceSum")
 
     def match(self, mean: ir.Node) -> RMSMatch:
         sq = producer(mean.inputs[0], "Pow", "Mul")

@@ -12,11 +12,10 @@ from fuselm import contract
 
 from .base import (
     Fusion,
-    attach_functions,
+    Nodes,
     attr,
     const,
     fail,
-    new_node,
     other_input,
     producer,
     rope_node,
@@ -281,6 +280,7 @@ class FuseRoPE(Fusion):
 
     aliases = ("fuse-rope", "rope")
     needs_opset = None
+    functions = True
     layout: bool | None = None  # interleaved or not: the one layout the graph's FusedRoPE nodes have
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
@@ -382,32 +382,24 @@ class FuseRoPE(Fusion):
         # the layout the graph's FusedRoPE nodes already use, else the first fused one's
         self.layout = next((bool(attr(n, "interleaved", 0)) for n in model.graph
                             if n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP), None)
-        modified = super().apply(model, stats)
-        if modified:
-            attach_functions(model)
-        return modified
+        return super().apply(model, stats)
 
     def rewrite(self, graph: ir.Graph, m: RopeMatch) -> str:
         scope = _scope(m)
-        new = []
+        new = Nodes(graph)
         src = m.x
         if m.heads_first:
             tr = producer(m.x, "Transpose")
             if tr is not None and list(attr(tr, "perm", [])) == _BHSD:
                 src = tr.inputs[0]
             else:
-                t = new_node(graph, "Transpose", [m.x], f"{scope}/in/Transpose", perm=_BHSD)
-                new.append(t)
-                src = t.outputs[0]
-        rope = rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
-                         m.interleaved)
+                src = new.add("Transpose", [m.x], f"{scope}/in/Transpose", perm=_BHSD)
+        new.append(rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
+                             m.interleaved))
         self.layout = bool(m.interleaved)
-        new.append(rope)
-        out = rope.outputs[0]
+        out = new[-1].outputs[0]
         if m.heads_first:
-            t = new_node(graph, "Transpose", [out], f"{scope}/out/Transpose", perm=_BHSD)
-            new.append(t)
-            out = t.outputs[0]
+            out = new.add("Transpose", [out], f"{scope}/out/Transpose", perm=_BHSD)
         graph.insert_before(m.anchor, new)
         take_over(m.out, out)
         return scope

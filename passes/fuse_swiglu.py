@@ -10,7 +10,6 @@ from fuselm import contract
 
 from .base import (
     Fusion,
-    attach_functions,
     attr,
     const,
     fail,
@@ -57,6 +56,7 @@ class FuseSwiGLU(Fusion):
 
     aliases = ("fuse-swiglu", "swiglu", "silu-gate")
     needs_opset = None
+    functions = True
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         for node in graph:
@@ -88,9 +88,3 @@ class FuseSwiGLU(Fusion):
         graph.insert_before(mul, node)
         take_over(mul.outputs[0], node.outputs[0])
         return scope
-
-    def apply(self, model: ir.Model, stats) -> bool:
-        modified = super().apply(model, stats)
-        if modified:
-            attach_functions(model)
-        return modified

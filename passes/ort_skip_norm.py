@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -45,9 +44,7 @@ class OrtSkipRMSNorm(Fusion):
 
     aliases = ("ort-skip-norm", "skip-norm", "skip-rms-norm")
     needs_opset = None
-
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "RMSNormalization" and n.domain in ("", "ai.onnx")]
+    anchor_ops = ("RMSNormalization",)
 
     def match(self, norm: ir.Node) -> NormMatch:
         x, w = norm.inputs[0], norm.inputs[1]
