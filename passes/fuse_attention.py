@@ -15,6 +15,7 @@ from .base import (
     attr,
     const,
     fail,
+    input_at,
     new_node,
     only_user,
     other_input,
@@ -173,7 +174,7 @@ class FuseAttention(Fusion):
         # K/V from repeat_kv are 4-D, so Q is too (Attention-23 takes all 3-D or all 4-D).
         if not heads or not kv_heads or heads % kv_heads:
             fail("cannot tell the number of query and key/value heads of a 4-D Attention")
-        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        mask = input_at(node, 3)
         scale = attr(node, "scale")
         if scale is None:
             head_dim = _dim(q, 3) or _dim(key.new, 3) or _dim(key.past, 3)

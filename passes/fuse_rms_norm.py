@@ -13,6 +13,7 @@ from .base import (
     const,
     fail,
     initializer,
+    input_at,
     name_like,
     new_node,
     only_user,
@@ -75,7 +76,7 @@ class FuseRMSNorm(Fusion):
             fail(f"exponent is {scalar(sq.inputs[1])}, not 2")
         if sq.op_type == "Mul" and sq.inputs[1] is not x:
             fail("Mul before ReduceMean is not x·x")
-        axes = const(mean.inputs[1]) if len(mean.inputs) > 1 and mean.inputs[1] is not None else attr(mean, "axes")
+        axes = const(mean.inputs[1]) if input_at(mean, 1) is not None else attr(mean, "axes")
         r = rank(x)
         if axes is None or len(list(axes)) != 1:
             fail(f"mean over axes {None if axes is None else list(axes)}, not the last one")

@@ -16,6 +16,7 @@ from .base import (
     attr,
     const,
     fail,
+    input_at,
     other_input,
     producer,
     rope_node,
@@ -130,7 +131,7 @@ def _table(gather: ir.Node, op: str) -> ir.Value:
     data = gather.inputs[0]
     cut = producer(data, "Slice")
     if cut is not None:  # older HF: cos_cached[:seq_len][position_ids]
-        start, axes = const(cut.inputs[1]), const(cut.inputs[3]) if len(cut.inputs) > 3 and cut.inputs[3] is not None else None
+        start, axes = const(cut.inputs[1]), const(input_at(cut, 3))
         if start is None or int(start.ravel()[0]) != 0 or (axes is not None and int(axes.ravel()[0]) != 0):
             fail(f"the {op.lower()} table is sliced other than rows [:n]")
         data = cut.inputs[0]
@@ -189,8 +190,7 @@ def _half_split(rot: ir.Value) -> ir.Value:
         fail("not rotate_half: Concat(Neg(Slice(x)), Slice(x)) of one x")
     s_lo, e_lo, s_hi = (const(n.inputs[i]) for n, i in ((lo, 1), (lo, 2), (hi, 1)))
     for n in (lo, hi):
-        axes = const(n.inputs[3]) if len(n.inputs) > 3 and n.inputs[3] is not None else None
-        steps = const(n.inputs[4]) if len(n.inputs) > 4 and n.inputs[4] is not None else None
+        axes, steps = const(input_at(n, 3)), const(input_at(n, 4))
         if axes is None or int(axes.ravel()[0]) not in (-1, 3) or (steps is not None and int(steps.ravel()[0]) != 1):
             fail("not rotate_half: slices not over the last axis with step 1")
     if s_lo is None or e_lo is None or s_hi is None or int(s_lo.ravel()[0]) != 0 \
@@ -213,12 +213,11 @@ def _pair_split(rot: ir.Value) -> ir.Value:
     if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
         fail("not rotate_every_two: Concat(Unsqueeze(Neg(Slice(x))), Unsqueeze(Slice(x))) of one x")
     for u in (ua, ub):
-        axes = const(u.inputs[1]) if len(u.inputs) > 1 else None
+        axes = const(input_at(u, 1))
         if axes is None or int(axes.ravel()[0]) not in (-1, 4):
             fail("not rotate_every_two: the halves are not stacked on a new last axis")
     for n, first in ((even, 0), (odd, 1)):
-        vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in (1, 3, 4)]
-        start, axes, steps = vals
+        start, axes, steps = (const(input_at(n, i)) for i in (1, 3, 4))
         if start is None or axes is None or steps is None or int(start.ravel()[0]) != first \
                 or int(axes.ravel()[0]) not in (-1, 3) or int(steps.ravel()[0]) != 2:
             fail("not rotate_every_two: the halves are not x[..., 0::2] and x[..., 1::2]")
@@ -244,8 +243,7 @@ def _partial(x: ir.Value, out: ir.Value, rotary_dim: int) -> tuple[ir.Value, ir.
 
 def _slice_bounds(n: ir.Node) -> tuple[int, int] | None:
     """(start, end) of a step-1 Slice over the last axis with constant bounds, else None."""
-    vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in range(1, 5)]
-    start, end, axes, steps = vals
+    start, end, axes, steps = (const(input_at(n, i)) for i in range(1, 5))
     if start is None or end is None or axes is None or int(axes.ravel()[0]) not in (-1, 3) \
             or (steps is not None and int(steps.ravel()[0]) != 1):
         return None
@@ -344,7 +342,7 @@ class FuseRoPE(Fusion):
             rep = producer(reshape.inputs[0], "Expand", "Tile") if reshape is not None else None
             unsq = producer(rep.inputs[0], "Unsqueeze") if rep is not None else None
             times = const(rep.inputs[1]) if rep is not None else None
-            axes = const(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+            axes = const(input_at(unsq, 1)) if unsq is not None else None
             r = unsq.inputs[0].shape.rank() + 1 if unsq is not None and unsq.inputs[0].shape is not None else None
             last = axes is not None and (int(axes.ravel()[0]) == -1 or (r is not None and int(axes.ravel()[0]) == r - 1))
             if unsq is None or times is None or int(times.ravel()[-1]) != 2 or np.any(times.ravel()[:-1] > 1) or not last:
@@ -356,7 +354,7 @@ class FuseRoPE(Fusion):
         return _freqs(cat.inputs[0])
 
     def _match_standard(self, node: ir.Node) -> RopeMatch:
-        if len(node.inputs) > 3 and node.inputs[3] is not None:
+        if input_at(node, 3) is not None:
             fail("RotaryEmbedding with position_ids indexes a cached cos/sin table")
         x = node.inputs[0]
         if x.shape is None or x.shape.rank() != 4:

@@ -21,6 +21,7 @@ from .base import (
     const,
     fail,
     initializer,
+    input_at,
     producer,
     remove_unused,
     small_constant,
@@ -75,7 +76,7 @@ def _unrotated(v: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value | None,
     if x.shape is not None and (x.shape.rank() != 2 + len(want) or any(
             isinstance(d, int) and d != w for d, w in zip(list(x.shape)[2:], want, strict=True))):
         fail(f"FusedRoPE's input {x.name} is not [B, S, {', '.join(map(str, want))}]")
-    weight = rope.inputs[2] if len(rope.inputs) > 2 else None
+    weight = input_at(rope, 2)
     norm = (weight, float(attr(rope, "epsilon", contract.RMS_EPSILON))) if weight is not None else None
     inv = tuple(attr(rope, "inv_freq", ()))
     found = Rope(rope, x, inv, float(attr(rope, "attention_scaling", 1.0)), int(attr(rope, "interleaved", 0)),

@@ -11,7 +11,7 @@ import onnx_ir as ir
 from fuselm import contract
 from fuselm.graphcheck import ORT_DOMAIN
 
-from .base import Fusion, attr, fail, initializer, new_node, producer, take_over
+from .base import Fusion, attr, fail, initializer, input_at, new_node, producer, take_over
 
 DEFAULT_ACCURACY_LEVEL = contract.ORT_ACCURACY_LEVEL  # as onnxruntime-genai's builder writes CPU int4
 _UNSIGNED = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
@@ -36,7 +36,7 @@ class Blocked:
 def blocked_weight(dq: ir.Node, rows_first: bool) -> Blocked:
     """The weight of a blocked DequantizeLinear over constants, or fail() saying why MatMulNBits cannot take it."""
     q, scale = dq.inputs[0], dq.inputs[1]
-    zero = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    zero = input_at(dq, 2)
     for v, what in ((q, "quantized data"), (scale, "scale"), (zero, "zero point")):
         if v is not None and (v.const_value is None or v.shape is None):
             fail(f"the {what} is not a constant initializer")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .base import Nodes, attr, fail, initializer, producer, small_constant, take_over
+from .base import Nodes, attr, fail, initializer, input_at, producer, small_constant, take_over
 
 
 @dataclass
@@ -85,9 +85,7 @@ def parse_weight(value: ir.Value) -> Weight:
     if dq is not None:
         q = _init(dq.inputs[0], "quantized weight")
         scale = _init(dq.inputs[1], "quantization scale")
-        zp = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
-        if zp is not None:
-            zp = _init(zp, "zero point")
+        zp = _init(dq.inputs[2], "zero point") if input_at(dq, 2) is not None else None
         if len(q.shape) != 2:
             fail(f"quantized weight {q.name} has rank {len(q.shape)}, not 2")
         axis, block = attr(dq, "axis", 1) % 2, attr(dq, "block_size", 0)

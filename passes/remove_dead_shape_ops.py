@@ -13,6 +13,7 @@ from .base import (
     Stats,
     attr,
     const,
+    input_at,
     is_external,
     producer,
     remove_unused,
@@ -285,10 +286,8 @@ def _is_noop(node: ir.Node) -> bool:
         perm = attr(node, "perm")
         return perm is not None and list(perm) == list(range(len(perm)))
     if op == "Slice":
-        starts, ends = const(node.inputs[1]), const(node.inputs[2])
-        axes = const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-        steps = const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-        if starts is None or ends is None or (len(node.inputs) > 3 and node.inputs[3] is not None and axes is None):
+        starts, ends, axes, steps = (const(input_at(node, i)) for i in range(1, 5))
+        if starts is None or ends is None or (input_at(node, 3) is not None and axes is None):
             return False
         if steps is not None and not np.all(steps == 1):
             return False
