@@ -9,7 +9,7 @@ lands in the statistics with its reason, so `fuselm diff` can show why a fusion 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -193,6 +193,14 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtoco
                      const_value=tensor)
     graph.register_initializer(value)
     return value
+
+
+def lazy_initializer(graph: ir.Graph, name: str, dtype: ir.DataType, shape,
+                     build: Callable[[], np.ndarray]) -> ir.Value:
+    """An initializer `build()` computes only when the model is written (the weights it reads stay on disk)."""
+    tensor = ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype, shape=ir.Shape(shape),
+                           name=name)
+    return initializer(graph, name, tensor)
 
 
 def small_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

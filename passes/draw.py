@@ -37,7 +37,8 @@ BOX_H, GAP_X, GAP_Y, CHAR_W = 24, 14, 18, 7.2
 
 
 def category(op: str) -> str:
-    return next((c for c, ops in (("fused", _FUSED), ("matmul", _MATMUL), ("shape", _SHAPE)) if op in ops), "math")
+    return next((c for c, ops in (("fused", _FUSED), ("matmul", _MATMUL), ("shape", _SHAPE)) if op in ops),
+                "math")
 
 
 def _assign(graph: ir.Graph) -> tuple[dict[ir.Node, int], set[ir.Node]]:

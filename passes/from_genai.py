@@ -26,8 +26,8 @@ from .base import (
     attach_functions,
     attr,
     fail,
-    initializer,
     input_at,
+    lazy_initializer,
     new_node,
     producer,
     rope_node,
@@ -71,15 +71,16 @@ class _Shared:
             if am is None or ids is None:
                 fail("the graph has no attention_mask / input_ids input to build the mask from")
             s, new = "/model/attn_mask", Nodes(g)
-            zero, one, axis1, axes12 = (small_constant(g, f"{s}/{n}", np.array(v, dtype=np.int64))
-                                        for n, v in (("zero", 0), ("one", 1), ("axis1", [1]), ("axes12", [1, 2])))
-            shapes = [new.add("Shape", [x], f"{s}/Shape_{n}", start=1, end=2) for x, n in ((am, "total"), (ids, "seq"))]
+            zero, one, axis1, axes12 = (small_constant(g, f"{s}/{n}", np.array(v, dtype=np.int64)) for n, v in
+                                        (("zero", 0), ("one", 1), ("axis1", [1]), ("axes12", [1, 2])))
+            shapes = [new.add("Shape", [x], f"{s}/Shape_{n}", start=1, end=2)
+                      for x, n in ((am, "total"), (ids, "seq"))]
             total, seq = (new.add("Squeeze", [x], f"{s}/Squeeze_{i}") for i, x in enumerate(shapes))
             keys = new.add("Range", [zero, total, one], f"{s}/Range_keys")
             rows = new.add("Range", [zero, seq, one], f"{s}/Range_rows")
             qpos = new.add("Add", [rows, new.add("Sub", [total, seq], f"{s}/Sub_past")], f"{s}/Add_qpos")
-            causal = new.add("LessOrEqual", [keys, new.add("Unsqueeze", [qpos, axis1], f"{s}/Unsqueeze_qpos")],
-                             f"{s}/LessOrEqual")
+            col = new.add("Unsqueeze", [qpos, axis1], f"{s}/Unsqueeze_qpos")
+            causal = new.add("LessOrEqual", [keys, col], f"{s}/LessOrEqual")
             pad = new.add("Unsqueeze", [new.add("Cast", [am], f"{s}/Cast", to=int(ir.DataType.BOOL)), axes12],
                           f"{s}/Unsqueeze_pad")
             self.mask = new.add("And", [pad, causal], f"{s}/And")
@@ -141,12 +142,6 @@ def _unpack(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
     return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(rows, -1)
 
 
-def _lazy(name: str, dtype: ir.DataType, shape: list[int], build: Callable[[], np.ndarray]) -> ir.LazyTensor:
-    """A tensor computed from the source weights only when the model is written (weights stay on disk)."""
-    return ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype, shape=ir.Shape(shape),
-                         name=name)
-
-
 def _blocked_weight(graph: ir.Graph, n: ir.Node, data: ir.Value, scales: ir.Value, zeros: ir.Value | None,
                     bits: int, rows: int, cols: int, block: int, transpose: bool, base: str) -> ir.Node:
     """DequantizeLinear over genai's [rows, blocks, bytes] layout: rows = N (MatMulNBits, stored
@@ -178,9 +173,9 @@ def _blocked_weight(graph: ir.Graph, n: ir.Node, data: ir.Value, scales: ir.Valu
             return np.full(sc_shape, 1 << (bits - 1), dtype=npq)  # the contrib ops' default: the middle
         return orient(_unpack(zeros.const_value.numpy(), rows, bits)[:, :n_blocks]).astype(npq)
 
-    q = initializer(graph, f"{base}.qweight", _lazy(f"{base}.qweight", qtype, out_shape, weight))
-    s = initializer(graph, f"{base}.scales", _lazy(f"{base}.scales", scales.const_value.dtype, sc_shape, scale))
-    z = initializer(graph, f"{base}.zero_points", _lazy(f"{base}.zero_points", qtype, sc_shape, zero))
+    q = lazy_initializer(graph, f"{base}.qweight", qtype, out_shape, weight)
+    s = lazy_initializer(graph, f"{base}.scales", scales.const_value.dtype, sc_shape, scale)
+    z = lazy_initializer(graph, f"{base}.zero_points", qtype, sc_shape, zero)
     return new_node(graph, "DequantizeLinear", [q, s, z], f"{n.name}/DequantizeLinear",
                     axis=0 if transpose else 1, block_size=block)
 

@@ -14,6 +14,7 @@ from .base import (
     fail,
     initializer,
     input_at,
+    lazy_initializer,
     name_like,
     new_node,
     only_user,
@@ -165,11 +166,9 @@ class FuseRMSNorm(Fusion):
 
 def _plus(graph: ir.Graph, w: ir.Value, offset: float) -> ir.Value:
     """A new initializer offset + w, computed lazily (the weight is read only when the model is written)."""
-    name = f"{w.name}_plus_{offset:g}"
-    dtype, shape = w.const_value.dtype, w.const_value.shape
-
-    def build() -> ir.Tensor:
+    def build() -> np.ndarray:
         a = w.const_value.numpy()
-        return ir.tensor((a + np.asarray(offset, a.dtype)).astype(a.dtype), name=name)
+        return (a + np.asarray(offset, a.dtype)).astype(a.dtype)
 
-    return initializer(graph, name, ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name))
+    t = w.const_value
+    return lazy_initializer(graph, f"{w.name}_plus_{offset:g}", t.dtype, t.shape, build)

@@ -330,12 +330,12 @@ class OrtGroupQueryAttention(Fusion):
             return x
         heads4 = x.x
         if x.flat:
-            shape4 = small_constant(new.graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
+            shape4 = small_constant(new.graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], np.int64))
             heads4 = new.add("Reshape", [heads4, shape4], f"{scope}/heads/Reshape")
         if x.norm is not None:
             heads4 = new.add("RMSNormalization", [heads4, x.norm[0]], f"{scope}/norm/RMSNormalization",
                              axis=-1, epsilon=x.norm[1], stash_type=1)
-        shape = small_constant(new.graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
+        shape = small_constant(new.graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], np.int64))
         return new.add("Reshape", [heads4, shape], f"{scope}/Reshape")
 
     def _lengths(self, graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
@@ -348,10 +348,11 @@ class OrtGroupQueryAttention(Fusion):
             s, new, i32 = "/model/attn_mask/gqa", Nodes(graph), int(ir.DataType.INT32)
             one = small_constant(graph, f"{s}/one", np.array([1], dtype=np.int64))
             total_sum = new.add("ReduceSum", [am, one], f"{s}/ReduceSum", keepdims=0)
-            minus = new.add("Sub", [total_sum, small_constant(graph, f"{s}/one_scalar", np.array(1, dtype=np.int64))],
-                            f"{s}/Sub")
+            one_scalar = small_constant(graph, f"{s}/one_scalar", np.array(1, dtype=np.int64))
+            minus = new.add("Sub", [total_sum, one_scalar], f"{s}/Sub")
             seqlens = new.add("Cast", [minus], f"{s}/seqlens_k", to=i32)
-            squeeze = new.add("Squeeze", [new.add("Shape", [am], f"{s}/Shape", start=1, end=2)], f"{s}/Squeeze")
+            shape = new.add("Shape", [am], f"{s}/Shape", start=1, end=2)
+            squeeze = new.add("Squeeze", [shape], f"{s}/Squeeze")
             total = new.add("Cast", [squeeze], f"{s}/total_sequence_length", to=i32)
             graph.insert_before(next(iter(graph)), new)
             self._shared["lengths"] = (seqlens, total)

@@ -11,7 +11,7 @@ import onnx_ir as ir
 from fuselm import contract
 from fuselm.graphcheck import ORT_DOMAIN
 
-from .base import Fusion, attr, fail, initializer, input_at, new_node, producer, take_over
+from .base import Fusion, attr, fail, input_at, lazy_initializer, new_node, producer, take_over
 
 DEFAULT_ACCURACY_LEVEL = contract.ORT_ACCURACY_LEVEL  # as onnxruntime-genai's builder writes CPU int4
 _UNSIGNED = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
@@ -95,8 +95,7 @@ def _lazy(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list[int], buil
     found = graph.initializers.get(name)
     if found is not None and list(found.shape) == shape:
         return found
-    return initializer(graph, name, ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype,
-                                                  shape=ir.Shape(shape), name=name))
+    return lazy_initializer(graph, name, dtype, shape, build)
 
 
 def nbits_tensors(graph: ir.Graph, w: Blocked) -> tuple[ir.Value, ir.Value, ir.Value]:

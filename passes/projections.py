@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .base import Nodes, attr, fail, initializer, input_at, producer, small_constant, take_over
+from .base import Nodes, attr, fail, input_at, lazy_initializer, producer, small_constant, take_over
 
 
 @dataclass
@@ -149,17 +149,17 @@ def _describe(w: Weight) -> str:
     return f"{w.form} {w.signature[1]}"
 
 
-def _concat(values: list[ir.Value], axis: int, dtype: ir.DataType, shape: list[int], name: str):
+def _concat(graph: ir.Graph, values: list[ir.Value], axis: int, shape: list[int], name: str) -> ir.Value:
     """A lazy initializer: the concatenation is read and built only when the model is written."""
 
-    def build() -> ir.Tensor:
+    def build() -> np.ndarray:
         array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
         for v in values:  # unmap the parts: their pages need not stay resident while saving
             if isinstance(v.const_value, ir.ExternalTensor):
                 v.const_value.release()
-        return ir.tensor(array, name=name)
+        return array
 
-    return ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name)
+    return lazy_initializer(graph, name, values[0].dtype, shape, build)
 
 
 def fuse(graph: ir.Graph, projs: list[Projection], role: str, fused_role: str) -> str:
@@ -181,7 +181,7 @@ def fuse(graph: ir.Graph, projs: list[Projection], role: str, fused_role: str) -
         shape = list(v0.shape)
         shape[axis] = sum(v.shape[axis] for v in parts)
         name = rename(v0.name, role)
-        roles[role] = initializer(graph, name, _concat(parts, axis, v0.dtype, shape, name))
+        roles[role] = _concat(graph, parts, axis, shape, name)
     weight = roles["w"]
     if w0.form == "transposed":
         weight = new.add("Transpose", [weight], f"{node_name}/Transpose", perm=[1, 0])
@@ -193,8 +193,7 @@ def fuse(graph: ir.Graph, projs: list[Projection], role: str, fused_role: str) -
     y = new.add("MatMul", [projs[0].input, weight], f"{node_name}/MatMul")
     if projs[0].bias is not None:
         name = rename(projs[0].bias.name, "bias")
-        bias = _concat([p.bias for p in projs], 0, projs[0].bias.dtype, [total], name)
-        y = new.add("Add", [y, initializer(graph, name, bias)], f"{node_name}/Add")
+        y = new.add("Add", [y, _concat(graph, [p.bias for p in projs], 0, [total], name)], f"{node_name}/Add")
     sizes = small_constant(graph, f"{node_name}/split_sizes", np.array(widths, dtype=np.int64))
     parts = new.add("Split", [y, sizes], f"{node_name}/Split", outputs=len(projs), axis=-1)
     graph.insert_before(anchor, new)
