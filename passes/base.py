@@ -125,14 +125,11 @@ def const(value: ir.Value | None, max_size: int = SMALL_CONST) -> np.ndarray | N
         attr = next(iter(node.attributes.values()), None)
         if attr is None:
             return None
-        if attr.name == "value":
-            tensor = attr.as_tensor()
-        elif attr.name in ("value_float", "value_int"):
-            return np.array(attr.value, dtype=np.float32 if attr.name == "value_float" else np.int64)
-        elif attr.name in ("value_floats", "value_ints"):
-            return np.array(attr.value, dtype=np.float32 if attr.name == "value_floats" else np.int64)
-        else:
+        if attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
+            return np.array(attr.value, dtype=np.float32 if "float" in attr.name else np.int64)
+        if attr.name != "value":
             return None
+        tensor = attr.as_tensor()
     if tensor.size > max_size:
         return None
     return tensor.numpy()
@@ -231,14 +228,12 @@ def _const_key(a: np.ndarray) -> tuple:
 
 def unique_name(graph: ir.Graph, name: str) -> str:
     taken = _names(graph)
-    if name not in taken:
-        taken.add(name)
-        return name
-    i = 1
-    while f"{name}_{i}" in taken:
+    new, i = name, 0
+    while new in taken:
         i += 1
-    taken.add(f"{name}_{i}")
-    return f"{name}_{i}"
+        new = f"{name}_{i}"
+    taken.add(new)
+    return new
 
 
 def _names(graph: ir.Graph) -> set[str]:
@@ -264,10 +259,7 @@ def new_node(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], name:
              outputs: int | list[str] = 1, domain: str = "", **attributes) -> ir.Node:
     """A node named `name` (made unique) whose outputs are named after it."""
     name = unique_name(graph, name)
-    if isinstance(outputs, int):
-        out_names = [f"{name}_output_{i}" if outputs > 1 else f"{name}_output_0" for i in range(outputs)]
-    else:
-        out_names = outputs
+    out_names = [f"{name}_output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
     out_names = [unique_name(graph, n) for n in out_names]
     attrs = {k: v for k, v in attributes.items() if v is not None}
     node = ir.node(op_type, inputs, attributes=attrs, domain=domain, name=name, num_outputs=len(out_names))
@@ -348,15 +340,8 @@ def layer_of_name(name: str | None) -> int | None:
 
 def node_layer(node: ir.Node) -> int | None:
     """The decoder layer a node names directly (node name, or a weight it reads), else None."""
-    i = layer_of_name(node.name)
-    if i is not None:
-        return i
-    for v in node.inputs:
-        if v is not None and v.is_initializer():
-            i = layer_of_name(v.name)
-            if i is not None:
-                return i
-    return None
+    names = [node.name] + [v.name for v in node.inputs if v is not None and v.is_initializer()]
+    return next((i for i in map(layer_of_name, names) if i is not None), None)
 
 
 def name_like(template: str | None, old: str, new: str, fallback: str) -> str:

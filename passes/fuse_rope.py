@@ -39,27 +39,21 @@ class RopeMatch:
     anchor: ir.Node
 
 
+def _behind_views(v: ir.Value, stop=lambda v: False) -> ir.Value:
+    """The value behind Cast / Unsqueeze / Reshape / Expand / Identity, or the first one on the way `stop` takes."""
+    while not stop(v) and (node := producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")) is not None:
+        v = node.inputs[0]
+    return v
+
+
 def _positions(v: ir.Value) -> ir.Value:
     """The int64 [B,S] position tensor behind Cast / Unsqueeze / Reshape / Expand."""
-    while True:
-        node = producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")
-        if node is None:
-            break
-        v = node.inputs[0]
+    v = _behind_views(v)
     if v.dtype is not None and v.dtype != ir.DataType.INT64:
         fail(f"positions {v.name} are {v.dtype}, not int64")
     if v.shape is not None and v.shape.rank() != 2:
         fail(f"positions {v.name} have rank {v.shape.rank()}, not [batch, seq]")
     return v
-
-
-def _constant_behind(v: ir.Value) -> np.ndarray | None:
-    while const(v) is None:
-        node = producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")
-        if node is None:
-            return None
-        v = node.inputs[0]
-    return const(v)
 
 
 def _freqs(f: ir.Value) -> tuple[np.ndarray, ir.Value]:
@@ -74,7 +68,7 @@ def _freqs(f: ir.Value) -> tuple[np.ndarray, ir.Value]:
     tr = producer(f, "Transpose")
     mm = producer(tr.inputs[0], "MatMul") if tr is not None else None
     if mm is not None and list(attr(tr, "perm", [])) == [0, 2, 1]:
-        inv = _constant_behind(mm.inputs[0])
+        inv = const(_behind_views(mm.inputs[0], stop=lambda x: const(x) is not None))
         if inv is None:
             fail("freqs = MatMul without a constant inv_freq")
         return inv.astype(np.float32).ravel(), _positions(mm.inputs[1])

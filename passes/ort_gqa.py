@@ -249,8 +249,7 @@ class OrtGroupQueryAttention(Fusion):
         return modified
 
     def match(self, node: ir.Node) -> GQAMatch:
-        ins = list(node.inputs) + [None] * (6 - len(node.inputs))
-        q, k, v, mask, past_k, past_v = ins[:6]
+        q, k, v, mask, past_k, past_v = (input_at(node, i) for i in range(6))
         if any(x is not None and x.shape is not None and x.shape.rank() != 3 for x in (q, k, v)):
             fail("not the 3-D form (q/k/v [B, S, heads·D]); AttentionTo3D makes it")
         if past_k is None or past_v is None or not past_k.is_graph_input() or not past_v.is_graph_input() \

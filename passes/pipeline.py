@@ -78,11 +78,8 @@ def _key(name: str) -> str:
 
 def resolve_skip(skip, target: str | None = None) -> set[str]:
     """Class names of the passes to skip; `skip` takes class names or kebab/snake aliases."""
-    table = {}
     passes = [*PIPELINE, *target_passes(target)]
-    for p in passes:
-        for alias in (p.name, *p.aliases):
-            table[_key(alias)] = p.name
+    table = {_key(alias): p.name for p in passes for alias in (p.name, *p.aliases)}
     chosen = set()
     for s in skip or ():
         for part in str(s).split(","):
