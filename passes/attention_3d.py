@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,9 +134,7 @@ class AttentionTo3D(Fusion):
     """
 
     aliases = ("attention-3d", "attention-to-3d", "3d")
-
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    anchor_ops = ("Attention",)
 
     def apply(self, model: ir.Model, stats) -> bool:
         # One sweep is enough: a rewrite gives Y the rank (3) of the Reshape output it takes over.

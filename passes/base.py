@@ -9,7 +9,7 @@ lands in the statistics with its reason, so `fuselm diff` can show why a fusion 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -63,9 +63,11 @@ class Fusion(Pass):
 
     needs_opset: int | None = contract.OPSET
     only: set[str] | None = None  # anchor names to try (the pipeline's one-at-a-time retry), None: all
+    anchor_ops: tuple[str, ...] = ()  # the default anchors: the default-domain nodes of these ops
+    functions = False  # the rewrites write fuselm ops: attach their functions after a change
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        raise NotImplementedError
+        return [n for n in graph if n.op_type in self.anchor_ops and n.domain in ("", "ai.onnx")]
 
     def match(self, anchor: ir.Node) -> Any:
         raise NotImplementedError
@@ -94,6 +96,8 @@ class Fusion(Pass):
             modified = True
         if modified:
             ensure_sorted(graph)
+            if self.functions:
+                attach_functions(model)
         return modified
 
 
@@ -121,14 +125,11 @@ def const(value: ir.Value | None, max_size: int = SMALL_CONST) -> np.ndarray | N
         attr = next(iter(node.attributes.values()), None)
         if attr is None:
             return None
-        if attr.name == "value":
-            tensor = attr.as_tensor()
-        elif attr.name in ("value_float", "value_int"):
-            return np.array(attr.value, dtype=np.float32 if attr.name == "value_float" else np.int64)
-        elif attr.name in ("value_floats", "value_ints"):
-            return np.array(attr.value, dtype=np.float32 if attr.name == "value_floats" else np.int64)
-        else:
+        if attr.name in ("value_float", "value_int", "value_floats", "value_ints"):
+            return np.array(attr.value, dtype=np.float32 if "float" in attr.name else np.int64)
+        if attr.name != "value":
             return None
+        tensor = attr.as_tensor()
     if tensor.size > max_size:
         return None
     return tensor.numpy()
@@ -143,6 +144,11 @@ def scalar(value: ir.Value | None) -> float | None:
 def attr(node: ir.Node, name: str, default: Any = None) -> Any:
     a = node.attributes.get(name)
     return default if a is None else a.value
+
+
+def input_at(node: ir.Node, i: int) -> ir.Value | None:
+    """The node's input i, None when it is omitted."""
+    return node.inputs[i] if len(node.inputs) > i else None
 
 
 def users(value: ir.Value) -> list[ir.Node]:
@@ -186,6 +192,14 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray | ir.TensorProtoco
     return value
 
 
+def lazy_initializer(graph: ir.Graph, name: str, dtype: ir.DataType, shape,
+                     build: Callable[[], np.ndarray]) -> ir.Value:
+    """An initializer `build()` computes only when the model is written (the weights it reads stay on disk)."""
+    tensor = ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype, shape=ir.Shape(shape),
+                           name=name)
+    return initializer(graph, name, tensor)
+
+
 def small_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """An initializer holding `array`, reusing an identical small one (so passes stay idempotent)."""
     cache = graph.meta.get("fuselm_consts")
@@ -214,14 +228,12 @@ def _const_key(a: np.ndarray) -> tuple:
 
 def unique_name(graph: ir.Graph, name: str) -> str:
     taken = _names(graph)
-    if name not in taken:
-        taken.add(name)
-        return name
-    i = 1
-    while f"{name}_{i}" in taken:
+    new, i = name, 0
+    while new in taken:
         i += 1
-    taken.add(f"{name}_{i}")
-    return f"{name}_{i}"
+        new = f"{name}_{i}"
+    taken.add(new)
+    return new
 
 
 def _names(graph: ir.Graph) -> set[str]:
@@ -247,16 +259,27 @@ def new_node(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], name:
              outputs: int | list[str] = 1, domain: str = "", **attributes) -> ir.Node:
     """A node named `name` (made unique) whose outputs are named after it."""
     name = unique_name(graph, name)
-    if isinstance(outputs, int):
-        out_names = [f"{name}_output_{i}" if outputs > 1 else f"{name}_output_0" for i in range(outputs)]
-    else:
-        out_names = outputs
+    out_names = [f"{name}_output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
     out_names = [unique_name(graph, n) for n in out_names]
     attrs = {k: v for k, v in attributes.items() if v is not None}
     node = ir.node(op_type, inputs, attributes=attrs, domain=domain, name=name, num_outputs=len(out_names))
     for value, n in zip(node.outputs, out_names, strict=False):
         value.name = n
     return node
+
+
+class Nodes(list):
+    """The nodes a rewrite makes, in order, for `graph.insert_before(anchor, nodes)`."""
+
+    def __init__(self, graph: ir.Graph, nodes: Iterable[ir.Node] = ()):
+        super().__init__(nodes)
+        self.graph = graph
+
+    def add(self, op_type: str, inputs: list[ir.Value | None], name: str, **kwargs) -> Any:
+        """`new_node(...)`, kept; returns its output (a tuple of its outputs when it has several)."""
+        node = new_node(self.graph, op_type, inputs, name, **kwargs)
+        self.append(node)
+        return node.outputs[0] if len(node.outputs) == 1 else tuple(node.outputs)
 
 
 def take_over(old: ir.Value, new: ir.Value) -> None:
@@ -317,15 +340,8 @@ def layer_of_name(name: str | None) -> int | None:
 
 def node_layer(node: ir.Node) -> int | None:
     """The decoder layer a node names directly (node name, or a weight it reads), else None."""
-    i = layer_of_name(node.name)
-    if i is not None:
-        return i
-    for v in node.inputs:
-        if v is not None and v.is_initializer():
-            i = layer_of_name(v.name)
-            if i is not None:
-                return i
-    return None
+    names = [node.name] + [v.name for v in node.inputs if v is not None and v.is_initializer()]
+    return next((i for i in map(layer_of_name, names) if i is not None), None)
 
 
 def name_like(template: str | None, old: str, new: str, fallback: str) -> str:

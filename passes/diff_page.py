@@ -190,23 +190,14 @@ _SCRIPT = r"""
 """
 
 
-def _strings():
-    table: list[str] = []
-    index: dict[str, int] = {}
-
-    def get(s: str) -> int:
-        if s not in index:
-            index[s] = len(table)
-            table.append(s)
-        return index[s]
-
-    return table, get
-
-
 def payload(data: dict) -> dict:
     """The JSON block the page draws from: interned strings (node names with their layer index as
     `layers.#`), every stage's pictures per layer, and per pass its stages and marks."""
-    table, get = _strings()
+    index: dict[str, int] = {}  # interned string -> its place in the table
+
+    def get(s: str) -> int:
+        return index.setdefault(s, len(index))
+
     ops: set[str] = set()
     stages = []
     for stage in data.get("_stages", []):
@@ -228,7 +219,7 @@ def payload(data: dict) -> dict:
                  for layer, m in r["marks"].items()}
         passes.append({"before": r["stage_before"], "after": r["stage_after"], "changed": r["changed"], "marks": marks})
     layers = sorted({layer for stage in stages for layer in stage})
-    return {"strings": table, "stages": stages, "passes": passes, "layers": layers, "box_h": BOX_H,
+    return {"strings": list(index), "stages": stages, "passes": passes, "layers": layers, "box_h": BOX_H,
             "colors": COLORS, "cats": {op: category(op) for op in ops}}
 
 

@@ -37,21 +37,8 @@ BOX_H, GAP_X, GAP_Y, CHAR_W = 24, 14, 18, 7.2
 
 
 def category(op: str) -> str:
-    if op in _FUSED:
-        return "fused"
-    if op in _MATMUL:
-        return "matmul"
-    if op in _SHAPE:
-        return "shape"
-    return "math"
-
-
-def pick_layer(graph: ir.Graph) -> int | None:
-    """The layer to draw first: 0 when the graph's names say which nodes are layer 0, else None."""
-    for node in graph:
-        if node_layer(node) == 0:
-            return 0
-    return None
+    return next((c for c, ops in (("fused", _FUSED), ("matmul", _MATMUL), ("shape", _SHAPE)) if op in ops),
+                "math")
 
 
 def _assign(graph: ir.Graph) -> tuple[dict[ir.Node, int], set[ir.Node]]:
@@ -140,13 +127,6 @@ def layer_pictures(graph: ir.Graph) -> dict[int, dict]:
     return {i: _picture(nodes, i) for i, nodes in sorted(by_layer.items())}
 
 
-def layer_picture(graph: ir.Graph, layer: int | None) -> dict:
-    """The picture of one layer (empty when the graph does not say which nodes it holds)."""
-    if layer is None:
-        return {"layer": None, "nodes": [], "edges": [], "width": 0, "height": 0}
-    return _picture([n for n, i in layer_assignment(graph).items() if i == layer], layer)
-
-
 def _layout(picture: dict) -> None:
     """Give every node x, y, w and the picture its width and height (rows by longest path, rows
     ordered by barycenter sweeps)."""
@@ -197,55 +177,55 @@ def mark_changes(before: dict, after: dict) -> dict:
     removed = {n["id"] for n in b_nodes if n["key"] not in a_key}
     added = {n["id"] for n in a_nodes if n["key"] not in b_key}
     rewired = [n["id"] for n in a_nodes if n["key"] in b_key and n["inputs"] != b_key[n["key"]]["inputs"]]
-    b_prod = {v: n["id"] for n in b_nodes for v in n["outputs"] if v}
-    b_readers: dict[str, list[int]] = {}
-    for n in b_nodes:
-        for v in n["inputs"]:
-            b_readers.setdefault(v, []).append(n["id"])
-    a_prod = {v: n["id"] for n in a_nodes for v in n["outputs"] if v}
-    a_readers: dict[str, list[int]] = {}
-    for n in a_nodes:
-        for v in n["inputs"]:
-            a_readers.setdefault(v, []).append(n["id"])
+    b_prod, b_readers = _wiring(b_nodes)
+    a_prod, a_readers = _wiring(a_nodes)
+    def near(i: int) -> list[int | None]:  # the nodes next to node i of the after picture
+        n = a_nodes[i]
+        return [a_prod.get(v) for v in n["inputs"]] + [r for v in n["outputs"] for r in a_readers.get(v, [])]
+
     groups = []
     seen: set[int] = set()
     for start in sorted(added):
         if start in seen:
             continue
-        comp, todo = set(), [start]
-        while todo:  # the connected group of added nodes around `start`
-            i = todo.pop()
-            if i in comp:
-                continue
-            comp.add(i)
-            n = a_nodes[i]
-            near = [a_prod.get(v) for v in n["inputs"]] + [r for v in n["outputs"] for r in a_readers.get(v, [])]
-            todo += [j for j in near if j in added and j not in comp]
+        comp = _reach([start], near, added)  # the connected group of added nodes around `start`
         seen |= comp
         inputs = {v for i in comp for v in a_nodes[i]["inputs"] if v and a_prod.get(v) not in comp}
         outputs = {v for i in comp for v in a_nodes[i]["outputs"] if v}
         readers = {r for v in outputs for r in a_readers.get(v, []) if r not in comp}
         # Forward from the group's inputs through removed nodes (in the before picture).
-        fwd, todo = set(), [r for v in inputs for r in b_readers.get(v, []) if r in removed]
-        while todo:
-            i = todo.pop()
-            if i not in fwd:
-                fwd.add(i)
-                todo += [r for v in b_nodes[i]["outputs"] for r in b_readers.get(v, []) if r in removed]
+        fwd = _reach([r for v in inputs for r in b_readers.get(v, [])], lambda i: [
+            r for v in b_nodes[i]["outputs"] for r in b_readers.get(v, [])], removed)
         # Backward from what reads the group now (and from outputs it took over, e.g. present.*).
         seeds = [b_prod.get(v) for v in outputs]
         for r in readers:
             old = b_key.get(a_nodes[r]["key"])
             if old is not None:
                 seeds += [b_prod.get(v) for v in old["inputs"]]
-        bwd, todo = set(), [s for s in seeds if s in removed]
-        while todo:
-            i = todo.pop()
-            if i not in bwd:
-                bwd.add(i)
-                todo += [p for v in b_nodes[i]["inputs"] if (p := b_prod.get(v)) in removed]
+        bwd = _reach(seeds, lambda i: [b_prod.get(v) for v in b_nodes[i]["inputs"]], removed)
         groups.append({"added": sorted(comp), "replaced": sorted(fwd & bwd)})
     return {"removed": sorted(removed), "added": sorted(added), "rewired": rewired, "groups": groups}
+
+
+def _wiring(nodes: list[dict]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(value -> the id writing it, value -> the ids reading it) in a picture's nodes."""
+    readers: dict[str, list[int]] = {}
+    for n in nodes:
+        for v in n["inputs"]:
+            readers.setdefault(v, []).append(n["id"])
+    return {v: n["id"] for n in nodes for v in n["outputs"] if v}, readers
+
+
+def _reach(seeds: list, step, within: set[int] | None = None) -> set[int]:
+    """The ids reachable from `seeds` by `step(id) -> ids`, seeds included, through ids `within` only."""
+    found: set[int] = set()
+    todo = [s for s in seeds if within is None or s in within]
+    while todo:
+        i = todo.pop()
+        if i not in found:
+            found.add(i)
+            todo += [j for j in step(i) if within is None or j in within]
+    return found
 
 
 def describe(before: dict, after: dict, marks: dict) -> list[dict]:
@@ -259,7 +239,8 @@ class Stages:
     pass the marks of each layer."""
 
     def __init__(self, graph: ir.Graph):
-        self.first_layer = pick_layer(graph)
+        # the layer drawn first: 0 when the graph's names say which nodes are layer 0
+        self.first_layer = 0 if any(node_layer(n) == 0 for n in graph) else None
         self.stages = [layer_pictures(graph)]
         self.counts = [nodes_per_layer(graph)]
 
@@ -275,8 +256,7 @@ class Stages:
         record["stage_after"] = after
         record["nodes_per_layer_after"] = self.counts[after]
         old, new = self.stages[before], self.stages[after]
-        empty = layer_picture(graph, None) if graph is not None else {"nodes": [], "edges": [], "width": 0,
-                                                                      "height": 0, "layer": None}
+        empty = {"layer": None, "nodes": [], "edges": [], "width": 0, "height": 0}
         record["marks"] = {} if after == before else {
             i: mark_changes(old.get(i, empty), new.get(i, empty)) for i in sorted(set(old) | set(new))}
         first = self.first_layer

@@ -19,13 +19,15 @@ from fuselm.errors import FuselmError, shown
 from fuselm.graphcheck import ORT_DOMAIN, ORT_ONNX_DOMAIN_CONTRIB
 
 from .base import (
+    Nodes,
     Pass,
     Reject,
     Stats,
     attach_functions,
     attr,
     fail,
-    initializer,
+    input_at,
+    lazy_initializer,
     new_node,
     producer,
     rope_node,
@@ -68,32 +70,22 @@ class _Shared:
             ids = next((v for v in g.inputs if v.name == contract.INPUT_IDS), None)
             if am is None or ids is None:
                 fail("the graph has no attention_mask / input_ids input to build the mask from")
-            s = "/model/attn_mask"
-            i64 = np.int64
-            zero, one = (small_constant(g, f"{s}/{n}", np.array(v, dtype=i64)) for n, v in (("zero", 0), ("one", 1)))
-            nodes = [new_node(g, "Shape", [am], f"{s}/Shape_total", start=1, end=2),
-                     new_node(g, "Shape", [ids], f"{s}/Shape_seq", start=1, end=2)]
-            nodes += [new_node(g, "Squeeze", [x.outputs[0]], f"{s}/Squeeze_{i}") for i, x in enumerate(nodes)]
-            total, seq = nodes[2].outputs[0], nodes[3].outputs[0]
-            keys = new_node(g, "Range", [zero, total, one], f"{s}/Range_keys")
-            rows = new_node(g, "Range", [zero, seq, one], f"{s}/Range_rows")
-            past = new_node(g, "Sub", [total, seq], f"{s}/Sub_past")
-            qpos = new_node(g, "Add", [rows.outputs[0], past.outputs[0]], f"{s}/Add_qpos")
-            col = new_node(g, "Unsqueeze", [qpos.outputs[0], small_constant(g, f"{s}/axis1", np.array([1], dtype=i64))],
-                           f"{s}/Unsqueeze_qpos")
-            causal = new_node(g, "LessOrEqual", [keys.outputs[0], col.outputs[0]], f"{s}/LessOrEqual")
-            cast = new_node(g, "Cast", [am], f"{s}/Cast", to=int(ir.DataType.BOOL))
-            pad = new_node(g, "Unsqueeze", [cast.outputs[0], small_constant(g, f"{s}/axes12", np.array([1, 2], dtype=i64))],
-                           f"{s}/Unsqueeze_pad")
-            both = new_node(g, "And", [pad.outputs[0], causal.outputs[0]], f"{s}/And")
-            nodes += [keys, rows, past, qpos, col, causal, cast, pad, both]
-            g.insert_before(next(iter(g)), nodes)
-            self.mask = both.outputs[0]
+            s, new = "/model/attn_mask", Nodes(g)
+            zero, one, axis1, axes12 = (small_constant(g, f"{s}/{n}", np.array(v, dtype=np.int64)) for n, v in
+                                        (("zero", 0), ("one", 1), ("axis1", [1]), ("axes12", [1, 2])))
+            shapes = [new.add("Shape", [x], f"{s}/Shape_{n}", start=1, end=2)
+                      for x, n in ((am, "total"), (ids, "seq"))]
+            total, seq = (new.add("Squeeze", [x], f"{s}/Squeeze_{i}") for i, x in enumerate(shapes))
+            keys = new.add("Range", [zero, total, one], f"{s}/Range_keys")
+            rows = new.add("Range", [zero, seq, one], f"{s}/Range_rows")
+            qpos = new.add("Add", [rows, new.add("Sub", [total, seq], f"{s}/Sub_past")], f"{s}/Add_qpos")
+            col = new.add("Unsqueeze", [qpos, axis1], f"{s}/Unsqueeze_qpos")
+            causal = new.add("LessOrEqual", [keys, col], f"{s}/LessOrEqual")
+            pad = new.add("Unsqueeze", [new.add("Cast", [am], f"{s}/Cast", to=int(ir.DataType.BOOL)), axes12],
+                          f"{s}/Unsqueeze_pad")
+            self.mask = new.add("And", [pad, causal], f"{s}/And")
+            g.insert_before(next(iter(g)), new)
         return self.mask
-
-
-def _input(node: ir.Node, i: int) -> ir.Value | None:
-    return node.inputs[i] if len(node.inputs) > i else None
 
 
 def _const_init(v: ir.Value | None, what: str) -> ir.Value:
@@ -127,19 +119,14 @@ def _skip_simplified_ln(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str:
     for i in (1, 2):
         if len(n.outputs) > i and (n.outputs[i].uses() or n.outputs[i].is_graph_output()):
             fail(f"its output {i} (mean / inv_std_var) is read")
-    add = new_node(graph, "Add", [n.inputs[0], n.inputs[1]], f"{n.name}/Add")
-    new = [add]
-    total = add.outputs[0]
-    bias = _input(n, 3)
-    if bias is not None:
-        add_b = new_node(graph, "Add", [total, bias], f"{n.name}/Add_bias")
-        new.append(add_b)
-        total = add_b.outputs[0]
-    rms = new_node(graph, "RMSNormalization", [total, n.inputs[2]], f"{n.name}/RMSNormalization",
-                   axis=-1, epsilon=attr(n, "epsilon", 1e-5), stash_type=1)
-    new.append(rms)
+    new = Nodes(graph)
+    total = new.add("Add", [n.inputs[0], n.inputs[1]], f"{n.name}/Add")
+    if input_at(n, 3) is not None:
+        total = new.add("Add", [total, n.inputs[3]], f"{n.name}/Add_bias")
+    rms = new.add("RMSNormalization", [total, n.inputs[2]], f"{n.name}/RMSNormalization",
+                  axis=-1, epsilon=attr(n, "epsilon", 1e-5), stash_type=1)
     graph.insert_before(n, new)
-    take_over(n.outputs[0], rms.outputs[0])
+    take_over(n.outputs[0], rms)
     if len(n.outputs) > 3:
         take_over(n.outputs[3], total)
     return n.name
@@ -153,12 +140,6 @@ def _unpack(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
     if bits == 8:
         return b
     return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(rows, -1)
-
-
-def _lazy(name: str, dtype: ir.DataType, shape: list[int], build: Callable[[], np.ndarray]) -> ir.LazyTensor:
-    """A tensor computed from the source weights only when the model is written (weights stay on disk)."""
-    return ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype, shape=ir.Shape(shape),
-                         name=name)
 
 
 def _blocked_weight(graph: ir.Graph, n: ir.Node, data: ir.Value, scales: ir.Value, zeros: ir.Value | None,
@@ -192,9 +173,9 @@ def _blocked_weight(graph: ir.Graph, n: ir.Node, data: ir.Value, scales: ir.Valu
             return np.full(sc_shape, 1 << (bits - 1), dtype=npq)  # the contrib ops' default: the middle
         return orient(_unpack(zeros.const_value.numpy(), rows, bits)[:, :n_blocks]).astype(npq)
 
-    q = initializer(graph, f"{base}.qweight", _lazy(f"{base}.qweight", qtype, out_shape, weight))
-    s = initializer(graph, f"{base}.scales", _lazy(f"{base}.scales", scales.const_value.dtype, sc_shape, scale))
-    z = initializer(graph, f"{base}.zero_points", _lazy(f"{base}.zero_points", qtype, sc_shape, zero))
+    q = lazy_initializer(graph, f"{base}.qweight", qtype, out_shape, weight)
+    s = lazy_initializer(graph, f"{base}.scales", scales.const_value.dtype, sc_shape, scale)
+    z = lazy_initializer(graph, f"{base}.zero_points", qtype, sc_shape, zero)
     return new_node(graph, "DequantizeLinear", [q, s, z], f"{n.name}/DequantizeLinear",
                     axis=0 if transpose else 1, block_size=block)
 
@@ -208,21 +189,18 @@ def _weight_base(v: ir.Value) -> str:
 
 def _matmul_nbits(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str:
     """MatMulNBits(A, B, scales[, zero_points][, g_idx][, bias]) -> MatMul(A, DequantizeLinear(W, s, z)) [+ bias]."""
-    if _input(n, 4) is not None:
+    if input_at(n, 4) is not None:
         fail("g_idx (act-order) has no blocked DequantizeLinear form")
     k, cols = attr(n, "K"), attr(n, "N")
     data = _const_init(n.inputs[1], "the packed weight")
     scales = _const_init(n.inputs[2], "the scales")
-    zeros = _const_init(_input(n, 3), "the zero points") if _input(n, 3) is not None else None
+    zeros = _const_init(n.inputs[3], "the zero points") if input_at(n, 3) is not None else None
     dq = _blocked_weight(graph, n, data, scales, zeros, attr(n, "bits", 4), cols, k, attr(n, "block_size"),
                          True, _weight_base(data))
-    mm = new_node(graph, "MatMul", [n.inputs[0], dq.outputs[0]], f"{n.name.removesuffix('_Q4').removesuffix('_Q8')}")
-    new = [dq, mm]
-    out = mm.outputs[0]
-    if _input(n, 5) is not None:
-        add = new_node(graph, "Add", [out, n.inputs[5]], f"{mm.name}/Add")
-        new.append(add)
-        out = add.outputs[0]
+    new = Nodes(graph, [dq])
+    out = new.add("MatMul", [n.inputs[0], dq.outputs[0]], f"{n.name.removesuffix('_Q4').removesuffix('_Q8')}")
+    if input_at(n, 5) is not None:
+        out = new.add("Add", [out, n.inputs[5]], f"{new[-1].name}/Add")
     graph.insert_before(n, new)
     take_over(n.outputs[0], out)
     return n.name
@@ -235,7 +213,7 @@ def _gather_block_quantized(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str
         fail("only a gather over rows of a table quantized along its last axis has this form")
     data = _const_init(n.inputs[0], "the packed table")
     scales = _const_init(n.inputs[2], "the scales")
-    zeros = _const_init(_input(n, 3), "the zero points") if _input(n, 3) is not None else None
+    zeros = _const_init(n.inputs[3], "the zero points") if input_at(n, 3) is not None else None
     bits, block = attr(n, "bits", 4), attr(n, "block_size", 128)
     rows = scales.const_value.shape[0]
     cols = scales.const_value.size // rows * block
@@ -257,15 +235,14 @@ def rope_from_cache(cos: ir.Value | None, sin: ir.Value | None) -> tuple[np.ndar
     return inv_freq_from_tables(cos.const_value.numpy(), sin.const_value.numpy())
 
 
-def _rope(graph: ir.Graph, x: ir.Value, heads: int, head_dim: int, inv: np.ndarray, scaling: float,
-          interleaved: int, pos: ir.Value, scope: str) -> tuple[list[ir.Node], ir.Value]:
-    """[B, S, heads·D] -> Reshape -> FusedRoPE -> Reshape -> [B, S, heads·D]."""
-    to4 = small_constant(graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
-    to3 = small_constant(graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
-    r1 = new_node(graph, "Reshape", [x, to4], f"{scope}/Reshape")
-    rope = rope_node(graph, r1.outputs[0], pos, f"{scope}/{contract.ROPE_OP}", inv, scaling, interleaved)
-    r2 = new_node(graph, "Reshape", [rope.outputs[0], to3], f"{scope}/Reshape_1")
-    return [r1, rope, r2], r2.outputs[0]
+def _rope(new: Nodes, x: ir.Value, heads: int, head_dim: int, inv: np.ndarray, scaling: float,
+          interleaved: int, pos: ir.Value, scope: str) -> ir.Value:
+    """[B, S, heads·D] -> Reshape -> FusedRoPE -> Reshape -> [B, S, heads·D], the nodes added to `new`."""
+    to4 = small_constant(new.graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
+    to3 = small_constant(new.graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
+    r1 = new.add("Reshape", [x, to4], f"{scope}/Reshape")
+    new.append(rope_node(new.graph, r1, pos, f"{scope}/{contract.ROPE_OP}", inv, scaling, interleaved))
+    return new.add("Reshape", [new[-1].outputs[0], to3], f"{scope}/Reshape_1")
 
 
 def _static_last(v: ir.Value | None) -> int | None:
@@ -284,42 +261,38 @@ def _gqa(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str:
     if attr(n, "smooth_softmax", 0) or attr(n, "qk_output", 0):
         fail("smooth_softmax / qk_output have no Attention-23 equivalent")
     for i, what in ((10, "attention_bias"), (11, "head_sink")):
-        if _input(n, i) is not None:
+        if input_at(n, i) is not None:
             fail(f"a {what} input has no Attention-23 equivalent here")
-    if len(n.outputs) < 3 or _input(n, 3) is None or _input(n, 4) is None:
+    if len(n.outputs) < 3 or input_at(n, 3) is None or input_at(n, 4) is None:
         fail("no past_key / past_value inputs and present outputs")
-    q, k, v = n.inputs[0], _input(n, 1), _input(n, 2)
+    q, k, v = n.inputs[0], input_at(n, 1), input_at(n, 2)
     width = _static_last(q)
     if width is None:
         fail("the query's last dim is not static (head size unknown)")
     packed = k is None
     head_dim = width // (heads + 2 * kv_heads) if packed else width // heads
     scope = n.name.rsplit("/", 1)[0] if "/" in (n.name or "") else (n.name or "attn")
-    new: list[ir.Node] = []
+    new = Nodes(graph)
     if packed:
         sizes = small_constant(graph, f"{scope}/qkv_sizes",
                                np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dtype=np.int64))
-        split = new_node(graph, "Split", [q, sizes], f"{scope}/qkv/Split", outputs=3, axis=-1)
-        new.append(split)
-        q, k, v = split.outputs
+        q, k, v = new.add("Split", [q, sizes], f"{scope}/qkv/Split", outputs=3, axis=-1)
     if attr(n, "do_rotary", 0):
-        inv, scaling = rope_from_cache(_input(n, 7), _input(n, 8))
+        inv, scaling = rope_from_cache(input_at(n, 7), input_at(n, 8))
         if 2 * len(inv) > head_dim:
             fail(f"the cos/sin caches rotate {2 * len(inv)} dims, more than the head size {head_dim}")
-        pos = _input(n, 9) if _input(n, 9) is not None else shared.position_ids()
+        pos = input_at(n, 9) if input_at(n, 9) is not None else shared.position_ids()
         inter = attr(n, "rotary_interleaved", 0)
-        nodes_q, q = _rope(graph, q, heads, head_dim, inv, scaling, inter, pos, f"{scope}/q_rope")
-        nodes_k, k = _rope(graph, k, kv_heads, head_dim, inv, scaling, inter, pos, f"{scope}/k_rope")
-        new += nodes_q + nodes_k
+        q = _rope(new, q, heads, head_dim, inv, scaling, inter, pos, f"{scope}/q_rope")
+        k = _rope(new, k, kv_heads, head_dim, inv, scaling, inter, pos, f"{scope}/k_rope")
     scale = attr(n, "scale", 0.0) or None
     softcap = attr(n, "softcap", 0.0) or None
-    att = new_node(graph, "Attention", [q, k, v, shared.key_mask(), n.inputs[3], n.inputs[4]], f"{scope}/Attention",
-                   outputs=3, q_num_heads=heads, kv_num_heads=kv_heads, scale=scale, softcap=softcap)
-    new.append(att)
+    att = new.add("Attention", [q, k, v, shared.key_mask(), n.inputs[3], n.inputs[4]], f"{scope}/Attention",
+                  outputs=3, q_num_heads=heads, kv_num_heads=kv_heads, scale=scale, softcap=softcap)
     graph.insert_before(n, new)
-    for old, out in zip(n.outputs[:3], att.outputs, strict=True):
+    for old, out in zip(n.outputs[:3], att, strict=True):
         take_over(old, out)
-    for past, present in ((n.inputs[3], att.outputs[1]), (n.inputs[4], att.outputs[2])):
+    for past, present in ((n.inputs[3], att[1]), (n.inputs[4], att[2])):
         _static_head_dim(past, kv_heads, head_dim)
         _static_head_dim(present, kv_heads, head_dim)
     return scope
@@ -341,7 +314,7 @@ def _rotary(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str:
         fail("the input is not 3-D [batch, seq, hidden]")
     if pos.shape is not None and pos.shape.rank() != 2:
         fail("position_ids are not [batch, seq] (a scalar offset has no FusedRoPE form)")
-    inv, scaling = rope_from_cache(_input(n, 2), _input(n, 3))
+    inv, scaling = rope_from_cache(input_at(n, 2), input_at(n, 3))
     heads, width = attr(n, "num_heads", 0), _static_last(x)
     if width is None:
         fail("the hidden size is not static")
@@ -351,8 +324,9 @@ def _rotary(graph: ir.Graph, n: ir.Node, shared: _Shared) -> str:
     heads = heads or width // rot
     if width % heads:
         fail(f"hidden {width} is not a multiple of num_heads {heads}")
-    nodes, out = _rope(graph, x, heads, width // heads, inv, scaling, attr(n, "interleaved", 0), pos, n.name or "rope")
-    graph.insert_before(n, nodes)
+    new = Nodes(graph)
+    out = _rope(new, x, heads, width // heads, inv, scaling, attr(n, "interleaved", 0), pos, n.name or "rope")
+    graph.insert_before(n, new)
     take_over(n.outputs[0], out)
     return n.name
 

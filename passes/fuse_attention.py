@@ -11,9 +11,11 @@ import onnx_ir as ir
 
 from .base import (
     Fusion,
+    Nodes,
     attr,
     const,
     fail,
+    input_at,
     new_node,
     only_user,
     other_input,
@@ -172,7 +174,7 @@ class FuseAttention(Fusion):
         # K/V from repeat_kv are 4-D, so Q is too (Attention-23 takes all 3-D or all 4-D).
         if not heads or not kv_heads or heads % kv_heads:
             fail("cannot tell the number of query and key/value heads of a 4-D Attention")
-        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        mask = input_at(node, 3)
         scale = attr(node, "scale")
         if scale is None:
             head_dim = _dim(q, 3) or _dim(key.new, 3) or _dim(key.past, 3)
@@ -281,25 +283,22 @@ def _shapes_from_inputs(graph: ir.Graph, kv: KV, rep: int, prefix: str) -> None:
             shape = use.node
             if shape.op_type != "Shape" or shape.domain not in ("", "ai.onnx"):
                 continue
-            sp = new_node(graph, "Shape", [kv.past], f"{shape.name}/past")
-            sn = new_node(graph, "Shape", [kv.new], f"{shape.name}/new")
-            nodes = [sp, sn]
-            past = sp.outputs[0]
+            new = Nodes(graph)
+            past = new.add("Shape", [kv.past], f"{shape.name}/past")
+            length = new.add("Shape", [kv.new], f"{shape.name}/new")
             if factor != 1:
                 heads = small_constant(graph, f"{prefix}/kv_rep", np.array([1, factor, 1, 1], np.int64))
-                nodes.append(new_node(graph, "Mul", [past, heads], f"{shape.name}/heads"))
-                past = nodes[-1].outputs[0]
+                past = new.add("Mul", [past, heads], f"{shape.name}/heads")
             axis2 = small_constant(graph, f"{prefix}/kv_len_axis", np.array([0, 0, 1, 0], np.int64))
-            nodes.append(new_node(graph, "Mul", [sn.outputs[0], axis2], f"{shape.name}/new_len"))
-            nodes.append(new_node(graph, "Add", [past, nodes[-1].outputs[0]], f"{shape.name}/total"))
+            length = new.add("Mul", [length, axis2], f"{shape.name}/new_len")
+            total = new.add("Add", [past, length], f"{shape.name}/total")
             start, end = attr(shape, "start", 0), attr(shape, "end", None)
             if start != 0 or end is not None:
                 starts = small_constant(graph, f"{prefix}/shape_start", np.array([start], np.int64))
                 ends = small_constant(graph, f"{prefix}/shape_end", np.array([4 if end is None else end], np.int64))
-                nodes.append(new_node(graph, "Slice", [nodes[-1].outputs[0], starts, ends], f"{shape.name}/slice"))
-            for n in nodes:
-                graph.insert_before(shape, n)
-            take_over(shape.outputs[0], nodes[-1].outputs[0])
+                total = new.add("Slice", [total, starts, ends], f"{shape.name}/slice")
+            graph.insert_before(shape, new)
+            take_over(shape.outputs[0], total)
 
 
 def _heads_from_output(y: ir.Value, head_dim: int | None) -> int | None:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from .base import Fusion, fail, producer
-from .projections import Projection, check_compatible, fuse, fused_names, parse_projection
+from .projections import Projection, check_compatible, fuse, parse_projection
 
 
 def silu_input(value: ir.Value | None) -> ir.Value | None:
@@ -69,13 +69,10 @@ class FuseGateUp(Fusion):
                 yield node
 
     def match(self, mul: ir.Node) -> tuple[Projection, Projection]:
-        for g_side in (0, 1):
-            x = silu_input(mul.inputs[g_side])
-            if x is not None:
-                break
-        else:
+        g_side = next((i for i in (0, 1) if silu_input(mul.inputs[i]) is not None), None)
+        if g_side is None:
             fail("neither factor is SiLU(gate) = gate·Sigmoid(gate)")
-        gate = projection_of(x)
+        gate = projection_of(silu_input(mul.inputs[g_side]))
         up = projection_of(mul.inputs[1 - g_side])
         if gate is None:
             fail("the SiLU input is not a projection with a constant weight")
@@ -89,6 +86,4 @@ class FuseGateUp(Fusion):
         return gate, up
 
     def rewrite(self, graph: ir.Graph, match: tuple[Projection, Projection]) -> str:
-        rename, prefix = fused_names(list(match), "gate_proj", "gate_up_proj")
-        fuse(graph, list(match), rename, prefix)
-        return prefix
+        return fuse(graph, list(match), "gate_proj", "gate_up_proj")

@@ -12,7 +12,6 @@ from .projections import (
     Projection,
     check_compatible,
     fuse,
-    fused_names,
     parse_projection,
     projections_reading,
 )
@@ -95,6 +94,4 @@ class FuseQKV(Fusion):
         return match_qkv(first)
 
     def rewrite(self, graph: ir.Graph, projs: list[Projection]) -> str:
-        rename, prefix = fused_names(projs, "q_proj", "qkv_proj")
-        fuse(graph, projs, rename, prefix)
-        return prefix
+        return fuse(graph, projs, "q_proj", "qkv_proj")

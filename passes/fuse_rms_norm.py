@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +13,8 @@ from .base import (
     const,
     fail,
     initializer,
+    input_at,
+    lazy_initializer,
     name_like,
     new_node,
     only_user,
@@ -65,9 +66,7 @@ class FuseRMSNorm(Fusion):
     """
 
     aliases = ("fuse-rms-norm", "rms-norm", "rmsnorm")
-
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type in ("ReduceMean", "ReduceSum") and n.domain in ("", "ai.onnx")]
+    anchor_ops = ("ReduceMean", "ReduceSum")
 
     def match(self, mean: ir.Node) -> RMSMatch:
         sq = producer(mean.inputs[0], "Pow", "Mul")
@@ -78,7 +77,7 @@ class FuseRMSNorm(Fusion):
             fail(f"exponent is {scalar(sq.inputs[1])}, not 2")
         if sq.op_type == "Mul" and sq.inputs[1] is not x:
             fail("Mul before ReduceMean is not x·x")
-        axes = const(mean.inputs[1]) if len(mean.inputs) > 1 and mean.inputs[1] is not None else attr(mean, "axes")
+        axes = const(mean.inputs[1]) if input_at(mean, 1) is not None else attr(mean, "axes")
         r = rank(x)
         if axes is None or len(list(axes)) != 1:
             fail(f"mean over axes {None if axes is None else list(axes)}, not the last one")
@@ -167,11 +166,9 @@ class FuseRMSNorm(Fusion):
 
 def _plus(graph: ir.Graph, w: ir.Value, offset: float) -> ir.Value:
     """A new initializer offset + w, computed lazily (the weight is read only when the model is written)."""
-    name = f"{w.name}_plus_{offset:g}"
-    dtype, shape = w.const_value.dtype, w.const_value.shape
-
-    def build() -> ir.Tensor:
+    def build() -> np.ndarray:
         a = w.const_value.numpy()
-        return ir.tensor((a + np.asarray(offset, a.dtype)).astype(a.dtype), name=name)
+        return (a + np.asarray(offset, a.dtype)).astype(a.dtype)
 
-    return initializer(graph, name, ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name))
+    t = w.const_value
+    return lazy_initializer(graph, f"{w.name}_plus_{offset:g}", t.dtype, t.shape, build)

@@ -12,11 +12,11 @@ from fuselm import contract
 
 from .base import (
     Fusion,
-    attach_functions,
+    Nodes,
     attr,
     const,
     fail,
-    new_node,
+    input_at,
     other_input,
     producer,
     rope_node,
@@ -39,27 +39,21 @@ class RopeMatch:
     anchor: ir.Node
 
 
+def _behind_views(v: ir.Value, stop=lambda v: False) -> ir.Value:
+    """The value behind Cast / Unsqueeze / Reshape / Expand / Identity, or the first one on the way `stop` takes."""
+    while not stop(v) and (node := producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")) is not None:
+        v = node.inputs[0]
+    return v
+
+
 def _positions(v: ir.Value) -> ir.Value:
     """The int64 [B,S] position tensor behind Cast / Unsqueeze / Reshape / Expand."""
-    while True:
-        node = producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")
-        if node is None:
-            break
-        v = node.inputs[0]
+    v = _behind_views(v)
     if v.dtype is not None and v.dtype != ir.DataType.INT64:
         fail(f"positions {v.name} are {v.dtype}, not int64")
     if v.shape is not None and v.shape.rank() != 2:
         fail(f"positions {v.name} have rank {v.shape.rank()}, not [batch, seq]")
     return v
-
-
-def _constant_behind(v: ir.Value) -> np.ndarray | None:
-    while const(v) is None:
-        node = producer(v, "Cast", "Unsqueeze", "Reshape", "Expand", "Identity")
-        if node is None:
-            return None
-        v = node.inputs[0]
-    return const(v)
 
 
 def _freqs(f: ir.Value) -> tuple[np.ndarray, ir.Value]:
@@ -74,7 +68,7 @@ def _freqs(f: ir.Value) -> tuple[np.ndarray, ir.Value]:
     tr = producer(f, "Transpose")
     mm = producer(tr.inputs[0], "MatMul") if tr is not None else None
     if mm is not None and list(attr(tr, "perm", [])) == [0, 2, 1]:
-        inv = _constant_behind(mm.inputs[0])
+        inv = const(_behind_views(mm.inputs[0], stop=lambda x: const(x) is not None))
         if inv is None:
             fail("freqs = MatMul without a constant inv_freq")
         return inv.astype(np.float32).ravel(), _positions(mm.inputs[1])
@@ -131,7 +125,7 @@ def _table(gather: ir.Node, op: str) -> ir.Value:
     data = gather.inputs[0]
     cut = producer(data, "Slice")
     if cut is not None:  # older HF: cos_cached[:seq_len][position_ids]
-        start, axes = const(cut.inputs[1]), const(cut.inputs[3]) if len(cut.inputs) > 3 and cut.inputs[3] is not None else None
+        start, axes = const(cut.inputs[1]), const(input_at(cut, 3))
         if start is None or int(start.ravel()[0]) != 0 or (axes is not None and int(axes.ravel()[0]) != 0):
             fail(f"the {op.lower()} table is sliced other than rows [:n]")
         data = cut.inputs[0]
@@ -190,8 +184,7 @@ def _half_split(rot: ir.Value) -> ir.Value:
         fail("not rotate_half: Concat(Neg(Slice(x)), Slice(x)) of one x")
     s_lo, e_lo, s_hi = (const(n.inputs[i]) for n, i in ((lo, 1), (lo, 2), (hi, 1)))
     for n in (lo, hi):
-        axes = const(n.inputs[3]) if len(n.inputs) > 3 and n.inputs[3] is not None else None
-        steps = const(n.inputs[4]) if len(n.inputs) > 4 and n.inputs[4] is not None else None
+        axes, steps = const(input_at(n, 3)), const(input_at(n, 4))
         if axes is None or int(axes.ravel()[0]) not in (-1, 3) or (steps is not None and int(steps.ravel()[0]) != 1):
             fail("not rotate_half: slices not over the last axis with step 1")
     if s_lo is None or e_lo is None or s_hi is None or int(s_lo.ravel()[0]) != 0 \
@@ -214,12 +207,11 @@ def _pair_split(rot: ir.Value) -> ir.Value:
     if odd is None or even is None or odd.inputs[0] is not even.inputs[0]:
         fail("not rotate_every_two: Concat(Unsqueeze(Neg(Slice(x))), Unsqueeze(Slice(x))) of one x")
     for u in (ua, ub):
-        axes = const(u.inputs[1]) if len(u.inputs) > 1 else None
+        axes = const(input_at(u, 1))
         if axes is None or int(axes.ravel()[0]) not in (-1, 4):
             fail("not rotate_every_two: the halves are not stacked on a new last axis")
     for n, first in ((even, 0), (odd, 1)):
-        vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in (1, 3, 4)]
-        start, axes, steps = vals
+        start, axes, steps = (const(input_at(n, i)) for i in (1, 3, 4))
         if start is None or axes is None or steps is None or int(start.ravel()[0]) != first \
                 or int(axes.ravel()[0]) not in (-1, 3) or int(steps.ravel()[0]) != 2:
             fail("not rotate_every_two: the halves are not x[..., 0::2] and x[..., 1::2]")
@@ -245,8 +237,7 @@ def _partial(x: ir.Value, out: ir.Value, rotary_dim: int) -> tuple[ir.Value, ir.
 
 def _slice_bounds(n: ir.Node) -> tuple[int, int] | None:
     """(start, end) of a step-1 Slice over the last axis with constant bounds, else None."""
-    vals = [const(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] is not None else None for i in range(1, 5)]
-    start, end, axes, steps = vals
+    start, end, axes, steps = (const(input_at(n, i)) for i in range(1, 5))
     if start is None or end is None or axes is None or int(axes.ravel()[0]) not in (-1, 3) \
             or (steps is not None and int(steps.ravel()[0]) != 1):
         return None
@@ -281,6 +272,7 @@ class FuseRoPE(Fusion):
 
     aliases = ("fuse-rope", "rope")
     needs_opset = None
+    functions = True
     layout: bool | None = None  # interleaved or not: the one layout the graph's FusedRoPE nodes have
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
@@ -344,7 +336,7 @@ class FuseRoPE(Fusion):
             rep = producer(reshape.inputs[0], "Expand", "Tile") if reshape is not None else None
             unsq = producer(rep.inputs[0], "Unsqueeze") if rep is not None else None
             times = const(rep.inputs[1]) if rep is not None else None
-            axes = const(unsq.inputs[1]) if unsq is not None and len(unsq.inputs) > 1 else None
+            axes = const(input_at(unsq, 1)) if unsq is not None else None
             r = unsq.inputs[0].shape.rank() + 1 if unsq is not None and unsq.inputs[0].shape is not None else None
             last = axes is not None and (int(axes.ravel()[0]) == -1 or (r is not None and int(axes.ravel()[0]) == r - 1))
             if unsq is None or times is None or int(times.ravel()[-1]) != 2 or np.any(times.ravel()[:-1] > 1) or not last:
@@ -356,7 +348,7 @@ class FuseRoPE(Fusion):
         return _freqs(cat.inputs[0])
 
     def _match_standard(self, node: ir.Node) -> RopeMatch:
-        if len(node.inputs) > 3 and node.inputs[3] is not None:
+        if input_at(node, 3) is not None:
             fail("RotaryEmbedding with position_ids indexes a cached cos/sin table")
         x = node.inputs[0]
         if x.shape is None or x.shape.rank() != 4:
@@ -382,32 +374,24 @@ class FuseRoPE(Fusion):
         # the layout the graph's FusedRoPE nodes already use, else the first fused one's
         self.layout = next((bool(attr(n, "interleaved", 0)) for n in model.graph
                             if n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP), None)
-        modified = super().apply(model, stats)
-        if modified:
-            attach_functions(model)
-        return modified
+        return super().apply(model, stats)
 
     def rewrite(self, graph: ir.Graph, m: RopeMatch) -> str:
         scope = _scope(m)
-        new = []
+        new = Nodes(graph)
         src = m.x
         if m.heads_first:
             tr = producer(m.x, "Transpose")
             if tr is not None and list(attr(tr, "perm", [])) == _BHSD:
                 src = tr.inputs[0]
             else:
-                t = new_node(graph, "Transpose", [m.x], f"{scope}/in/Transpose", perm=_BHSD)
-                new.append(t)
-                src = t.outputs[0]
-        rope = rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
-                         m.interleaved)
+                src = new.add("Transpose", [m.x], f"{scope}/in/Transpose", perm=_BHSD)
+        new.append(rope_node(graph, src, m.position_ids, f"{scope}/{contract.ROPE_OP}", m.inv_freq, m.scaling,
+                             m.interleaved))
         self.layout = bool(m.interleaved)
-        new.append(rope)
-        out = rope.outputs[0]
+        out = new[-1].outputs[0]
         if m.heads_first:
-            t = new_node(graph, "Transpose", [out], f"{scope}/out/Transpose", perm=_BHSD)
-            new.append(t)
-            out = t.outputs[0]
+            out = new.add("Transpose", [out], f"{scope}/out/Transpose", perm=_BHSD)
         graph.insert_before(m.anchor, new)
         take_over(m.out, out)
         return scope

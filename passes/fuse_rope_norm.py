@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from fuselm import contract
 
-from .base import Pass, Reject, Stats, attach_functions, attr, fail, producer, rank, static_shape
+from .base import Pass, Reject, Stats, attach_functions, attr, fail, input_at, producer, rank, static_shape
 
 
 @dataclass
@@ -67,7 +67,7 @@ class FuseRoPENorm(Pass):
             return False
         matches, failed = [], []
         for rope in ropes:
-            if len(rope.inputs) > 2 and rope.inputs[2] is not None:
+            if input_at(rope, 2) is not None:
                 failed.append((rope, "it takes a norm weight already"))
                 continue
             try:

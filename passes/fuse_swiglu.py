@@ -10,10 +10,10 @@ from fuselm import contract
 
 from .base import (
     Fusion,
-    attach_functions,
     attr,
     const,
     fail,
+    input_at,
     new_node,
     producer,
     rank,
@@ -30,12 +30,12 @@ def _halves(split: ir.Node) -> None:
     r = rank(split.inputs[0])
     if axis != -1 and (r is None or axis != r - 1):
         fail(f"the Split is over axis {axis}, not the last one")
-    sizes = const(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+    sizes = const(input_at(split, 1))
     if sizes is not None:
         if len(sizes) != 2 or int(sizes[0]) != int(sizes[1]):
             fail(f"the Split's sizes {[int(s) for s in sizes]} are not two equal halves")
         return
-    if len(split.inputs) > 1 and split.inputs[1] is not None:
+    if input_at(split, 1) is not None:
         fail("the Split's sizes are not a constant")
     shape = static_shape(split.inputs[0])
     if attr(split, "num_outputs") != 2 or not shape or shape[-1] is None or shape[-1] % 2:
@@ -57,6 +57,7 @@ class FuseSwiGLU(Fusion):
 
     aliases = ("fuse-swiglu", "swiglu", "silu-gate")
     needs_opset = None
+    functions = True
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         for node in graph:
@@ -88,9 +89,3 @@ class FuseSwiGLU(Fusion):
         graph.insert_before(mul, node)
         take_over(mul.outputs[0], node.outputs[0])
         return scope
-
-    def apply(self, model: ir.Model, stats) -> bool:
-        modified = super().apply(model, stats)
-        if modified:
-            attach_functions(model)
-        return modified

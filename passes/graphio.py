@@ -44,13 +44,12 @@ def resolve(in_path: str | os.PathLike) -> tuple[Path, dict | None]:
 def load(onnx_path: str | os.PathLike) -> ir.Model:
     """The graph with lazily mapped external weights; a clear error for a file that is not ONNX."""
     try:
-        model = ir.load(onnx_path)
-    except (onnx.onnx_cpp2py_export.checker.ValidationError, OSError, ValueError, Exception) as e:
-        if isinstance(e, FuselmError):
-            raise
+        return ir.load(onnx_path)
+    except FuselmError:
+        raise
+    except Exception as e:
         raise FuselmError(f"cannot read {onnx_path} as an ONNX model ({type(e).__name__}: {e}); "
                           "pass a file written by torch.onnx, optimum or `fuselm convert`") from None
-    return model
 
 
 def save(model: ir.Model, out_dir: str | os.PathLike) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,9 @@ def _gathered_rows(dq: ir.Node) -> tuple[ir.Value, list[ir.Node], list[ir.Value]
     return ids, gathers, [g.inputs[0] for g in gathers]
 
 
+_OTHER = {"DequantizeLinear": "Gather", "Gather": "DequantizeLinear"}  # anchor -> what makes its input 0
+
+
 class OrtGatherBlockQuantized(Fusion):
     """Gather of a blocked-quantized table -> com.microsoft.GatherBlockQuantized(data, ids, scales, zero_points).
 
@@ -57,11 +60,8 @@ class OrtGatherBlockQuantized(Fusion):
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         for n in graph:
-            if n.domain not in ("", "ai.onnx"):
-                continue
-            if n.op_type == "DequantizeLinear" and producer(n.inputs[0], "Gather") is not None:
-                yield n
-            elif n.op_type == "Gather" and producer(n.inputs[0], "DequantizeLinear") is not None:
+            if n.domain in ("", "ai.onnx") and n.op_type in _OTHER and \
+                    producer(n.inputs[0], _OTHER[n.op_type]) is not None:
                 yield n
 
     def match(self, anchor: ir.Node) -> GatherMatch:
@@ -116,16 +116,11 @@ def map_tables_apart(path: str | Path) -> int:
     dropped, the embedding's stays mapped and only the rows looked up are read. One initializer read by
     both keeps the whole table resident beside the packed copy.
     Rewrites model.onnx only; the data file keeps one copy of the table."""
-    from fuselm.graphcheck import ORT_DOMAIN
-
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     made_by = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, int] = defaultdict(int)
-    for n in graph.node:
-        for name in n.input:
-            readers[name] += 1
+    readers = Counter(name for n in graph.node for name in n.input)
     added = 0
     for gbq in [n for n in graph.node if n.domain == ORT_DOMAIN and n.op_type == "GatherBlockQuantized"]:
         for i, name in enumerate(gbq.input):

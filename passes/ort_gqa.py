@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,12 +15,13 @@ from fuselm.reference import ort_session
 from .base import (
     SMALL_CONST,
     Fusion,
+    Nodes,
     Stats,
     attr,
     const,
     fail,
     initializer,
-    new_node,
+    input_at,
     producer,
     remove_unused,
     small_constant,
@@ -76,7 +76,7 @@ def _unrotated(v: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value | None,
     if x.shape is not None and (x.shape.rank() != 2 + len(want) or any(
             isinstance(d, int) and d != w for d, w in zip(list(x.shape)[2:], want, strict=True))):
         fail(f"FusedRoPE's input {x.name} is not [B, S, {', '.join(map(str, want))}]")
-    weight = rope.inputs[2] if len(rope.inputs) > 2 else None
+    weight = input_at(rope, 2)
     norm = (weight, float(attr(rope, "epsilon", contract.RMS_EPSILON))) if weight is not None else None
     inv = tuple(attr(rope, "inv_freq", ()))
     found = Rope(rope, x, inv, float(attr(rope, "attention_scaling", 1.0)), int(attr(rope, "interleaved", 0)),
@@ -229,12 +229,11 @@ class OrtGroupQueryAttention(Fusion):
 
     aliases = ("ort-gqa", "gqa", "group-query-attention")
     needs_opset = None
+    anchor_ops = ("Attention",)
 
     def __init__(self, max_length: int = DEFAULT_MAX_LENGTH):
         self.max_length = max_length
 
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
 
     def apply(self, model: ir.Model, stats: Stats) -> bool:
         self._masks: dict[ir.Value, str | None] = {}
@@ -250,8 +249,7 @@ class OrtGroupQueryAttention(Fusion):
         return modified
 
     def match(self, node: ir.Node) -> GQAMatch:
-        ins = list(node.inputs) + [None] * (6 - len(node.inputs))
-        q, k, v, mask, past_k, past_v = ins[:6]
+        q, k, v, mask, past_k, past_v = (input_at(node, i) for i in range(6))
         if any(x is not None and x.shape is not None and x.shape.rank() != 3 for x in (q, k, v)):
             fail("not the 3-D form (q/k/v [B, S, heads·D]); AttentionTo3D makes it")
         if past_k is None or past_v is None or not past_k.is_graph_input() or not past_v.is_graph_input() \
@@ -302,10 +300,10 @@ class OrtGroupQueryAttention(Fusion):
     def rewrite(self, graph: ir.Graph, m: GQAMatch) -> str:
         node = m.attn
         scope = (node.name or "attn").rsplit("/", 1)[0]
-        new: list[ir.Node] = []
+        new = Nodes(graph)
         q, k = m.q, m.k
         if m.rope is not None:
-            q, k = (self._flat(graph, x, heads, m.head_dim, f"{scope}/{t}_rope", new)
+            q, k = (self._flat(new, x, heads, m.head_dim, f"{scope}/{t}_rope")
                     for x, heads, t in ((q, m.heads, "q"), (k, m.kv_heads, "k")))
         seqlens, total = self._lengths(graph)
         inputs = [q, k, node.inputs[2], node.inputs[4], node.inputs[5], seqlens, total]
@@ -314,37 +312,30 @@ class OrtGroupQueryAttention(Fusion):
             cos, sin = self._caches(graph, m.rope)
             inputs += [cos, sin, m.rope.positions]
             rope = {"do_rotary": 1, "rotary_interleaved": m.rope.interleaved}
-        gqa = new_node(graph, "GroupQueryAttention", inputs, f"{scope}/GroupQueryAttention", outputs=3,
+        outs = new.add("GroupQueryAttention", inputs, f"{scope}/GroupQueryAttention", outputs=3,
                        domain=ORT_DOMAIN, num_heads=m.heads, kv_num_heads=m.kv_heads,
                        scale=attr(node, "scale"), softcap=attr(node, "softcap"), local_window_size=-1, **rope)
-        new.append(gqa)
         graph.insert_before(node, new)
-        for old, out in zip(node.outputs[:3], gqa.outputs, strict=True):
+        for old, out in zip(node.outputs[:3], outs, strict=True):
             take_over(old, out)
         graph.remove(node, safe=True)
         return scope
 
     @staticmethod
-    def _flat(graph: ir.Graph, x: ir.Value | Rope, heads: int, head_dim: int, scope: str, new: list) -> ir.Value:
+    def _flat(new: Nodes, x: ir.Value | Rope, heads: int, head_dim: int, scope: str) -> ir.Value:
         """The rotated tensor's input as [B, S, heads·D]: a Reshape of FusedRoPE's input (after the q/k norm
         before it), or of FusedRoPE's own norm over head_dim (RMSNormalization on a [B, S, heads, D] view)."""
         if isinstance(x, ir.Value):
             return x
         heads4 = x.x
         if x.flat:
-            shape4 = small_constant(graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], dtype=np.int64))
-            r = new_node(graph, "Reshape", [heads4, shape4], f"{scope}/heads/Reshape")
-            new.append(r)
-            heads4 = r.outputs[0]
+            shape4 = small_constant(new.graph, f"{scope}/shape4", np.array([0, 0, heads, head_dim], np.int64))
+            heads4 = new.add("Reshape", [heads4, shape4], f"{scope}/heads/Reshape")
         if x.norm is not None:
-            norm = new_node(graph, "RMSNormalization", [heads4, x.norm[0]], f"{scope}/norm/RMSNormalization",
-                            axis=-1, epsilon=x.norm[1], stash_type=1)
-            new.append(norm)
-            heads4 = norm.outputs[0]
-        shape = small_constant(graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], dtype=np.int64))
-        r = new_node(graph, "Reshape", [heads4, shape], f"{scope}/Reshape")
-        new.append(r)
-        return r.outputs[0]
+            heads4 = new.add("RMSNormalization", [heads4, x.norm[0]], f"{scope}/norm/RMSNormalization",
+                             axis=-1, epsilon=x.norm[1], stash_type=1)
+        shape = small_constant(new.graph, f"{scope}/shape3", np.array([0, 0, heads * head_dim], np.int64))
+        return new.add("Reshape", [heads4, shape], f"{scope}/Reshape")
 
     def _lengths(self, graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
         """seqlens_k = int32(ReduceSum(attention_mask, 1) - 1) [B] and total_sequence_length =
@@ -353,18 +344,17 @@ class OrtGroupQueryAttention(Fusion):
             am = next((v for v in graph.inputs if v.name == contract.ATTENTION_MASK), None)
             if am is None:
                 fail("the graph has no attention_mask input")
-            s, i64 = "/model/attn_mask/gqa", np.int64
-            one = small_constant(graph, f"{s}/one", np.array([1], dtype=i64))
-            total_sum = new_node(graph, "ReduceSum", [am, one], f"{s}/ReduceSum", keepdims=0)
-            minus = new_node(graph, "Sub", [total_sum.outputs[0], small_constant(graph, f"{s}/one_scalar",
-                                                                                 np.array(1, dtype=i64))], f"{s}/Sub")
-            seqlens = new_node(graph, "Cast", [minus.outputs[0]], f"{s}/seqlens_k", to=int(ir.DataType.INT32))
-            shape = new_node(graph, "Shape", [am], f"{s}/Shape", start=1, end=2)
-            squeeze = new_node(graph, "Squeeze", [shape.outputs[0]], f"{s}/Squeeze")
-            total = new_node(graph, "Cast", [squeeze.outputs[0]], f"{s}/total_sequence_length",
-                             to=int(ir.DataType.INT32))
-            graph.insert_before(next(iter(graph)), [total_sum, minus, seqlens, shape, squeeze, total])
-            self._shared["lengths"] = (seqlens.outputs[0], total.outputs[0])
+            s, new, i32 = "/model/attn_mask/gqa", Nodes(graph), int(ir.DataType.INT32)
+            one = small_constant(graph, f"{s}/one", np.array([1], dtype=np.int64))
+            total_sum = new.add("ReduceSum", [am, one], f"{s}/ReduceSum", keepdims=0)
+            one_scalar = small_constant(graph, f"{s}/one_scalar", np.array(1, dtype=np.int64))
+            minus = new.add("Sub", [total_sum, one_scalar], f"{s}/Sub")
+            seqlens = new.add("Cast", [minus], f"{s}/seqlens_k", to=i32)
+            shape = new.add("Shape", [am], f"{s}/Shape", start=1, end=2)
+            squeeze = new.add("Squeeze", [shape], f"{s}/Squeeze")
+            total = new.add("Cast", [squeeze], f"{s}/total_sequence_length", to=i32)
+            graph.insert_before(next(iter(graph)), new)
+            self._shared["lengths"] = (seqlens, total)
         return self._shared["lengths"]
 
     def _caches(self, graph: ir.Graph, rope: Rope) -> tuple[ir.Value, ir.Value]:

@@ -11,7 +11,7 @@ import onnx_ir as ir
 from fuselm import contract
 from fuselm.graphcheck import ORT_DOMAIN
 
-from .base import Fusion, attr, fail, initializer, new_node, producer, take_over
+from .base import Fusion, attr, fail, input_at, lazy_initializer, new_node, producer, take_over
 
 DEFAULT_ACCURACY_LEVEL = contract.ORT_ACCURACY_LEVEL  # as onnxruntime-genai's builder writes CPU int4
 _UNSIGNED = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
@@ -36,7 +36,7 @@ class Blocked:
 def blocked_weight(dq: ir.Node, rows_first: bool) -> Blocked:
     """The weight of a blocked DequantizeLinear over constants, or fail() saying why MatMulNBits cannot take it."""
     q, scale = dq.inputs[0], dq.inputs[1]
-    zero = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    zero = input_at(dq, 2)
     for v, what in ((q, "quantized data"), (scale, "scale"), (zero, "zero point")):
         if v is not None and (v.const_value is None or v.shape is None):
             fail(f"the {what} is not a constant initializer")
@@ -95,8 +95,7 @@ def _lazy(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list[int], buil
     found = graph.initializers.get(name)
     if found is not None and list(found.shape) == shape:
         return found
-    return initializer(graph, name, ir.LazyTensor(lambda: ir.tensor(build(), dtype=dtype, name=name), dtype=dtype,
-                                                  shape=ir.Shape(shape), name=name))
+    return lazy_initializer(graph, name, dtype, shape, build)
 
 
 def nbits_tensors(graph: ir.Graph, w: Blocked) -> tuple[ir.Value, ir.Value, ir.Value]:

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from fuselm.graphcheck import ORT_DOMAIN
 
-from .base import Fusion, attr, const, fail, producer, rank
+from .base import Fusion, attr, const, fail, input_at, producer, rank
 
 
 class OrtPackedQKV(Fusion):
@@ -46,7 +46,7 @@ class OrtPackedQKV(Fusion):
         axis = attr(split, "axis", 0)
         if axis != -1 and (r is None or axis != r - 1):
             fail(f"the Split is over axis {axis}, not the last one")
-        sizes = const(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+        sizes = const(input_at(split, 1))
         heads, kv_heads = attr(gqa, "num_heads", 0), attr(gqa, "kv_num_heads", 0)
         if sizes is None or len(sizes) != 3 or not heads or not kv_heads:
             fail("the Split's sizes are not constant or the head counts are not known")

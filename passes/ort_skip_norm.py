@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from fuselm.graphcheck import ORT_DOMAIN
 
-from .base import Fusion, attr, fail, new_node, producer, take_over
+from .base import Fusion, attr, fail, input_at, new_node, producer, take_over
 
 
 @dataclass
@@ -45,9 +44,7 @@ class OrtSkipRMSNorm(Fusion):
 
     aliases = ("ort-skip-norm", "skip-norm", "skip-rms-norm")
     needs_opset = None
-
-    def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
-        return [n for n in graph if n.op_type == "RMSNormalization" and n.domain in ("", "ai.onnx")]
+    anchor_ops = ("RMSNormalization",)
 
     def match(self, norm: ir.Node) -> NormMatch:
         x, w = norm.inputs[0], norm.inputs[1]
@@ -57,7 +54,7 @@ class OrtSkipRMSNorm(Fusion):
             fail(f"normalizes from axis {axis}, not the last one alone")
         if attr(norm, "stash_type", 1) != 1:
             fail("stash_type is not float32")
-        if len(norm.inputs) > 2 and norm.inputs[2] is not None:
+        if input_at(norm, 2) is not None:
             fail("has a bias input")
         if w is None or w.const_value is None or w.shape is None or w.shape.rank() != 1:
             fail("the weight is not a 1-D constant")

@@ -78,11 +78,8 @@ def _key(name: str) -> str:
 
 def resolve_skip(skip, target: str | None = None) -> set[str]:
     """Class names of the passes to skip; `skip` takes class names or kebab/snake aliases."""
-    table = {}
     passes = [*PIPELINE, *target_passes(target)]
-    for p in passes:
-        for alias in (p.name, *p.aliases):
-            table[_key(alias)] = p.name
+    table = {_key(alias): p.name for p in passes for alias in (p.name, *p.aliases)}
     chosen = set()
     for s in skip or ():
         for part in str(s).split(","):
@@ -134,7 +131,7 @@ def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_p
     backup = model.clone()  # the weights' tensors are shared, not copied
     try:
         _, changed, stats = p(model)
-        _check_dag(model)
+        ensure_sorted(model.graph)  # raises ValueError when the pass left a cycle
     except FuselmError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a pass on a foreign graph becomes a recorded skip
@@ -147,11 +144,6 @@ def _run_one(p: Pass, model: ir.Model, skip: set[str], records: list[dict], on_p
     records.append(record)
     if on_pass is not None:
         on_pass(record, model)
-
-
-def _check_dag(model: ir.Model) -> None:
-    """Raise ValueError when the graph has a cycle (a node reading a value produced after it, for good)."""
-    ensure_sorted(model.graph)
 
 
 def _restore(model: ir.Model, saved: ir.Model) -> None:
@@ -174,7 +166,7 @@ def _careful(p: Pass, model: ir.Model, backup: ir.Model, reason: str) -> tuple[b
         p.only = {name}
         try:
             _, fired, trial_stats = p(trial)
-            _check_dag(trial)
+            ensure_sorted(trial.graph)
         except FuselmError:
             raise
         except Exception as e:  # noqa: BLE001

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .base import attr, fail, initializer, new_node, producer, small_constant, take_over
+from .base import Nodes, attr, fail, input_at, lazy_initializer, producer, small_constant, take_over
 
 
 @dataclass
@@ -85,9 +85,7 @@ def parse_weight(value: ir.Value) -> Weight:
     if dq is not None:
         q = _init(dq.inputs[0], "quantized weight")
         scale = _init(dq.inputs[1], "quantization scale")
-        zp = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
-        if zp is not None:
-            zp = _init(zp, "zero point")
+        zp = _init(dq.inputs[2], "zero point") if input_at(dq, 2) is not None else None
         if len(q.shape) != 2:
             fail(f"quantized weight {q.name} has rank {len(q.shape)}, not 2")
         axis, block = attr(dq, "axis", 1) % 2, attr(dq, "block_size", 0)
@@ -151,26 +149,28 @@ def _describe(w: Weight) -> str:
     return f"{w.form} {w.signature[1]}"
 
 
-def _concat(values: list[ir.Value], axis: int, dtype: ir.DataType, shape: list[int], name: str):
+def _concat(graph: ir.Graph, values: list[ir.Value], axis: int, shape: list[int], name: str) -> ir.Value:
     """A lazy initializer: the concatenation is read and built only when the model is written."""
 
-    def build() -> ir.Tensor:
+    def build() -> np.ndarray:
         array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
         for v in values:  # unmap the parts: their pages need not stay resident while saving
             if isinstance(v.const_value, ir.ExternalTensor):
                 v.const_value.release()
-        return ir.tensor(array, name=name)
+        return array
 
-    return ir.LazyTensor(build, dtype=dtype, shape=ir.Shape(shape), name=name)
+    return lazy_initializer(graph, name, values[0].dtype, shape, build)
 
 
-def fuse(graph: ir.Graph, projs: list[Projection], rename, node_name: str) -> list[ir.Value]:
-    """Replace `projs` by one MatMul over concatenated weights (+ bias) and a Split; returns the parts."""
+def fuse(graph: ir.Graph, projs: list[Projection], role: str, fused_role: str) -> str:
+    """Replace `projs` by one MatMul over concatenated weights (+ bias) and a Split named for `fused_role`
+    (`fused_names`); returns the fused node scope."""
+    rename, node_name = fused_names(projs, role, fused_role)
     w0 = projs[0].weight
     widths = [p.weight.out_dim for p in projs]
     total = sum(widths)
     anchor = min((p.matmul for p in projs), key=lambda n: _position(graph, n))
-    new_nodes: list[ir.Node] = []
+    new = Nodes(graph)
     roles = {}
     for role, v0 in w0.tensors.items():
         parts = [p.weight.tensors[role] for p in projs]
@@ -181,39 +181,26 @@ def fuse(graph: ir.Graph, projs: list[Projection], rename, node_name: str) -> li
         shape = list(v0.shape)
         shape[axis] = sum(v.shape[axis] for v in parts)
         name = rename(v0.name, role)
-        roles[role] = initializer(graph, name, _concat(parts, axis, v0.dtype, shape, name))
-    if w0.form == "plain":
-        weight = roles["w"]
-    elif w0.form == "transposed":
-        t = new_node(graph, "Transpose", [roles["w"]], f"{node_name}/Transpose", perm=[1, 0])
-        new_nodes.append(t)
-        weight = t.outputs[0]
-    else:
-        dq = new_node(graph, "DequantizeLinear", [roles["w"], roles["scale"], roles.get("zero_point")],
-                      f"{node_name}/DequantizeLinear", **w0.attrs)
-        new_nodes.append(dq)
-        weight = dq.outputs[0]
+        roles[role] = _concat(graph, parts, axis, shape, name)
+    weight = roles["w"]
+    if w0.form == "transposed":
+        weight = new.add("Transpose", [weight], f"{node_name}/Transpose", perm=[1, 0])
+    elif w0.form == "dequant":
+        weight = new.add("DequantizeLinear", [weight, roles["scale"], roles.get("zero_point")],
+                         f"{node_name}/DequantizeLinear", **w0.attrs)
     if w0.cast_to is not None:
-        c = new_node(graph, "Cast", [weight], f"{node_name}/Cast", to=w0.cast_to)
-        new_nodes.append(c)
-        weight = c.outputs[0]
-    mm = new_node(graph, "MatMul", [projs[0].input, weight], f"{node_name}/MatMul")
-    new_nodes.append(mm)
-    y = mm.outputs[0]
+        weight = new.add("Cast", [weight], f"{node_name}/Cast", to=w0.cast_to)
+    y = new.add("MatMul", [projs[0].input, weight], f"{node_name}/MatMul")
     if projs[0].bias is not None:
         name = rename(projs[0].bias.name, "bias")
-        bias = _concat([p.bias for p in projs], 0, projs[0].bias.dtype, [total], name)
-        add = new_node(graph, "Add", [y, initializer(graph, name, bias)], f"{node_name}/Add")
-        new_nodes.append(add)
-        y = add.outputs[0]
+        y = new.add("Add", [y, _concat(graph, [p.bias for p in projs], 0, [total], name)], f"{node_name}/Add")
     sizes = small_constant(graph, f"{node_name}/split_sizes", np.array(widths, dtype=np.int64))
-    split = new_node(graph, "Split", [y, sizes], f"{node_name}/Split", outputs=len(projs), axis=-1)
-    new_nodes.append(split)
-    graph.insert_before(anchor, new_nodes)
-    for p, part in zip(projs, split.outputs, strict=True):
+    parts = new.add("Split", [y, sizes], f"{node_name}/Split", outputs=len(projs), axis=-1)
+    graph.insert_before(anchor, new)
+    for p, part in zip(projs, parts, strict=True):
         take_over(p.output, part)
     graph.remove([n for p in projs for n in p.nodes], safe=True)
-    return list(split.outputs)
+    return node_name
 
 
 def _position(graph: ir.Graph, node: ir.Node) -> int:

@@ -13,12 +13,13 @@ from .base import (
     Stats,
     attr,
     const,
+    initializer,
+    input_at,
     is_external,
     producer,
     remove_unused,
     static_shape,
     take_over,
-    unique_name,
 )
 
 _INT_MAX_ISH = 2**62
@@ -40,10 +41,6 @@ def _slice(data, starts, ends, axes=None, steps=None):
     return data[tuple(index)]
 
 
-def _squeeze(data, axes=None):
-    return np.squeeze(data, axis=None if axes is None else tuple(int(a) for a in axes))
-
-
 def _reshape(data, shape, allowzero=0):
     shape = [data.shape[i] if (d == 0 and not allowzero) else int(d) for i, d in enumerate(shape)]
     return data.reshape(shape)
@@ -55,7 +52,7 @@ FOLD = {
     "Cast": lambda n, x: x.astype(ir.DataType(attr(n, "to")).numpy()),
     "Reshape": lambda n, x, s: _reshape(x, s, attr(n, "allowzero", 0)),
     "Unsqueeze": lambda n, x, a: np.expand_dims(x, tuple(int(i) % (x.ndim + len(a)) for i in a)),
-    "Squeeze": lambda n, x, a=None: _squeeze(x, a),
+    "Squeeze": lambda n, x, a=None: np.squeeze(x, axis=None if a is None else tuple(int(i) for i in a)),
     "Concat": lambda n, *xs: np.concatenate(xs, axis=attr(n, "axis")),
     "Gather": lambda n, x, i: np.take(x, i, axis=attr(n, "axis", 0)),
     "Slice": lambda n, x, *args: _slice(x, *args),
@@ -113,12 +110,13 @@ class RemoveDeadShapeOp(Pass):
         before = Counter(n.op_type for n in graph)
         modified = False
         for _ in range(20):
-            changed = self._lift_constants(graph, stats)
-            changed |= self._bypass_noops(graph, stats)
-            changed |= self._dedupe_initializers(graph, stats)
-            changed |= self._fold(graph, stats)
-            changed |= self._merge_duplicates(graph, stats)
-            changed |= remove_unused(model) > 0
+            done = sum(stats.counts.values())  # each rewrite below counts itself
+            self._lift_constants(graph, stats)
+            self._bypass_noops(graph, stats)
+            self._dedupe_initializers(graph, stats)
+            self._fold(graph, stats)
+            self._merge_duplicates(graph, stats)
+            changed = remove_unused(model) > 0 or sum(stats.counts.values()) != done
             modified |= changed
             if not changed:
                 break
@@ -129,8 +127,7 @@ class RemoveDeadShapeOp(Pass):
             stats.fire(f"{sum(before.values())} -> {sum(after.values())} nodes")
         return modified
 
-    def _lift_constants(self, graph: ir.Graph, stats: Stats) -> bool:
-        changed = False
+    def _lift_constants(self, graph: ir.Graph, stats: Stats) -> None:
         for node in list(graph):
             if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
                 continue
@@ -140,11 +137,8 @@ class RemoveDeadShapeOp(Pass):
             _replace_with_constant(graph, node.outputs[0], array)
             graph.remove(node, safe=True)
             stats.counts["constants lifted"] += 1
-            changed = True
-        return changed
 
-    def _bypass_noops(self, graph: ir.Graph, stats: Stats) -> bool:
-        changed = False
+    def _bypass_noops(self, graph: ir.Graph, stats: Stats) -> None:
         for node in list(graph):
             if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None:
                 continue
@@ -156,12 +150,9 @@ class RemoveDeadShapeOp(Pass):
             take_over(out, inp)
             graph.remove(node, safe=True)
             stats.counts[f"no-op {node.op_type} bypassed"] += 1
-            changed = True
-        return changed
 
-    def _dedupe_initializers(self, graph: ir.Graph, stats: Stats) -> bool:
+    def _dedupe_initializers(self, graph: ir.Graph, stats: Stats) -> None:
         seen: dict[tuple, ir.Value] = {}
-        changed = False
         for value in list(graph.initializers.values()):
             t = value.const_value
             if t is None or t.size > SMALL_CONST or is_external(t) or value.is_graph_input() or value.is_graph_output():
@@ -171,13 +162,10 @@ class RemoveDeadShapeOp(Pass):
                 value.replace_all_uses_with(seen[key])
                 graph.initializers.pop(value.name)
                 stats.counts["duplicate constants merged"] += 1
-                changed = True
             else:
                 seen[key] = value
-        return changed
 
-    def _fold(self, graph: ir.Graph, stats: Stats) -> bool:
-        changed = False
+    def _fold(self, graph: ir.Graph, stats: Stats) -> None:
         for node in list(graph):
             if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or node.outputs[0].is_graph_output():
                 continue
@@ -190,12 +178,9 @@ class RemoveDeadShapeOp(Pass):
             _replace_with_constant(graph, node.outputs[0], np.asarray(array))
             graph.remove(node, safe=True)
             stats.counts[f"folded {node.op_type}"] += 1
-            changed = True
-        return changed
 
-    def _merge_duplicates(self, graph: ir.Graph, stats: Stats) -> bool:
+    def _merge_duplicates(self, graph: ir.Graph, stats: Stats) -> None:
         seen: dict[tuple, ir.Node] = {}
-        changed = False
         for node in list(graph):
             if node.op_type not in CSE_OPS or node.domain not in ("", "ai.onnx"):
                 continue
@@ -213,20 +198,14 @@ class RemoveDeadShapeOp(Pass):
                 old.replace_all_uses_with(new)
             graph.remove(node, safe=True)
             stats.counts[f"duplicate {node.op_type} merged"] += 1
-            changed = True
-        return changed
 
 
 def _replace_with_constant(graph: ir.Graph, value: ir.Value, array: np.ndarray) -> None:
     name = value.name or "const"
     value.name = None
-    name = unique_name(graph, name)
     if value.dtype is not None and array.dtype != value.dtype.numpy() and value.dtype != ir.DataType.BFLOAT16:
         array = array.astype(value.dtype.numpy())
-    tensor = ir.tensor(array, name=name)
-    new = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(new)
-    value.replace_all_uses_with(new)
+    value.replace_all_uses_with(initializer(graph, name, array))
 
 
 def _evaluate(node: ir.Node) -> np.ndarray | None:
@@ -257,18 +236,12 @@ def _evaluate(node: ir.Node) -> np.ndarray | None:
     fn = FOLD.get(node.op_type)
     if fn is None:
         return None
-    args = []
-    for v in node.inputs:
-        if v is None:
-            args.append(None)
-            continue
-        # Integer/bool tensors are shape data; float constants beyond a handful are weights.
-        a = const(v, max_size=SMALL_CONST if v.dtype in _INT_TYPES else _SMALL_FLOAT)
-        if a is None:
-            return None
-        args.append(a)
-    while args and args[-1] is None:
-        args.pop()
+    inputs = list(node.inputs)
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    # Integer/bool tensors are shape data; float constants beyond a handful are weights.
+    args = [None if v is None else const(v, max_size=SMALL_CONST if v.dtype in _INT_TYPES else _SMALL_FLOAT)
+            for v in inputs]
     if any(a is None for a in args):
         return None
     return np.asarray(fn(node, *args))
@@ -285,10 +258,8 @@ def _is_noop(node: ir.Node) -> bool:
         perm = attr(node, "perm")
         return perm is not None and list(perm) == list(range(len(perm)))
     if op == "Slice":
-        starts, ends = const(node.inputs[1]), const(node.inputs[2])
-        axes = const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-        steps = const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-        if starts is None or ends is None or (len(node.inputs) > 3 and node.inputs[3] is not None and axes is None):
+        starts, ends, axes, steps = (const(input_at(node, i)) for i in range(1, 5))
+        if starts is None or ends is None or (input_at(node, 3) is not None and axes is None):
             return False
         if steps is not None and not np.all(steps == 1):
             return False

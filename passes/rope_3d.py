@@ -10,7 +10,7 @@ import onnx_ir as ir
 from fuselm import contract
 
 from .attention_3d import _merges_heads, _split_heads, value_ranks
-from .base import Fusion, attach_functions, attr, const, fail, only_user, producer, static_shape, take_over
+from .base import Fusion, attr, const, fail, only_user, producer, static_shape, take_over
 
 
 @dataclass
@@ -36,6 +36,7 @@ class RoPETo3D(Fusion):
 
     aliases = ("rope-3d", "rope-to-3d")
     needs_opset = None
+    functions = True
 
     def anchors(self, graph: ir.Graph) -> Iterable[ir.Node]:
         return [n for n in graph if n.domain == contract.DOMAIN and n.op_type == contract.ROPE_OP
@@ -43,10 +44,7 @@ class RoPETo3D(Fusion):
 
     def apply(self, model: ir.Model, stats) -> bool:
         self._ranks = value_ranks(model.graph)  # (dropped after the run: Pass.__call__)
-        modified = super().apply(model, stats)
-        if modified:
-            attach_functions(model)
-        return modified
+        return super().apply(model, stats)
 
     def match(self, rope: ir.Node) -> Match:
         x = rope.inputs[0]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx_ir as ir
@@ -45,7 +45,7 @@ from fuselm.genai_config import NAME as GENAI_NAME
 from fuselm.modeldir import atomic_output_dir, copy_tokenizer_files, write_meta
 
 from . import graphio
-from .base import attach_functions, layer_of_name, node_layer
+from .base import attach_functions, attr, layer_of_name, node_layer
 
 SPLIT_NAME = contract.SPLIT_NAME
 
@@ -208,11 +208,8 @@ class Graph:
                 raise FuselmError(f"layer {pair[0]} reads {what} of layer {pair[1]}, which the stage of layers "
                                   f"{r.start}-{r.stop - 1} does not hold; a source and its readers go in one stage: "
                                   "choose other --layers")
-        stages = []
-        for k, r in enumerate(ranges):
-            st = self.stage(r.start, r.stop, k == 0, k == len(ranges) - 1)
-            stages.append(Stage(k, r, st.first, st.last, st.nodes, st.initializers, st.crossing,
-                                st.shape_rewrites, st.bytes))
+        stages = [replace(self.stage(r.start, r.stop, k == 0, k == len(ranges) - 1), index=k)
+                  for k, r in enumerate(ranges)]
         for prev, st in zip(stages, stages[1:], strict=False):
             if self._producer(self._value(st.crossing)) not in prev.nodes:
                 raise FuselmError(f"stage {st.index} reads {st.crossing} from a stage before stage {prev.index}; "
@@ -312,10 +309,7 @@ def build_stage(onnx_path: Path, st: Stage, next_crossing: str | None, width: in
     for i, target in st.shape_rewrites.items():
         node = nodes[i]
         if target == contract.HIDDEN:  # Shape(input_ids) -> the [batch, sequence] dims of the hidden state
-            start = node.attributes.get("start")
-            end = node.attributes.get("end")
-            s = start.as_int() if start is not None else 0
-            e = end.as_int() if end is not None else 2
+            s, e = attr(node, "start", 0), attr(node, "end", 2)
             s, e = (s + 2 if s < 0 else s), (e + 2 if e < 0 else min(e, 2))
             node.replace_input_with(0, hidden)
             node.attributes["start"] = ir.AttrInt64("start", s)
