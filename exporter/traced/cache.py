@@ -69,11 +69,6 @@ class Traced:
     concats: dict = field(default_factory=dict)  # parameter -> the stored tensors concatenated into it (converters.py)
     carried: list = field(default_factory=list)  # per decoder layer: the layer whose other output it is handed, or None
 
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(kv heads, key width, value width) of the first layer that attends (fuselm.json's dims)."""
-        return next((k for k in map(kv_shape, self.templates) if any(k)), (0, 0, 0))
-
 
 def kv_shape(t: Template) -> tuple[int, int, int]:
     """(kv heads, key width, value width) of a layer template's cache inputs; zeros for a layer without (a
