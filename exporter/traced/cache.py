@@ -23,6 +23,7 @@ same architecture) costs only its weights.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -166,10 +167,6 @@ def _write(path: Path, t: Template) -> None:
 def _read(path: Path, params: dict[str, str]) -> Template:
     g = onnx.GraphProto()
     g.ParseFromString(path.read_bytes())
-    constants = {}
-    for c in g.initializer:
-        proto = onnx.TensorProto()
-        proto.CopyFrom(c)
-        constants[c.name] = proto
+    constants = {c.name: copy.deepcopy(c) for c in g.initializer}
     del g.initializer[:]
     return Template(g, dict(params), constants)
