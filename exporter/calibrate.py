@@ -14,8 +14,7 @@ Per quantized weight (HF names; a tied head under the embedding's name):
 A tied table is also the input embedding, whose rows enter the residual stream: its error costs there too.
 With a backward pass (always, for a tied table's Hessian) the input use is measured as the mean square
 loss gradient per hidden dimension at a looked-up row (`embedding`); the table's Hessian becomes the head's
-Fisher E[|g|² h hᵀ] (g the logits' gradient) plus that diagonal (the gradients' correlations, from a few
-thousand tokens, misled GPTQ: it moved the error where they were small, and the input use lost more), and
+Fisher E[|g|² h hᵀ] (g the logits' gradient) plus that diagonal (not the gradients' correlations), and
 `allocate` adds the input use's cost ½ Σ_d e_d mean_v (E - Q(E))²_vd.
 """
 
@@ -31,7 +30,7 @@ import numpy as np
 from fuselm import text as text_mod
 from fuselm.errors import FuselmError
 
-from .quant import Precision, Recipe, quantize
+from .quant import Precision, Recipe, dequantize, quantize
 
 CALIB_TOKENS = 2048  # for GPTQ's E[x xᵀ] and the gradients of mixed precision
 IMPORTANCE_TOKENS = 256  # for the mean squares alone (the default 4-bit convert's): they settle in a few hundred
@@ -221,7 +220,7 @@ def allocate(cal: dict, budget: float, method: str, default: Precision) -> dict[
                 # each tensor's blocks as its method picks their ranges (a tied table's gptq: min/max, quant.Plan)
                 search = "rtn" if method == "rtn" or (method == "gptq" and name in emb) else "mse"
                 q, s, z = quantize(w, p.bits, block, axis=1, method=search, importance=imp.get(name))
-                dq = _dequantized(q, s, z, block)
+                dq = dequantize(q, s, z, block, axis=1)
                 err2 = np.square(dq - w)
                 loss = 0.5 * float((grads[name][:, None] * err2 * imp[name][None]).sum())
                 if name in emb:  # a tied table's input use: any row may be looked up, each costs as the average one
@@ -289,13 +288,6 @@ def _slope(a, b) -> float:
 
 def _gain(row, i) -> float:
     return _slope(row[i], row[i + 1])
-
-
-def _dequantized(q, s, z, block) -> np.ndarray:
-    n = q.shape[1]
-    scale = np.repeat(s, block, axis=1)[:, :n]
-    zero = np.repeat(z.astype(np.float32), block, axis=1)[:, :n]
-    return (q.astype(np.float32) - zero) * scale
 
 
 def recipe(hf_dir: Path, method: str, text: str | None, budget: float | None, default: Precision,

@@ -12,6 +12,7 @@ temporary directory that is renamed to OUT only at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -215,33 +216,25 @@ def special_tokens(hf_dir: Path, config: dict) -> dict:
     return {k: gen[k] if gen.get(k) is not None else config.get(k) for k in keys}
 
 
-class _progress:
+@contextlib.contextmanager
+def _progress(quiet: bool, layers: int):
     """A rich progress bar that advances per decoder layer (and once for embedding + head)."""
+    if quiet:
+        yield lambda job: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def __init__(self, quiet: bool, layers: int):
-        self.quiet, self.layers = quiet, layers
-
-    def __enter__(self):
-        if self.quiet:
-            return lambda job: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), transient=True)
-        self.bar.start()
-        self.task = self.bar.add_task("embedding", total=self.layers)
-        self.last = None
+    with Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task, last = bar.add_task("embedding", total=layers), [None]
 
         def advance(job):
-            if job.layer is not None and job.layer != self.last:
-                if self.last is not None:
-                    self.bar.advance(self.task)
-                self.last = job.layer
-                self.bar.update(self.task, description=f"layer {job.layer}" if job.layer is not None else "lm_head")
-        return advance
-
-    def __exit__(self, *exc):
-        if not self.quiet:
-            self.bar.update(self.task, completed=self.layers)
-            self.bar.stop()
-        return False
+            if job.layer is not None and job.layer != last[0]:
+                if last[0] is not None:
+                    bar.advance(task)
+                last[0] = job.layer
+                bar.update(task, description=f"layer {job.layer}")
+        try:
+            yield advance
+        finally:
+            bar.update(task, completed=layers)

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from fuselm.errors import FuselmError
@@ -71,10 +72,7 @@ def source_info(gguf: Path, digest: str) -> dict:
         reader = GGUFReader(str(gguf))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: the reader raises several types
         raise FuselmError(f"{gguf} is not a readable GGUF file ({type(e).__name__}: {e}); download it again") from None
-    kinds: dict[str, int] = {}
-    for t in reader.tensors:
-        name = GGMLQuantizationType(t.tensor_type).name
-        kinds[name] = kinds.get(name, 0) + 1
+    kinds = dict(Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors))
     field = reader.fields.get("general.file_type")
     file_type = None
     if field is not None:

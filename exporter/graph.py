@@ -101,11 +101,10 @@ class Builder:
         initializers = list(self.constants.values()) + [o.proto for j in self.jobs for o in j.outputs]
         graph = oh.make_graph(self.nodes, "fuselm", self.inputs, self.outputs, initializer=initializers,
                               value_info=self.value_info)
-        model = oh.make_model(graph, ir_version=11, producer_name="fuselm", doc_string=doc,
-                              opset_imports=[oh.make_opsetid("", contract.OPSET),
-                                             oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)],
-                              functions=functions)
-        return model
+        return oh.make_model(graph, ir_version=11, producer_name="fuselm", doc_string=doc,
+                             opset_imports=[oh.make_opsetid("", contract.OPSET),
+                                            oh.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION)],
+                             functions=functions)
 
 
 @dataclass
@@ -162,9 +161,7 @@ class Layer:
         """
         b, d, s = self.b, self.d, f"{self.scope}/attn"
         perm = [0, 2, 1, 3]
-        q = b.op("Transpose", q, name=f"{s}/q/Transpose", perm=perm)
-        k = b.op("Transpose", k, name=f"{s}/k/Transpose", perm=perm)
-        v = b.op("Transpose", v, name=f"{s}/v/Transpose", perm=perm)
+        q, k, v = (b.op("Transpose", x, name=f"{s}/{n}/Transpose", perm=perm) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         present = []
         for kind, new in (("key", k), ("value", v)):
             past = contract.past_name(self.i, kind)

@@ -203,7 +203,7 @@ def _packed_transpose(v: np.ndarray) -> Packed | np.ndarray:
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, block: int, axis: int = 0) -> np.ndarray:
-    """Inverse of `quantize` (for references and tests)."""
+    """Inverse of `quantize`."""
     n = q.shape[axis]
     s = np.repeat(scale, block, axis=axis).take(range(n), axis=axis)
     z = np.repeat(zp.astype(np.float32), block, axis=axis).take(range(n), axis=axis)
@@ -375,11 +375,9 @@ class Plan:
 
 def precisions(quant: str, block_size: int, lm_head: str | None, embed: str | None,
                tied: bool = False, method: str = "rtn") -> tuple[Precision, Precision, Precision]:
-    """(linear, embed, lm_head) precisions from the CLI flags, with the documented defaults
-    (chosen by bench/head_formats.py; README "Defaults"): the lm_head q8 when quantizing, else as --quant;
-    the embedding of a
-    tied checkpoint at the head's precision (one stored tensor serves both), of an untied one f16
-    when quantizing, else as --quant."""
+    """(linear, embed, lm_head) precisions from the CLI flags, with the documented defaults (README "Defaults"):
+    the lm_head q8 when quantizing, else as --quant; the embedding of a tied checkpoint at the head's precision
+    (one stored tensor serves both), of an untied one f16 when quantizing, else as --quant."""
     for flag, value in (("--quant", quant), ("--lm-head", lm_head), ("--embed", embed)):
         if value is not None and value not in PRECISIONS:
             raise FuselmError(f"{flag} {value!r} is not a precision; choose one of {', '.join(PRECISIONS)}")

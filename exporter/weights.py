@@ -32,6 +32,8 @@ from .quant import Packed, pack_uint4
 
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ITEM_BITS = {TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16, TensorProto.UINT8: 8, TensorProto.UINT4: 4}
+_NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.UINT8: np.uint8,
+              TensorProto.UINT4: np.uint8}  # uint4 values held one per uint8 until packed
 BLOCK_ELEMENTS = 8 * 1024 * 1024  # rows per read: about 32 MB of float32
 ENCODERS = 2  # threads reading and encoding blocks (the writer thread packs and writes behind them)
 
@@ -329,7 +331,7 @@ def _write_block(fd: int, proto: TensorProto, arr, start: int, whole: bool, tran
     if isinstance(arr, Packed):
         arr, encode = arr.data, _raw
     else:
-        arr, encode = np.ascontiguousarray(arr, dtype=_np_dtype(proto.data_type)), lambda a: _encode(a, bits)
+        arr, encode = np.ascontiguousarray(arr, dtype=_NP_DTYPES[proto.data_type]), pack_uint4 if bits == 4 else _raw
     if whole:
         _pwrite(fd, encode(arr), offset)
     elif not transposed:
@@ -338,10 +340,6 @@ def _write_block(fd: int, proto: TensorProto, arr, start: int, whole: bool, tran
         n_cols = proto.dims[1]
         for r in range(arr.shape[0]):  # one strided segment per output row
             _pwrite(fd, encode(arr[r]), offset + (r * n_cols + start) * bits // 8)
-
-
-def _encode(arr: np.ndarray, bits: int):
-    return pack_uint4(arr) if bits == 4 else _raw(arr)
 
 
 def _raw(arr: np.ndarray):
@@ -353,11 +351,6 @@ def _pwrite(fd: int, data, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _np_dtype(onnx_type: int):
-    return {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16,
-            TensorProto.UINT8: np.uint8, TensorProto.UINT4: np.uint8}[onnx_type]
 
 
 def _nbytes(proto: TensorProto) -> int:

@@ -42,9 +42,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 def _(q, k, v, mask, past_key, past_value, scale, softcap):
     b, h, s, _ = q.shape
     t = past_key.shape[2] + k.shape[2]
-    present_k = k.new_empty(b, k.shape[1], t, k.shape[3])
-    present_v = v.new_empty(b, v.shape[1], t, v.shape[3])
-    return q.new_empty(b, h, s, v.shape[3]), present_k, present_v
+    return (q.new_empty(b, h, s, v.shape[3]), k.new_empty(b, k.shape[1], t, k.shape[3]),
+            v.new_empty(b, v.shape[1], t, v.shape[3]))
 
 
 @torch.library.custom_op("fuselm_trace::attention_kv", mutates_args=())
@@ -65,16 +64,19 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                      scale: float, heads: int, nope: int, v_dim: int) -> torch.Tensor:
     """fuselm::LatentAttention (fuselm/contract.py): q [B,H,S,n+R], latent [B,1,T,r], k_rot [B,1,T,R], weight
     [r, H(n+v)] -> y [B,H,S,v]."""
-    b, _, t, _ = latent.shape
-    kv = (latent[:, 0] @ weight).view(b, t, heads, nope + v_dim).transpose(1, 2)
-    k_nope, v = kv.split([nope, v_dim], dim=-1)
-    k = torch.cat((k_nope, k_rot.expand(-1, heads, -1, -1)), dim=-1)
-    return attention_kv(q, k, v, mask, scale, 0.0)
+    return attention_kv(q, *_expanded(latent, k_rot, weight, heads, nope, v_dim), mask, scale, 0.0)
 
 
 @latent_attention.register_fake
 def _(q, latent, k_rot, weight, mask, scale, heads, nope, v_dim):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_dim)
+
+
+def _expanded(latent, k_rot, weight, heads: int, nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) [B,H,T,n+R] / [B,H,T,v] of LatentAttention from latent [B,1,T,r], k_rot [B,1,T,R], weight [r, H(n+v)]."""
+    b, _, t, _ = latent.shape
+    k_nope, v = (latent[:, 0] @ weight).view(b, t, heads, nope + v_dim).transpose(1, 2).split([nope, v_dim], dim=-1)
+    return torch.cat((k_nope, k_rot.expand(-1, heads, -1, -1)), dim=-1), v
 
 
 def latent_expansion(layer: torch.nn.Module, key, value, latent, k_rot) -> tuple[torch.nn.Module, int, int, int] | None:
@@ -90,10 +92,7 @@ def latent_expansion(layer: torch.nn.Module, key, value, latent, k_rot) -> tuple
     if nope <= 0 or getattr(seen[0], "bias", None) is not None or w.shape != (heads * (nope + v_dim), latent.shape[-1]):
         return None
     with torch.no_grad():
-        b, _, t, _ = latent.shape
-        kv = (latent[:, 0] @ w.t()).view(b, t, heads, nope + v_dim).transpose(1, 2)
-        k_nope, v = kv.split([nope, v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(-1, heads, -1, -1)), dim=-1)
+        k, v = _expanded(latent, k_rot, w.t(), heads, nope, v_dim)
     if k.shape == key.shape and v.shape == value.shape and torch.allclose(k, key, atol=1e-5) and \
             torch.allclose(v, value, atol=1e-5):
         return seen[0], heads, nope, v_dim
@@ -195,13 +194,12 @@ def fuselm_attention(module, query, key, value, attention_mask, scaling=None, dr
         weight, heads, nope, v_dim = ctx.latent
         y = torch.ops.fuselm_trace.latent_attention(query, *ctx.present, weight.t(), attention_mask, scale, heads,
                                                     nope, v_dim)
-        return y.transpose(1, 2).contiguous(), None
-    if ctx.present is not None:  # the layer updated its own cache (TraceCache): key/value are whole
+    elif ctx.present is not None:  # the layer updated its own cache (TraceCache): key/value are whole
         y = torch.ops.fuselm_trace.attention_kv(query, key, value, attention_mask, scale, softcap)
-        return y.transpose(1, 2).contiguous(), None
-    y, present_k, present_v = torch.ops.fuselm_trace.attention(query, key, value, attention_mask, *ctx.past,
-                                                                scale, softcap)
-    ctx.present = (present_k, present_v)
+    else:
+        y, present_k, present_v = torch.ops.fuselm_trace.attention(query, key, value, attention_mask, *ctx.past,
+                                                                    scale, softcap)
+        ctx.present = (present_k, present_v)
     return y.transpose(1, 2).contiguous(), None
 
 
@@ -211,54 +209,6 @@ def selected_mask(mask: torch.Tensor, selected: torch.Tensor, dtype) -> torch.Te
     b, s, _ = selected.shape
     outside = torch.ones(b, s, mask.shape[-1], dtype=torch.bool).scatter(-1, selected.long(), False).unsqueeze(1)
     return mask.masked_fill(outside, torch.finfo(dtype).min)
-
-
-def index_update(keys: torch.Tensor) -> torch.Tensor:
-    """A sparse-attention layer's indexer keys [B,S,D] appended to its past [B,1,P,D] (the layer's `.index` cache);
-    the whole [B,T,D] back, as transformers' `update_indexer` returns it."""
-    ctx = CONTEXT
-    if ctx.index_present is not None:
-        raise FuselmError("a decoder layer updated its indexer keys twice; not supported by the traced exporter")
-    past = ctx.index_past
-    if past is None or isinstance(past, str):
-        past = keys[:, None, :0]
-    ctx.index_present = torch.cat((past, keys[:, None]), dim=2)
-    return ctx.index_present[:, 0]
-
-
-def mask_sizes(q_length: int, *args, **kwargs) -> tuple:
-    """transformers' `get_mask_sizes` while a layer is traced: the keys its mask covers (the whole cache, from 0)."""
-    mask = CONTEXT.mask
-    return (q_length if mask is None else mask.shape[-1]), 0
-
-
-def query_offset(*args, **kwargs):
-    """transformers' `get_query_offset` while a layer is traced: the position of its first query (the cache index of
-    its first new row under plain feeds; right under a static-shape past too, as LengthCache's length)."""
-    return CONTEXT.positions[0, 0]
-
-
-class TraceCache:
-    """The cache a layer that computes attention itself (Falcon) gets while traced: `update` appends
-    the new keys/values to the layer's past input and keeps the result as the layer's present; the mask's sizes and
-    the first query's position as LengthCache gives them."""
-
-    def update(self, key, value, *args, **kwargs):
-        ctx = CONTEXT
-        if ctx.present is not None:
-            raise FuselmError("a decoder layer updated its cache twice; not supported by the traced exporter")
-        if ctx.past == "empty":
-            ctx.past = (key[:, :, :0], value[:, :, :0])
-        ctx.present = (torch.cat((ctx.past[0], key), dim=2), torch.cat((ctx.past[1], value), dim=2))
-        return ctx.present
-
-    def update_indexer(self, keys, *args, **kwargs):
-        return index_update(keys)
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
-
-    get_mask_sizes, get_query_offset = staticmethod(mask_sizes), staticmethod(query_offset)
 
 
 class LengthCache:
@@ -272,12 +222,47 @@ class LengthCache:
         return key, value
 
     def update_indexer(self, keys, *args, **kwargs):
-        return index_update(keys)
+        """A sparse-attention layer's indexer keys [B,S,D] appended to its past [B,1,P,D] (the layer's `.index`
+        cache); the whole [B,T,D] back, as transformers' `update_indexer` returns it."""
+        ctx = CONTEXT
+        if ctx.index_present is not None:
+            raise FuselmError("a decoder layer updated its indexer keys twice; not supported by the traced exporter")
+        past = ctx.index_past
+        if past is None or isinstance(past, str):
+            past = keys[:, None, :0]
+        ctx.index_present = torch.cat((past, keys[:, None]), dim=2)
+        return ctx.index_present[:, 0]
 
     def get_seq_length(self, *args, **kwargs):
         return CONTEXT.positions[0, 0]
 
-    get_mask_sizes, get_query_offset = staticmethod(mask_sizes), staticmethod(query_offset)
+    def get_mask_sizes(self, q_length: int, *args, **kwargs) -> tuple:
+        """The keys the layer's mask covers (the whole cache, from 0)."""
+        mask = CONTEXT.mask
+        return (q_length if mask is None else mask.shape[-1]), 0
+
+    def get_query_offset(self, *args, **kwargs):
+        """The position of the first query: the cache index of its first new row under plain feeds, and under a
+        static-shape past too."""
+        return CONTEXT.positions[0, 0]
+
+
+class TraceCache(LengthCache):
+    """The cache a layer that computes attention itself (Falcon) gets while traced: `update` appends
+    the new keys/values to the layer's past input and keeps the result as the layer's present; the indexer keys, the
+    mask's sizes and the first query's position as LengthCache gives them."""
+
+    def update(self, key, value, *args, **kwargs):
+        ctx = CONTEXT
+        if ctx.present is not None:
+            raise FuselmError("a decoder layer updated its cache twice; not supported by the traced exporter")
+        if ctx.past == "empty":
+            ctx.past = (key[:, :, :0], value[:, :, :0])
+        ctx.present = (torch.cat((ctx.past[0], key), dim=2), torch.cat((ctx.past[1], value), dim=2))
+        return ctx.present
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0 if CONTEXT.past == "empty" else CONTEXT.past[0].shape[2]
 
 
 class LatentProbe:

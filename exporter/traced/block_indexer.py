@@ -15,6 +15,7 @@ the step's positions, the indexer's keys through the layer's cache (`update_inde
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import types
 
@@ -108,8 +109,7 @@ def verify(model: torch.nn.Module, config, model_type: str) -> None:
     """transformers' `_select_tokens` of the model's first block indexer against `select`, on random queries and keys
     (several tokens of a prompt, then one), with blocks rotated by the model's own cos/sin; refuses the family if they
     select other keys."""
-    found = next((m.indexer for m in model.modules() if hasattr(type(getattr(m, "indexer", None)), "_select_tokens")),
-                 None)
+    found = next((m.indexer for m in _indexed(model)), None)
     if found is None:
         return
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def verify(model: torch.nn.Module, config, model_type: str) -> None:
             mask = torch.where(torch.arange(t)[None] <= torch.arange(t - s, t)[:, None], 0.0, float("-inf"))
             mask = mask[None, None].expand(2, 1, -1, -1)
             want = ix._select_tokens(torch.zeros(2, s, 1), q, keys, cos, sin, mask)
-            apply = _rotary(type(found))
+            apply = importlib.import_module(type(found).__module__).apply_rotary_pos_emb
 
             def rotate(blocks, starts, cos=cos, sin=sin, apply=apply):
                 return apply(blocks[:, :, None], cos=cos[:, starts], sin=sin[:, starts], unsqueeze_dim=2)[:, :, 0]
@@ -135,10 +135,4 @@ def verify(model: torch.nn.Module, config, model_type: str) -> None:
                 raise FuselmError(f"model_type {model_type!r}: its {type(found).__name__} selects other keys than "
                                   "fuselm's vectorized block selection (checked on random inputs); not supported by the "
                                   "traced exporter")
-
-
-def _rotary(indexer_class: type):
-    import importlib
-
-    return importlib.import_module(indexer_class.__module__).apply_rotary_pos_emb
 

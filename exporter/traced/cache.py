@@ -23,6 +23,7 @@ same architecture) costs only its weights.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -68,11 +69,6 @@ class Traced:
     views: dict = field(default_factory=dict)  # tensors transformers converts as it loads them (Checkpoint.convert)
     concats: dict = field(default_factory=dict)  # parameter -> the stored tensors concatenated into it (converters.py)
     carried: list = field(default_factory=list)  # per decoder layer: the layer whose other output it is handed, or None
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(kv heads, key width, value width) of the first layer that attends (fuselm.json's dims)."""
-        return next((k for k in map(kv_shape, self.templates) if any(k)), (0, 0, 0))
 
 
 def kv_shape(t: Template) -> tuple[int, int, int]:
@@ -171,10 +167,6 @@ def _write(path: Path, t: Template) -> None:
 def _read(path: Path, params: dict[str, str]) -> Template:
     g = onnx.GraphProto()
     g.ParseFromString(path.read_bytes())
-    constants = {}
-    for c in g.initializer:
-        proto = onnx.TensorProto()
-        proto.CopyFrom(c)
-        constants[c.name] = proto
+    constants = {c.name: copy.deepcopy(c) for c in g.initializer}
     del g.initializer[:]
     return Template(g, dict(params), constants)

@@ -30,6 +30,7 @@ of experts, whatever their number).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -379,18 +380,17 @@ def _checked(block: Block, model_type: str) -> Block:
     gen = torch.Generator().manual_seed(0)
     n_exp, hidden = block.num_experts, block.hidden
     block.bias_at = block.bias_at or _selection_bias(block)
-    owner, pname = block.weight_at
     stand_in = torch.randn(n_exp, hidden, generator=gen)
     x2 = torch.cat([torch.randn(7, hidden, generator=gen), _near_ties(stand_in, gen)])
-    stand_ins = [_swapped(owner, **{pname: stand_in})]
+    # the router's weight, its bias and the selection bias (random: the check sees whether it steers the choice)
+    swaps = [(block.weight_at, stand_in)]
     if block.router_bias_at is not None:
-        stand_ins.append(_swapped(block.router_bias_at[0], **{block.router_bias_at[1]: torch.randn(n_exp, generator=gen)}))
+        swaps.append((block.router_bias_at, torch.randn(n_exp, generator=gen)))
+    if block.bias_at is not None:
+        swaps.append((block.bias_at, torch.rand(getattr(*block.bias_at).shape, generator=gen)))
     with contextlib.ExitStack() as stack, torch.no_grad():
-        for cm in stand_ins:
-            stack.enter_context(cm)
-        if block.bias_at is not None:
-            shape = getattr(*block.bias_at).shape
-            stack.enter_context(_tensor_swapped(block.bias_at, torch.rand(shape, generator=gen)))
+        for (module, name), value in swaps:
+            stack.enter_context(_swapped(module, **{name: value}))
         router = block.router
         # [tokens, hidden], or [1, tokens, hidden] for a router that unpacks (batch, seq, hidden) (AFMoE); the
         # block's selection bias as an argument where the router takes it (MiniMax-M2, AFMoE)
@@ -538,32 +538,17 @@ def _selection_bias(block: Block) -> tuple[nn.Module, str] | None:
 
 
 @contextlib.contextmanager
-def _tensor_swapped(at: tuple[nn.Module, str], value: torch.Tensor):
-    """A buffer or parameter replaced by `value` (random: the check sees whether it steers the choice), put
-    back afterwards."""
-    module, name = at
-    if name in module._parameters:
-        with _swapped(module, **{name: value}):
-            yield
-        return
-    old = module._buffers[name]
-    module._buffers[name] = value
+def _swapped(module: nn.Module, **tensors):
+    """The module with some parameters (or buffers) replaced by real tensors, put back afterwards."""
+    stores = {k: module._parameters if k in module._parameters else module._buffers for k in tensors}
+    old = {k: stores[k][k] for k in tensors}
     try:
-        yield
-    finally:
-        module._buffers[name] = old
-
-
-@contextlib.contextmanager
-def _swapped(module: nn.Module, **params):
-    """The module with some parameters replaced by real tensors, put back afterwards."""
-    old = {k: module._parameters[k] for k in params}
-    try:
-        for k, v in params.items():
-            module._parameters[k] = nn.Parameter(v, requires_grad=False)
+        for k, v in tensors.items():
+            stores[k][k] = nn.Parameter(v, requires_grad=False) if stores[k] is module._parameters else v
         yield module
     finally:
-        module._parameters.update(old)
+        for k, v in old.items():
+            stores[k][k] = v
 
 
 # --- tracing -------------------------------------------------------------------------------------
@@ -621,18 +606,12 @@ def grouped(model: nn.Module) -> list[nn.Module]:
     """Modules whose `router` sorts the tokens into groups by expert for experts that split their input by the
     group sizes (JetMoE's TopKGating and ParallelExperts, in its MLP and its attention): sizes that depend on the
     routing, which torch.export cannot trace. `grouped_installed` computes the same per (token, slot) row."""
-    out = []
-    for m in model.modules():
-        router = getattr(m, "router", None)
-        experts = [c for c in m.children() if _group_experts(c)]
-        if experts and isinstance(getattr(router, "layer", None), nn.Linear) and isinstance(getattr(router, "top_k", None), int):
-            out.append(m)
-    return out
+    return [m for m in model.modules() if any(_group_experts(c) for c in m.children())
+            and isinstance(getattr(getattr(m, "router", None), "layer", None), nn.Linear)
+            and isinstance(getattr(getattr(m, "router", None), "top_k", None), int)]
 
 
 def _group_experts(m: nn.Module) -> bool:
-    import inspect
-
     params = list(inspect.signature(type(m).forward).parameters)[1:]
     weight = getattr(m, "weight", None)
     return params == ["inputs", "expert_size"] and isinstance(weight, nn.Parameter) and weight.dim() == 3
@@ -681,8 +660,6 @@ def looped(model: nn.Module) -> list[nn.Module]:
     """Experts modules that loop over the experts the tokens were routed to, each a GLU of three [E·I, H] weights
     viewed per expert (DBRX's DbrxExperts: w1, v1, w2 and its mlp's activation): a loop over the routing, which
     torch.export cannot trace. `grouped_installed` computes each token's top-k experts from gathered weights."""
-    import inspect
-
     def glu(m):
         mlp = getattr(m, "mlp", None)
         params = list(inspect.signature(type(m).forward).parameters)[1:]
@@ -886,10 +863,9 @@ def stack_experts(ckpt: Checkpoint, skel, blocks: list[Block], dense: list[nn.Mo
                for b in blocks]
     entries += [(d, {n: Layout() for n, p in d.named_parameters(recurse=False) if p.dim() == 3}) for d in dense]
     for module, relayout in entries:
-        for attr in relayout:
+        for attr, layout in relayout.items():
             param = getattr(module, attr)
             name, shape = names[id(param)], tuple(param.shape)
-            layout = relayout[attr]
             if name not in ckpt.tensors and f"{name}_blocks" in ckpt.tensors:
                 raise FuselmError(f"checkpoint {ckpt.dir}: its experts are MXFP4-quantized ({name}_blocks / _scales, "
                                   "gpt-oss's released format); fuselm reads float experts: convert a bf16 copy, or "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import re
 from collections import UserDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from torch import nn
 from fuselm import contract
 from fuselm.errors import FuselmError
 
+from . import block_indexer, moe, state_ops
+from .attention_op import NAME, register
 from .rope_op import RopeSpec, rope_layouts
 
 # Module class names (substrings) of what the exporter refuses, found in the built model (a config's
@@ -90,13 +93,9 @@ def placeholders(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]
             if p is not None and p.device.type == "meta":
                 undo.append((m, name, p))
                 m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
-    # tied parameters must stay one object
     by_id = {}
-    for m, name, p in undo:
-        if id(p) in by_id:
-            m._parameters[name] = by_id[id(p)]
-        else:
-            by_id[id(p)] = m._parameters[name]
+    for m, name, p in undo:  # tied parameters must stay one object
+        m._parameters[name] = by_id.setdefault(id(p), m._parameters[name])
     return undo
 
 
@@ -156,8 +155,6 @@ class Skeleton:
     def __init__(self, hf_dir: Path, config_dict: dict):
         from transformers import AutoConfig
 
-        from .attention_op import NAME, register
-
         self.hf_dir, self.raw = hf_dir, config_dict
         self.model_type = config_dict.get("model_type")
         if config_dict.get("auto_map"):
@@ -193,8 +190,6 @@ class Skeleton:
             raise FuselmError(f"model_type {self.model_type!r} is not supported: transformers' {type(model).__name__} "
                               "keeps no key/value cache (its forward takes none, and its causal mask is cut for the "
                               "whole sequence at once); fuselm graphs decode one step at a time from a cache")
-        from . import moe
-
         scaled = moe.scaled_input(model)  # experts on inputs scaled by the router's scores: from gathered weights
         self.moe_blocks = moe.find_blocks(model, self.model_type, skip=scaled)
         self.dense_experts = dense = moe.dense_experts(model, self.moe_blocks)
@@ -209,8 +204,6 @@ class Skeleton:
         dense += moe.shared_experts(model)  # stacked shared experts run on every token: plain nodes, as written
         inside_moe = moe.covered(model, self.moe_blocks) | {id(m) for d in dense for m in d.modules()}
         modeling = importlib.import_module(type(model).__module__)
-        from . import state_ops
-
         family = type(model).__name__.removesuffix("ForCausalLM")  # (GraniteMoeHybrid: a name, not its experts)
         for name, module in model.named_modules():
             kind = type(module).__name__.removeprefix(family).lower()
@@ -248,8 +241,6 @@ class Skeleton:
         heads = _setting(config, "num_attention_heads")
         self.head_dim = _setting(config, "head_dim") or (config.hidden_size // heads if heads else None)
         self.modeling = importlib.import_module(type(self.layers[0]).__module__)
-        from . import block_indexer
-
         block_indexer.verify(self.model, config, self.model_type)
         state_ops.verify(self.modeling, self.model_type, config)
 
@@ -328,8 +319,6 @@ class Skeleton:
         one (its Transpose, Chunk, Split: Ergo's router kept [H, E], a fused qkv kept whole), as Checkpoint.convert's
         views; and, as "source -> target: operations", the others that apply to `stored` and that fuselm does not
         (expert stacking aside: moe.stack_experts)."""
-        import re
-
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import Chunk, Split, Transpose, WeightConverter
 
@@ -376,10 +365,7 @@ class Skeleton:
     def aliases(self) -> dict[str, str]:
         """Parameter name -> the name it is stored under (a tied lm_head.weight -> the embedding's)."""
         first: dict[int, str] = {}
-        out = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            out[name] = first.setdefault(id(p), name)
-        return out
+        return {name: first.setdefault(id(p), name) for name, p in self.model.named_parameters(remove_duplicate=False)}
 
     def embed_name(self) -> str:
         """The input embedding's weight (`get_input_embeddings()`), by its stored name."""
@@ -686,10 +672,8 @@ class Skeleton:
         head_dim = self.head_dim
         per_layer = _setting(self.config, "per_layer_config")  # Gemma 4: head_dim per layer type
         if layer_type and per_layer is not None:
-            try:
+            with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
                 head_dim = per_layer[layer_type].head_dim
-            except (KeyError, IndexError, TypeError, AttributeError):
-                pass
         layouts = rope_layouts(self.modeling, first if complex_pe else (cos, sin), positions, inv.float(), float(scaling),
                                head_dim, self.model_type)
         return RopeSpec(inv, scaling, layouts, complex_pe)

@@ -28,7 +28,7 @@ from fuselm.errors import FuselmError
 
 from ..graph import Builder, attention_mask, graph_inputs
 from . import moe
-from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _perm
+from .trace import LAYER_INPUTS, LAYER_OUTPUTS, Template, _attr
 
 
 class Stamper:
@@ -192,12 +192,12 @@ class Stamper:
             self.used.add(name)
             vector = experts = None
             for node in consumers.get(value, []):
-                if node.op_type == "Transpose" and _perm(node) == [1, 0] and len(self.plan.shapes[name]) == 2:
+                if node.op_type == "Transpose" and _attr(node, "perm", None) == [1, 0] and len(self.plan.shapes[name]) == 2:
                     if layer is None and name == self.embed and any(
                             n.op_type == "Gather" and n.input[1] not in names for n in consumers[value]):
                         self.late[(id(t), node.name)] = (name, scope)  # a tied head: declared after its embedding
                         continue
-                    names[node.output[0]] = self._linear(name, node, scope, layer)
+                    names[node.output[0]] = self._linear(name, scope, layer)
                 elif node.op_type == "Gather" and node.input[0] == value and _attr(node, "axis", 0) == 0 and layer is None:
                     other = None if name == self.embed else self._scope(name, scope, layer)  # per-layer embeddings
                     if node.input[1] not in names:  # ids computed in the graph (Gemma 3n clips them): stamped in order
@@ -208,7 +208,7 @@ class Stamper:
                     experts = moe.expert_weight(self.plan, self.b, name, self._scope(name, scope, layer), layer)
                     continue
                 elif _plain_gemm(node, value) and len(self.plan.shapes[name]) == 2:  # a Linear on [tokens, in]
-                    self.as_matmul[(id(t), node.name)] = self._linear(name, node, scope, layer)
+                    self.as_matmul[(id(t), node.name)] = self._linear(name, scope, layer)
                     continue
                 else:
                     continue
@@ -226,19 +226,13 @@ class Stamper:
         rel = name[len(f"{self.prefix}.{layer}."):] if layer is not None else name
         return f"{scope}/{rel.removesuffix('.weight').replace('.', '/')}"
 
-    def _linear(self, name: str, node: onnx.NodeProto, scope: str, layer: int | None) -> str:
+    def _linear(self, name: str, scope: str, layer: int | None) -> str:
         """The plan's [in, out] weight for the Linear weight `name`, declared once (Gemma 3n's AltUp router runs twice)."""
-        if name not in self.linears:
-            self.linears[name] = self._declare_linear(name, scope, layer)
+        if name not in self.linears and layer is None and name == self.head:  # get_output_embeddings(), tied or not
+            self.linears[name] = self.plan.head_weight(self.b, self.embed, None if name == self.embed else name)
+        elif name not in self.linears:  # a layer's Linear, or another one around the layers (a projection in or out)
+            self.linears[name] = self.plan.linear_weight(self.b, name, self._scope(name, scope, layer), layer)
         return self.linears[name]
-
-    def _declare_linear(self, name: str, scope: str, layer: int | None) -> str:
-        if layer is None and name == self.head:  # the model's get_output_embeddings() (tied or not)
-            return self.plan.head_weight(self.b, self.embed, None if name == self.embed else name)
-        if layer is None:  # another Linear around the layers (a projection in or out)
-            return self.plan.linear_weight(self.b, name, f"{scope}/{name.removesuffix('.weight').replace('.', '/')}", None)
-        rel = name[len(f"{self.prefix}.{layer}."):].removesuffix(".weight").replace(".", "/")
-        return self.plan.linear_weight(self.b, name, f"{scope}/{rel}", layer)
 
     def _copy(self, t: Template, node: onnx.NodeProto, names: dict[str, str], scope: str, prefix_values: str,
               fixed: dict[str, str] | None = None) -> None:
@@ -246,7 +240,7 @@ class Stamper:
             return
         if (id(t), node.name) in self.late:
             name, at = self.late[(id(t), node.name)]
-            names[node.output[0]] = self._linear(name, node, at, None)
+            names[node.output[0]] = self._linear(name, at, None)
             return
         if (id(t), node.name) in self.gathers:
             name, other = self.gathers[(id(t), node.name)]
@@ -311,11 +305,6 @@ def _plain_gemm(node: onnx.NodeProto, value: str) -> bool:
     """Gemm(x, W, transB=1) with no bias or scaling: torch's Linear on a 2-D input (MoE shared experts)."""
     return (node.op_type == "Gemm" and list(node.input) == [node.input[0], value] and _attr(node, "transB", 0) == 1
             and not _attr(node, "transA", 0) and _attr(node, "alpha", 1.0) == 1.0)
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    a = next((a for a in node.attribute if a.name == name), None)
-    return oh.get_attribute_value(a) if a is not None else default
 
 
 # where a walk forward from a rotary's output stops: attention reads it (q, k, v inputs), or it only selects keys

@@ -376,18 +376,12 @@ class Installed:
         self.griffin = {c: (method, getattr(c, method), ours) for c, (method, ours) in griffin_classes(module).items()}
 
     def __enter__(self):
+        ours = {"causal_conv1d_forward": _conv_forward, "mamba2_scan_forward": _mamba2_scan,
+                "mamba_scan_forward": _mamba_scan, "mamba_selective_scan": _selective_scan if self.mixers else None}
         for name in self.saved:
-            if name == "causal_conv1d_forward":
-                setattr(self.module, name, _conv_forward)
-            elif name == "mamba2_scan_forward":
-                setattr(self.module, name, _mamba2_scan)
-            elif name == "mamba_scan_forward":
-                setattr(self.module, name, _mamba_scan)
-            elif name == "mamba_selective_scan":
-                if self.mixers:
-                    setattr(self.module, name, _selective_scan)
-            else:
-                setattr(self.module, name, _delta_rule(self.module.l2norm))
+            fn = ours[name] if name in ours else _delta_rule(self.module.l2norm)  # the gated delta rules
+            if fn is not None:
+                setattr(self.module, name, fn)
         for c in self.classes:
             c.forward = _lightning_forward
         for c, forward in self.mixers.items():
@@ -408,7 +402,7 @@ class Installed:
 
 # --- the family's own functions against the references -------------------------------------------------
 class _FakeCache:
-    """The cache methods a family's scan function calls, holding one recurrent state."""
+    """The cache methods a family's scan function or lightning attention calls, holding one recurrent state."""
 
     def __init__(self, state):
         self.state = state
@@ -422,13 +416,6 @@ class _FakeCache:
 
     def get_recurrent_states_to_keep(self, layer_idx):
         return 0
-
-
-class _FakeLinearCache:
-    """The cache methods a lightning attention calls, holding one state (K^T V)."""
-
-    def __init__(self, state):
-        self.state = state
 
     def get_linear_cache(self, layer_idx):
         return self.state
@@ -460,7 +447,7 @@ def _verify_lightning(cls, config, model_type: str, close) -> None:
     with torch.no_grad():
         for seq, s0 in ((6, None), (1, torch.randn(2, 2, 8, 8, generator=gen) * 0.3)):
             x = torch.randn(2, seq, 16, generator=gen)
-            cache = _FakeLinearCache(None if s0 is None else s0.clone())
+            cache = _FakeCache(None if s0 is None else s0.clone())
             want = cls.forward(layer, x, None, None, cache=cache)[0]
             STATE.reset({"recurrent": torch.zeros(2, 2, 8, 8) if s0 is None else s0.transpose(-1, -2)})
             try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import warnings
 from collections import UserDict
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 from torch import nn
 
 from fuselm import contract
@@ -327,7 +329,7 @@ def _latent_check(wrapper: _LayerWrapper, args: tuple):
             m.__dict__.pop("_fuselm_read_latent", None)
 
 
-def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None, carried: dict | None = None) -> Template:
+def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict, carried: dict) -> Template:
     """The ONNX template of decoder layer `plan.index` (its kind's representative). `shared_rows`: share key ->
     the (k, v) rows a layer stored there (filled by the layers that store, read by the ones that reuse); `carried`:
     layer kind -> what it returns beside its hidden state, for one token and for the trace's step (filled by the layers
@@ -347,8 +349,6 @@ def trace_layer(skel: Skeleton, plan: LayerPlan, shared_rows: dict | None = None
                "past_conv": {0: b}, "past_recurrent": {0: b}, "inputs": [{0: b, 1: s} for _ in inputs]}
     installed = rope_op.Installed(skel.modeling, lambda: installed.positions)
     installed.spec = plan.rope
-    shared_rows = {} if shared_rows is None else shared_rows
-    carried = {} if carried is None else carried
     handed = carried.get(plan.carried[2]) if plan.carried else None  # (one token's, the step's)
     if plan.carried and handed is None:  # the layer it reads returns nothing beside its hidden state (None)
         plan.carried = None
@@ -454,16 +454,14 @@ def _side_examples(skel: Skeleton, plan: LayerPlan, batch: int, total: int, b, t
     return [here[k] for k in plan.side], tuple(shapes)
 
 
-def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Template:
+def trace_outer(skel: Skeleton, plans: list[LayerPlan]) -> Template:
     """The model around the layers, layers replaced by `fuselm_trace::Layer` marker nodes (which take the other
     tensors the model computes for each layer). The graph's attention_mask and position_ids go in where the layers
     need what the model computes from them (side inputs; positions outside rotary layers)."""
-    plans = plans or []
     originals = list(skel.layers)
     for i in range(len(originals)):
-        given = [*plans[i].inputs, *plans[i].side] if plans else []
         skel.layers[i] = _MarkedLayer(originals[i], i, skel.returns_tuple, inspect.signature(type(originals[i]).forward),
-                                      given)
+                                      [*plans[i].inputs, *plans[i].side])
     undo = placeholders(skel.model)
     attention_op.register(masks=False)  # the markers take no mask: do not trace the model's mask code
     implementation = skel.config._attn_implementation
@@ -491,8 +489,6 @@ def trace_outer(skel: Skeleton, plans: list[LayerPlan] | None = None) -> Templat
 def _erfinv_translation():
     """erfinv in standard ops (ONNX has Erf, not its inverse): Winitzki's closed form (2e-3), then three Newton steps
     on Erf (float32 exact). Gemma 3n's activation sparsity takes the normal quantile of a constant through it."""
-    import math
-
     from onnxscript import opset23 as op
 
     def erfinv(y):
@@ -572,19 +568,16 @@ def _template(program, prefix: str) -> Template:
     """onnx_ir model -> GraphProto without parameter bytes; parameters by their module-relative names."""
     import onnx_ir as ir
 
-    model = program.model
-    graph = model.graph
+    graph = program.model.graph
     params, constants = {}, {}
     state = set(program.exported_program.state_dict) if program.exported_program is not None else set()
     shapes = {name: list(value.shape) for name, value in graph.initializers.items() if value.shape is not None}
     for name, value in list(graph.initializers.items()):
-        rel = name[len(prefix):] if name.startswith(prefix) else name
         if name in state and isinstance(program.exported_program.state_dict[name], nn.Parameter):
-            params[name] = rel
-            graph.initializers.pop(name)  # the bytes come from the checkpoint, never from here
+            params[name] = name.removeprefix(prefix)  # the bytes come from the checkpoint, never from here
         else:
             constants[name] = ir.serde.serialize_tensor(value.const_value)
-            graph.initializers.pop(name)
+        graph.initializers.pop(name)
     proto = ir.serde.serialize_graph(graph)
     _simplify(proto, shapes)
     return Template(proto, params, constants)
@@ -600,7 +593,7 @@ def _simplify(graph: onnx.GraphProto, shapes: dict[str, list] | None = None) -> 
     for n in graph.node:
         src = producer.get(n.input[0]) if n.op_type == "Transpose" and n.input else None
         if src is not None and src.op_type == "Transpose":
-            p1, p2 = _perm(src), _perm(n)
+            p1, p2 = _attr(src, "perm", None), _attr(n, "perm", None)
             if p1 and p2 and len(p1) == len(p2) and [p1[i] for i in p2] == list(range(len(p1))):
                 replace[n.output[0]] = replace.get(src.input[0], src.input[0])
     graph_outputs = {o.name for o in graph.output}
@@ -621,8 +614,6 @@ def _sequence_to_split(graph: onnx.GraphProto, known: dict[str, list]) -> None:
     """SplitToSequence(x, chunk c, axis) read only by SequenceAt(const i) -> Split(x, [c]*n) with
     outputs i (torch's `chunk` at optimize=False; needs x's axis length static in the trace), and
     SplitToSequence(x, sizes [n], axis) -> Split(x, sizes) (torch's `split` with sizes: MLA's nope / rope parts)."""
-    from onnx import numpy_helper
-
     consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
     shapes = {**known, **{v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
@@ -658,6 +649,6 @@ def _sequence_to_split(graph: onnx.GraphProto, known: dict[str, list]) -> None:
                                              name=u.name))
 
 
-def _perm(node: onnx.NodeProto) -> list[int] | None:
-    a = next((a for a in node.attribute if a.name == "perm"), None)
-    return list(a.ints) if a is not None else None
+def _attr(node: onnx.NodeProto, name: str, default):
+    a = next((a for a in node.attribute if a.name == name), None)
+    return onnx.helper.get_attribute_value(a) if a is not None else default
