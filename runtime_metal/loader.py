@@ -35,6 +35,7 @@ NP_DTYPES = {
     TensorProto.BOOL: np.bool_, TensorProto.UINT4: np.uint8, TensorProto.INT4: np.int8,
 }
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+ONNX_OF_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in _FOUR_BIT}
 
 
 @dataclass

@@ -5,12 +5,9 @@ dequantized per block): slow, for checking the other backends."""
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
 
-from ..loader import NP_DTYPES
+from ..loader import NP_DTYPES, ONNX_OF_NP
 from .base import Backend, QuantizedWeight
-
-_FROM_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in (TensorProto.UINT4, TensorProto.INT4)}
 
 
 def _erf(x):
@@ -57,7 +54,7 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def dtype(self, x):
-        return _FROM_NP[np.asarray(x).dtype]
+        return ONNX_OF_NP[np.asarray(x).dtype]
 
     def cast(self, x, to):
         return np.asarray(x).astype(NP_DTYPES[to])
