@@ -285,16 +285,12 @@ class Pipe:
     @contextlib.contextmanager
     def waiting(self, what: str, peer: int):
         """Work that may wait for `peer`: under the deadline, a broken connection named."""
-        with self.deadline(what), self._lost(peer):
-            yield
-
-    @contextlib.contextmanager
-    def _lost(self, peer: int):
-        try:
-            yield
-        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
-            raise PeerLost(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
-                           "died (its own output says why)") from None
+        with self.deadline(what):
+            try:
+                yield
+            except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+                raise PeerLost(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
+                               "died (its own output says why)") from None
 
     def send_hidden(self, h, stop=None):
         """Send the hidden state on with its stop column (`stop`: a device array, lazily, at decode; a

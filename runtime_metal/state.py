@@ -42,6 +42,8 @@ class RecurrentState:
     def feeds(self) -> dict:
         return dict(self.arrays)
 
+    snapshot = feeds  # (ops never write a state in place: the arrays as they are)
+
     def update(self, outputs: dict) -> None:
         self.arrays = {s.name: outputs[s.present] for s in self.specs}
 
@@ -56,9 +58,6 @@ class RecurrentState:
     def ordered(self, saved: dict) -> list:
         """A snapshot's arrays in `values()` order."""
         return [saved[s.name] for s in self.specs]
-
-    def snapshot(self) -> dict:
-        return dict(self.arrays)
 
     def restore(self, saved: dict) -> None:
         self.arrays = dict(saved)
