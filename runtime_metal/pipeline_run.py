@@ -407,7 +407,6 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     t0 = time.perf_counter()
     generated: list[int] = []
     stamps: list[float] = []  # when each token was printed (the last rank)
-    t_first = None
     if pipe.first:
         for part in chunks:
             pipe.send_hidden(sess._step_dynamic(part))
@@ -456,8 +455,6 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
             stamps.append(time.perf_counter())
-            if t_first is None:
-                t_first = stamps[0]
             generated.append(token)
             out.write(detok.add(token))
             out.flush()
@@ -479,7 +476,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     if pipe.last:
         out.write("\n")
         out.flush()
-        decode_n = len(generated) - 1
+        decode_n, t_first = len(generated) - 1, stamps[0]
         result.update(text=tok.decode(generated, skip_special_tokens=True) if tok is not None else None,
                       prefill_tok_s=len(ids) / max(t_first - t0, 1e-9),
                       decode_tok_s=decode_n / (now - t_first) if decode_n else None,
