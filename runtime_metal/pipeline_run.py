@@ -39,6 +39,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -318,9 +319,8 @@ class Pipe:
         return bool(message.reshape(-1)[-1].item())
 
     def recv_hidden(self, rows: int, what: str):
-        """(hidden [1, rows, width], stop) from the rank before."""
-        m = self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)
-        return m[..., :self.width], bool(m[0, 0, self.width].item())
+        """A prefill chunk's hidden state [1, rows, width] from the rank before (its stop column unread)."""
+        return self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)[..., :self.width]
 
     def handshake(self, split_id: int, timeout: float) -> None:
         bells = Bells.open(self.rank, self.size)
@@ -363,12 +363,6 @@ def _check_hostfile(n_stages: int) -> None:
                           f"{n_stages} stages; give mlx.launch one host per stage")
 
 
-def split_id(split_dir: Path) -> int:
-    import zlib
-
-    return zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF
-
-
 def run(split_dir, prompt=None, options: Options | None = None, chat: bool = False, stream=None,
         quiet: bool = False) -> dict:
     """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
@@ -397,7 +391,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     tok = load_tokenizer(pipe.dir, required=isinstance(prompt, str), chat=chat)
     ids = encode_prompt(tok, prompt, chat)
     stops = set() if options.ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
-    pipe.handshake(split_id(split_dir), options.pipe_timeout)
+    pipe.handshake(zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF, options.pipe_timeout)
     sess.reset(len(ids) + max_tokens)
     chunk = sess.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
@@ -423,7 +417,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     else:
         logits = None
         for k, part in enumerate(chunks):
-            h, _ = pipe.recv_hidden(len(part), f"prefill chunk {k} from rank {rank - 1}")
+            h = pipe.recv_hidden(len(part), f"prefill chunk {k} from rank {rank - 1}")
             y = sess._step_dynamic(h)
             if pipe.last:
                 logits = y
