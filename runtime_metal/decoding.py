@@ -185,9 +185,6 @@ class Decoding:
         self.last = strategy.ran
         return out
 
-    def reset(self) -> None:
-        self.pos_dev = None
-
     def rows(self, ids: list[int]):
         """A step of several tokens at the session's position (a speculative verification), every row's logits
         [S, vocab]: where attention reads the filled rows (MLX) and static decode holds, as compiled pieces for

@@ -107,7 +107,7 @@ class Session:
         self.buffers = kvcache.allocate(self.backend, self.caches, self.kv_formats, self.packed,
                                         self.max_len if self.in_place else 0)
         self.state.reset()
-        self.decoding.reset()
+        self.decoding.pos_dev = None  # (the last generation's compiled position)
 
     def _ids(self, ids):
         """Token ids as the graph's [1, n] int64 input: a list, or a device array (a picked token)."""
