@@ -62,9 +62,7 @@ class RecurrentState:
     def restore(self, saved: dict) -> None:
         self.arrays = dict(saved)
 
-    def nbytes(self) -> int:
-        return sum(4 * math.prod(s.shape) for s in self.specs)
-
     def describe(self) -> str:
         layers = sorted({contract.parse_state(s.name).layer for s in self.specs})
-        return f"recurrent state float32 ({len(layers)} layer{'s' if len(layers) != 1 else ''}, {self.nbytes() / 2**20:.2f} MiB)"
+        mib = sum(4 * math.prod(s.shape) for s in self.specs) / 2**20  # float32
+        return f"recurrent state float32 ({len(layers)} layer{'s' if len(layers) != 1 else ''}, {mib:.2f} MiB)"
