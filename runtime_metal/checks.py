@@ -59,14 +59,6 @@ def int8_kl(ours: np.ndarray, standard, ids: list[int]) -> dict:
             "kl": kl(ours), "ort_level4_kl": kl(yard), "tokens": len(ids)}
 
 
-def check_int8(int8: dict, hint: str = "") -> None:
-    """CheckFailed unless the engine's KL divergence (`int8_kl`) is within INT8_KL_FACTOR times the yardstick's."""
-    if int8["kl"] > INT8_KL_FACTOR * int8["ort_level4_kl"] + 1e-6:
-        raise CheckFailed(f"int8-activation KL divergence {int8['kl']:.3g} from the standard graph on {int8['tokens']} "
-                          f"tokens of text exceeds {INT8_KL_FACTOR}x onnxruntime's own int8 fusion's "
-                          f"({int8['ort_level4_kl']:.3g}){hint}")
-
-
 def verdict(console, result: dict, target: Trace, drift: list[float], who: str, int8: dict | None = None,
             kinds: str = "", hint: str = "", quantized_as: str = "a quantized graph") -> dict:
     """validate's ending, whichever engine ran: HF's drift reported for a quantized graph; with int8 activations
@@ -78,7 +70,10 @@ def verdict(console, result: dict, target: Trace, drift: list[float], who: str, 
         result["int8"] = int8
         console.print(f"int8 activations{kinds}, {int8['criterion']}: {who} {int8['kl']:.3g}, onnxruntime's level-4 "
                       f"fusion {int8['ort_level4_kl']:.3g} (greedy tokens leave {name}'s at step {first})")
-        check_int8(int8, hint)
+        if int8["kl"] > INT8_KL_FACTOR * int8["ort_level4_kl"] + 1e-6:  # beyond INT8_KL_FACTOR times the yardstick's
+            raise CheckFailed(f"int8-activation KL divergence {int8['kl']:.3g} from the standard graph on "
+                              f"{int8['tokens']} tokens of text exceeds {INT8_KL_FACTOR}x onnxruntime's own int8 "
+                              f"fusion's ({int8['ort_level4_kl']:.3g}){hint}")
         console.print("[green]OK[/green]: int8-activation KL divergence within 2x onnxruntime's own int8 fusion's")
         return result
     if first is not None:

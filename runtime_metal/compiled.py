@@ -54,16 +54,13 @@ class CompiledDecode:
         self.sess, self.plan, self.max_len = sess, plan, max_len
         self.names = [c.name for c in sess.caches]
         self.states = sess.state.specs
-        self.seconds = 0.0
-        self.fn = None
-        self.what = ""
+        self.seconds, self.fn, self.what = 0.0, None, ""
 
     def _step(self, ids, pos, *arrays):
         sess, k = self.sess, len(self.states)
         views = {c.name: CacheView(buf, pos, 1, static=True, head_dim=c.head_dim)
                  for c, buf in zip(sess.caches, arrays[k:], strict=True)}
-        sess.executor.ctx["rope_offset"] = pos
-        sess.executor.ctx["logit_rows"] = 1
+        sess.executor.ctx.update(rope_offset=pos, logit_rows=1)
         feeds = {**static_feeds(sess.backend, ids, pos, self.max_len, sess.first_input), **views,
                  **{st.name: a for st, a in zip(self.states, arrays[:k], strict=True)}}
         out = sess.executor._execute(self.plan, feeds)
@@ -138,9 +135,7 @@ class PiecewiseDecode:
         self.seconds = time.perf_counter() - t0
 
     def _piece(self, piece: Piece):
-        ex = self.sess.executor
-
-        b = self.sess.backend
+        ex, b = self.sess.executor, self.sess.backend
 
         def run(pos, *values):
             env = dict(zip(piece.inputs, values, strict=True))

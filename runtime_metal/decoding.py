@@ -124,8 +124,7 @@ class Checked(Strategy):
     mode = Decode.CHECKING
 
     def step(self, token):
-        s, d, b = self.sess, self.decoding, self.sess.backend
-        pos = s.pos
+        s, d, b, pos = self.sess, self.decoding, self.sess.backend, self.sess.pos
         dyn, state_before, _, keep_dynamic = _dynamic_then_rewind(s, token, 1)
         ids, pos_dev, logits = Static(d).eager(token)
         out = b.slice(logits, (0, 0))
@@ -186,9 +185,6 @@ class Decoding:
         self.last = strategy.ran
         return out
 
-    def reset(self) -> None:
-        self.pos_dev = None
-
     def rows(self, ids: list[int]):
         """A step of several tokens at the session's position (a speculative verification), every row's logits
         [S, vocab]: where attention reads the filled rows (MLX) and static decode holds, as compiled pieces for
@@ -207,8 +203,7 @@ class Decoding:
         return self._build_rows(ids)
 
     def _build_rows(self, ids: list[int]):
-        s, b, n = self.sess, self.sess.backend, len(ids)
-        pos = s.pos
+        s, b, n, pos = self.sess, self.sess.backend, len(ids), self.sess.pos
         dyn, state_before, state_after, dynamic = _dynamic_then_rewind(s, ids, n)
         token, pos_dev, eager = Static(self).eager(ids, n)
         plan = s.executor.plan_for({**static_feeds(b, token, pos_dev, s.max_len, s.first_input, n),

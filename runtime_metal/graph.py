@@ -21,8 +21,6 @@ from . import ops_latent, ops_moe, ops_nn, ops_state  # noqa: F401
 from .loader import LoadedModel, Packed4, tensor_to_array
 from .ops import OPS
 
-SUBGRAPH_OPS = ("If",)
-
 
 @dataclass
 class Node:
@@ -166,7 +164,7 @@ def from_model(lm: LoadedModel, fused: bool = True) -> Graph:
 
 def check_ops(nodes: list[Node], opsets: dict[str, int]) -> None:
     for n in nodes:
-        if n.op_type in SUBGRAPH_OPS and not n.domain:
+        if n.op_type == "If" and not n.domain:
             for br in n.branches.values():
                 check_ops(br.nodes, opsets)
         elif n.key not in OPS:

@@ -29,7 +29,6 @@ from fuselm.errors import FuselmError
 
 from .backends import kv_quant
 
-KV_BITS = (8, 16, 32)
 DEFAULT_GROUP = 64
 _FLOAT_OF_BITS = {16: TensorProto.FLOAT16, 32: TensorProto.FLOAT}
 

@@ -35,6 +35,7 @@ NP_DTYPES = {
     TensorProto.BOOL: np.bool_, TensorProto.UINT4: np.uint8, TensorProto.INT4: np.int8,
 }
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+ONNX_OF_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in _FOUR_BIT}
 
 
 @dataclass
@@ -147,11 +148,8 @@ class _DataFiles:
         self.maps: dict[str, np.memmap] = {}
 
     def get(self, location: str, tensor: str) -> np.memmap:
-        if location not in self.maps:
-            self.maps[location] = self._open(location, tensor)
-        return self.maps[location]
-
-    def _open(self, location: str, tensor: str) -> np.memmap:
+        if location in self.maps:
+            return self.maps[location]
         if os.path.isabs(location) or ".." in Path(location).parts:
             raise FuselmError(f"tensor {tensor!r}: external data location {location!r} leaves the model directory; "
                               "refusing to read it (re-create the model with `fuselm convert`)")
@@ -163,9 +161,9 @@ class _DataFiles:
         if not path.is_file():
             raise FuselmError(f"tensor {tensor!r}: external data file {path} is missing; copy the whole model "
                               "directory (model.onnx and model.onnx.data belong together)")
-        if path.stat().st_size == 0:
-            return np.zeros(0, np.uint8)
-        return np.memmap(path, dtype=np.uint8, mode="r")
+        empty = path.stat().st_size == 0
+        self.maps[location] = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r")
+        return self.maps[location]
 
     def release(self) -> None:
         for mm in self.maps.values():

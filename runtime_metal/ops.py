@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
 from fuselm.errors import FuselmError
+
+from .loader import NP_DTYPES, ONNX_OF_NP
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,6 @@ _variadic("Sum", "add")
 _variadic("Mean", "add", mean=True)
 
 
-def _np_dtype(b, x):
-    return _np_of(b.dtype(x))
-
-
 @op("Mod")
 def Mod(b, a, c, *, fmod=0):
     return b.binary("fmod" if fmod else "mod", a, c)
@@ -105,8 +102,7 @@ def IsInf(b, x, *, detect_negative=1, detect_positive=1):
     inf = b.unary("isinf", x)
     if detect_negative and detect_positive:
         return inf
-    zero = b.asarray(np.zeros((), _np_dtype(b, x)))
-    side = b.binary("greater" if detect_positive else "less", x, zero)
+    side = b.binary("greater" if detect_positive else "less", x, _scalar(b, x, 0))
     return b.binary("and", inf, side)
 
 
@@ -132,8 +128,8 @@ def CastLike(b, x, like, *, saturate=1, round_mode="up"):
 
 @op("Clip")
 def Clip(b, x, lo=None, hi=None, *, min=None, max=None):  # noqa: A002 - ONNX attribute names (opset < 11)
-    lo = lo if lo is not None else (None if min is None else b.asarray(np.array(min, _np_dtype(b, x))))
-    hi = hi if hi is not None else (None if max is None else b.asarray(np.array(max, _np_dtype(b, x))))
+    lo = lo if lo is not None else (None if min is None else _scalar(b, x, min))
+    hi = hi if hi is not None else (None if max is None else _scalar(b, x, max))
     if lo is not None:
         x = b.binary("max", x, lo)
     if hi is not None:
@@ -142,7 +138,7 @@ def Clip(b, x, lo=None, hi=None, *, min=None, max=None):  # noqa: A002 - ONNX at
 
 
 def _scalar(b, x, value):
-    return b.asarray(np.array(value, _np_dtype(b, x)))
+    return b.asarray(np.array(value, NP_DTYPES[b.dtype(x)]))
 
 
 @op("LeakyRelu")
@@ -208,8 +204,8 @@ _IDENTITY = {
     "ReduceSum": lambda t: 0, "ReduceMean": lambda t: float("nan"), "ReduceProd": lambda t: 1,
     "ReduceSumSquare": lambda t: 0, "ReduceL1": lambda t: 0, "ReduceL2": lambda t: 0,
     "ReduceLogSum": lambda t: -float("inf"), "ReduceLogSumExp": lambda t: -float("inf"),
-    "ReduceMax": lambda t: False if t == TensorProto.BOOL else (-float("inf") if t in _FLOATS else np.iinfo(_np_of(t)).min),
-    "ReduceMin": lambda t: True if t == TensorProto.BOOL else (float("inf") if t in _FLOATS else np.iinfo(_np_of(t)).max),
+    "ReduceMax": lambda t: False if t == TensorProto.BOOL else (-float("inf") if t in _FLOATS else np.iinfo(NP_DTYPES[t]).min),
+    "ReduceMin": lambda t: True if t == TensorProto.BOOL else (float("inf") if t in _FLOATS else np.iinfo(NP_DTYPES[t]).max),
 }
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -406,8 +402,7 @@ def _positive(b, idx, dim: int):
     """ONNX indices may be negative; wrap them (host arrays cheaply, device arrays with a where)."""
     if isinstance(idx, np.ndarray):
         return np.where(idx < 0, idx + dim, idx)
-    zero = b.asarray(np.zeros((), _np_dtype(b, idx)))
-    return b.where(b.binary("less", idx, zero), b.binary("add", idx, b.asarray(np.array(dim, _np_dtype(b, idx)))), idx)
+    return b.where(b.binary("less", idx, _scalar(b, idx, 0)), b.binary("add", idx, _scalar(b, idx, dim)), idx)
 
 
 @op("Gather")
@@ -452,13 +447,13 @@ def Trilu(b, x, k=None, *, upper=1):
 def Range(b, start, limit, delta):
     start = np.asarray(start)
     return b.arange(start.item(), np.asarray(limit).item(), np.asarray(delta).item(),
-                    _DT_OF_NP[start.dtype])
+                    ONNX_OF_NP[start.dtype])
 
 
 @op("ConstantOfShape", host_inputs=(0,))
 def ConstantOfShape(b, shape, *, value=None):
     v = np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)
-    return b.full(tuple(ints(shape)), v[0].item(), _DT_OF_NP[v.dtype])
+    return b.full(tuple(ints(shape)), v[0].item(), ONNX_OF_NP[v.dtype])
 
 
 @op("Constant")
@@ -475,7 +470,7 @@ def Constant(b, *, value=None, value_float=None, value_floats=None, value_int=No
 @op("EyeLike")
 def EyeLike(b, x, *, dtype=None, k=0):
     n, m = b.shape(x)
-    return b.asarray(np.eye(n, m, k, dtype=_np_of(dtype) if dtype is not None else _np_dtype(b, x)))
+    return b.asarray(np.eye(n, m, k, dtype=NP_DTYPES[dtype] if dtype is not None else NP_DTYPES[b.dtype(x)]))
 
 
 @op("OneHot", host_inputs=(1, 2))
@@ -490,16 +485,3 @@ def OneHot(b, indices, depth, values, *, axis=-1):
     hot = b.binary("equal", b.reshape(idx, tuple(b.shape(idx)[:axis]) + (1,) + tuple(b.shape(idx)[axis:])), classes)
     values = np.asarray(values)
     return b.where(hot, b.asarray(values[1]), b.asarray(values[0]))
-
-
-def _np_of(to: int):
-    from .loader import NP_DTYPES
-
-    return NP_DTYPES[to]
-
-
-_DT_OF_NP = {np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16, np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
-             np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64,
-             np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int16): TensorProto.INT16,
-             np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8,
-             np.dtype(np.bool_): TensorProto.BOOL}

@@ -14,7 +14,7 @@ from fuselm.errors import FuselmError
 
 from . import attention_blocks
 from .kvcache import CacheView, StoredKV
-from .ops import _axis, _np_dtype, _scalar, op
+from .ops import _axis, _scalar, op
 
 RUNTIME = "fuselm.runtime"  # ops the runtime introduces at load; never written to a file
 
@@ -467,4 +467,4 @@ def QKVHeads(b, qkv, cos, sin, weight, weight_rot, *, heads, kv_heads, epsilon=N
     return merged(0, heads), merged(heads, heads + kv_heads), merged(heads + kv_heads, heads + 2 * kv_heads), kv
 
 
-__all__ = ["RUNTIME", "_np_dtype"]
+__all__ = ["RUNTIME"]

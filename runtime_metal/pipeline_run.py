@@ -39,6 +39,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -285,16 +286,12 @@ class Pipe:
     @contextlib.contextmanager
     def waiting(self, what: str, peer: int):
         """Work that may wait for `peer`: under the deadline, a broken connection named."""
-        with self.deadline(what), self._lost(peer):
-            yield
-
-    @contextlib.contextmanager
-    def _lost(self, peer: int):
-        try:
-            yield
-        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
-            raise PeerLost(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
-                           "died (its own output says why)") from None
+        with self.deadline(what):
+            try:
+                yield
+            except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+                raise PeerLost(f"rank {self.rank}: the connection to rank {peer} broke ({e}); that rank exited or "
+                               "died (its own output says why)") from None
 
     def send_hidden(self, h, stop=None):
         """Send the hidden state on with its stop column (`stop`: a device array, lazily, at decode; a
@@ -322,9 +319,8 @@ class Pipe:
         return bool(message.reshape(-1)[-1].item())
 
     def recv_hidden(self, rows: int, what: str):
-        """(hidden [1, rows, width], stop) from the rank before."""
-        m = self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)
-        return m[..., :self.width], bool(m[0, 0, self.width].item())
+        """A prefill chunk's hidden state [1, rows, width] from the rank before (its stop column unread)."""
+        return self._recv((1, rows, self.width + 1), self.msg_dtype, self.rank - 1, what)[..., :self.width]
 
     def handshake(self, split_id: int, timeout: float) -> None:
         bells = Bells.open(self.rank, self.size)
@@ -367,12 +363,6 @@ def _check_hostfile(n_stages: int) -> None:
                           f"{n_stages} stages; give mlx.launch one host per stage")
 
 
-def split_id(split_dir: Path) -> int:
-    import zlib
-
-    return zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF
-
-
 def run(split_dir, prompt=None, options: Options | None = None, chat: bool = False, stream=None,
         quiet: bool = False) -> dict:
     """Generate with one stage per rank (this process is one rank); the last rank prints the tokens.
@@ -401,7 +391,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     tok = load_tokenizer(pipe.dir, required=isinstance(prompt, str), chat=chat)
     ids = encode_prompt(tok, prompt, chat)
     stops = set() if options.ignore_eos else eos_ids(pipe.dir, sess.meta, tok)
-    pipe.handshake(split_id(split_dir), options.pipe_timeout)
+    pipe.handshake(zlib.crc32((split_dir / SPLIT_NAME).read_bytes()) & 0x7FFFFFFF, options.pipe_timeout)
     sess.reset(len(ids) + max_tokens)
     chunk = sess.prefill_chunk
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
@@ -411,7 +401,6 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     t0 = time.perf_counter()
     generated: list[int] = []
     stamps: list[float] = []  # when each token was printed (the last rank)
-    t_first = None
     if pipe.first:
         for part in chunks:
             pipe.send_hidden(sess._step_dynamic(part))
@@ -428,7 +417,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     else:
         logits = None
         for k, part in enumerate(chunks):
-            h, _ = pipe.recv_hidden(len(part), f"prefill chunk {k} from rank {rank - 1}")
+            h = pipe.recv_hidden(len(part), f"prefill chunk {k} from rank {rank - 1}")
             y = sess._step_dynamic(h)
             if pipe.last:
                 logits = y
@@ -460,8 +449,6 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {n}")
             stamps.append(time.perf_counter())
-            if t_first is None:
-                t_first = stamps[0]
             generated.append(token)
             out.write(detok.add(token))
             out.flush()
@@ -483,7 +470,7 @@ def run(split_dir, prompt=None, options: Options | None = None, chat: bool = Fal
     if pipe.last:
         out.write("\n")
         out.flush()
-        decode_n = len(generated) - 1
+        decode_n, t_first = len(generated) - 1, stamps[0]
         result.update(text=tok.decode(generated, skip_special_tokens=True) if tok is not None else None,
                       prefill_tok_s=len(ids) / max(t_first - t0, 1e-9),
                       decode_tok_s=decode_n / (now - t_first) if decode_n else None,

@@ -20,25 +20,21 @@ class Sampler:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    _rng: np.random.Generator | None = field(default=None, repr=False)
+    rng: np.random.Generator | None = field(default=None, repr=False)
     device_key: object = field(default=None, repr=False)  # a backend that samples on the device keeps its key here
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
-        self._rng = np.random.default_rng(self.seed)
+        self.rng = np.random.default_rng(self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    @property
-    def rng(self) -> np.random.Generator:
-        return self._rng
-
     def pick(self, logits: np.ndarray) -> int:
         """The next token from these logits (host; `sample`)."""
-        return sample(logits, self.temperature, self.top_k, self.top_p, self._rng)
+        return sample(logits, self.temperature, self.top_k, self.top_p, self.rng)
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
         """What `pick` draws from (`probabilities`)."""

@@ -54,7 +54,7 @@ class Session:
         self.meta = self.lm.meta or {}
         self.backend = make_backend(options.backend, options.device, dtype=options.dtype, threads=options.threads)
         self.prefill_chunk = options.prefill_chunk or self.backend.prefill_chunk  # prompt tokens per prefill step
-        fused = options.fused_kernels
+        self.fused = fused = options.fused_kernels
         io = loader.check_contract(self.lm)
         self.first_input, self.output, self.caches = io.first, io.output, io.caches
         self.state = state_mod.RecurrentState(self.backend, io.states)
@@ -66,7 +66,6 @@ class Session:
             raise FuselmError(f"{self.lm.path} cannot be prepared for the runtime ({type(e).__name__}: {str(e)[:300]}); "
                               "the graph is invalid, or uses an op in a form the runtime does not support") from e
         self.executor = Executor(self.graph, self.backend)
-        self.fused = fused
         self.in_place = kvcache.in_place(self.graph.nodes, {c.name for c in self.caches})
         kvcache.check_formats(self.backend, self.kv_formats, [c.head_dim for c in self.caches], self.in_place,
                               self.lm.path)
@@ -108,7 +107,7 @@ class Session:
         self.buffers = kvcache.allocate(self.backend, self.caches, self.kv_formats, self.packed,
                                         self.max_len if self.in_place else 0)
         self.state.reset()
-        self.decoding.reset()
+        self.decoding.pos_dev = None  # (the last generation's compiled position)
 
     def _ids(self, ids):
         """Token ids as the graph's [1, n] int64 input: a list, or a device array (a picked token)."""
@@ -134,11 +133,9 @@ class Session:
 
         Only those positions of each chunk go through the lm_head (graph.py's LastRows)."""
         chunk = chunk or self.prefill_chunk
-        self.backend.set_threads(decode=False)
         if not ids:
             raise FuselmError("the prompt is empty; pass --prompt text or --prompt-ids")
-        if self.pos + len(ids) > self.max_len:
-            raise FuselmError(f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); call reset with more")
+        self._room(len(ids), decode=False)
         logits = None
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
@@ -146,6 +143,12 @@ class Session:
             if self.backend.lazy and start + chunk < len(ids):  # compute the cache, never these logits
                 self.backend.sync([*self.buffers.values(), *self.state.arrays.values()])
         return logits
+
+    def _room(self, n: int, decode: bool = True) -> None:
+        """Refuse `n` more tokens where the cache has no room for them; size the threads for the step."""
+        if self.pos + n > self.max_len:
+            raise FuselmError(f"{self.pos + n} tokens exceed the cache ({self.max_len}); reset with a larger max_len")
+        self.backend.set_threads(decode=decode)
 
     def _step_dynamic(self, part, rows: int | None = 1):
         b, pos = self.backend, self.pos
@@ -171,9 +174,7 @@ class Session:
     def verify(self, ids: list[int]):
         """A few tokens at once after the cache (a speculative verification step): every row's logits [S, vocab],
         compiled where decoding.py can (Decoding.rows)."""
-        if self.pos + len(ids) > self.max_len:
-            raise FuselmError(f"{self.pos + len(ids)} tokens exceed the cache ({self.max_len}); reset with more")
-        self.backend.set_threads(decode=True)
+        self._room(len(ids))
         return self.decoding.rows(list(ids))
 
     def checkpoint(self):
@@ -202,9 +203,7 @@ class Session:
     def decode(self, token):
         """One decode step for `token` (an int, or a device array from `pick`); returns the logits of the
         new token (backend array [vocab]). The step runs the strategy decoding.py chooses."""
-        if self.pos + 1 > self.max_len:
-            raise FuselmError(f"the cache is full ({self.max_len} tokens); reset with a larger max_len")
-        self.backend.set_threads(decode=True)
+        self._room(1)
         return self.decoding.step([int(token)] if isinstance(token, (int, np.integer)) else token)
 
     # --- generation -------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class RecurrentState:
     def feeds(self) -> dict:
         return dict(self.arrays)
 
+    snapshot = feeds  # (ops never write a state in place: the arrays as they are)
+
     def update(self, outputs: dict) -> None:
         self.arrays = {s.name: outputs[s.present] for s in self.specs}
 
@@ -57,15 +59,10 @@ class RecurrentState:
         """A snapshot's arrays in `values()` order."""
         return [saved[s.name] for s in self.specs]
 
-    def snapshot(self) -> dict:
-        return dict(self.arrays)
-
     def restore(self, saved: dict) -> None:
         self.arrays = dict(saved)
 
-    def nbytes(self) -> int:
-        return sum(4 * math.prod(s.shape) for s in self.specs)
-
     def describe(self) -> str:
         layers = sorted({contract.parse_state(s.name).layer for s in self.specs})
-        return f"recurrent state float32 ({len(layers)} layer{'s' if len(layers) != 1 else ''}, {self.nbytes() / 2**20:.2f} MiB)"
+        mib = sum(4 * math.prod(s.shape) for s in self.specs) / 2**20  # float32
+        return f"recurrent state float32 ({len(layers)} layer{'s' if len(layers) != 1 else ''}, {mib:.2f} MiB)"

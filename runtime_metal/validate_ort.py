@@ -28,7 +28,8 @@ from fuselm.errors import FuselmError
 from fuselm.reference import OrtRunner, hf_model, hf_steps
 
 from .checks import _first_diff, _max_diff, int8_kl, step_table, text_ids, verdict
-from .engines.ort import OrtEngine, int8_activations, lowered_for_onnxruntime
+from .engines.auto import lowered_for_onnxruntime
+from .engines.ort import OrtEngine, int8_activations
 
 
 def _precision(q: dict | None) -> str:

@@ -660,13 +660,10 @@ class MLXBackend(Backend):
         return mx.dequantize(q, s.astype(mx.float32), z.astype(mx.float32), group_size=kv_quant.group_of(self, stored),
                              bits=kv_quant.BITS).astype(MX_DTYPES[to])
 
-    def kv_scores(self, q, block):
-        return self._kv_matmul(q, block, transpose=True)
-
     def kv_values(self, p, block):
-        return self._kv_matmul(p, block, transpose=False)
+        return self.kv_scores(p, block, transpose=False)
 
-    def _kv_matmul(self, x, block, transpose: bool):
+    def kv_scores(self, x, block, transpose: bool = True):
         """x · blockᵀ (scores) or x · block (values) on the stored 8-bit rows: one quantized matmul where this
         device's MLX implements that form (Metal, the CPU); else the block dequantized, then a plain matmul
         (MLX's CUDA backend has quantized kernels for x · Wᵀ over row-contiguous operands only)."""

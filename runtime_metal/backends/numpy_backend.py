@@ -5,12 +5,9 @@ dequantized per block): slow, for checking the other backends."""
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
 
-from ..loader import NP_DTYPES
+from ..loader import NP_DTYPES, ONNX_OF_NP
 from .base import Backend, QuantizedWeight
-
-_FROM_NP = {np.dtype(v): k for k, v in NP_DTYPES.items() if k not in (TensorProto.UINT4, TensorProto.INT4)}
 
 
 def _erf(x):
@@ -57,7 +54,7 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def dtype(self, x):
-        return _FROM_NP[np.asarray(x).dtype]
+        return ONNX_OF_NP[np.asarray(x).dtype]
 
     def cast(self, x, to):
         return np.asarray(x).astype(NP_DTYPES[to])
@@ -138,24 +135,21 @@ class NumpyBackend(Backend):
         return np.take_along_axis(x, idx, axis)
 
     def scatter_elements(self, x, idx, updates, axis, reduction):
-        out = np.array(x, copy=True)
-        ufunc = _SCATTER[reduction]
         full_idx = list(np.indices(idx.shape))
         full_idx[axis] = idx
-        if ufunc is None:
-            out[tuple(full_idx)] = updates
-        else:
-            ufunc.at(out, tuple(full_idx), updates)
-        return out
+        return self._scatter(x, tuple(full_idx), updates, reduction)
 
     def scatter_nd(self, x, idx, updates, reduction):
+        return self._scatter(x, tuple(np.moveaxis(idx, -1, 0)), updates, reduction)
+
+    @staticmethod
+    def _scatter(x, key: tuple, updates, reduction: str):
+        """A copy of x with updates written (or reduced, ufunc.at: repeated indices accumulate) at `key`."""
         out = np.array(x, copy=True)
-        ufunc = _SCATTER[reduction]
-        key = tuple(np.moveaxis(idx, -1, 0))
-        if ufunc is None:
+        if _SCATTER[reduction] is None:
             out[key] = updates
         else:
-            ufunc.at(out, key, updates)
+            _SCATTER[reduction].at(out, key, updates)
         return out
 
     def rms_norm(self, x, weight, eps):

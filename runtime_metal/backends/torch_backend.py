@@ -117,13 +117,12 @@ class TorchBackend(Backend):
     def __init__(self, device: str | None = None, threads: int | None = None):
         self.device = str(torch.device(device or "cpu"))
         self._dev = torch.device(self.device)
-        if self._dev.type == "cpu":
-            _return_freed_memory()
         self._rope_memo: tuple | None = None
         self._tracing = False
         self._inv_freq: dict[int, tuple] = {}
         self.threads = None
         if self._dev.type == "cpu":
+            _return_freed_memory()
             self.threads = threads or switches.number("FUSELM_THREADS", 0) or torch.get_num_threads()
             torch_quant.set_kernel_threads(self.threads)
 

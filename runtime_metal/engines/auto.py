@@ -97,13 +97,19 @@ def graph_facts(model_dir) -> tuple[bool, frozenset[int]]:
     return lowered, frozenset(bits)
 
 
+def lowered_for_onnxruntime(model_dir) -> bool:
+    """Whether the directory is fuselm's and its graph holds onnxruntime contrib ops (`fuselm optimize
+    --target onnxruntime`; read without weights). onnxruntime-genai's own directories are not."""
+    return Path(model_dir).is_dir() and graph_facts(model_dir)[0]
+
+
 def resolve(model_dir, options: Options) -> tuple[str, str | None, Path]:
     """(engine, why, directory) that runs `model_dir` under `options`: engine "onnxruntime" or a runtime_metal
     backend ("auto": runtime_metal's own choice); why is None when the engine was asked for by name; the directory is
     the prepared lowered copy where onnxruntime runs one. `--backend onnxruntime` on a standard 4-/8-bit graph runs
     the lowered copy too (the graph as written decodes 7-13x slower there: its tied head is dequantized every token)."""
     from ..prepared import enabled
-    from .ort import OrtEngine, lowered_for_onnxruntime
+    from .ort import OrtEngine
     from .ort_prepared import existing
 
     path = Path(model_dir)

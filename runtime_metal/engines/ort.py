@@ -24,24 +24,6 @@ from . import mapped_pages
 from .base import Engine
 
 
-def lowered_for_onnxruntime(model_dir) -> bool:
-    """Whether the directory is fuselm's and its graph holds onnxruntime contrib ops (`fuselm optimize
-    --target onnxruntime`; read without weights). onnxruntime-genai's own directories are not."""
-    import onnx
-
-    from fuselm.graphcheck import ORT_DOMAIN
-
-    path = Path(model_dir)
-    if not path.is_dir() or not (path / contract.META_NAME).is_file() or not (path / contract.MODEL_NAME).is_file():
-        return False
-    path = path / contract.MODEL_NAME
-    try:
-        graph = onnx.load(str(path), load_external_data=False).graph
-    except Exception:  # noqa: BLE001 - not ONNX: the backend's own check names the problem
-        return False
-    return any(n.domain == ORT_DOMAIN for n in graph.node)
-
-
 def int8_activations(model_dir: Path) -> bool:
     """Whether onnxruntime runs the graph's quantized matmuls on int8 activations: a lowered graph's
     MatMulNBits at level 4, or a standard graph's DequantizeLinear -> MatMul (onnxruntime fuses it at

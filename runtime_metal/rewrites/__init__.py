@@ -36,7 +36,6 @@ REWRITES: list[Rewrite] = [
     QKVHeads(),
     CausalMasks(),
 ]
-TARGETS = ("mlx", "torch", "numpy")  # `fuselm diff --target`: a runtime_metal backend's rewrites
 
 
 def _key(name: str) -> str:
