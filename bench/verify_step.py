@@ -8,6 +8,7 @@ makes (a compiled piece that traces again walks its ops on every call).
 
     python bench/verify_step.py MODEL --backend mlx --device gpu --rows 2 5 --out verify-step.json
 
+--advance: each step at a new position (kept, not rolled back), so that every step meets a new key length.
 --loop: the same split for each verification inside n-gram speculation on bench/speculative.py's first grounded
 prompt (a warm-up generation, then the timed one), with the key it ran under and whether it was built before.
 """
@@ -26,8 +27,9 @@ import fuselm
 sys.path.insert(0, str(Path(__file__).parent))  # bench/speculative.py's prompts
 
 
-def timed(engine, step, rows: int, repeats: int, walks: list) -> dict:
-    """Host and wait milliseconds (medians) of `step(ids)` at the session's position, rolled back after each."""
+def timed(engine, step, rows: int, repeats: int, walks: list, advance: bool = False) -> dict:
+    """Host and wait milliseconds (medians) of `step(ids)` at the session's position, rolled back after each
+    (`advance`: kept, so that each step runs at a new position over more keys, as inside the loop)."""
     s = engine.session
     host, wait, walked = [], [], []
     for i in range(repeats):
@@ -39,7 +41,8 @@ def timed(engine, step, rows: int, repeats: int, walks: list) -> dict:
         s.backend.to_numpy(out)
         t2 = time.perf_counter()
         walked.append(len(walks) - before)
-        engine.rollback(rows)
+        if not advance:
+            engine.rollback(rows)
         host.append((t1 - t0) * 1e3)
         wait.append((t2 - t1) * 1e3)
     return {"first_ms": round(host[0] + wait[0], 3), "host_ms": round(statistics.median(host[1:]), 3),
@@ -89,6 +92,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before the steps")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--loop", type=int, default=0, help="tokens of n-gram speculation to trace (0: none)")
+    ap.add_argument("--advance", action="store_true", help="each step at a new position (its rows kept), not rolled "
+                    "back to one: what a new key length costs")
     ap.add_argument("--out")
     args = ap.parse_args()
     engine = fuselm.load(args.model, backend=args.backend, **({"device": args.device} if args.device else {}))
@@ -96,17 +101,18 @@ def main() -> None:
     walks: list = []
     run_steps = s.executor.run_steps
     s.executor.run_steps = lambda *a, **k: (walks.append(1), run_steps(*a, **k))[1]
-    engine.reset(args.prompt + 64)
+    engine.reset(args.prompt + 64 + (2 * args.repeats * sum(args.rows) + args.repeats if args.advance else 0))
     engine.forward([100 + i % 500 for i in range(args.prompt)])
     for _ in range(4):  # the static / compiled decode step is checked and built in the first steps
         s.backend.to_numpy(s.decode(7))
-    one = timed(engine, lambda ids: s.decode(ids[0]), 1, args.repeats, walks)
+    one = timed(engine, lambda ids: s.decode(ids[0]), 1, args.repeats, walks, args.advance)
     result = {"model": args.model, "what": engine.describe(), "decode": one, "verify": {}, "dynamic": {}}
     for rows in args.rows:
-        v = timed(engine, s.verify, rows, args.repeats, walks)
+        v = timed(engine, s.verify, rows, args.repeats, walks, args.advance)
         v["path"] = "compiled pieces" if s.decoding.verifiers.get((s.max_len, rows)) else "dynamic step"
         result["verify"][rows] = v
-        result["dynamic"][rows] = timed(engine, lambda ids: s._step_dynamic(ids, len(ids)), rows, args.repeats, walks)
+        result["dynamic"][rows] = timed(engine, lambda ids: s._step_dynamic(ids, len(ids)), rows, args.repeats, walks,
+                                        args.advance)
         print(f"{rows} rows: verify {v}  dynamic {result['dynamic'][rows]}  (decode {one})", flush=True)
     if args.loop:
         result["loop"] = loop(engine, walks, args.loop)
