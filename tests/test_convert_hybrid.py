@@ -223,6 +223,10 @@ def test_rewritten_recurrences_convert_as_hf(model_type, tmp_path):
     out = fuselm.optimize(fuselm.convert(hf, tmp_path / "out", exporter="torch", quiet=True), tmp_path / "opt", quiet=True)
     assert check(out, hf, quiet=True)["max_abs_logit_diff"] <= 1e-4
     assert read_meta(out)["layer_types"][0] == layer_type
+    # traced constants are named by their layer kind's number in stamping order: the same file every run
+    model = onnx.load(tmp_path / "out" / contract.MODEL_NAME, load_external_data=False)
+    kinds = {i.name.split("/")[3] for i in model.graph.initializer if i.name.startswith("/model/traced/layer_kind_")}
+    assert kinds <= {"layer_kind_0", "layer_kind_1"}, kinds
     _runtime_equals_onnxruntime(out, [5, 17, 3, 42, 8, 1, 99, 7, 12, 30])
     right = getattr(state_ops, function)
     try:

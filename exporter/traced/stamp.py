@@ -47,6 +47,7 @@ class Stamper:
         self.linears: dict[str, str] = {}  # checkpoint weight -> its declared [in, out] form
         self.vectors: dict[str, str] = {}  # checkpoint tensor -> its declared float32 value (norm weights, biases)
         self.value_info: dict[int, dict[str, onnx.ValueInfoProto]] = {}  # per template: value -> traced shape
+        self.kinds: dict[int, int] = {}  # template -> its number in stamping order (names that are the same every run)
 
     def build(self, outer: Template, layers: list[Template], kinds: list[str], sizes: dict[str, int | None],
               sources: list[int | None], carried: list[int | None] | None = None) -> Builder:
@@ -146,7 +147,7 @@ class Stamper:
             raise FuselmError(f"layer {i}: the traced layer takes {len(extra)} other inputs, the model gives it "
                               f"{len(inputs)}; not supported")
         names.update(zip(extra, inputs, strict=True))
-        self._constants(t, f"layer_kind_{id(t)}", names)
+        self._constants(t, f"layer_kind_{self.kinds.setdefault(id(t), len(self.kinds))}", names)
         self._weights(t, names, scope, i, lambda rel: self.aliases.get(f"{self.prefix}.{i}.{rel}", f"{self.prefix}.{i}.{rel}"))
         outputs = [o.name for o in t.graph.output]
         assert outputs[0] == "hidden_out" and set(outputs) <= set(LAYER_OUTPUTS) and given[0] == LAYER_INPUTS[0]
