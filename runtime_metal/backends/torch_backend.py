@@ -117,7 +117,6 @@ class TorchBackend(Backend):
     def __init__(self, device: str | None = None, threads: int | None = None):
         self.device = str(torch.device(device or "cpu"))
         self._dev = torch.device(self.device)
-        self._rope_memo: tuple | None = None
         self._tracing = False
         self._inv_freq: dict[int, tuple] = {}
         self.threads = None
@@ -335,23 +334,20 @@ class TorchBackend(Backend):
         return torch.cat([y, x[..., rd:]], -1) if rd < x.shape[-1] else y
 
     def _cos_sin(self, position_ids, inv_freq, scaling, dtype):
-        # q and k of every layer rotate at the same positions: compute cos/sin once per step
-        memo = self._rope_memo
-        if memo is not None and memo[0] is position_ids and memo[1] is inv_freq and memo[2] == scaling:
-            return memo[3], memo[4]
+        # q and k of every layer rotate at the same positions: cos/sin once per step (held with the arrays whose ids
+        # are in the key, so that no id is reused within the step)
+        memo = self.step_memo if self.step_memo is not None else {}
+        rope = ("rope", id(position_ids), id(inv_freq), scaling)
+        if rope in memo:
+            return memo[rope][:2]
         key = id(inv_freq)
         if key not in self._inv_freq:  # on the device once: no host copies inside a captured step
             self._inv_freq[key] = (inv_freq, torch.as_tensor(np.asarray(inv_freq, np.float32), device=self._dev))
         freqs = position_ids.to(torch.float32)[..., None] * self._inv_freq[key][1]  # [B, S, rd/2]
         cos = (torch.cos(freqs) * scaling).to(dtype)[:, :, None, :]
         sin = (torch.sin(freqs) * scaling).to(dtype)[:, :, None, :]
-        self._rope_memo = (position_ids, inv_freq, scaling, cos, sin)
+        memo[rope] = (cos, sin, position_ids, inv_freq)
         return cos, sin
-
-    def new_step(self):
-        """A graph run begins: nothing computed in an earlier step may be reused."""
-        super().new_step()
-        self._rope_memo = None
 
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
