@@ -45,9 +45,9 @@ _UNARY = {
     "softplus": F.softplus, "bitwise_not": torch.bitwise_not,
 }
 _BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "pow": lambda a, b: torch.pow(a, b).to(a.dtype), "max": torch.maximum,
-    "min": torch.minimum, "mod": torch.remainder, "fmod": torch.fmod, "equal": torch.eq, "less": torch.lt,
-    "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "and": torch.logical_and,
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "max": torch.maximum, "min": torch.minimum,
+    "pow": lambda a, b: torch.pow(a, b).to(a.dtype), "mod": torch.remainder, "fmod": torch.fmod, "equal": torch.eq,
+    "less": torch.lt, "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "and": torch.logical_and,
     "or": torch.logical_or, "xor": torch.logical_xor, "bitwise_and": torch.bitwise_and,
     "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
 }
