@@ -32,12 +32,15 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
            "came in from the north, and the keeper kept a log of every vessel he saw, its name, its course and the "
            "hour it passed.")
 CODE = ("def total(items):\n    t = 0\n    for x in items:\n        if x > 0:\n            t = t + x\n    return t\n")
+WARM = 16  # warm-up tokens per prompt and engine (compiles; a verification step of k + 1 rows where drafts come)
 PROMPTS = {
     "grounded": [
         f"Rewrite this passage in the present tense, keeping every detail:\n\n{PASSAGE}",
         f"Copy out every sentence of this passage that mentions the light or the lens:\n\n{PASSAGE}",
         f"Summarise this passage in two sentences, reusing its own words:\n\n{PASSAGE}",
         f"Rename the variable `t` to `running_total` in this function and return the whole function:\n\n{CODE}",
+        # the same edit asked for as code only (SmolLM2-135M answers the one above in prose)
+        f"Rewrite this function with the variable `t` renamed to `total_sum`. Reply with the code only:\n\n{CODE}",
     ],
     "open": [
         "Write a short story about a robot who learns to paint.",
@@ -61,7 +64,8 @@ out = []
 from fuselm.tokenizer import encode_prompt, load_tokenizer
 tok = load_tokenizer(Path(args["model"]), required=True, chat=True)
 for prompt in args["prompts"]:
-    list(fuselm.stream_generate(engine, prompt, **{**opts, "max_tokens": 4}))  # warm-up: compiles, allocations
+    # warm-up: compiles, allocations (16 tokens: a verification step of k + 1 rows is built where drafts come)
+    list(fuselm.stream_generate(engine, prompt, **{**opts, "max_tokens": args["warm"]}))
     toks, t_first, t_last = [], None, None
     for r in fuselm.stream_generate(engine, prompt, **opts):
         now = time.perf_counter()
@@ -85,7 +89,7 @@ out = []
 for prompt in args["prompts"]:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     kw = {"draft_model": draft, "num_draft_tokens": args["k"]} if draft is not None else {}
-    for _ in stream_generate(model, tok, text, max_tokens=4, **kw):
+    for _ in stream_generate(model, tok, text, max_tokens=args["warm"], **kw):
         pass
     toks, t_first, t_last, drafted = [], None, None, 0
     for r in stream_generate(model, tok, text, max_tokens=args["tokens"], **kw):
@@ -111,7 +115,7 @@ llm = Llama(model_path=args["model"], n_ctx=2048, n_threads=os.cpu_count(), verb
 out = []
 for prompt in args["prompts"]:
     msgs = [{"role": "user", "content": prompt}]
-    list(llm.create_chat_completion(msgs, max_tokens=4, temperature=0.0, stream=True))
+    list(llm.create_chat_completion(msgs, max_tokens=args["warm"], temperature=0.0, stream=True))
     text, n, t_first, t_last = [], 0, None, None
     for chunk in llm.create_chat_completion(msgs, max_tokens=args["tokens"], temperature=0.0, stream=True):
         piece = chunk["choices"][0]["delta"].get("content")
@@ -163,7 +167,7 @@ def main() -> None:
     runs: dict[str, list] = {f"{e}:{m}": [] for e, m in engines}
     for r in range(args.runs):
         for e, m in engines if r % 2 == 0 else engines[::-1]:
-            common = {"method": m, "k": args.num_draft, "tokens": args.tokens, "prompts": prompts}
+            common = {"method": m, "k": args.num_draft, "tokens": args.tokens, "prompts": prompts, "warm": WARM}
             if e == "fuselm":
                 got = child(FUSELM, {**common, "model": args.model, "backend": args.backend, "draft": args.draft})
             elif e == "llama.cpp":

@@ -8,6 +8,7 @@ makes (a compiled piece that traces again walks its ops on every call).
 
     python bench/verify_step.py MODEL --backend mlx --device gpu --rows 2 5 --out verify-step.json
 
+--vector-rows N: MLX on CUDA, the verification's causal rows per sdpa call (an A/B of the backend's choice).
 --advance: each step at a new position (kept, not rolled back), so that every step meets a new key length.
 --loop: the same split for each verification inside n-gram speculation on bench/speculative.py's first grounded
 prompt (a warm-up generation, then the timed one), with the key it ran under and whether it was built before.
@@ -94,10 +95,14 @@ def main() -> None:
     ap.add_argument("--loop", type=int, default=0, help="tokens of n-gram speculation to trace (0: none)")
     ap.add_argument("--advance", action="store_true", help="each step at a new position (its rows kept), not rolled "
                     "back to one: what a new key length costs")
+    ap.add_argument("--vector-rows", type=int, help="MLX on CUDA: causal query rows per sdpa call in a verification "
+                    "(the backend's own choice otherwise; 3 in half precision is what cuDNN takes)")
     ap.add_argument("--out")
     args = ap.parse_args()
     engine = fuselm.load(args.model, backend=args.backend, **({"device": args.device} if args.device else {}))
     s = engine.session
+    if args.vector_rows:
+        s.backend.vector_rows = args.vector_rows
     walks: list = []
     run_steps = s.executor.run_steps
     s.executor.run_steps = lambda *a, **k: (walks.append(1), run_steps(*a, **k))[1]
@@ -106,7 +111,8 @@ def main() -> None:
     for _ in range(4):  # the static / compiled decode step is checked and built in the first steps
         s.backend.to_numpy(s.decode(7))
     one = timed(engine, lambda ids: s.decode(ids[0]), 1, args.repeats, walks, args.advance)
-    result = {"model": args.model, "what": engine.describe(), "decode": one, "verify": {}, "dynamic": {}}
+    result = {"model": args.model, "what": engine.describe(), "vector_rows": getattr(s.backend, "vector_rows", None),
+              "advance": args.advance, "decode": one, "verify": {}, "dynamic": {}}
     for rows in args.rows:
         v = timed(engine, s.verify, rows, args.repeats, walks, args.advance)
         v["path"] = "compiled pieces" if s.decoding.verifiers.get((s.max_len, rows)) else "dynamic step"

@@ -224,21 +224,35 @@ def test_qkv_heads_takes_every_fused_rope_form(exported, tmp_path, skip):
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(got).max())
 
 
-def test_few_causal_queries_in_groups_match_one_call():
+def test_few_causal_queries_in_groups_match_one_call(monkeypatch):
     """A verification's few causal queries over the filled rows, in groups of VECTOR_ROWS (MLX's CUDA vector
     kernel; cuDNN would build a graph per key length): each group over the keys up to its own last row gives what
-    one causal call over all of them gives (grouped-query heads, 4-7 rows; forced here on the CPU)."""
+    one causal call over all of them gives (grouped-query heads, 2-7 rows, groups of 1 and 3; forced here on the
+    CPU). Half precision goes one row a call: MLX's CUDA sdpa takes cuDNN for any half query of more than one row."""
     import mlx.core as mx
+    from fuselm.runtime_metal.backends import mlx_backend
     from fuselm.runtime_metal.backends.mlx_backend import VECTOR_ROWS, MLXBackend
 
+    assert VECTOR_ROWS["bf16"] == VECTOR_ROWS["f16"] == 1 < VECTOR_ROWS["f32"]
     b = MLXBackend(device="cpu")
     rng = np.random.default_rng(0)
-    for rows in range(VECTOR_ROWS + 1, 8):
-        q, k, v = (mx.array(rng.standard_normal((1, h, s, 16)).astype(np.float32))
-                   for h, s in ((4, rows), (2, 9 + rows), (2, 9 + rows)))
-        whole = np.array(b.sdpa(q, k, v, "causal", 0.25))
-        b.vector_rows = VECTOR_ROWS
-        grouped = np.array(b.sdpa(q, k, v, "causal", 0.25))
-        b.vector_rows = None
-        np.testing.assert_allclose(grouped, whole, atol=1e-5)
-        assert not np.allclose(whole[:, :, 0], np.array(b.sdpa(q[:, :, :1], k, v, None, 0.25))[:, :, 0], atol=1e-3)
+    for n in sorted(set(VECTOR_ROWS.values())):
+        for rows in range(n + 1, 8):
+            q, k, v = (mx.array(rng.standard_normal((1, h, s, 16)).astype(np.float32))
+                       for h, s in ((4, rows), (2, 9 + rows), (2, 9 + rows)))
+            whole = np.array(b.sdpa(q, k, v, "causal", 0.25))
+            b.vector_rows = n
+            grouped = np.array(b.sdpa(q, k, v, "causal", 0.25))
+            b.vector_rows = None
+            np.testing.assert_allclose(grouped, whole, atol=1e-5)
+            assert not np.allclose(whole[:, :, 0], np.array(b.sdpa(q[:, :, :1], k, v, None, 0.25))[:, :, 0],
+                                   atol=1e-3)
+    seen = []  # the rows of each call MLX's sdpa gets, in bfloat16 with CUDA's groups
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mlx_backend.mx.fast, "scaled_dot_product_attention",
+                        lambda q, *a, **k: (seen.append(q.shape[2]), real(q, *a, **k))[1])
+    half = MLXBackend(device="cpu", dtype="bf16")
+    half.vector_rows = VECTOR_ROWS[half.compute]
+    q, k, v = (mx.array(rng.standard_normal((1, 2, s, 16))).astype(mx.bfloat16) for s in (5, 12, 12))
+    half.sdpa(q, k, v, "causal", 0.25)
+    assert seen == [1] * 5

@@ -64,7 +64,9 @@ _BINARY = {
 
 
 HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
-VECTOR_ROWS = 3  # the most query rows MLX's CUDA sdpa runs on its vector kernel (more: cuDNN, a graph per shape)
+# The most causal query rows MLX's CUDA sdpa runs on its vector kernel: 3 in float32; in float16/bfloat16 it takes
+# cuDNN for any query of more than one row (supports_sdpa_cudnn), which builds a graph per key length (~100 ms)
+VECTOR_ROWS = {"f32": 3, "f16": 1, "bf16": 1}
 FEW_ROWS = 16  # causal queries this few go to that kernel in groups (a verification step; a prompt: cuDNN)
 
 
@@ -199,7 +201,7 @@ class MLXBackend(Backend):
     compile_default = True
     quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
-    vector_rows: int | None = None  # causal queries in groups of this many where a few come (CUDA: VECTOR_ROWS)
+    vector_rows: int | None = None  # causal queries in groups of this many where a few come (CUDA: VECTOR_ROWS[dtype])
     # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
     # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
     inflight_layers = switches.number("FUSELM_INFLIGHT", 2) or None
@@ -217,7 +219,7 @@ class MLXBackend(Backend):
             self.device = f"gpu ({kind})"
             self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
             self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
-            self.vector_rows = VECTOR_ROWS if kind == "CUDA" else None
+            self.vector_rows = VECTOR_ROWS.get(dtype) if kind == "CUDA" else None
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
