@@ -20,7 +20,7 @@
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
 #                                          # bench/api_vs_cli.py (API_RUNS=0: not), on MLX; bench/verify_step.py first
-#                                          # (VERIFY_ARGS: its options, e.g. --advance; VERIFY_AB=N: an A/B run)
+#                                          # (VERIFY_ARGS: its options, e.g. --advance; VERIFY_AB: A/B runs)
 # Any phase first keeps what the carried .c*/ folders hold (wheels, the GGUF parts) in the stash.
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
@@ -89,9 +89,14 @@ bench|probe|kv8|pipeline|spec)
             python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
                 --loop ${SPEC_LOOP:-0} ${VERIFY_ARGS:-} --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -${SPEC_LOOP_LINES:-3}
         done
-        # VERIFY_AB=N: the q8 graph once more with N causal rows per sdpa call, each step at a new position (A/B)
-        [ -n "${VERIFY_AB:-}" ] && python3 "$repo/bench/verify_step.py" /root/smol/q8 --backend mlx --device gpu \
-            --rows 5 --advance --vector-rows $VERIFY_AB --out "$OUT/verify-step-h200-smollm2-q8-rows$VERIFY_AB.json" 2>&1 | tail -2
+        # VERIFY_AB="ARGS,ARGS": the q8 graph once more per option set (e.g. --flush 0,--vector-rows 3), each step at a
+        # new position, n-gram speculation traced as above (A/B)
+        i=0; IFS=, read -ra sets <<< "${VERIFY_AB:-}"
+        for ab in "${sets[@]}"; do
+            i=$((i + 1)); echo "A/B $i: $ab"
+            python3 "$repo/bench/verify_step.py" /root/smol/q8 --backend mlx --device gpu --rows 5 --advance $ab \
+                --loop ${SPEC_LOOP:-0} --out "$OUT/verify-step-h200-smollm2-q8-ab$i.json" 2>&1 | tail -2
+        done
         [ "${SPEC_BENCH:-1}" = 0 ] && exit 0  # (SPEC_LOOP=TOKENS SPEC_BENCH=0: the verification steps traced only)
         hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
         # mlx-lm 0.32 reads rope_theta only at the top of config.json (transformers 5 writes it in rope_parameters)

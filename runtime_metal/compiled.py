@@ -120,6 +120,9 @@ class PiecewiseDecode:
         direct = sum(p.fast is not None for p in self.pieces)
         # every Attention direct: the cache buffers go into the step as they are, no CacheView per cache and token
         self.direct = direct == len(self.pieces) - n
+        # shapes that do not depend on the cache length (its buffers go in as they are; no mask over them): the
+        # compiled pieces serve every cache length (Decoding keeps them under None)
+        self.any_length = self.direct and not self.mask
         self.what = f"mx.compile of the {n} pieces between the attentions, attention over the filled rows" + \
             (f", {direct} of them as direct backend calls" if direct else "")
 
@@ -128,10 +131,14 @@ class PiecewiseDecode:
         for p in self.pieces:
             if p.steps[0].node.op_type != "Attention":
                 p.fn, _ = self.sess.backend.compile_step(self._piece(p), args, 1)
-        # what each call reads, as one C-level lookup (the host builds this loop every token)
+        # what each call reads, as one C-level lookup (the host builds this loop every token), and whether its
+        # outputs start computing after it (several rows: Backend.verify_flush)
+        every = self.sess.backend.verify_flush if self.rows > 1 else None
+        compiled = [i for i, p in enumerate(self.pieces) if p.fn is not None]
+        flush = {i for j, i in enumerate(compiled[:-1]) if every and j % every == every - 1}
         self.calls = [(p.fn, p.fast, p, itemgetter(*p.inputs) if len(p.inputs) > 1 else
-                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()))
-                      for p in self.pieces]
+                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()), i in flush)
+                      for i, p in enumerate(self.pieces)]
         self.seconds = time.perf_counter() - t0
 
     def _piece(self, piece: Piece):
@@ -162,9 +169,12 @@ class PiecewiseDecode:
             env = {sess.first_input: ids, contract.POSITION_IDS: positions(b, pos_dev, self.rows), **views}
         ex.ctx["logit_rows"] = self.rows
         b.new_step()
-        for fn, fast, p, inputs in self.calls:
+        for fn, fast, p, inputs, flush in self.calls:
             if fn is not None:
-                env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))
+                outs = fn(pos_dev, *inputs(env))
+                env.update(zip(p.outputs, outs, strict=True))
+                if flush:
+                    b.async_eval(*outs)
             elif fast is not None:
                 fast(env, pos, pos_dev)
             else:
@@ -256,13 +266,19 @@ def _merged(b, y):
 
 def _pieces(plan) -> list[Piece]:
     """The plan's steps cut at each Attention: the runs between them, and each Attention alone. A causal
-    read (`causal_rows`) never reads the mask, so a piece does not hand it on."""
-    groups: list[list] = []
+    read (`causal_rows`) never reads the mask, so a piece does not hand it on, and the steps that only made it
+    (an exporter's Cast of attention_mask) are dropped: no piece then reads a [1, cache length] array."""
+    steps, unread = [], set()
     for st in plan.steps:
+        if st.node.op_type == "Attention" and "causal_rows" in st.node.attrs and len(st.args) > 3:
+            unread.update(x for i, x, _ in st.slots if i == 3)
+            st = Step(st.node, st.spec, [None if i == 3 else a for i, a in enumerate(st.args)],
+                      [sl for sl in st.slots if sl[0] != 3], st.free)
+        steps.append(st)
+    steps = _without_unread(steps, unread, {n for n, _ in plan.outputs})
+    groups: list[list] = []
+    for st in steps:
         alone = st.node.op_type == "Attention"
-        if alone and "causal_rows" in st.node.attrs and len(st.args) > 3:
-            args = [None if i == 3 else a for i, a in enumerate(st.args)]
-            st = Step(st.node, st.spec, args, [sl for sl in st.slots if sl[0] != 3], st.free)
         if alone or not groups or groups[-1][0].node.op_type == "Attention":
             groups.append([st])
         else:
@@ -279,6 +295,18 @@ def _pieces(plan) -> list[Piece]:
         inputs = list(dict.fromkeys(x for st in g for _, x, _ in st.slots if x not in made))
         pieces.append(Piece(g, inputs, [o for st in g for o in st.node.outputs if o and o in after]))
     return pieces
+
+
+def _without_unread(steps: list, names: set, outputs: set) -> list:
+    """`steps` without those whose every output is unread, starting from the values `names` (no longer read) and
+    walking back through what those steps read."""
+    while names:
+        read = {x for st in steps for _, x, _ in st.slots} | outputs
+        dead = {id(st) for st in steps if any(o in names for o in st.node.outputs)
+                and not any(o and o in read for o in st.node.outputs)}
+        names = {x for st in steps if id(st) in dead for _, x, _ in st.slots}
+        steps = [st for st in steps if id(st) not in dead]
+    return steps
 
 
 def agrees(backend, a, b, tol: float = 1e-3) -> bool:

@@ -5,7 +5,8 @@
             derive positions from shapes in ways static shapes break;
   Static    one plan over the whole preallocated cache, the same shapes every token, run op by op;
   Compiled  that plan as one compiled function, per cache length (its shapes are fixed): compiled.py's
-            `CompiledDecode`, or `PiecewiseDecode` where attention reads only the filled rows.
+            `CompiledDecode`, or `PiecewiseDecode` where attention reads only the filled rows (one for every
+            cache length where its pieces take the buffers as they are: a new length builds nothing).
 
 `choose` runs before every step, from what the session knows now:
   - dynamic where the cache cannot live in place, static decode is off, the check disagreed, or a
@@ -154,11 +155,12 @@ class Decoding:
         self.static: bool | None = None if static and sess.in_place else False  # None: not checked yet
         self.why = "static-shape decode is off" if not static else \
             "the graph reads its cache with other ops than Attention/KVAppend, so the cache cannot live in place"
-        self.compiled: dict[int, CompiledDecode | PiecewiseDecode] = {}  # by cache length
+        # by cache length (None: a step whose shapes do not depend on it, PiecewiseDecode.any_length)
+        self.compiled: dict[int | None, CompiledDecode | PiecewiseDecode] = {}
         self.failed: str | None = None  # why the compiled step was not kept
         self.last: Strategy | None = None  # what the last step ran
         self.pos_dev = None  # (position, the same as a device array) the compiled step handed back
-        self.verifiers: dict[tuple[int, int], PiecewiseDecode | None] = {}  # (cache length, rows): None = not kept
+        self.verifiers: dict[tuple[int | None, int], PiecewiseDecode | None] = {}  # (cache length, rows): None = not kept
 
     def choose(self) -> Strategy:
         s = self.sess
@@ -174,7 +176,7 @@ class Decoding:
             return Checked(self)
         if s.profiler.enabled:
             return Static(self, note=", eager while the profiler times its ops")
-        fn = self.compiled.get(s.max_len)
+        fn = self.kept()
         if fn is not None:
             return Compiled(self, fn)
         return Static(self, build=self.compile and self.failed is None)
@@ -192,7 +194,7 @@ class Decoding:
         step's; elsewhere (and on that first step) the dynamic step."""
         s = self.sess
         key = (s.max_len, len(ids))
-        fn = self.verifiers.get(key)
+        fn = self.verifier(len(ids))
         if fn is not None:
             return s.backend.slice(_run_compiled(s, fn, ids, self.position(), len(ids))[0], (0,))
         # (static decode unchecked yet is fine: the build checks its own rows against a dynamic step's)
@@ -220,11 +222,21 @@ class Decoding:
             return dynamic()
         if not (agrees(b, dyn, b.slice(logits, (0,)), tol) and _close(b, s.state.ordered(state_after), states, tol)):
             return dynamic()
-        self.verifiers[(s.max_len, n)] = fn
+        if fn.any_length:  # (filed for every cache length, not this one's)
+            del self.verifiers[(s.max_len, n)]
+        self.verifiers[(None if fn.any_length else s.max_len, n)] = fn
         s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
         s.state.put(states)
         s.pos = pos + n
         return dyn
+
+    def kept(self):
+        """The compiled decode step for the session's cache length, or one that serves every length."""
+        return self.compiled.get(self.sess.max_len) or self.compiled.get(None)
+
+    def verifier(self, rows: int):
+        """The compiled verification step of `rows` tokens for the session's cache length, or for every length."""
+        return self.verifiers.get((self.sess.max_len, rows)) or self.verifiers.get((None, rows))
 
     def position(self):
         """The session's position as a 0-d device integer (the one the compiled step handed back, if it is this one)."""
@@ -242,7 +254,7 @@ class Decoding:
             return ""
         if self.failed is not None:
             return f", compile failed ({self.failed})"
-        return ", run eagerly while its compiled step was built" if self.sess.max_len in self.compiled else \
+        return ", run eagerly while its compiled step was built" if self.kept() is not None else \
             ", compiles on the next static step"
 
     def build(self, ids, pos_dev, eager_logits, state_before: dict) -> None:
@@ -274,7 +286,7 @@ class Decoding:
         if not _close(b, s.state.values(), presents, tol):
             self.failed = "the compiled step's recurrent states differ from the eager step's"
             return
-        self.compiled[s.max_len] = fn
+        self.compiled[None if isinstance(fn, PiecewiseDecode) and fn.any_length else s.max_len] = fn
 
 
 def _close(b, want: list, got: list, tol: float) -> bool:

@@ -187,16 +187,26 @@ def test_cli_flags(optimized, capsys):
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
 
 
-def test_mlx_verifies_on_compiled_pieces(optimized):
+@pytest.mark.parametrize("flush", [None, 1])
+def test_mlx_verifies_on_compiled_pieces(optimized, flush):
     """Where attention reads the filled rows (MLX), a verification step runs as compiled pieces for its row count
-    (drafts padded to k), built once its rows agree with the dynamic step's; the tokens stay plain decode's."""
+    (drafts padded to k), built once its rows agree with the dynamic step's; the tokens stay plain decode's, also
+    where the step starts computing after every piece (verify_flush, as on a GPU). Its pieces take the cache
+    buffers as they are, so a generation at another cache length verifies on them too (nothing built again)."""
     engine = fuselm.load(optimized("qwen3", "q4"), backend="mlx")
+    engine.session.backend.verify_flush = flush
     plain = list(engine.generate(PROMPT, TOKENS, Sampler()))
     spec = [r.token for r in fuselm.stream_generate(engine, PROMPT, max_tokens=TOKENS, ignore_eos=True,
                                                     speculative="ngram", num_draft=3)]
     assert spec == plain and engine.speculation.steps > 1
-    kept = engine.session.decoding.verifiers
-    assert len(kept) == 1 and all(v is not None for v in kept.values()), kept  # one row count: k + 1
+    kept = dict(engine.session.decoding.verifiers)
+    assert list(kept) == [(None, 4)] and kept[(None, 4)] is not None, kept  # one row count: k + 1, any length
+    before = engine.session.max_len
+    run = fuselm.stream_generate(engine, PROMPT, max_tokens=600, ignore_eos=True, speculative="ngram", num_draft=3)
+    again = [r.token for _, r in zip(range(TOKENS), run)]
+    run.close()
+    assert engine.session.max_len > before and again == plain and engine.speculation.steps > 1
+    assert engine.session.decoding.verifiers == kept
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
