@@ -5,6 +5,7 @@ off when its drafts are rejected; the CLI's flags and summary."""
 from __future__ import annotations
 
 import io
+import itertools
 import time
 
 import numpy as np
@@ -203,7 +204,7 @@ def test_mlx_verifies_on_compiled_pieces(optimized, flush):
     assert list(kept) == [(None, 4)] and kept[(None, 4)] is not None, kept  # one row count: k + 1, any length
     before = engine.session.max_len
     run = fuselm.stream_generate(engine, PROMPT, max_tokens=600, ignore_eos=True, speculative="ngram", num_draft=3)
-    again = [r.token for _, r in zip(range(TOKENS), run)]
+    again = [r.token for r in itertools.islice(run, TOKENS)]
     run.close()
     assert engine.session.max_len > before and again == plain and engine.speculation.steps > 1
     assert engine.session.decoding.verifiers == kept
