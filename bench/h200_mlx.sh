@@ -85,7 +85,7 @@ bench|probe|kv8|pipeline|spec)
     if [ "$phase" = spec ]; then
         cd /root
         [ -f /root/smol/q4/fuselm.json ] || spec_models || exit 1
-        for m in q8 q4; do  # what a verification step costs here against a one-token step
+        for m in ${VERIFY_MODELS:-q8 q4}; do  # what a verification step costs here against a one-token step
             python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
                 --loop ${SPEC_LOOP:-0} ${VERIFY_ARGS:-} --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -${SPEC_LOOP_LINES:-3}
         done
