@@ -20,7 +20,8 @@
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
 #                                          # bench/api_vs_cli.py (API_RUNS=0: not), on MLX; bench/verify_step.py first
-#                                          # (VERIFY_ARGS: its options, e.g. --advance; VERIFY_AB: A/B runs)
+#                                          # (VERIFY_ARGS: its options, e.g. --advance; VERIFY_AB: A/B runs;
+#                                          # SPEC_PEERS=0: fuselm plain and n-gram only)
 # Any phase first keeps what the carried .c*/ folders hold (wheels, the GGUF parts) in the stash.
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
@@ -98,6 +99,11 @@ bench|probe|kv8|pipeline|spec)
                 --loop ${SPEC_LOOP:-0} --out "$OUT/verify-step-h200-smollm2-q8-ab$i.json" 2>&1 | tail -2
         done
         [ "${SPEC_BENCH:-1}" = 0 ] && exit 0  # (SPEC_LOOP=TOKENS SPEC_BENCH=0: the verification steps traced only)
+        if [ "${SPEC_PEERS:-1}" = 0 ]; then  # fuselm's plain and n-gram decoding only (no mlx-lm, no draft model)
+            python3 "$repo/bench/speculative.py" --model /root/smol/q8 --backend mlx --tokens ${SPEC_TOKENS:-128} \
+                --runs ${SPEC_RUNS:-3} --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
+            exit 0
+        fi
         hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
         # mlx-lm 0.32 reads rope_theta only at the top of config.json (transformers 5 writes it in rope_parameters)
         python3 - "$hf" <<'PY'
