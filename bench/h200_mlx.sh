@@ -90,7 +90,7 @@ bench|probe|kv8|pipeline|spec)
             python3 "$repo/bench/verify_step.py" /root/smol/$m --backend mlx --device gpu --rows 2 5 \
                 --loop ${SPEC_LOOP:-0} ${VERIFY_ARGS:-} --out "$OUT/verify-step-h200-smollm2-$m.json" 2>&1 | tail -${SPEC_LOOP_LINES:-3}
         done
-        # VERIFY_AB="ARGS,ARGS": the q8 graph once more per option set (e.g. --flush 0,--vector-rows 3), each step at a
+        # VERIFY_AB="ARGS,ARGS": the q8 graph once more per option set (e.g. --vector-rows 3), each step at a
         # new position, n-gram speculation traced as above (A/B)
         i=0; IFS=, read -ra sets <<< "${VERIFY_AB:-}"
         for ab in "${sets[@]}"; do

@@ -131,14 +131,10 @@ class PiecewiseDecode:
         for p in self.pieces:
             if p.steps[0].node.op_type != "Attention":
                 p.fn, _ = self.sess.backend.compile_step(self._piece(p), args, 1)
-        # what each call reads, as one C-level lookup (the host builds this loop every token), and whether its
-        # outputs start computing after it (several rows: Backend.verify_flush)
-        every = self.sess.backend.verify_flush if self.rows > 1 else None
-        compiled = [i for i, p in enumerate(self.pieces) if p.fn is not None]
-        flush = {i for j, i in enumerate(compiled[:-1]) if every and j % every == every - 1}
+        # what each call reads, as one C-level lookup (the host builds this loop every token)
         self.calls = [(p.fn, p.fast, p, itemgetter(*p.inputs) if len(p.inputs) > 1 else
-                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()), i in flush)
-                      for i, p in enumerate(self.pieces)]
+                       (lambda env, n=p.inputs[0]: (env[n],)) if p.inputs else (lambda env: ()))
+                      for p in self.pieces]
         self.seconds = time.perf_counter() - t0
 
     def _piece(self, piece: Piece):
@@ -169,12 +165,9 @@ class PiecewiseDecode:
             env = {sess.first_input: ids, contract.POSITION_IDS: positions(b, pos_dev, self.rows), **views}
         ex.ctx["logit_rows"] = self.rows
         b.new_step()
-        for fn, fast, p, inputs, flush in self.calls:
+        for fn, fast, p, inputs in self.calls:
             if fn is not None:
-                outs = fn(pos_dev, *inputs(env))
-                env.update(zip(p.outputs, outs, strict=True))
-                if flush:
-                    b.async_eval(*outs)
+                env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))
             elif fast is not None:
                 fast(env, pos, pos_dev)
             else:

@@ -188,14 +188,12 @@ def test_cli_flags(optimized, capsys):
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
 
 
-@pytest.mark.parametrize("flush", [None, 1])
-def test_mlx_verifies_on_compiled_pieces(optimized, flush):
+def test_mlx_verifies_on_compiled_pieces(optimized):
     """Where attention reads the filled rows (MLX), a verification step runs as compiled pieces for its row count
-    (drafts padded to k), built once its rows agree with the dynamic step's; the tokens stay plain decode's, also
-    where the step starts computing after every piece (verify_flush, as on a GPU). Its pieces take the cache
-    buffers as they are, so a generation at another cache length verifies on them too (nothing built again)."""
+    (drafts padded to k), built once its rows agree with the dynamic step's; the tokens stay plain decode's. Its
+    pieces take the cache buffers as they are, so a generation at another cache length verifies on them too
+    (nothing built again)."""
     engine = fuselm.load(optimized("qwen3", "q4"), backend="mlx")
-    engine.session.backend.verify_flush = flush
     plain = list(engine.generate(PROMPT, TOKENS, Sampler()))
     spec = [r.token for r in fuselm.stream_generate(engine, PROMPT, max_tokens=TOKENS, ignore_eos=True,
                                                     speculative="ngram", num_draft=3)]

@@ -55,10 +55,6 @@ class Backend:
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
     # oldest (executor.InFlight); None: the whole run is queued at once, then computed
     inflight_layers: int | None = None
-    # a lazy backend's multi-token decode step (a speculative verification, compiled.py PiecewiseDecode) starts
-    # computing after every this many of its compiled pieces (about a layer each), so that the device runs the
-    # first layers while the host builds the rest; None: the host builds the whole step first
-    verify_flush: int | None = None
     # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any divisor of
     # head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing; 4096·Hkv·D f32 is
     # 16 MiB at Hkv=8, D=128)

@@ -67,7 +67,6 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 # The most causal query rows MLX's CUDA sdpa runs on its vector kernel: 3 in float32; in float16/bfloat16 it takes
 # cuDNN for any query of more than one row (supports_sdpa_cudnn), which builds a graph per key length (~100 ms)
 VECTOR_ROWS = {"f32": 3, "f16": 1, "bf16": 1}
-VERIFY_FLUSH = 4  # a verification's compiled pieces between async_evals on a GPU (Backend.verify_flush)
 FEW_ROWS = 16  # causal queries this few go to that kernel in groups (a verification step; a prompt: cuDNN)
 
 
@@ -221,7 +220,6 @@ class MLXBackend(Backend):
             self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
             self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
             self.vector_rows = VECTOR_ROWS.get(dtype) if kind == "CUDA" else None
-            self.verify_flush = VERIFY_FLUSH
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
