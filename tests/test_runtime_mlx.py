@@ -35,6 +35,13 @@ def test_generate_picks_on_device_as_the_host_loop(optimized, backend):
     assert list(sess.generate(ids, 10, Sampler())) == want
     if backend == "mlx":  # compiled after the checked step, fed positions from the device
         assert sess.mode is Decode.COMPILED and sess.compiled is not None
+        # its pieces take the cache buffers as they are: a longer cache decodes on the same compiled step at once
+        step = sess.compiled
+        sess.reset(600)
+        assert sess.max_len > len(ids) + 10
+        assert [int(np.argmax(sess.logits_to_numpy(sess.prefill(ids))))] == want[:1]
+        assert int(np.argmax(sess.logits_to_numpy(sess.decode(want[0])))) == want[1]
+        assert sess.mode is Decode.COMPILED and sess.compiled is step
 
 
 @pytest.mark.parametrize("precision,kv", [("q4", {}), ("f32", {"kv_bits": 8})])
