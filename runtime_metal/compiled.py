@@ -50,6 +50,8 @@ def positions(b, pos, rows: int):
 class CompiledDecode:
     """The static decode plan of `sess` for one cache length as one compiled step."""
 
+    any_length = False  # its mask and cache views span the buffers: one step per cache length
+
     def __init__(self, sess, plan, max_len: int):
         self.sess, self.plan, self.max_len = sess, plan, max_len
         self.names = [c.name for c in sess.caches]

@@ -222,8 +222,7 @@ class Decoding:
             return dynamic()
         if not (agrees(b, dyn, b.slice(logits, (0,)), tol) and _close(b, s.state.ordered(state_after), states, tol)):
             return dynamic()
-        if fn.any_length:  # (filed for every cache length, not this one's)
-            del self.verifiers[(s.max_len, n)]
+        del self.verifiers[(s.max_len, n)]  # (the try's marker; the step is filed for every length where it can be)
         self.verifiers[(None if fn.any_length else s.max_len, n)] = fn
         s.buffers = {c.name: buf for c, buf in zip(s.caches, bufs, strict=True)}
         s.state.put(states)
@@ -286,7 +285,7 @@ class Decoding:
         if not _close(b, s.state.values(), presents, tol):
             self.failed = "the compiled step's recurrent states differ from the eager step's"
             return
-        self.compiled[None if isinstance(fn, PiecewiseDecode) and fn.any_length else s.max_len] = fn
+        self.compiled[None if fn.any_length else s.max_len] = fn
 
 
 def _close(b, want: list, got: list, tol: float) -> bool:

@@ -89,7 +89,7 @@ class Session:
     # the last step's strategy, as validate and the benches read it
     static_decode = property(lambda self: self.mode is not Decode.DYNAMIC)
     static_checked = property(lambda self: self.mode in (Decode.STATIC, Decode.COMPILED))
-    compiled = property(lambda self: self.decoding.kept())  # this cache length's compiled step
+    compiled = property(lambda self: self.decoding.kept())  # the compiled step this cache length runs
     compile_failed = property(lambda self: self.decoding.failed)  # why compiling the step failed, if it did
 
     def _view(self, c: contract.CacheSpec, pos, seq: int, static: bool = False) -> kvcache.CacheView:
