@@ -17,9 +17,13 @@ step of k + 1 tokens plus drafting k against a one-token step, the k that gives 
 none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
 (plain tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where
 the cache cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting
-resumes when they start to match; every PROBE_EVERY plain tokens a paused drafter is tried again unless even
+resumes when they start to match; after PROBE_EVERY plain tokens a paused drafter is tried again unless even
 drafts always kept would not pay for the measured step, an n-gram drafter if its shadow drafts match half the
-time). Step times are the engine's (Engine.step_seconds), kept across its generations. A model
+time, and each probe that does not resume drafting doubles the wait for the next). A plain token's time is a
+run's steady one: its first token is timed apart, since a pipelined loop's first step waits for itself; what it
+costs beyond a steady token is a restart, paid once for every stretch of drafting steps that stops a plain run,
+and charged to the step that would start one in shares over the measured length of such stretches. Step times
+are the engine's (Engine.step_seconds; key 0: the restart), kept across its generations. A model
 with recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each
 verification; when a draft is rejected it is restored and the kept tokens run again.
 """
@@ -34,9 +38,10 @@ import numpy as np
 
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
-PROBE_EVERY = 16  # plain tokens after which a paused draft model is tried again
+PROBE_EVERY = 16  # plain tokens after which a paused drafter is tried again (doubled by each probe that fails)
 PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses, where the engine cannot stop a run anywhere
 PAYS = 1.25  # a drafting step must promise 25 % more tokens per second than a plain one (estimates are noisy)
+STRETCH = 4.0  # verification steps expected of a stretch of drafting before any is measured (one pseudo-count)
 
 
 @dataclass
@@ -52,7 +57,7 @@ class Stats:
     plain: int = 0  # tokens decoded without drafts (no draft found, or drafting paused)
     paused: int = 0  # steps the policy took without drafting (drafts not worth their cost)
     exact: bool = True  # the engine's multi-token steps give each row a one-token step's logits
-    step_s: dict | None = None  # the policy's step times by row count (seconds; 1: a plain token)
+    step_s: dict | None = None  # the policy's step times by row count (seconds; 1: a plain token, 0: a restart)
 
     @property
     def acceptance(self) -> float | None:
@@ -68,7 +73,8 @@ class Stats:
                 "verification_steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "tokens_per_target_step": self.tokens_per_step,
                 "paused_steps": self.paused, "exact": self.exact,
-                "step_ms": {rows: round(t * 1e3, 3) for rows, t in sorted((self.step_s or {}).items())}}
+                "step_ms": {rows: round(t * 1e3, 3) for rows, t in sorted((self.step_s or {}).items()) if rows},
+                "restart_ms": round((self.step_s or {}).get(0, 0.0) * 1e3, 3)}
 
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
@@ -162,7 +168,8 @@ class ModelDrafter:
 
 class Policy:
     """How many drafts the next step verifies (module docstring): acceptance as decayed counts of kept and rejected
-    draft tokens, step times as decayed means by row count."""
+    draft tokens, step times as decayed means by row count, the length of a stretch of drafting steps as a decayed
+    mean."""
 
     def __init__(self, k_max: int, fixed: bool, seconds: dict[int, float] | None = None):
         self.k_max, self.fixed = k_max, fixed  # fixed: the engine verifies k_max drafts every time (padded)
@@ -170,6 +177,9 @@ class Policy:
         self.seconds = {} if seconds is None else seconds  # (an engine's, measured in its earlier generations)
         self.samples: dict[int, int] = {}
         self.draft_s = 0.0  # seconds per drafted token (a draft model's steps; n-gram lookups cost about none)
+        self.stretch, self.stretches = STRETCH, 1.0  # decayed sum of verification steps per stretch, and count
+        self.in_stretch = 0  # verification steps since the last plain run
+        self.missed = 0  # probes in a row that did not resume drafting
 
     @property
     def alpha(self) -> float:
@@ -178,8 +188,29 @@ class Policy:
     def timed(self, rows: int, seconds: float) -> None:
         """A step of `rows` tokens took `seconds`; the first of each row count is not kept (it compiles, allocates)."""
         self.samples[rows] = self.samples.get(rows, 0) + 1
-        if self.samples[rows] == 1:
+        if self.samples[rows] > 1:
+            self._mean(rows, seconds)
+
+    def plain(self, done: int, first: float, seconds: float) -> None:
+        """A plain run of `done` tokens took `seconds`, `first` of them to its first token: the steady time of a
+        token from the others, the restart from the first (module docstring). A run of one token says neither,
+        unless no plain time is known yet."""
+        if done < 2:
+            if 1 not in self.seconds:
+                self.timed(1, seconds)
             return
+        steady = (seconds - first) / (done - 1)
+        self._mean(1, steady)
+        self.timed(0, max(0.0, first - steady))  # (the first run's first token may compile: not kept)
+        if self.in_stretch:
+            self.stretch = DECAY * self.stretch + self.in_stretch
+            self.stretches = DECAY * self.stretches + 1
+            self.in_stretch = 0
+
+    def verified(self) -> None:
+        self.in_stretch += 1
+
+    def _mean(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None or seconds < old / 2 else DECAY * old + (1 - DECAY) * seconds
 
@@ -204,25 +235,39 @@ class Policy:
         r, c = max(known)
         return 1.0 + (c - 1.0) * (rows - 1) / (r - 1)
 
-    def choose(self, left: int) -> int:
-        """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more)."""
+    def choose(self, left: int, stops_run: bool = False) -> int:
+        """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more); `stops_run`:
+        the step would stop a plain run (its share of the restart is charged)."""
         if 1 not in self.seconds:
             return 0  # a plain step first: what drafting is weighed against
         a, best, k_best = self.alpha, PAYS, 0
         for k in ([self.k_max] if self.fixed else range(1, self.k_max + 1)):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k)
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k, stops_run)
             if gain > best:
                 best, k_best = gain, k
         return min(k_best, left - 1)
 
-    def step_cost(self, k: int) -> float:
-        """Drafting k tokens and verifying them, in plain steps."""
+    def step_cost(self, k: int, stops_run: bool = False) -> float:
+        """Drafting k tokens and verifying them, in plain steps (with `stops_run`, the restart's share)."""
         one = self.seconds.get(1)
-        return self.cost(k + 1) + (k * self.draft_s / one if one else 0.0)
+        if not one:
+            return self.cost(k + 1)
+        restart = self.seconds.get(0, 0.0) * self.stretches / self.stretch if stops_run else 0.0
+        return self.cost(k + 1) + (k * self.draft_s + restart) / one
 
     def could_pay(self) -> bool:
         """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
-        return any((k + 1) / self.step_cost(k) > PAYS for k in range(1, self.k_max + 1))
+        return any((k + 1) / self.step_cost(k, True) > PAYS for k in range(1, self.k_max + 1))
+
+    @property
+    def probe_every(self) -> int:
+        """Plain tokens after which a paused drafter is tried again."""
+        return PROBE_EVERY << min(self.missed, 6)
+
+    def probed(self, resumed: bool) -> None:
+        """A probe's verification ran; `resumed`: the policy now drafts again (else the next probe waits twice as
+        long)."""
+        self.missed = 0 if resumed else self.missed + 1
 
 
 def drafter_for(options, sampler, max_len: int):
@@ -250,12 +295,18 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     stats.step_s = policy.seconds
     shadow: list[int] = []  # an n-gram draft not verified (paused): compared with the tokens plain decode gives
     since_probe = 0
+    ran_plain = False  # the last step was a plain run (a drafting step now stops it: a restart to pay)
+    probing = False
     while produced < max_new:
         left = max_new - produced
-        want = policy.choose(left)
-        if not want and since_probe >= PROBE_EVERY and left > 1 and _probe(policy, drafter):
+        want = policy.choose(left, ran_plain)
+        if not want and since_probe >= policy.probe_every and left > 1 and _probe(policy, drafter):
             want = min(k, left - 1)  # a paused drafter is tried again (an n-gram one whose shadow drafts match: a
             # verification step's time measured early may have been an outlier)
+            probing = True
+        elif probing:
+            policy.probed(want > 0)
+            probing = False
         t0 = time.perf_counter()
         draft, q = drafter.propose(history, want) if want else ([], None)
         if draft:
@@ -263,12 +314,12 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         if not draft:  # plain steps on the engine's own decode loop (on a GPU: the next step queued)
             ngram = isinstance(drafter, NgramDrafter)
             if 1 not in policy.seconds:
-                n = 1  # a one-token step timed first: what drafting is weighed against
+                n = PLAIN_RUN  # plain tokens timed first: what drafting is weighed against
             elif engine.trimmable:
                 n = left  # a run the loop stops where drafting should resume (the engine rolls back what it queued)
             else:
-                n = 1 if want else PLAIN_RUN if ngram else PROBE_EVERY - since_probe
-            n, done = max(1, min(left, n)), 0
+                n = 1 if want else PLAIN_RUN if ngram else policy.probe_every - since_probe
+            n, done, first = max(1, min(left, n)), 0, 0.0
             watch = policy.could_pay()  # else no draft is looked for until the run ends (none could pay)
             run = engine.continue_from(y, n, sampler)
             t0 = time.perf_counter()
@@ -276,6 +327,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                 for token in run:
                     y = token
                     done += 1
+                    first = first or time.perf_counter() - t0
                     stats.plain += 1
                     stats.paused += not want and left > 1
                     since_probe += 1
@@ -296,9 +348,10 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                         break
             finally:
                 run.close()
-            policy.timed(1, (time.perf_counter() - t0) / done)
+            policy.plain(done, first, time.perf_counter() - t0)
+            ran_plain = True
             continue
-        shadow, since_probe = [], 0
+        shadow, since_probe, ran_plain = [], 0, False
         # an engine that compiles its verification step per row count gets k drafts every time (padded: the pad's
         # rows are read by no one, later rows never change earlier ones)
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
@@ -314,6 +367,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             engine.forward([y, *draft[:kept]])
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
         policy.drafts(kept, len(draft))
+        policy.verified()
         stats.steps += 1
         stats.drafted += len(draft)
         stats.accepted += kept
@@ -333,7 +387,7 @@ def _resume(policy: Policy, drafter, shadow: list[int], since_probe: int, left: 
         return False
     if isinstance(drafter, NgramDrafter) and not shadow:
         return False
-    return policy.choose(left) > 0 or since_probe >= PROBE_EVERY and _probe(policy, drafter)
+    return policy.choose(left, True) > 0 or since_probe >= policy.probe_every and _probe(policy, drafter)
 
 
 def _probe(policy: Policy, drafter) -> bool:
