@@ -100,7 +100,7 @@ bench|probe|kv8|pipeline|spec)
         done
         [ "${SPEC_BENCH:-1}" = 0 ] && exit 0  # (SPEC_LOOP=TOKENS SPEC_BENCH=0: the verification steps traced only)
         if [ "${SPEC_PEERS:-1}" = 0 ]; then  # fuselm's plain and n-gram decoding only (no mlx-lm, no draft model)
-            python3 "$repo/bench/speculative.py" --model /root/smol/q8 --backend mlx --tokens ${SPEC_TOKENS:-128} \
+            python3 "$repo/bench/speculative.py" --model /root/smol/q8 --backend mlx --tokens ${SPEC_TOKENS:-128} ${SPEC_ARGS:-} \
                 --runs ${SPEC_RUNS:-3} --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
             exit 0
         fi

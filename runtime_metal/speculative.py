@@ -56,7 +56,7 @@ class Stats:
     emitted: int = 0  # tokens produced by verification steps (kept drafts + the target's own)
     plain: int = 0  # tokens decoded without drafts (no draft found, or drafting paused)
     paused: int = 0  # steps the policy took without drafting (drafts not worth their cost)
-    exact: bool = True  # the engine's multi-token steps give each row a one-token step's logits
+    inexact: str | None = None  # why the engine's verification steps may not give a row a one-token step's logits
     step_s: dict | None = None  # the policy's step times by row count (seconds; 1: a plain token, 0: a restart)
 
     @property
@@ -72,7 +72,7 @@ class Stats:
         return {"method": self.method, "num_draft": self.num_draft, "target_steps": self.steps + self.plain,
                 "verification_steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "tokens_per_target_step": self.tokens_per_step,
-                "paused_steps": self.paused, "exact": self.exact,
+                "paused_steps": self.paused, "exact": self.inexact is None,
                 "step_ms": {rows: round(t * 1e3, 3) for rows, t in sorted((self.step_s or {}).items()) if rows},
                 "restart_ms": round((self.step_s or {}).get(0, 0.0) * 1e3, 3)}
 
@@ -80,8 +80,8 @@ class Stats:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
         off = f"; drafting paused for {self.paused} steps (drafts kept too rarely for their cost)" if self.paused else ""
-        near = "" if self.exact else ("; this engine rounds a multi-token step otherwise than a one-token step (int8 "
-                                      "activations), so greedy tokens may leave plain decode's at a near-tie")
+        near = "" if self.inexact is None else (f"; {self.inexact}, so greedy tokens may leave plain decode's where "
+                                                 "its top two logits are close")
         return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}{near}"
 
 
@@ -283,7 +283,7 @@ def drafter_for(options, sampler, max_len: int):
 def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, stats: Stats) -> Iterator[int]:
     """Prefill `ids` on `engine`, then yield up to `max_new` tokens, drafting `k` at a time (module docstring)."""
     engine.reset(len(ids) + max_new + k + 1)
-    stats.exact = engine.batch_invariant
+    stats.inexact = engine.inexact(k + 1)
     drafter.start(ids)
     history = list(ids)
     rows = engine.forward(ids)

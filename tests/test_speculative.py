@@ -207,6 +207,19 @@ def test_a_costly_restart_stops_sporadic_drafts(optimized):
     assert engine.step_seconds[0] > 0.04 > 10 * engine.step_seconds[1], engine.step_seconds
 
 
+def test_a_step_past_the_exact_rows_says_so(optimized):
+    """A backend whose kernels give a row one-token numbers only up to some row count (MLX's quantized matmul on a
+    GPU: its vector kernel up to 7 rows on CUDA, 5 on Metal): speculation with more drafts than that reports its
+    tokens as not exact, and why; within it, as exact."""
+    engine = fuselm.load(optimized("qwen3", "q4"), backend="mlx")
+    backend = engine.session.backend
+    backend.exact_rows, backend.inexact_why = 3, "a test kernel"
+    for k, exact in ((2, True), (3, False)):
+        stats = speculative.Stats("ngram", k)
+        list(speculative.generate(engine, PROMPT, 8, Sampler(), speculative.NgramDrafter(), k, stats))
+        assert stats.as_dict()["exact"] is exact and ("a test kernel" in stats.describe()) is not exact
+
+
 def test_cli_flags(optimized, capsys):
     model = str(optimized("qwen3", "f32"))
     assert main(["run", model, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "8", "--ignore-eos",

@@ -42,7 +42,9 @@ class Backend:
     and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (rewrites/causal_masks.py): what the
     backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache;
     `long_sdpa` — `sdpa` runs long prompts without holding their [S × T] scores (a flash kernel), so
-    Attention need not split the keys into blocks (attention_blocks.py)."""
+    Attention need not split the keys into blocks (attention_blocks.py); `exact_rows` — the most rows a step may
+    have for each of them to get a one-token step's numbers (None: any), with `inexact_why` the reason beyond it
+    (speculation's verification steps are such steps)."""
 
     name = "base"
     device = "cpu"
@@ -50,6 +52,8 @@ class Backend:
     compile_default = False
     causal_reads = False
     long_sdpa = False
+    exact_rows: int | None = None
+    inexact_why = ""
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the

@@ -68,6 +68,12 @@ HALF = {"f16": mx.float16, "bf16": mx.bfloat16}
 # cuDNN for any query of more than one row (supports_sdpa_cudnn), which builds a graph per key length (~100 ms)
 VECTOR_ROWS = {"f32": 3, "f16": 1, "bf16": 1}
 FEW_ROWS = 16  # causal queries this few go to that kernel in groups (a verification step; a prompt: cuDNN)
+# The most rows MLX's quantized matmul still runs on its vector kernel (qmv), a row at a time as a one-token step
+# does; more go to its matrix kernel (qmm), which sums in another order. CUDA: fewer than 8 rows (cuda/quantized/
+# quantized.cpp); Metal: fewer than get_qmv_batch_limit's, 6 on the smallest chips (metal/quantized.cpp); the CPU
+# runs every row alike. Measured on an H100 in bfloat16 (run 45): 5-row verifications kept plain decode's tokens on
+# every prompt, 9-row ones parted from them on 3 of 8.
+QMV_ROWS = {"CUDA": 7, "Metal": 5}
 
 
 def gpu_kind() -> str | None:
@@ -220,6 +226,9 @@ class MLXBackend(Backend):
             self.prefill_chunk = 2048  # as mlx-lm: big enough to fill the GPU
             self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
             self.vector_rows = VECTOR_ROWS.get(dtype) if kind == "CUDA" else None
+            self.exact_rows = QMV_ROWS[kind]
+            self.inexact_why = (f"MLX's quantized matmul takes more than {self.exact_rows} rows on its matrix kernel "
+                                f"({kind}), which sums in another order than a one-token step's")
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"

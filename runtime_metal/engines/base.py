@@ -28,7 +28,6 @@ class Engine:
     name = "engine"
     device = "cpu"
     compute = "f32"  # the compute type of the graph's float32 values
-    batch_invariant = True  # a row of a multi-token step gets the logits it gets in a one-token step
     fixed_rows = False  # its multi-token steps are compiled per row count: speculation verifies k drafts every time
     HONOURS: dict[str, tuple | None] = GENERATION
 
@@ -67,6 +66,11 @@ class Engine:
         raise NotImplementedError(f"the {self.name} engine cannot roll its cache back")
 
     trimmable = True  # rollback works; else (a recurrent state) checkpoint / restore and run the kept tokens again
+
+    def inexact(self, rows: int) -> str | None:
+        """Why a step of `rows` tokens may give a row other logits than a one-token step would (greedy speculation
+        may then part from plain decode at a near-tie); None where it gives each row the same numbers."""
+        return None
 
     def checkpoint(self):
         """Where the cache stands, for `restore`."""

@@ -34,6 +34,10 @@ class NativeEngine(Engine):
     def describe(self) -> str:
         return self.session.describe()
 
+    def inexact(self, rows: int) -> str | None:
+        b = self.session.backend
+        return b.inexact_why if b.exact_rows is not None and rows > b.exact_rows else None
+
     @property
     def fixed_rows(self) -> bool:
         return self.session.causal_reads  # Decoding.rows compiles a verification step per cache length and rows

@@ -255,14 +255,13 @@ class OrtEngine(Engine):
     def describe(self) -> str:
         return self.loop.what
 
-    @property
-    def batch_invariant(self) -> bool:
+    def inexact(self, rows: int) -> str | None:
         """onnxruntime's int8-activation MatMulNBits (accuracy level 4) rounds a multi-token step's activations
-        otherwise than a one-token step's: a row's logits then depend on the rows beside it (up to ~0.5 on a
-        135M q4 model), where fuselm's own kernels give every row the same numbers either way."""
-        if not hasattr(self, "_invariant"):
-            self._invariant = not int8_activations(self.path)
-        return self._invariant
+        otherwise than a one-token step's: a row's logits then depend on the rows beside it (up to ~1 logit on a
+        135M q4 model)."""
+        if not hasattr(self, "_int8"):
+            self._int8 = int8_activations(self.path)
+        return "onnxruntime rounds its activations to int8 per step" if self._int8 and rows > 1 else None
 
     def _bound(self) -> BoundLoop:
         if not isinstance(self.loop, BoundLoop):
