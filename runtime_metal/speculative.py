@@ -18,8 +18,8 @@ none when no k beats a plain step by PAYS: drafting pauses while its drafts keep
 (plain tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where
 the cache cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting
 resumes when they start to match; after PROBE_EVERY plain tokens a paused drafter is tried again unless even
-drafts always kept would not pay for the measured step, an n-gram drafter if its shadow drafts match half the
-time, and each probe that does not resume drafting doubles the wait for the next). A plain token's time is a
+drafts always kept would not pay for the measured step, an n-gram drafter only if its shadow drafts would pay for
+a step measured twice too dear, and each probe that does not resume drafting doubles the wait for the next). A plain token's time is a
 run's steady one: its first token is timed apart, since a pipelined loop's first step waits for itself; what it
 costs beyond a steady token is a restart, paid once for every stretch of drafting steps that stops a plain run,
 and charged to the step that would start one in shares over the measured length of such stretches. Step times
@@ -191,17 +191,19 @@ class Policy:
         if self.samples[rows] > 1:
             self._mean(rows, seconds)
 
-    def plain(self, done: int, first: float, seconds: float) -> None:
+    def plain(self, done: int, first: float, seconds: float, restarted: bool = True) -> None:
         """A plain run of `done` tokens took `seconds`, `first` of them to its first token: the steady time of a
-        token from the others, the restart from the first (module docstring). A run of one token says neither,
-        unless no plain time is known yet."""
+        token from the others, the restart from the first (module docstring; `restarted` False: the run began
+        with the prompt, whose token says nothing of a restart). A run of one token says neither, unless no plain
+        time is known yet."""
         if done < 2:
-            if 1 not in self.seconds:
+            if 1 not in self.seconds and restarted:
                 self.timed(1, seconds)
             return
         steady = (seconds - first) / (done - 1)
         self._mean(1, steady)
-        self.timed(0, max(0.0, first - steady))  # (the first run's first token may compile: not kept)
+        if restarted:
+            self.timed(0, max(0.0, first - steady))  # (the first run's first token may compile: not kept)
         if self.in_stretch:
             self.stretch = DECAY * self.stretch + self.in_stretch
             self.stretches = DECAY * self.stretches + 1
@@ -235,25 +237,26 @@ class Policy:
         r, c = max(known)
         return 1.0 + (c - 1.0) * (rows - 1) / (r - 1)
 
-    def choose(self, left: int, stops_run: bool = False) -> int:
+    def choose(self, left: int, stops_run: bool = False, scale: float = 1.0) -> int:
         """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more); `stops_run`:
-        the step would stop a plain run (its share of the restart is charged)."""
+        the step would stop a plain run (its share of the restart is charged); `scale`: the verification's measured
+        time taken as this much of it."""
         if 1 not in self.seconds:
             return 0  # a plain step first: what drafting is weighed against
         a, best, k_best = self.alpha, PAYS, 0
         for k in ([self.k_max] if self.fixed else range(1, self.k_max + 1)):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k, stops_run)
+            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k, stops_run, scale)
             if gain > best:
                 best, k_best = gain, k
         return min(k_best, left - 1)
 
-    def step_cost(self, k: int, stops_run: bool = False) -> float:
+    def step_cost(self, k: int, stops_run: bool = False, scale: float = 1.0) -> float:
         """Drafting k tokens and verifying them, in plain steps (with `stops_run`, the restart's share)."""
         one = self.seconds.get(1)
         if not one:
             return self.cost(k + 1)
         restart = self.seconds.get(0, 0.0) * self.stretches / self.stretch if stops_run else 0.0
-        return self.cost(k + 1) + (k * self.draft_s + restart) / one
+        return scale * self.cost(k + 1) + (k * self.draft_s + restart) / one
 
     def could_pay(self) -> bool:
         """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
@@ -286,11 +289,8 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     stats.inexact = engine.inexact(k + 1)
     drafter.start(ids)
     history = list(ids)
-    rows = engine.forward(ids)
-    y = sampler.pick(rows[-1])
-    history.append(y)
-    yield y
-    produced = 1
+    y: int | None = None  # the last token emitted, not yet fed (None: the prompt is not run yet)
+    produced = 0
     policy = Policy(k, engine.fixed_rows, engine.step_seconds)
     stats.step_s = policy.seconds
     shadow: list[int] = []  # an n-gram draft not verified (paused): compared with the tokens plain decode gives
@@ -299,8 +299,8 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
     probing = False
     while produced < max_new:
         left = max_new - produced
-        want = policy.choose(left, ran_plain)
-        if not want and since_probe >= policy.probe_every and left > 1 and _probe(policy, drafter):
+        want = policy.choose(left, ran_plain) if y is not None else 0  # (the first run prefills the prompt)
+        if y is not None and not want and since_probe >= policy.probe_every and left > 1 and _probe(policy, drafter):
             want = min(k, left - 1)  # a paused drafter is tried again (an n-gram one whose shadow drafts match: a
             # verification step's time measured early may have been an outlier)
             probing = True
@@ -321,15 +321,19 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                 n = 1 if want else PLAIN_RUN if ngram else policy.probe_every - since_probe
             n, done, first = max(1, min(left, n)), 0, 0.0
             watch = policy.could_pay()  # else no draft is looked for until the run ends (none could pay)
-            run = engine.continue_from(y, n, sampler)
+            # the first run prefills the prompt on the engine's own loop too (on a GPU its first decode step is
+            # queued while the prompt's token is read): a token sooner than a prefill step, then a run
+            prefill = y is None
+            run = engine.start(ids, n, sampler) if prefill else engine.continue_from(y, n, sampler)
             t0 = time.perf_counter()
             try:
                 for token in run:
                     y = token
                     done += 1
                     first = first or time.perf_counter() - t0
-                    stats.plain += 1
-                    stats.paused += not want and left > 1
+                    if done > prefill:  # (the prompt's token is no decode step)
+                        stats.plain += 1
+                        stats.paused += not want and left > 1
                     since_probe += 1
                     if ngram:
                         if shadow and shadow[0] == y:
@@ -348,7 +352,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                         break
             finally:
                 run.close()
-            policy.plain(done, first, time.perf_counter() - t0)
+            policy.plain(done, first, time.perf_counter() - t0, restarted=not prefill)
             ran_plain = True
             continue
         shadow, since_probe, ran_plain = [], 0, False
@@ -392,9 +396,12 @@ def _resume(policy: Policy, drafter, shadow: list[int], since_probe: int, left: 
 
 def _probe(policy: Policy, drafter) -> bool:
     """Whether a paused drafter is tried again: only where drafts always kept would pay for the measured step
-    (a device whose multi-token step costs many one-token steps never drafts), an n-gram drafter only while its
-    shadow drafts match half the time."""
-    return policy.could_pay() and (isinstance(drafter, ModelDrafter) or policy.alpha >= 0.5)
+    (a device whose multi-token step costs many one-token steps never drafts). An n-gram drafter's shadow drafts
+    measure its acceptance, so only the step's time can be wrong: it is probed where its drafts, matching as its
+    shadow drafts do, would pay for a step that costs half the time measured (one measured high, an outlier)."""
+    if isinstance(drafter, ModelDrafter):
+        return policy.could_pay()
+    return policy.alpha >= 0.5 and policy.choose(2, stops_run=True, scale=0.5) > 0
 
 
 def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tuple[int, int]:

@@ -63,6 +63,14 @@ def test_a_plain_run_closed_early_stands_after_its_last_token(optimized, backend
     assert engine.session.pos == len(PROMPT) + 3  # fed: the prompt, first and the two tokens after it
     got += list(engine.continue_from(got[-1], 8, Sampler()))
     assert got == plain
+    for stop in (1, 3):  # a run that starts with the prompt (its first decode step queued), stopped the same way
+        engine.reset(len(PROMPT) + 12)
+        run = engine.start(PROMPT, 12, Sampler())
+        got = [next(run) for _ in range(stop)]
+        run.close()
+        assert engine.session.pos == len(PROMPT) + stop - 1
+        got += list(engine.continue_from(got[-1], 12 - stop, Sampler()))
+        assert got == plain
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -155,6 +163,18 @@ def test_policy_drafts_what_pays():
     p.seconds[5] = 0.05
     assert p.choose(100) < 4
 
+
+
+def test_ngram_probes_only_where_an_outlier_could_hide_a_gain():
+    """A paused n-gram drafter's acceptance is measured by its shadow drafts, so a probe only re-measures the step's
+    time: it runs where the drafts would pay for a step half as dear as measured (an outlier), not merely because
+    they match half the time. A verification measured at 3.5 plain tokens, a restart at 0.8."""
+    p = speculative.Policy(4, fixed=True)
+    p.seconds.update({1: 0.002, 5: 0.007, 0: 0.0016})
+    p.kept, p.rejected = 9.0, 0.5  # shadow drafts kept 94 % of the time: not worth the measured step, worth half
+    assert p.choose(100, stops_run=True) == 0 and speculative._probe(p, speculative.NgramDrafter())
+    p.kept, p.rejected = 1.0, 1.0  # 55 %: not even at half the cost
+    assert p.could_pay() and not speculative._probe(p, speculative.NgramDrafter())
 
 
 def test_a_costly_verification_is_not_probed_again(optimized):

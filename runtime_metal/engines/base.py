@@ -83,9 +83,14 @@ class Engine:
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Prefill `ids`, then yield up to `max_new` tokens picked by `sampler` (the caller stops at eos)."""
         self.reset(len(ids) + max_new)
+        yield from self.start(ids, max_new, sampler)
+
+    def start(self, ids: list[int], n: int, sampler) -> Iterator[int]:
+        """`generate` on a cache already reset: the token the prompt `ids` gives, then the n - 1 after it; closed
+        early, as `continue_from`."""
         token = sampler.pick(self.forward(ids)[-1])
         yield token
-        yield from self.continue_from(token, max_new - 1, sampler)
+        yield from self.continue_from(token, n - 1, sampler)
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
         """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands. Closed

@@ -90,17 +90,27 @@ class NativeEngine(Engine):
         """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop; closed early,
         the steps it queued beyond the last token yielded are rolled back (where the cache can)."""
         s = self.session
-        start, fed = s.pos, 0
-        steps = s.decode_from(s.backend.asarray(np.array([token], np.int64)), n + 1, sampler)
+        steps = self._trimmed(s.decode_from(s.backend.asarray(np.array([token], np.int64)), n + 1, sampler), s.pos)
         next(steps)  # `token` itself
+        yield from steps
+
+    def start(self, ids: list[int], n: int, sampler) -> Iterator[int]:
+        """The prompt's token and the n - 1 after it on the pipelined loop (its first decode step queued while the
+        prompt's token is read), closed early as `continue_from`."""
+        yield from self._trimmed(self.session.generate(ids, n, sampler), self.session.pos + len(ids))
+
+    def _trimmed(self, steps: Iterator[int], at: int) -> Iterator[int]:
+        """`steps`' tokens, each fed before the next is picked, from a cache holding `at` positions when the first
+        comes: closed early, what the loop queued beyond the last token yielded is rolled back (where it can)."""
+        s, fed = self.session, -1
         try:
             for t in steps:
                 fed += 1  # (the token before `t` has been fed)
                 yield t
         finally:
             steps.close()
-            if s.pos > start + fed and self.trimmable:
-                s.rollback(s.pos - start - fed)
+            if fed >= 0 and s.pos > at + fed and self.trimmable:
+                s.rollback(s.pos - at - fed)
 
     def report(self, console) -> dict | None:
         """The --profile table of the last generation, printed; None without --profile."""
