@@ -243,12 +243,22 @@ class Policy:
         time taken as this much of it."""
         if 1 not in self.seconds:
             return 0  # a plain step first: what drafting is weighed against
-        a, best, k_best = self.alpha, PAYS, 0
-        for k in ([self.k_max] if self.fixed else range(1, self.k_max + 1)):
-            gain = (1 - a ** (k + 1)) / (1 - a) / self.step_cost(k, stops_run, scale)
+        best, k_best = PAYS, 0
+        for k in self.ks:
+            gain = self.gain(k, self.alpha, stops_run, scale)
             if gain > best:
                 best, k_best = gain, k
         return min(k_best, left - 1)
+
+    @property
+    def ks(self) -> list[int]:
+        """The draft counts a step may verify."""
+        return [self.k_max] if self.fixed else list(range(1, self.k_max + 1))
+
+    def gain(self, k: int, alpha: float, stops_run: bool = False, scale: float = 1.0) -> float:
+        """Tokens per plain step's time of a step verifying k drafts each kept with probability `alpha`."""
+        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / self.step_cost(k, stops_run, scale)
 
     def step_cost(self, k: int, stops_run: bool = False, scale: float = 1.0) -> float:
         """Drafting k tokens and verifying them, in plain steps (with `stops_run`, the restart's share)."""
@@ -260,7 +270,7 @@ class Policy:
 
     def could_pay(self) -> bool:
         """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
-        return any((k + 1) / self.step_cost(k, True) > PAYS for k in range(1, self.k_max + 1))
+        return any(self.gain(k, 1.0, True) > PAYS for k in range(1, self.k_max + 1))
 
     @property
     def probe_every(self) -> int:
@@ -401,7 +411,7 @@ def _probe(policy: Policy, drafter) -> bool:
     shadow drafts do, would pay for a step that costs half the time measured (one measured high, an outlier)."""
     if isinstance(drafter, ModelDrafter):
         return policy.could_pay()
-    return policy.alpha >= 0.5 and policy.choose(2, stops_run=True, scale=0.5) > 0
+    return policy.alpha >= 0.5 and any(policy.gain(k, policy.alpha, True, 0.5) > PAYS for k in policy.ks)
 
 
 def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tuple[int, int]:

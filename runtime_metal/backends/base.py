@@ -42,9 +42,8 @@ class Backend:
     and mask "causal" at prefill (`sdpa`), where the graph's mask allows it (rewrites/causal_masks.py): what the
     backend's fused attention needs (MLX); the decode step's attention shapes then grow with the cache;
     `long_sdpa` — `sdpa` runs long prompts without holding their [S × T] scores (a flash kernel), so
-    Attention need not split the keys into blocks (attention_blocks.py); `exact_rows` — the most rows a step may
-    have for each of them to get a one-token step's numbers (None: any), with `inexact_why` the reason beyond it
-    (speculation's verification steps are such steps)."""
+    Attention need not split the keys into blocks (attention_blocks.py). `inexact(rows)` says why a step of that many
+    rows may give a row other numbers than a one-token step (speculation's verification steps are such steps)."""
 
     name = "base"
     device = "cpu"
@@ -52,8 +51,6 @@ class Backend:
     compile_default = False
     causal_reads = False
     long_sdpa = False
-    exact_rows: int | None = None
-    inexact_why = ""
     compute = "f32"
     prefill_chunk = 512  # prompt tokens per prefill step: activations stay bounded
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
@@ -70,6 +67,10 @@ class Backend:
     step_memo: dict | None = None  # values shared by the ops of one graph run (reset by `new_step`)
 
     # --- data movement ---------------------------------------------------------------
+    def inexact(self, rows: int) -> str | None:
+        """Why a step of `rows` tokens may round a row otherwise than a one-token step; None: it does not."""
+        return None
+
     def asarray(self, value: np.ndarray):
         """A host numpy array (any ONNX dtype, bf16 via ml_dtypes) as a backend array."""
         raise NotImplementedError

@@ -208,6 +208,7 @@ class MLXBackend(Backend):
     quantized_gather_kind = "mlx"
     causal_reads = True  # sdpa_vector (CUDA) takes no array mask; on Metal it would visit every buffer row
     vector_rows: int | None = None  # causal queries in groups of this many where a few come (CUDA: VECTOR_ROWS[dtype])
+    exact_rows: int | None = None  # rows a step may have and still round each as a one-token step (GPU: QMV_ROWS)
     # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
     # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
     inflight_layers = switches.number("FUSELM_INFLIGHT", 2) or None
@@ -227,8 +228,6 @@ class MLXBackend(Backend):
             self.long_sdpa = True  # Metal's and CUDA's sdpa tile the keys (the CPU fallback holds the scores)
             self.vector_rows = VECTOR_ROWS.get(dtype) if kind == "CUDA" else None
             self.exact_rows = QMV_ROWS[kind]
-            self.inexact_why = (f"MLX's quantized matmul takes more than {self.exact_rows} rows on its matrix kernel "
-                                f"({kind}), which sums in another order than a one-token step's")
         else:
             mx.set_default_device(mx.cpu)
             self.device = "cpu"
@@ -495,6 +494,12 @@ class MLXBackend(Backend):
             self._freqs[key] = (None, mx.compile(partial(_qkv_heads, rotates=rotates, eps=eps,
                                                          heads_first=heads_first)))
         return self._freqs[key][1](qkv, cos, sin, weight, weight_rot)
+
+    def inexact(self, rows: int) -> str | None:
+        if self.exact_rows is None or rows <= self.exact_rows:
+            return None
+        return (f"MLX's quantized matmul on the {self.device} takes more than {self.exact_rows} rows on its matrix "
+                "kernel, which sums in another order than a one-token step's")
 
     def sdpa(self, q, k, v, mask, scale):
         if mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_ and mask.dtype != q.dtype:

@@ -35,8 +35,7 @@ class NativeEngine(Engine):
         return self.session.describe()
 
     def inexact(self, rows: int) -> str | None:
-        b = self.session.backend
-        return b.inexact_why if b.exact_rows is not None and rows > b.exact_rows else None
+        return self.session.backend.inexact(rows)
 
     @property
     def fixed_rows(self) -> bool:
