@@ -89,7 +89,8 @@ def _tokens(engine: Engine, ids: list[int], opts: Options, sampler) -> Iterator[
     if isinstance(drafter, speculative.ModelDrafter):
         drafter.sampler, drafter.max_len = sampler, len(ids) + opts.max_tokens + opts.num_draft + 1
     engine.speculation = speculative.Stats(opts.speculative, opts.num_draft)
-    return speculative.generate(engine, ids, opts.max_tokens, sampler, drafter, opts.num_draft, engine.speculation)
+    return engine.profiling(speculative.generate(engine, ids, opts.max_tokens, sampler, drafter, opts.num_draft,
+                                                 engine.speculation))
 
 
 def run(model, prompt=None, options: Options | None = None, chat: bool = False, stream=None, quiet: bool = False,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def report(sess, tokens: int, console) -> dict:
-    """Print the per-op-type table of the profiled decode steps; returns the same data."""
+def report(sess, tokens: int, console, what: str | None = None) -> dict:
+    """Print the per-op-type table of the profiled decode steps (`what` they were, where not plain decode steps);
+    returns the same data."""
     from rich.table import Table
 
     prof = sess.profiler
@@ -13,7 +14,7 @@ def report(sess, tokens: int, console) -> dict:
     total = sum(r[2] for r in rows) or 1e-12
     calls = sum(r[1] for r in rows)
     per_token = calls / tokens if tokens > 0 else None
-    table = Table(title=f"decode profile: {tokens} tokens after {sess.backend.name} warm-up")
+    table = Table(title=f"decode profile: {tokens} tokens after {sess.backend.name} warm-up{f' ({what})' if what else ''}")
     for col in ("op", "calls", "total ms", "avg µs", "share"):
         table.add_column(col, justify="left" if col == "op" else "right")
     for op, n, secs in rows:
@@ -34,6 +35,6 @@ def report(sess, tokens: int, console) -> dict:
         console.print("[yellow]synchronised timings: the backend evaluates lazily, so each op was forced (and waited "
                       "for) on its own to time it; absolute times are inflated, read the ordering, not the totals. The "
                       "compiled step fuses ops (see kernels per token).[/yellow]")
-    return {"tokens": tokens, "ops_per_token": per_token, "kernels": kernels,
+    return {"tokens": tokens, "what": what or "decode steps", "ops_per_token": per_token, "kernels": kernels,
             "ops": [{"op": op, "calls": n, "total_ms": secs * 1e3, "avg_us": secs / n * 1e6, "share": secs / total}
                     for op, n, secs in rows]}

@@ -79,7 +79,7 @@ class Stats:
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
-        off = f"; drafting paused for {self.paused} steps (drafts kept too rarely for their cost)" if self.paused else ""
+        off = f"; drafting paused for {self.paused} steps (no draft count paid for its verification at the measured acceptance and step times)" if self.paused else ""
         near = "" if self.inexact is None else (f"; {self.inexact}, so greedy tokens may leave plain decode's where "
                                                  "its top two logits are close")
         return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}{near}"

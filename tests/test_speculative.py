@@ -29,8 +29,8 @@ def drafting(monkeypatch):
     monkeypatch.setattr(speculative.Policy, "step_cost", lambda self, k, stops_run=False, scale=1.0: 1.0)
 
 
-def _run(model, **kw):
-    return fuselm.run(model, PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True, stream=io.StringIO(), **kw)
+def _run(model, quiet=True, **kw):
+    return fuselm.run(model, PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=quiet, stream=io.StringIO(), **kw)
 
 
 @pytest.mark.parametrize("backend,quant", [("torch", "f32"), ("torch", "q4"), ("numpy", "q4"), ("mlx", "f32"),
@@ -257,6 +257,19 @@ def test_cli_flags(optimized, capsys):
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "draft"]) == 2
     assert "--draft-model" in capsys.readouterr().err
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_profile_times_the_speculative_steps(drafting, optimized, capsys, backend):
+    """--profile with --speculative: the table times the run's plain and verification steps after the first few
+    tokens (before, it timed none and asked for more tokens), and the tokens stay plain decode's."""
+    model = optimized("qwen3", "q4")
+    plain = _run(model, backend=backend)
+    r = _run(model, backend=backend, speculative="ngram", num_draft=3, profile=True, quiet=False)
+    assert r["tokens"] == plain["tokens"] and r["speculative"]["verification_steps"] > 0
+    assert r["profile"]["tokens"] > TOKENS // 2 and r["profile"]["what"] == "speculative ngram: plain and verification steps"
+    assert "decode profile" in capsys.readouterr().err
+    assert {o["op"] for o in r["profile"]["ops"]} >= {"Attention"}
 
 
 def test_mlx_verifies_on_compiled_pieces(drafting, optimized):

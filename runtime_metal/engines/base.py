@@ -80,6 +80,11 @@ class Engine:
         raise NotImplementedError(f"the {self.name} engine cannot restore its cache")
 
     # --- runs over them ------------------------------------------------------------------------
+    def profiling(self, tokens: Iterator[int]) -> Iterator[int]:
+        """A generation's `tokens` on this engine, timed by --profile after the first few where the engine has a
+        profiler (its plain loop and speculative decoding's steps alike); here, as they are."""
+        return tokens
+
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Prefill `ids`, then yield up to `max_new` tokens picked by `sampler` (the caller stops at eos)."""
         self.reset(len(ids) + max_new)

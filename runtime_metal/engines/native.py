@@ -75,14 +75,20 @@ class NativeEngine(Engine):
     def generate(self, ids: list[int], max_new: int, sampler) -> Iterator[int]:
         """Tokens picked on the device, the next step queued while this one is read (Session.generate); with
         --profile the profiler times the decode steps after the first few."""
-        s = self.session
-        s.reset(len(ids) + max_new)
+        self.session.reset(len(ids) + max_new)
+        yield from self.profiling(self.session.generate(ids, max_new, sampler))
+
+    def profiling(self, tokens: Iterator[int]) -> Iterator[int]:
         self.profiled = 0
-        for n, token in enumerate(s.generate(ids, max_new, sampler)):
-            if self.options.profile:
-                if n == PROFILE_SKIP_TOKENS - 1:  # the step after this token is queued already
-                    s.profiler.enabled = True
-                self.profiled = max(0, n - PROFILE_SKIP_TOKENS)
+        if not self.options.profile:
+            return tokens
+        return self._profiled(tokens)
+
+    def _profiled(self, tokens: Iterator[int]) -> Iterator[int]:
+        for n, token in enumerate(tokens):
+            if n == PROFILE_SKIP_TOKENS - 1:  # (on the pipelined loop the step after this token is queued already)
+                self.session.profiler.enabled = True
+            self.profiled = max(0, n - PROFILE_SKIP_TOKENS)
             yield token
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
@@ -117,7 +123,8 @@ class NativeEngine(Engine):
             return None
         from ..profile import report
 
-        return report(self.session, self.profiled, console)
+        what = None if self.speculation is None else f"speculative {self.speculation.method}: plain and verification steps"
+        return report(self.session, self.profiled, console, what)
 
     def close(self) -> None:
         self.session = None
