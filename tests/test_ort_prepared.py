@@ -195,3 +195,31 @@ def test_the_fingerprint_finds_the_copy_and_misses_when_the_source_changes(tmp_p
     assert find_prepared_dir(model, "fmt", "tag") is None
     (new / "x").write_text("damaged")  # a damaged copy is never found
     assert find_prepared_dir(model, "fmt", "tag") is None
+
+
+def test_the_step_binding_is_kept_and_its_logits_are_the_callers(cpu, optimized, tmp_path):
+    """On the lowered copy's shared KV buffers the IO-binding loop binds the caches once and writes the logits into
+    a buffer of its own (no output read back per step): each step's logits are the caller's to keep (the next step
+    does not write over them), and equal to those of a step bound afresh."""
+    import numpy as np
+
+    engine = fuselm.load(_copy(optimized("qwen3", "q4"), tmp_path))
+    loop = engine.loop
+    steps = [[7], [9, 11, 13], [5]]
+
+    def run(fresh: bool) -> list:
+        engine.reset(32)
+        out = [engine.forward(PROMPT)]
+        for ids in steps:
+            if fresh:
+                loop.io = None
+            out.append(engine.forward(ids, rows=len(ids)))
+        return out
+
+    kept = run(fresh=False)
+    assert loop.io is not None and loop.shared
+    copies = [a.copy() for a in kept]
+    again = run(fresh=True)
+    for a, b, c in zip(kept, copies, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

@@ -105,6 +105,13 @@ class BoundLoop:
         self.shared = _shares_buffer(config, model_dir)
         self.what = f"onnxruntime {ort.__version__} (IO binding{', one shared KV buffer' if self.shared else ''}), CPU"
         self.cache, self.done, self.max_len = {}, 0, 0
+        self.present = {n: contract.step_present_of(n) for n in [*self.pasts, *self.states]}
+        vocab = next(o.shape[-1] for o in self.sess.get_outputs() if o.name == contract.LOGITS)
+        # logits [1, keep, vocab] written into buffers of ours (logits_to_keep says the rows; no get_outputs, which
+        # wraps every output): else onnxruntime allocates them
+        self.vocab = vocab if isinstance(vocab, int) and contract.LOGITS_TO_KEEP in self.inputs else None
+        self.logits: dict[int, tuple] = {}  # keep -> (array, the OrtValue over it)
+        self.io = None  # the binding of shared KV buffers, kept from step to step (they are the same OrtValues)
 
     def _value(self, a: np.ndarray):
         """An OrtValue owning a copy of `a` (one made from numpy would point at memory Python may free)."""
@@ -118,7 +125,7 @@ class BoundLoop:
         self.cache = {n: self._value(np.zeros((1, kv, max_len if self.shared else 0, d), np.float32))
                       for n, (kv, d) in zip(self.pasts, shape, strict=True)}
         self.cache.update({n: self._value(contract.zero_state(self.inputs[n].shape)) for n in self.states})
-        self.done, self.max_len = 0, max_len
+        self.done, self.max_len, self.io = 0, max_len, None
 
     def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
         """A long run in pieces (the arena holds one piece's activations); the logits of its last `rows`."""
@@ -144,7 +151,7 @@ class BoundLoop:
 
     def restore(self, saved) -> None:
         self.done, cache = saved
-        self.cache = dict(cache)
+        self.cache, self.io = dict(cache), None
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.done:
@@ -159,8 +166,8 @@ class BoundLoop:
         """Run `step`'s tokens after the cached ones: the logits [rows, vocab] the graph gives (all of the step's,
         or its last `keep` where it takes logits_to_keep), the cache after them (the same buffers when they are
         shared, else the presents)."""
-        io = self.sess.io_binding()
         s, done = len(step), self.done
+        io = self._binding()
         feeds = {contract.INPUT_IDS: np.array([step], np.int64),
                  contract.ATTENTION_MASK: np.ones((1, done + s), np.int64),
                  contract.POSITION_IDS: np.arange(done, done + s, dtype=np.int64)[None],
@@ -168,27 +175,53 @@ class BoundLoop:
         for name, a in feeds.items():
             if name in self.inputs:
                 io.bind_ortvalue_input(name, self._value(a))
-        bound = [contract.LOGITS]
-        io.bind_output(contract.LOGITS, "cpu")
-        for name in self.pasts:
-            io.bind_ortvalue_input(name, self.cache[name])
-            if self.shared:  # GQA writes the new rows into the same buffer
-                io.bind_ortvalue_output(contract.present_of(name), self.cache[name])
-            else:
-                io.bind_output(contract.present_of(name), "cpu")
-                bound.append(contract.present_of(name))
+        logits = self._logits(keep)
+        if logits is None:
+            io.bind_output(contract.LOGITS, "cpu")
+        else:
+            io.bind_ortvalue_output(contract.LOGITS, logits[1])
         for name in self.states:  # recurrent states: the present replaces the past
             io.bind_ortvalue_input(name, self.cache[name])
-            io.bind_output(contract.step_present_of(name), "cpu")
-            bound.append(contract.step_present_of(name))
+            io.bind_output(self.present[name], "cpu")
         self.sess.run_with_iobinding(io)
-        outs = dict(zip(bound, io.get_outputs(), strict=False))
-        states = {n: outs[contract.step_present_of(n)] for n in self.states}
-        if not self.shared:
-            self.cache = {n: outs[contract.present_of(n)] for n in self.pasts}
-        self.cache.update(states)
         self.done += s
-        return outs[contract.LOGITS].numpy()[0]
+        if logits is not None and self.io is not None:  # nothing else to read back
+            return logits[0][0].copy()
+        outs = dict(zip(self.bound, io.get_outputs(), strict=False))
+        if not self.shared:
+            self.cache = {n: outs[self.present[n]] for n in self.pasts}
+        self.cache.update({n: outs[self.present[n]] for n in self.states})
+        return logits[0][0].copy() if logits is not None else outs[contract.LOGITS].numpy()[0]
+
+    def _binding(self):
+        """An IOBinding with the KV caches bound: shared buffers (GQA writes the new rows into them) are the same
+        OrtValues every step, so without recurrent states one binding serves until the cache is reset or restored;
+        else a fresh one, the presents bound to be read back (`bound`: its outputs' names in binding order)."""
+        if self.io is not None:
+            return self.io
+        io = self.sess.io_binding()
+        io.bind_output(contract.LOGITS, "cpu")
+        self.bound = [contract.LOGITS]
+        for name in self.pasts:
+            io.bind_ortvalue_input(name, self.cache[name])
+            if self.shared:
+                io.bind_ortvalue_output(self.present[name], self.cache[name])
+            else:
+                io.bind_output(self.present[name], "cpu")
+                self.bound.append(self.present[name])
+        self.bound += [self.present[n] for n in self.states]
+        if self.shared and not self.states:
+            self.io = io
+        return io
+
+    def _logits(self, keep: int) -> tuple | None:
+        """A [1, keep, vocab] float32 buffer and the OrtValue over it, where the graph's logit rows are `keep`."""
+        if self.vocab is None:
+            return None
+        if keep not in self.logits:
+            a = np.empty((1, keep, self.vocab), np.float32)
+            self.logits[keep] = (a, self.ort.OrtValue.ortvalue_from_numpy(a))
+        return self.logits[keep]
 
 
 def genai_installed() -> bool:
