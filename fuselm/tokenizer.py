@@ -85,6 +85,27 @@ def load_tokenizer(model_dir: Path, required: bool, chat: bool = False):
         return None
 
 
+def vocabulary(model_dir: Path) -> list[str | None] | None:
+    """The directory's tokens by id (None for an id it leaves out), None where it has no tokenizer it can read:
+    tokenizer.json through `tokenizers`, else transformers' tokenizer."""
+    if (model_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            by_token = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab(with_added_tokens=True)
+        except Exception:  # noqa: BLE001 - a file `tokenizers` cannot read: transformers' reading below
+            by_token = None
+        if by_token is not None:
+            tokens: list[str | None] = [None] * (max(by_token.values(), default=-1) + 1)
+            for token, i in by_token.items():
+                tokens[i] = token
+            return tokens
+    tok = load_tokenizer(model_dir, required=False)
+    if tok is None or not hasattr(tok, "convert_ids_to_tokens"):
+        return None
+    return list(tok.convert_ids_to_tokens(list(range(len(tok)))))
+
+
 def eos_ids(model_dir: Path, meta: dict, tok) -> set[int]:
     """Every eos id the checkpoint names: generation_config.json, fuselm.json, the tokenizer."""
     ids: set[int] = set()

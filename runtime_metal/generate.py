@@ -84,7 +84,8 @@ def _tokens(engine: Engine, ids: list[int], opts: Options, sampler) -> Iterator[
 
     key = (opts.speculative, opts.draft_model)
     if key not in engine.drafters:
-        engine.drafters[key] = speculative.drafter_for(opts, sampler, len(ids) + opts.max_tokens + opts.num_draft + 1)
+        engine.drafters[key] = speculative.drafter_for(opts, sampler, len(ids) + opts.max_tokens + opts.num_draft + 1,
+                                                             engine)
     drafter = engine.drafters[key]
     if isinstance(drafter, speculative.ModelDrafter):
         drafter.sampler, drafter.max_len = sampler, len(ids) + opts.max_tokens + opts.num_draft + 1

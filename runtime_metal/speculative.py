@@ -36,10 +36,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuselm.errors import FuselmError
+
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
 PROBE_EVERY = 16  # plain tokens after which a paused drafter is tried again (doubled by each probe that fails)
 PLAIN_RUN = 8  # plain tokens run at a time while drafting pauses, where the engine cannot stop a run anywhere
+VOCAB_SLACK = 128  # ids a draft model's vocabulary may have more or fewer of than the model's (padding, added tokens)
 PAYS = 1.25  # a drafting step must promise 25 % more tokens per second than a plain one (estimates are noisy)
 STRETCH = 4.0  # verification steps expected of a stretch of drafting before any is measured (one pseudo-count)
 
@@ -283,14 +286,42 @@ class Policy:
         self.missed = 0 if resumed else self.missed + 1
 
 
-def drafter_for(options, sampler, max_len: int):
-    """The drafter `options.speculative` names (a draft model loaded with the target's engine options)."""
+def drafter_for(options, sampler, max_len: int, target):
+    """The drafter `options.speculative` names (a draft model loaded with the target's engine options, its tokens
+    checked to be the `target` engine's)."""
     if options.speculative == "ngram":
         return NgramDrafter()
     from .engines import load
 
     engine = load(options.draft_model, options.replace(profile=False))  # (speculative: a loop that steps)
+    try:
+        check_vocabulary(target, engine)
+    except FuselmError:
+        engine.close()
+        raise
     return ModelDrafter(engine, sampler, max_len)
+
+
+def check_vocabulary(target, draft) -> None:
+    """Refuse a draft model whose token ids mean other tokens than the target's (its drafts would be another
+    text's, rejected): the same token at every id both tokenizers have, and at most VOCAB_SLACK ids more or fewer
+    (llama.cpp's rule); with a tokenizer missing, the graphs' vocabulary sizes alone."""
+    from fuselm.tokenizer import vocabulary
+
+    fix = ("draft with a model of the same tokenizer: one converted from the same family's checkpoint (a smaller "
+           "size, or the same checkpoint at a coarser quantization)")
+    ours, theirs = vocabulary(target.source), vocabulary(draft.source)
+    if ours is not None and theirs is not None:
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+            if a != b:
+                raise FuselmError(f"--draft-model {draft.source}: its tokenizer is not the model's (id {i} is {b!r} "
+                                  f"there, {a!r} in {target.source}); {fix}")
+        sizes = len(ours), len(theirs)
+    else:
+        sizes = target.vocab, draft.vocab
+    if None not in sizes and abs(sizes[0] - sizes[1]) > VOCAB_SLACK:
+        raise FuselmError(f"--draft-model {draft.source}: its vocabulary has {sizes[1]} tokens, the model's "
+                          f"{sizes[0]}; {fix}")
 
 
 def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, stats: Stats) -> Iterator[int]:
@@ -425,13 +456,15 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
     rng = sampler.rng
     for i, d in enumerate(draft):
         p = sampler.distribution(rows[i])
-        qi = q[i] if q is not None else None
-        q_d = 1.0 if qi is None else float(qi[d])
-        if q_d > 0 and rng.random() < min(1.0, float(p[d]) / q_d):
+        qi = None if q is None else _over(q[i], p.size)
+        q_d = 1.0 if qi is None else float(qi[d]) if d < p.size else 1.0
+        p_d = float(p[d]) if d < p.size else 0.0  # (a draft's id past the model's vocabulary: never its token)
+        if q_d > 0 and rng.random() < min(1.0, p_d / q_d):
             continue
         if qi is None:  # a point mass at d: the residual is p without d
             residual = p.copy()
-            residual[d] = 0.0
+            if d < p.size:
+                residual[d] = 0.0
         else:
             residual = np.maximum(p - qi, 0.0)
         total = residual.sum()
@@ -440,3 +473,11 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
         return i, int(rng.choice(residual.size, p=residual / total))
     p = sampler.distribution(rows[len(draft)])
     return len(draft), int(rng.choice(p.size, p=p))
+
+
+def _over(q: np.ndarray, size: int) -> np.ndarray:
+    """A draft's distribution over the model's `size` ids (vocabularies padded to other sizes: the ids one has and
+    the other lacks hold no probability there)."""
+    if q.size == size:
+        return q
+    return q[:size] if q.size > size else np.pad(q, (0, size - q.size))

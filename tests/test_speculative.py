@@ -92,19 +92,42 @@ def test_greedy_draft_model_equals_plain_decode(drafting, optimized, backend):
     assert spec["speculative"]["acceptance"] > 0.5  # the q4 graph mostly agrees with the f32 one
 
 
+def test_a_draft_model_of_another_tokenizer_is_refused(optimized, tmp_path, capsys):
+    """A draft model whose ids mean other tokens (here: two tokens of its tokenizer.json swapped) would draft another
+    text: refused with exit 2, naming the id, before any token; the same tokenizer is taken."""
+    import json
+    import shutil
+
+    target, draft = optimized("qwen3", "f32"), tmp_path / "draft"
+    shutil.copytree(optimized("qwen3", "q4"), draft)
+    data = json.loads((draft / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (3, 4))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    args = ["run", str(target), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "4", "--speculative",
+            "draft", "--backend", "torch"]
+    assert main([*args, "--draft-model", str(draft)]) == 2
+    err = capsys.readouterr().err
+    assert "its tokenizer is not the model's (id 3" in err and "same tokenizer" in err
+    assert main([*args, "--draft-model", str(optimized("qwen3", "q4"))]) == 0
+
+
 def test_rejection_rule_keeps_the_target_distribution():
     """Over many trials, the token a verification step emits first is distributed as the target's p, for a
-    point-mass draft (n-gram) and for a draft distribution q (a draft model)."""
+    point-mass draft (n-gram) and for a draft distribution q (a draft model), also where the draft's vocabulary is
+    padded to more ids than the model's or has fewer (drafts past the model's ids are never its tokens)."""
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(2, 6)) * 2
     sampler = Sampler(temperature=1.0, seed=1)
     p = probabilities(rows[0], 1.0, 0, 1.0)
     q = probabilities(rng.normal(size=6), 1.0, 0, 1.0)
-    for draft_q in (None, [q]):
+    wider = np.concatenate([q * 0.8, [0.15, 0.05]])  # a draft vocabulary padded past the model's 6 ids
+    for draft_q in (None, [q], [wider], [q[:5] / q[:5].sum()]):  # (and one with an id fewer)
         counts = np.zeros(6)
         n = 20000
         for _ in range(n):
-            d = 2 if draft_q is None else int(sampler.rng.choice(6, p=q))
+            d = 2 if draft_q is None else int(sampler.rng.choice(draft_q[0].size, p=draft_q[0]))
             kept, nxt = speculative._verify(rows, [d], draft_q, sampler)
             counts[d if kept else nxt] += 1
         np.testing.assert_allclose(counts / n, p, atol=0.015)
