@@ -130,6 +130,7 @@ class ModelDrafter:
     def __init__(self, engine, sampler, max_len: int):
         self.engine, self.sampler, self.max_len = engine, sampler, max_len
         self.fed = 0  # tokens of the history in the draft's cache
+        self.saved = None  # (checkpoint, the tokens fed since) of a draft model with recurrent state (no rollback)
 
     def start(self, prompt: list[int]) -> None:
         self.engine.reset(self.max_len)
@@ -141,29 +142,39 @@ class ModelDrafter:
             self.engine.forward(history[self.fed:-1])
         self.fed = len(history) - 1
         s = self.sampler
-        if s.greedy:  # on the engine's own loop (MLX: the steps queued ahead, one read per token)
-            tokens = list(self.engine.continue_from(history[-1], k, s))
+        if s.greedy and self.engine.trimmable:  # on the engine's own loop (MLX: the steps queued ahead, one read
+            tokens = list(self.engine.continue_from(history[-1], k, s))  # per token)
             self.fed += k  # the last token and the first k - 1 drafts
             return tokens, None
+        # step by step: the distributions (sampling), or a recurrent state checkpointed before the drafts, which
+        # it cannot roll back (`verified` restores it and feeds the kept ones again)
+        state = None if self.engine.trimmable else self.engine.checkpoint()
         tokens, dists = [], []
         logits = self.engine.forward([history[-1]])[-1]
         self.fed += 1
         for i in range(k):
-            dists.append(s.distribution(logits))
+            if not s.greedy:
+                dists.append(s.distribution(logits))
             tokens.append(s.pick(logits))
             if i + 1 < k:
                 logits = self.engine.forward([tokens[-1]])[-1]
                 self.fed += 1
         # the last draft was never fed: the draft's cache holds history + tokens[:-1]
-        return tokens, dists
+        self.saved = None if state is None else (state, [history[-1], *tokens[:-1]])
+        return tokens, dists or None
 
     def verified(self, kept: int, drafted: int, emitted: list[int]) -> None:
         """Forget the rejected drafts the draft model fed itself (it fed drafted - 1 of them)."""
         fed_drafts = drafted - 1
         back = fed_drafts - min(kept, fed_drafts)
-        if back:
+        if back and self.saved is not None:
+            state, fed = self.saved
+            self.engine.restore(state)
+            self.engine.forward(fed[:len(fed) - back])
+        elif back:
             self.engine.rollback(back)
         self.fed -= back
+        self.saved = None
 
     def close(self) -> None:
         self.engine.close()

@@ -334,3 +334,22 @@ def test_recurrent_state_is_restored_and_replayed(drafting, hybrid, backend):
     stats = speculative.Stats("oracle", 3)
     got = list(speculative.generate(engine, PROMPT, TOKENS, Sampler(), Oracle(), 3, stats))
     assert got == plain and stats.steps > 1 and 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx", "onnxruntime"])
+def test_a_draft_model_with_recurrent_state(drafting, hybrid, backend):
+    """A hybrid draft model (Qwen3.5's gated delta rule: no rollback) for the hybrid's f32 graph: its state is
+    checkpointed before it drafts, and where the model rejects drafts it is restored and the kept ones fed again
+    (before: the rollback raised mid-run). Greedy tokens are plain decode's; sampling runs to the end."""
+    target, draft = hybrid("qwen3_5_text", "opt"), hybrid("qwen3_5_text", "q4")
+
+    def run(**kw):
+        return fuselm.run(target, PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=True, stream=io.StringIO(),
+                          backend=backend, **kw)
+
+    spec = run(speculative="draft", draft_model=str(draft), num_draft=3)
+    s = spec["speculative"]
+    assert spec["tokens"] == run()["tokens"] and 0 < s["accepted"] < s["drafted"], s
+    sampled = run(speculative="draft", draft_model=str(draft), num_draft=3, temperature=0.8, seed=1)
+    assert len(sampled["tokens"]) == TOKENS and sampled["speculative"]["verification_steps"] > 0
+
