@@ -208,8 +208,8 @@ def test_the_step_binding_is_kept_and_its_logits_are_the_callers(cpu, optimized,
     steps = [[7], [9, 11, 13], [5]]
 
     def run(fresh: bool) -> list:
-        engine.reset(32)
-        out = [engine.forward(PROMPT)]
+        engine.reset(40)
+        out = [engine.forward(PROMPT * 5, rows=20)]  # more rows than the loop keeps a buffer for: handed over
         for ids in steps:
             if fresh:
                 loop.io = None

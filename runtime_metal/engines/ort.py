@@ -39,6 +39,7 @@ def int8_activations(model_dir: Path) -> bool:
 
 RELEASE_EVERY = 64  # decode steps between two releases of the data file's resident pages
 PREFILL_CHUNK = 128  # prompt tokens per run: a whole long prompt grows onnxruntime's arena, no faster
+KEPT_LOGIT_ROWS = 16  # logit rows whose buffer the IO-binding loop keeps from step to step (decode, verification)
 
 
 class GenaiLoop:
@@ -185,13 +186,15 @@ class BoundLoop:
             io.bind_output(self.present[name], "cpu")
         self.sess.run_with_iobinding(io)
         self.done += s
-        if logits is not None and self.io is not None:  # nothing else to read back
-            return logits[0][0].copy()
-        outs = dict(zip(self.bound, io.get_outputs(), strict=False))
-        if not self.shared:
-            self.cache = {n: outs[self.present[n]] for n in self.pasts}
-        self.cache.update({n: outs[self.present[n]] for n in self.states})
-        return logits[0][0].copy() if logits is not None else outs[contract.LOGITS].numpy()[0]
+        if logits is None or self.io is None:  # outputs onnxruntime allocated: presents, states, logits
+            outs = dict(zip(self.bound, io.get_outputs(), strict=False))
+            if not self.shared:
+                self.cache = {n: outs[self.present[n]] for n in self.pasts}
+            self.cache.update({n: outs[self.present[n]] for n in self.states})
+            if logits is None:
+                return outs[contract.LOGITS].numpy()[0]
+        rows, _, owned = logits
+        return rows[0] if owned else rows[0].copy()
 
     def _binding(self):
         """An IOBinding with the KV caches bound: shared buffers (GQA writes the new rows into them) are the same
@@ -215,12 +218,17 @@ class BoundLoop:
         return io
 
     def _logits(self, keep: int) -> tuple | None:
-        """A [1, keep, vocab] float32 buffer and the OrtValue over it, where the graph's logit rows are `keep`."""
+        """(a [1, keep, vocab] float32 array, the OrtValue over it, whether the array is the caller's) where the
+        graph's logit rows are `keep`: kept from step to step for a few rows (decode, verification), copied out;
+        made for the step for more (a prompt scored), and handed over."""
         if self.vocab is None:
             return None
+        if keep > KEPT_LOGIT_ROWS:
+            a = np.empty((1, keep, self.vocab), np.float32)
+            return a, self.ort.OrtValue.ortvalue_from_numpy(a), True
         if keep not in self.logits:
             a = np.empty((1, keep, self.vocab), np.float32)
-            self.logits[keep] = (a, self.ort.OrtValue.ortvalue_from_numpy(a))
+            self.logits[keep] = (a, self.ort.OrtValue.ortvalue_from_numpy(a), False)
         return self.logits[keep]
 
 
