@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "from the prompt and the text so far (prompt lookup), draft: from --draft-model")
             r.add_argument("--num-draft", type=int, default=4, metavar="K", help="tokens drafted per step (default 4)")
             r.add_argument("--draft-model", default=None, metavar="DIR",
-                           help="--speculative draft: a fuselm model directory with the same tokenizer (e.g. a q4 graph "
-                                "drafting for a q8 one)")
+                           help="draft with this fuselm model directory (same tokenizer; e.g. a q4 graph drafting "
+                                "for a q8 one): implies --speculative draft")
             r.add_argument("--pipe-timeout", type=float, default=60.0, metavar="S",
                            help="a `fuselm split` output: seconds a rank waits for its neighbour")
         elif name == "validate":

@@ -91,6 +91,8 @@ class Options:
             raise FuselmError(f"--threads must be a whole number >= 1, got {self.threads!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise FuselmError("sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
+        if self.draft_model and self.speculative is None:  # a draft model asks for its drafts (as mlx-lm's flag)
+            object.__setattr__(self, "speculative", "draft")
         if self.speculative not in SPECULATIVE:
             raise FuselmError(f"--speculative {self.speculative!r} is not one of ngram, draft")
         if self.speculative == "draft" and not self.draft_model:

@@ -304,7 +304,10 @@ def drafter_for(options, sampler, max_len: int, target):
         return NgramDrafter()
     from .engines import load
 
-    engine = load(options.draft_model, options.replace(profile=False))  # (speculative: a loop that steps)
+    try:
+        engine = load(options.draft_model, options.replace(profile=False))  # (speculative: a loop that steps)
+    except FuselmError as e:
+        raise FuselmError(f"--draft-model: {e}") from None
     try:
         check_vocabulary(target, engine)
     except FuselmError:

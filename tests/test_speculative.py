@@ -272,7 +272,7 @@ def test_a_step_past_the_exact_rows_says_so(optimized):
         assert stats.as_dict()["exact"] is exact and ("matrix kernel" in stats.describe()) is not exact
 
 
-def test_cli_flags(optimized, capsys):
+def test_cli_flags(optimized, capsys, tmp_path):
     model = str(optimized("qwen3", "f32"))
     assert main(["run", model, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "8", "--ignore-eos",
                  "--speculative", "ngram", "--num-draft", "2", "--backend", "torch"]) == 0
@@ -280,6 +280,12 @@ def test_cli_flags(optimized, capsys):
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "draft"]) == 2
     assert "--draft-model" in capsys.readouterr().err
     assert main(["run", model, "--prompt-ids", "5", "--speculative", "ngram", "--num-draft", "0"]) == 2
+    capsys.readouterr()
+    draft = str(optimized("qwen3", "q4"))  # --draft-model alone asks for its drafts (as mlx-lm's flag does)
+    assert main(["run", model, "--prompt-ids", "5,9", "--max-tokens", "4", "--draft-model", draft]) == 0
+    assert "speculative draft (k=4)" in capsys.readouterr().err
+    assert main(["run", model, "--prompt-ids", "5", "--draft-model", str(tmp_path / "none")]) == 2
+    assert "--draft-model: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
