@@ -20,15 +20,6 @@ PROMPT = [5, 9, 2, 7, 11, 3, 5, 9, 2, 7]  # recurring n-grams: prompt lookup has
 TOKENS = 24
 
 
-@pytest.fixture
-def drafting(monkeypatch):
-    """The policy weighs drafting against the step times it measures, which a loaded CI machine can make of any
-    size (a 4-row MLX step timed at 4.3 plain ones there). The tests that check what verification does (tokens
-    equal to plain decode's, compiled pieces, restored state) take a step of any row count, restart and drafting
-    included, as costing one plain step, so that they verify; the policy's own tests below keep their timing."""
-    monkeypatch.setattr(speculative.Policy, "step_cost", lambda self, k, stops_run=False, scale=1.0: 1.0)
-
-
 def _run(model, quiet=True, **kw):
     return fuselm.run(model, PROMPT, max_tokens=TOKENS, ignore_eos=True, quiet=quiet, stream=io.StringIO(), **kw)
 
