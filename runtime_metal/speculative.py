@@ -60,6 +60,7 @@ class Stats:
     plain: int = 0  # tokens decoded without drafts (no draft found, or drafting paused)
     paused: int = 0  # steps the policy took without drafting (drafts not worth their cost)
     inexact: str | None = None  # why the engine's verification steps may not give a row a one-token step's logits
+    greedy: bool = True  # (else sampling: what inexact rows move is the distribution a token is drawn from)
     step_s: dict | None = None  # the policy's step times by row count (seconds; 1: a plain token, 0: a restart)
 
     @property
@@ -83,8 +84,9 @@ class Stats:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
         off = f"; drafting paused for {self.paused} steps (no draft count paid for its verification at the measured acceptance and step times)" if self.paused else ""
-        near = "" if self.inexact is None else (f"; {self.inexact}, so greedy tokens may leave plain decode's where "
-                                                 "its top two logits are close")
+        moves = ("greedy tokens may leave plain decode's where its top two logits are close" if self.greedy else
+                 "the distributions tokens are drawn from may move by that much from plain decode's")
+        near = "" if self.inexact is None else f"; {self.inexact}, so {moves}"
         return f"speculative {self.method} (k={self.num_draft}): {acc}, {tps} tokens per target step{off}{near}"
 
 
@@ -341,7 +343,7 @@ def check_vocabulary(target, draft) -> None:
 def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, stats: Stats) -> Iterator[int]:
     """Prefill `ids` on `engine`, then yield up to `max_new` tokens, drafting `k` at a time (module docstring)."""
     engine.reset(len(ids) + max_new + k + 1)
-    stats.inexact = engine.inexact(k + 1)
+    stats.inexact, stats.greedy = engine.inexact(k + 1), sampler.greedy
     drafter.start(ids)
     history = list(ids)
     y: int | None = None  # the last token emitted, not yet fed (None: the prompt is not run yet)

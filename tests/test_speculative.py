@@ -261,6 +261,10 @@ def test_a_step_past_the_exact_rows_says_so(optimized):
         stats = speculative.Stats("ngram", k)
         list(speculative.generate(engine, PROMPT, 8, Sampler(), speculative.NgramDrafter(), k, stats))
         assert stats.as_dict()["exact"] is exact and ("matrix kernel" in stats.describe()) is not exact
+        assert exact or "greedy tokens may leave plain decode's" in stats.describe()
+    stats = speculative.Stats("ngram", 3)  # sampling: what moves is the distribution a token is drawn from
+    list(speculative.generate(engine, PROMPT, 8, Sampler(temperature=0.8, seed=1), speculative.NgramDrafter(), 3, stats))
+    assert "distributions tokens are drawn from may move" in stats.describe() and "greedy" not in stats.describe()
 
 
 def test_cli_flags(optimized, capsys, tmp_path):
