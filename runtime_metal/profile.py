@@ -14,7 +14,8 @@ def report(sess, tokens: int, console, what: str | None = None) -> dict:
     total = sum(r[2] for r in rows) or 1e-12
     calls = sum(r[1] for r in rows)
     per_token = calls / tokens if tokens > 0 else None
-    table = Table(title=f"decode profile: {tokens} tokens after {sess.backend.name} warm-up{f' ({what})' if what else ''}")
+    title = f"decode profile: {tokens} tokens after {sess.backend.name} warm-up"
+    table = Table(title=f"{title} ({what})" if what else title)
     for col in ("op", "calls", "total ms", "avg µs", "share"):
         table.add_column(col, justify="left" if col == "op" else "right")
     for op, n, secs in rows:

@@ -83,7 +83,8 @@ class Stats:
     def describe(self) -> str:
         acc = f"{self.acceptance:.0%} of {self.drafted} drafted tokens accepted" if self.drafted else "nothing drafted"
         tps = f"{self.tokens_per_step:.2f}" if self.tokens_per_step else "-"
-        off = f"; drafting paused for {self.paused} steps (no draft count paid for its verification at the measured acceptance and step times)" if self.paused else ""
+        off = (f"; drafting paused for {self.paused} steps (no draft count paid for its verification at the measured "
+               "acceptance and step times)") if self.paused else ""
         moves = ("greedy tokens may leave plain decode's where its top two logits are close" if self.greedy else
                  "the distributions tokens are drawn from may move by that much from plain decode's")
         near = "" if self.inexact is None else f"; {self.inexact}, so {moves}"
@@ -473,8 +474,8 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
     for i, d in enumerate(draft):
         p = sampler.distribution(rows[i])
         qi = None if q is None else _over(q[i], p.size)
-        q_d = 1.0 if qi is None else float(qi[d]) if d < p.size else 1.0
         p_d = float(p[d]) if d < p.size else 0.0  # (a draft's id past the model's vocabulary: never its token)
+        q_d = 1.0 if qi is None or d >= p.size else float(qi[d])
         if q_d > 0 and rng.random() < min(1.0, p_d / q_d):
             continue
         if qi is None:  # a point mass at d: the residual is p without d

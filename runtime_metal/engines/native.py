@@ -123,7 +123,8 @@ class NativeEngine(Engine):
             return None
         from ..profile import report
 
-        what = None if self.speculation is None else f"speculative {self.speculation.method}: plain and verification steps"
+        spec = self.speculation
+        what = None if spec is None else f"speculative {spec.method}: plain and verification steps"
         return report(self.session, self.profiled, console, what)
 
     def close(self) -> None:

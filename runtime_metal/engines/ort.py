@@ -111,7 +111,7 @@ class BoundLoop:
         # logits [1, keep, vocab] written into buffers of ours (logits_to_keep says the rows; no get_outputs, which
         # wraps every output): else onnxruntime allocates them
         self.vocab = vocab if isinstance(vocab, int) and contract.LOGITS_TO_KEEP in self.inputs else None
-        self.logits: dict[int, tuple] = {}  # keep -> (array, the OrtValue over it)
+        self.logits: dict[int, tuple] = {}  # keep -> `_logits` answer for a few rows, kept
         self.io = None  # the binding of shared KV buffers, kept from step to step (they are the same OrtValues)
 
     def _value(self, a: np.ndarray):
