@@ -33,9 +33,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from fuselm import contract
 from fuselm.errors import FuselmError
 
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
@@ -302,42 +304,41 @@ class Policy:
 
 def drafter_for(options, sampler, max_len: int, target):
     """The drafter `options.speculative` names (a draft model loaded with the target's engine options, its tokens
-    checked to be the `target` engine's)."""
+    checked to be the `target` engine's before it loads)."""
     if options.speculative == "ngram":
         return NgramDrafter()
     from .engines import load
 
+    if Path(options.draft_model).is_dir():  # (else `load` names what is missing)
+        check_vocabulary(target, Path(options.draft_model))
     try:
         engine = load(options.draft_model, options.replace(profile=False))  # (speculative: a loop that steps)
     except FuselmError as e:
         raise FuselmError(f"--draft-model: {e}") from None
-    try:
-        check_vocabulary(target, engine)
-    except FuselmError:
-        engine.close()
-        raise
     return ModelDrafter(engine, sampler, max_len)
 
 
-def check_vocabulary(target, draft) -> None:
-    """Refuse a draft model whose token ids mean other tokens than the target's (its drafts would be another
-    text's, rejected): the same token at every id both tokenizers have, and at most VOCAB_SLACK ids more or fewer
-    (llama.cpp's rule); with a tokenizer missing, the graphs' vocabulary sizes alone."""
+def check_vocabulary(target, draft: Path) -> None:
+    """Refuse a draft model (its directory) whose token ids mean other tokens than the target's (its drafts would
+    be another text's, rejected): the same token at every id both tokenizers have, and at most VOCAB_SLACK ids more
+    or fewer (llama.cpp's rule); with a tokenizer missing, the graphs' vocabulary sizes alone."""
+    from fuselm.modeldir import read_meta
     from fuselm.tokenizer import vocabulary
 
     fix = ("draft with a model of the same tokenizer: one converted from the same family's checkpoint (a smaller "
            "size, or the same checkpoint at a coarser quantization)")
-    ours, theirs = vocabulary(target.source), vocabulary(draft.source)
+    ours, theirs = vocabulary(target.source), vocabulary(draft)
     if ours is not None and theirs is not None:
         for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
             if a != b:
-                raise FuselmError(f"--draft-model {draft.source}: its tokenizer is not the model's (id {i} is {b!r} "
+                raise FuselmError(f"--draft-model {draft}: its tokenizer is not the model's (id {i} is {b!r} "
                                   f"there, {a!r} in {target.source}); {fix}")
         sizes = len(ours), len(theirs)
     else:
-        sizes = target.vocab, draft.vocab
+        meta = read_meta(draft) if (draft / contract.META_NAME).is_file() else {}
+        sizes = target.vocab, (meta.get("dims") or {}).get("vocab")
     if None not in sizes and abs(sizes[0] - sizes[1]) > VOCAB_SLACK:
-        raise FuselmError(f"--draft-model {draft.source}: its vocabulary has {sizes[1]} tokens, the model's "
+        raise FuselmError(f"--draft-model {draft}: its vocabulary has {sizes[1]} tokens, the model's "
                           f"{sizes[0]}; {fix}")
 
 

@@ -113,6 +113,7 @@ class BoundLoop:
         self.vocab = vocab if isinstance(vocab, int) and contract.LOGITS_TO_KEEP in self.inputs else None
         self.logits: dict[int, tuple] = {}  # keep -> `_logits` answer for a few rows, kept
         self.io = None  # the binding of shared KV buffers, kept from step to step (they are the same OrtValues)
+        self.bound: list[str] = []  # the outputs onnxruntime allocates in the last binding, in binding order
 
     def _value(self, a: np.ndarray):
         """An OrtValue owning a copy of `a` (one made from numpy would point at memory Python may free)."""
