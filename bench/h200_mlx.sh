@@ -21,7 +21,8 @@
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
 #                                          # bench/api_vs_cli.py (API_RUNS=0: not), on MLX; bench/verify_step.py first
 #                                          # (VERIFY_ARGS: its options, e.g. --advance; VERIFY_AB: A/B runs;
-#                                          # SPEC_PEERS=0: fuselm plain and n-gram only)
+#                                          # SPEC_PEERS=0: fuselm plain and n-gram only; SPEC_TAG: a suffix
+#                                          # for the result files, so that several runs in one call keep theirs)
 # Any phase first keeps what the carried .c*/ folders hold (wheels, the GGUF parts) in the stash.
 # SHAPES: bench/convert.py's (0.6b 4b, and the MoE olmoe-1b-7b olmoe-1b-7b-4l qwen3-30b-a3b-8l); QGROUPS=64 for one group.
 # Later calls on the same warm machine run `bench` again without carrying anything.
@@ -96,12 +97,12 @@ bench|probe|kv8|pipeline|spec)
         for ab in "${sets[@]}"; do
             i=$((i + 1)); echo "A/B $i: $ab"
             python3 "$repo/bench/verify_step.py" /root/smol/q8 --backend mlx --device gpu --rows 5 --advance $ab \
-                --loop ${SPEC_LOOP:-0} --out "$OUT/verify-step-h200-smollm2-q8-ab$i.json" 2>&1 | tail -2
+                --loop ${SPEC_LOOP:-0} --out "$OUT/verify-step-h200-smollm2-q8-ab$i${SPEC_TAG:-}.json" 2>&1 | tail -2
         done
         [ "${SPEC_BENCH:-1}" = 0 ] && exit 0  # (SPEC_LOOP=TOKENS SPEC_BENCH=0: the verification steps traced only)
         if [ "${SPEC_PEERS:-1}" = 0 ]; then  # fuselm's plain and n-gram decoding only (no mlx-lm, no draft model)
             python3 "$repo/bench/speculative.py" --model /root/smol/q8 --backend mlx --tokens ${SPEC_TOKENS:-128} ${SPEC_ARGS:-} \
-                --runs ${SPEC_RUNS:-3} --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
+                --runs ${SPEC_RUNS:-3} --out "$OUT/speculative-h200-smollm2${SPEC_TAG:-}.json" 2>&1 | tail -12
             exit 0
         fi
         hf=$(python3 -c "from fuselm.exporter.gguf import checkpoint_for; print(checkpoint_for('/root/smollm2.gguf'))")
@@ -119,7 +120,7 @@ PY
             --q-group-size 32 >/dev/null 2>&1 || exit 1
         python3 "$repo/bench/speculative.py" --model /root/smol/q8 --draft /root/smol/q4 --mlx-lm /root/smol/mlx-q8 \
             --mlx-lm-draft /root/smol/mlx-q4 --backend mlx --tokens ${SPEC_TOKENS:-128} --runs ${SPEC_RUNS:-3} \
-            --out "$OUT/speculative-h200-smollm2.json" 2>&1 | tail -12
+            --out "$OUT/speculative-h200-smollm2${SPEC_TAG:-}.json" 2>&1 | tail -12
         [ "${API_RUNS:-5}" = 0 ] || python3 "$repo/bench/api_vs_cli.py" /root/smol/q4 --backend mlx --runs ${API_RUNS:-5} \
             --out "$OUT/api-vs-cli-h200-smollm2-q4.json" 2>&1 | tail -14
         exit 0

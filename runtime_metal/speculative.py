@@ -1,8 +1,8 @@
 """Speculative decoding on any engine: draft k tokens cheaply, check them in one step of the target model.
 
-Each step feeds the target its last token y and the drafts d1..dk as one run (Engine.forward with k + 1 rows of
-logits: row i predicts what follows y, d1..di). Greedy: d_i is kept while it is the target's own argmax after
-d1..d_{i-1}; the first row that disagrees (or the row after dk) gives the target's next token, so a step emits
+Each step feeds the target its last token y and the drafts d1..dk as one run (Engine.verify: k + 1 rows of
+logits, greedy their argmax alone; row i predicts what follows y, d1..di). Greedy: d_i is kept while it is the
+target's own argmax after d1..d_{i-1}; the first row that disagrees (or the row after dk) gives the target's next token, so a step emits
 the kept drafts plus one token, and the output is plain greedy decode's. Sampling: d_i is kept with probability
 min(1, p(d_i) / q(d_i)) (q: the draft's distribution, a point mass for n-gram drafts), else the token is drawn from
 max(0, p - q) renormalised: the standard rejection rule, so the output's distribution is the target's (Leviathan
@@ -420,7 +420,7 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
         saved = None if engine.trimmable else engine.checkpoint()
         t0 = time.perf_counter()
-        rows = engine.forward([y, *draft, *pad], rows=len(draft) + len(pad) + 1)
+        rows = engine.verify([y, *draft, *pad], sampler.greedy)
         policy.timed(len(draft) + len(pad) + 1, time.perf_counter() - t0)
         kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
         if saved is None:
@@ -464,9 +464,10 @@ def _probe(policy: Policy, drafter) -> bool:
 
 
 def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tuple[int, int]:
-    """(drafts kept, the token after them) from the target's rows [k + 1, vocab]."""
+    """(drafts kept, the token after them) from the target's rows (Engine.verify): its greedy picks [k + 1], or
+    when sampling its logits [k + 1, vocab]."""
     if sampler.greedy:
-        target = rows.argmax(axis=-1)
+        target = rows
         kept = 0
         while kept < len(draft) and int(target[kept]) == draft[kept]:
             kept += 1

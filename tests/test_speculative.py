@@ -206,13 +206,13 @@ def test_a_costly_verification_is_not_probed_again(optimized):
     times stay with the engine, so its next generation runs plain from the start. Tokens stay plain decode's."""
     engine = fuselm.load(optimized("qwen3", "f32"), backend="torch")
     want = list(engine.generate(PROMPT * 4, 48, Sampler()))
-    forward = engine.forward
+    verify = engine.verify
 
-    def slow(ids, rows=1):
-        time.sleep(0.2 if rows > 1 else 0)
-        return forward(ids, rows)
+    def slow(ids, greedy):
+        time.sleep(0.2)
+        return verify(ids, greedy)
 
-    engine.forward = slow
+    engine.verify = slow
     steps = []
     for _ in range(2):
         stats = speculative.Stats("ngram", 3)

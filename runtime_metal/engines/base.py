@@ -6,7 +6,7 @@ the values it takes, None for any); `load` refuses the others by name.
 
 The steps beneath generation are the same on every engine: `reset(max_len)` empties the cache, `forward(ids,
 rows)` appends tokens and gives the logits of the last `rows` of them, `rollback(n)` drops the last n tokens
-from the cache (speculative decoding). `generate` is each engine's fast loop over them (tokens picked on the
+from the cache and `verify(ids, greedy)` is forward's multi-token step as speculative decoding reads it. `generate` is each engine's fast loop over them (tokens picked on the
 device, steps queued ahead); `score` and `trace` are the teacher-forced and greedy runs eval and validate read.
 """
 
@@ -60,6 +60,12 @@ class Engine:
     def forward(self, ids: list[int], rows: int = 1) -> np.ndarray:
         """Append `ids` to the cache; the logits [rows, vocab] of the last `rows` of them (float32)."""
         raise NotImplementedError
+
+    def verify(self, ids: list[int], greedy: bool) -> np.ndarray:
+        """A speculative verification step: `ids` appended, and each one's next token as the target picks it
+        greedily [len(ids)] (`greedy`: ids only, what the greedy rule reads), else its logits [len(ids), vocab]."""
+        rows = self.forward(ids, rows=len(ids))
+        return rows.argmax(axis=-1) if greedy else rows
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens of the cache (they are written over by the next forward)."""

@@ -48,7 +48,7 @@ class NativeEngine(Engine):
         s = self.session
         if len(ids) == 1 and rows == 1 and s.pos > 0:  # a decode step: the static / compiled strategies
             return s.logits_to_numpy(s.decode(int(ids[0])))[None]
-        if 1 < len(ids) == rows <= VERIFY_ROWS and s.pos > 0:  # a verification step: compiled where it can be
+        if self._verifies(ids, rows):  # a verification step: compiled where it can be
             return np.asarray(s.backend.to_numpy(s.verify(ids)), np.float32).reshape(rows, -1)
         chunk, out = s.prefill_chunk, []
         for start in range(0, len(ids), chunk):
@@ -58,6 +58,19 @@ class NativeEngine(Engine):
             if want > 0:
                 out.append(np.asarray(s.backend.to_numpy(logits), np.float32).reshape(want, -1))
         return np.concatenate(out)
+
+    def _verifies(self, ids: list[int], rows: int) -> bool:
+        """Whether a step of `ids` giving `rows` rows is a speculative verification (Session.verify)."""
+        return 1 < len(ids) == rows <= VERIFY_ROWS and self.session.pos > 0
+
+    def verify(self, ids: list[int], greedy: bool) -> np.ndarray:
+        """Greedy: the rows' argmax taken on the device, so that only the ids come back to the host."""
+        s = self.session
+        if not greedy or not self._verifies(ids, len(ids)):
+            return super().verify(ids, greedy)
+        b = s.backend
+        picks = b.arg_reduce("max", b.reshape(s.verify(ids), (len(ids), -1)), 1, False)
+        return np.asarray(b.to_numpy(picks)).reshape(-1)
 
     def rollback(self, n: int) -> None:
         self.session.rollback(n)
