@@ -288,8 +288,9 @@ class Policy:
         return scale * self.cost(k + 1) + (k * self.draft_s + restart) / one
 
     def could_pay(self) -> bool:
-        """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed)."""
-        return any(self.gain(k, 1.0, True) > PAYS for k in range(1, self.k_max + 1))
+        """Whether drafts that are always kept would pay for their cost (else a paused draft model is not probed),
+        at a draft count a step may verify (an engine that pads to k_max pays k_max's step for any)."""
+        return any(self.gain(k, 1.0, True) > PAYS for k in self.ks)
 
     @property
     def probe_every(self) -> int:
