@@ -244,17 +244,20 @@ class Policy:
 
     def cost(self, rows: int) -> float:
         """A step of `rows` tokens in one-token steps: measured, else read off the line through the measured ones
-        (unmeasured: 1 + 0.1 per extra row, optimistic so that it gets measured)."""
+        (unmeasured: 1 + 0.1 per extra row, optimistic so that it gets measured); never more than a step of more
+        rows measured (fewer rows could be padded to it: a time above it was an outlier, and a row count that is
+        never chosen is never measured again)."""
         one = self.seconds.get(1)
         if one is None or rows == 1:
             return 1.0 + 0.1 * (rows - 1)
+        longer = [t / one for r, t in self.seconds.items() if r > rows]
         if rows in self.seconds:
-            return self.seconds[rows] / one
+            return min([self.seconds[rows] / one, *longer])
         known = [(r, t / one) for r, t in self.seconds.items() if r > 1]
         if not known:
             return 1.0 + 0.1 * (rows - 1)
         r, c = max(known)
-        return 1.0 + (c - 1.0) * (rows - 1) / (r - 1)
+        return min([1.0 + (c - 1.0) * (rows - 1) / (r - 1), *longer])
 
     def choose(self, left: int, stops_run: bool = False, scale: float = 1.0) -> int:
         """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more); `stops_run`:
