@@ -9,7 +9,6 @@ makes (a compiled piece that traces again walks its ops on every call).
     python bench/verify_step.py MODEL --backend mlx --device gpu --rows 2 5 --out verify-step.json
 
 --vector-rows N: MLX on CUDA, the verification's causal rows per sdpa call (an A/B of the backend's choice).
---overlap N: a lazy backend, compiled pieces between starts of the step on the device (0: queued whole; an A/B).
 --advance: each step at a new position (kept, not rolled back), so that every step meets a new key length.
 --loop: the same split for each verification inside n-gram speculation on bench/speculative.py's first grounded
 prompt (a warm-up generation, then the timed one), with the key it ran under and whether it was built before.
@@ -98,16 +97,12 @@ def main() -> None:
                     "back to one: what a new key length costs")
     ap.add_argument("--vector-rows", type=int, help="MLX on CUDA: causal query rows per sdpa call in a verification "
                     "(the backend's own choice otherwise; 3 in half precision is what cuDNN takes)")
-    ap.add_argument("--overlap", type=int, help="a lazy backend: compiled pieces between the starts of a verification "
-                    "step on the device while the host builds the rest (0: queued whole; the backend's own otherwise)")
     ap.add_argument("--out")
     args = ap.parse_args()
     engine = fuselm.load(args.model, backend=args.backend, **({"device": args.device} if args.device else {}))
     s = engine.session
     if args.vector_rows:
         s.backend.vector_rows = args.vector_rows
-    if args.overlap is not None:
-        s.backend.overlap_pieces = args.overlap or None
     walks: list = []
     run_steps = s.executor.run_steps
     s.executor.run_steps = lambda *a, **k: (walks.append(1), run_steps(*a, **k))[1]
@@ -117,7 +112,6 @@ def main() -> None:
         s.backend.to_numpy(s.decode(7))
     one = timed(engine, lambda ids: s.decode(ids[0]), 1, args.repeats, walks, args.advance)
     result = {"model": args.model, "what": engine.describe(), "vector_rows": getattr(s.backend, "vector_rows", None),
-              "overlap": s.backend.overlap_pieces,
               "advance": args.advance, "decode": one, "verify": {}, "dynamic": {}}
     for rows in args.rows:
         v = timed(engine, s.verify, rows, args.repeats, walks, args.advance)

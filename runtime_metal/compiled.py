@@ -167,17 +167,9 @@ class PiecewiseDecode:
             env = {sess.first_input: ids, contract.POSITION_IDS: positions(b, pos_dev, self.rows), **views}
         ex.ctx["logit_rows"] = self.rows
         b.new_step()
-        # built on the thread that evaluates it (a verification, a run's first step): started on the device every
-        # few pieces, so that it runs the first layers while the host builds the last (Backend.overlap_pieces)
-        every = None if b.building_ahead() else b.overlap_pieces
-        built = 0
         for fn, fast, p, inputs in self.calls:
             if fn is not None:
-                outs = fn(pos_dev, *inputs(env))
-                env.update(zip(p.outputs, outs, strict=True))
-                built += 1
-                if every and built % every == 0:
-                    b.async_eval(*outs)
+                env.update(zip(p.outputs, fn(pos_dev, *inputs(env)), strict=True))
             elif fast is not None:
                 fast(env, pos, pos_dev)
             else:

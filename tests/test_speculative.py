@@ -322,33 +322,19 @@ def test_mlx_verifies_on_compiled_pieces(drafting, optimized):
     assert engine.session.decoding.verifiers == kept
 
 
-def test_verification_reads_back_picks_and_starts_while_built(optimized):
-    """Engine.verify, greedy: the rows' argmax taken on the device (ids come back, not logits), the logits' argmax.
-    On MLX a verification on compiled pieces is started on the device every `overlap_pieces` pieces while the host
-    builds the rest, with the logits of the step queued whole; a step the build thread builds ahead starts nothing
-    (the thread that evaluates it does)."""
-    from fuselm.runtime_metal.backends import mlx_backend
-
-    engine = fuselm.load(optimized("qwen3", "q4"), backend="mlx")
-    b = engine.session.backend
-    started = []
-    queue = b.async_eval
-    b.async_eval = lambda *xs: (started.append(len(xs)), queue(*xs))
-    ids = [4, 8, 15, 16]
-    engine.reset(64)
-    engine.forward(PROMPT)
-    engine.verify(ids, False)  # (builds the compiled pieces, checked against the dynamic step)
-    engine.rollback(len(ids))
-    assert engine.session.decoding.verifier(len(ids)) is not None
-    rows = {}
-    for every in (None, 1):
-        b.overlap_pieces, started[:] = every, []
-        rows[every] = engine.verify(ids, False)
+def test_greedy_verification_reads_back_the_picks(optimized):
+    """Engine.verify, greedy: the rows' argmax taken on the device (ids come back, not [rows, vocab] logits), the
+    same as the logits' argmax, on the compiled verification pieces (MLX) and on torch and onnxruntime."""
+    for backend in ("mlx", "torch", "onnxruntime"):
+        engine = fuselm.load(optimized("qwen3", "q4"), backend=backend, speculative="ngram")  # (onnxruntime: the
+        ids = [4, 8, 15, 16]  # IO-binding loop, which steps)
+        engine.reset(64)
+        engine.forward(PROMPT)
+        rows = engine.verify(ids, False)  # (MLX: builds the compiled pieces, checked against the dynamic step)
         engine.rollback(len(ids))
-        assert bool(started) == bool(every), started
-    np.testing.assert_array_equal(rows[None], rows[1])
-    assert engine.verify(ids, True).tolist() == rows[1].argmax(-1).tolist()
-    assert mlx_backend.ThreadedSteps(b)._build(lambda y: b.building_ahead(), None) and not b.building_ahead()
+        picks = engine.verify(ids, True)
+        assert rows.shape[0] == len(ids) and picks.shape == (len(ids),)
+        assert picks.tolist() == rows.argmax(-1).tolist(), backend
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])

@@ -56,10 +56,6 @@ class Backend:
     # a lazy backend's long run (a prefill chunk) queues at most this many layers before it waits for the
     # oldest (executor.InFlight); None: the whole run is queued at once, then computed
     inflight_layers: int | None = None
-    # a lazy backend's step that nothing runs behind (a speculative verification, a decode run's first step) is
-    # started on the device every this many compiled pieces while the host builds the rest (PiecewiseDecode), so
-    # the device runs its first layers while the host builds its last; None: queued whole when built
-    overlap_pieces: int | None = None
     # the 8-bit KV cache (kv_quant.py has the format): channel groups the backend can store (None: any divisor of
     # head_dim), and keys a blocked read may dequantize at once (None: it dequantizes nothing; 4096·Hkv·D f32 is
     # 16 MiB at Hkv=8, D=128)
@@ -107,11 +103,6 @@ class Backend:
 
     def async_eval(self, *xs) -> None:
         """Start computing `xs` without waiting (lazy backends); a no-op where execution is eager."""
-
-    def building_ahead(self) -> bool:
-        """Whether this thread builds a step ahead of the one the device runs (another thread evaluates it: it
-        must not start it; mlx_backend.ThreadedSteps)."""
-        return False
 
     def item(self, x) -> int:
         """A one-element integer array as a Python int (waits for it)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from functools import partial
 
 import mlx.core as mx
@@ -106,12 +105,8 @@ class ThreadedSteps(StepQueue):
         self.stream = mx.default_stream(mx.default_device())
 
     def _build(self, step, y):
-        _BUILDING.ahead = True  # (its steps start nothing on the device: this thread evaluates them)
-        try:
-            with mx.stream(self.stream):
-                return step(y)
-        finally:
-            _BUILDING.ahead = False
+        with mx.stream(self.stream):
+            return step(y)
 
     def run(self, y, step, steady, n: int):
         builder = _build_thread()
@@ -158,9 +153,6 @@ class _BuildThread:
         future = Future()
         self.jobs.put((future, fn, args))
         return future
-
-
-_BUILDING = threading.local()  # .ahead: this thread builds a step for ThreadedSteps' thread to evaluate
 
 
 @functools.cache
@@ -220,7 +212,6 @@ class MLXBackend(Backend):
     # a GPU keeps every queued kernel's buffers until it has run it, so a prompt queued whole holds all its
     # layers' activations at once (mlx-lm's prefill peak); two layers queued keep the device busy and bounded
     inflight_layers = switches.number("FUSELM_INFLIGHT", 2) or None
-    overlap_pieces = switches.number("FUSELM_OVERLAP", 4) or None
 
     def __init__(self, device: str | None = None, dtype: str = "f32"):
         from fuselm.errors import FuselmError
@@ -293,9 +284,6 @@ class MLXBackend(Backend):
 
     def async_eval(self, *xs):
         mx.async_eval(*xs)
-
-    def building_ahead(self):
-        return getattr(_BUILDING, "ahead", False)
 
     def item(self, x):
         return int(x.item()) if x.size == 1 else int(np.array(x).reshape(-1)[0])
