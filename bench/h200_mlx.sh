@@ -14,8 +14,10 @@
 #   bash bench/h200_mlx.sh carry           # carry .c1/ .c2/ ...: keep their files (wheels, parts of a large file)
 #   bash bench/h200_mlx.sh deps            # after carry: the wheels kept (transformers and what it needs at the
 #                                          # version fuselm is tested with), installed without an index
-#   bash bench/h200_mlx.sh specprep        # after deps, with every GGUF part carried (a call carries 64 MiB with the
-#                                          # ~7 MiB tree: wheels 32 + part 25, mlx half 43 + part 12.5, a part of 56.5):
+#   bash bench/h200_mlx.sh specprep        # after deps, with every GGUF part carried (a call takes ~61 MiB with the
+#                                          # ~7 MiB tree; four calls: mlx half 1 + wheels/mlx + part 9.4 MiB `wheels`;
+#                                          # part 53.5 `carry`; wheels 32 + part 21.7 `deps && specprep`; mlx half 2 +
+#                                          # part 9.2 `spec`):
 #                                          # spec's fuselm graphs converted ahead, so that spec fits its call
 #   bash bench/h200_mlx.sh spec            # after bench: SmolLM2-135M-Instruct from its GGUF file (carried in parts
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
