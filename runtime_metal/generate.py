@@ -83,12 +83,12 @@ def _tokens(engine: Engine, ids: list[int], opts: Options, sampler) -> Iterator[
     from . import speculative
 
     key = (opts.speculative, opts.draft_model)
+    max_len = len(ids) + opts.max_tokens + opts.num_draft + 1  # (the cache's room: a verification's k + 1 rows too)
     if key not in engine.drafters:
-        engine.drafters[key] = speculative.drafter_for(opts, sampler, len(ids) + opts.max_tokens + opts.num_draft + 1,
-                                                             engine)
+        engine.drafters[key] = speculative.drafter_for(opts, sampler, max_len, engine)
     drafter = engine.drafters[key]
     if isinstance(drafter, speculative.ModelDrafter):
-        drafter.sampler, drafter.max_len = sampler, len(ids) + opts.max_tokens + opts.num_draft + 1
+        drafter.sampler, drafter.max_len = sampler, max_len
     engine.speculation = speculative.Stats(opts.speculative, opts.num_draft)
     return engine.profiling(speculative.generate(engine, ids, opts.max_tokens, sampler, drafter, opts.num_draft,
                                                  engine.speculation))

@@ -1,31 +1,31 @@
 """Speculative decoding on any engine: draft k tokens cheaply, check them in one step of the target model.
 
-Each step feeds the target its last token y and the drafts d1..dk as one run (Engine.verify: k + 1 rows of
-logits, greedy their argmax alone; row i predicts what follows y, d1..di). Greedy: d_i is kept while it is the
-target's own argmax after d1..d_{i-1}; the first row that disagrees (or the row after dk) gives the target's next token, so a step emits
-the kept drafts plus one token, and the output is plain greedy decode's. Sampling: d_i is kept with probability
-min(1, p(d_i) / q(d_i)) (q: the draft's distribution, a point mass for n-gram drafts), else the token is drawn from
-max(0, p - q) renormalised: the standard rejection rule, so the output's distribution is the target's (Leviathan
-et al. 2023). The target's cache then forgets the rejected drafts (Engine.rollback).
+Each step feeds the target its last token y and the drafts d1..dk as one run (Engine.verify: k + 1 rows of logits,
+greedy their argmax alone; row i predicts what follows y, d1..di). Greedy: d_i is kept while it is the target's own
+argmax after d1..d_{i-1}; the first row that disagrees (or the row after dk) gives the target's next token, so a
+step emits the kept drafts plus one token, and the output is plain greedy decode's. Sampling: d_i is kept with
+probability min(1, p(d_i) / q(d_i)) (q: the draft's distribution, a point mass for n-gram drafts), else the token is
+drawn from max(0, p - q) renormalised: the standard rejection rule, so the output's distribution is the target's
+(Leviathan et al. 2023). The target's cache then forgets the rejected drafts (Engine.rollback).
 
 Drafters: `NgramDrafter` (prompt lookup: the tokens that followed the latest earlier occurrence of the text's last
 n-gram, n = 3, 2, 1: rewriting, summarising or editing a passage given in the prompt repeats it), `ModelDrafter` (a
 smaller fuselm model with the same tokenizer, run greedily or sampled, its cache kept in step with the target's).
-How many tokens to draft is decided before every step (`Policy`): from the drafts' measured acceptance α (each
-draft token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α) tokens) and the measured time of a
-step of k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or
-none when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much
-(plain tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where
-the cache cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting
-resumes when they start to match; after PROBE_EVERY plain tokens a paused drafter is tried again unless even
-drafts always kept would not pay for the measured step, an n-gram drafter only if its shadow drafts would pay for
-a step measured twice too dear, and each probe that does not resume drafting doubles the wait for the next). A plain token's time is a
+How many tokens to draft is decided before every step (`Policy`): from the drafts' measured acceptance α (each draft
+token kept with probability α, so k drafts yield (1 - α^(k+1)) / (1 - α) tokens) and the measured time of a step of
+k + 1 tokens plus drafting k against a one-token step, the k that gives the most tokens per unit of time, or none
+when no k beats a plain step by PAYS: drafting pauses while its drafts keep being rejected or cost too much (plain
+tokens then run on the engine's own pipelined loop until drafting should resume, PLAIN_RUN at a time where the cache
+cannot roll back what the loop queued ahead; n-gram drafts are still compared with them, so drafting resumes when
+they start to match; after PROBE_EVERY plain tokens a paused drafter is tried again unless even drafts always kept
+would not pay for the measured step, an n-gram drafter only if its shadow drafts would pay for a step measured twice
+too dear, and each probe that does not resume drafting doubles the wait for the next). A plain token's time is a
 run's steady one: its first token is timed apart, since a pipelined loop's first step waits for itself; what it
-costs beyond a steady token is a restart, paid once for every stretch of drafting steps that stops a plain run,
-and charged to the step that would start one in shares over the measured length of such stretches. Step times
-are the engine's (Engine.step_seconds; key 0: the restart), kept across its generations. A model
-with recurrent state (its state holds every token fed, and cannot roll back) is checkpointed before each
-verification; when a draft is rejected it is restored and the kept tokens run again.
+costs beyond a steady token is a restart, paid once for every stretch of drafting steps that stops a plain run, and
+charged to the step that would start one in shares over the measured length of such stretches. Step times are the
+engine's (Engine.step_seconds; key 0: the restart), kept across its generations. A model with recurrent state (its
+state holds every token fed, and cannot roll back) is checkpointed before each verification; when a draft is
+rejected it is restored and the kept tokens run again.
 """
 
 from __future__ import annotations
@@ -423,13 +423,14 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
         # rows are read by no one, later rows never change earlier ones)
         pad = [draft[-1]] * (k - len(draft)) if engine.fixed_rows else []
         saved = None if engine.trimmable else engine.checkpoint()
+        fed = [y, *draft, *pad]
         t0 = time.perf_counter()
-        rows = engine.verify([y, *draft, *pad], sampler.greedy)
-        policy.timed(len(draft) + len(pad) + 1, time.perf_counter() - t0)
+        rows = engine.verify(fed, sampler.greedy)
+        policy.timed(len(fed), time.perf_counter() - t0)
         kept, nxt = _verify(rows[:len(draft) + 1], draft, q, sampler)
         if saved is None:
-            engine.rollback(len(draft) + len(pad) - kept)
-        elif kept < len(draft) + len(pad):  # a recurrent state holds every draft: put it back, run the kept ones
+            engine.rollback(len(fed) - 1 - kept)
+        elif kept < len(fed) - 1:  # a recurrent state holds every draft: put it back, run the kept ones
             engine.restore(saved)
             engine.forward([y, *draft[:kept]])
         drafter.verified(kept, len(draft), draft[:kept] + [nxt])
@@ -471,11 +472,10 @@ def _verify(rows: np.ndarray, draft: list[int], q: list | None, sampler) -> tupl
     """(drafts kept, the token after them) from the target's rows (Engine.verify): its greedy picks [k + 1], or
     when sampling its logits [k + 1, vocab]."""
     if sampler.greedy:
-        target = rows
         kept = 0
-        while kept < len(draft) and int(target[kept]) == draft[kept]:
+        while kept < len(draft) and int(rows[kept]) == draft[kept]:
             kept += 1
-        return kept, int(target[kept])
+        return kept, int(rows[kept])
     rng = sampler.rng
     for i, d in enumerate(draft):
         p = sampler.distribution(rows[i])

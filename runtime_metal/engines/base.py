@@ -4,10 +4,11 @@ Every way of running a model goes through an Engine: `fuselm run`, `stream_gener
 the benchmarks and the pipeline's ranks. An engine declares the options it honours (`HONOURS`, field ->
 the values it takes, None for any); `load` refuses the others by name.
 
-The steps beneath generation are the same on every engine: `reset(max_len)` empties the cache, `forward(ids,
-rows)` appends tokens and gives the logits of the last `rows` of them, `rollback(n)` drops the last n tokens
-from the cache and `verify(ids, greedy)` is forward's multi-token step as speculative decoding reads it. `generate` is each engine's fast loop over them (tokens picked on the
-device, steps queued ahead); `score` and `trace` are the teacher-forced and greedy runs eval and validate read.
+The steps beneath generation are the same on every engine: `reset(max_len)` empties the cache, `forward(ids, rows)`
+appends tokens and gives the logits of the last `rows` of them, `rollback(n)` drops the last n tokens from the
+cache, `verify(ids, greedy)` is forward's multi-token step as speculative decoding reads it. `generate` is each
+engine's fast loop over them (tokens picked on the device, steps queued ahead); `score` and `trace` are the
+teacher-forced and greedy runs eval and validate read.
 """
 
 from __future__ import annotations
