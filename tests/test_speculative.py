@@ -238,7 +238,7 @@ def test_a_costly_restart_stops_sporadic_drafts(optimized):
     start = engine.continue_from
 
     def restarting(token, n, sampler):
-        time.sleep(0.05)
+        time.sleep(0.2)  # (against a steady token's 1-15 ms, on a loaded 2-core machine too)
         yield from start(token, n, sampler)
 
     engine.continue_from = restarting
@@ -253,7 +253,7 @@ def test_a_costly_restart_stops_sporadic_drafts(optimized):
     stats = speculative.Stats("sporadic", 3)
     got = list(speculative.generate(engine, PROMPT, 64, Sampler(), Sporadic(), 3, stats))
     assert got == plain and stats.steps <= 2, stats.as_dict()
-    assert engine.step_seconds[0] > 0.04 > 10 * engine.step_seconds[1], engine.step_seconds
+    assert engine.step_seconds[0] > 0.15 > 10 * engine.step_seconds[1], engine.step_seconds
 
 
 def test_a_step_past_the_exact_rows_says_so(optimized):
