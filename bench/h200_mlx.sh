@@ -16,9 +16,10 @@
 #                                          # version fuselm is tested with), installed without an index
 #   bash bench/h200_mlx.sh specprep        # after deps, with every GGUF part carried (a call takes ~61 MiB with the
 #                                          # ~7 MiB tree; four calls: mlx half 1 + wheels/mlx + part 9.4 MiB `wheels`;
-#                                          # part 53.5 `carry`; wheels 32 + part 21.7 `deps && specprep`; mlx half 2 +
-#                                          # part 9.2 `spec`):
-#                                          # spec's fuselm graphs converted ahead, so that spec fits its call
+#                                          # part 53.5 `carry`; wheels 32 + part 21.7 `deps`; mlx half 2 + part 9.2
+#                                          # `spec`, which converts the graphs itself, the last part being with it:
+#                                          # 166 s for conversion and a 3-round fuselm-only run, run 47):
+#                                          # spec's fuselm graphs converted ahead, where a call can carry every part
 #   bash bench/h200_mlx.sh spec            # after bench: SmolLM2-135M-Instruct from its GGUF file (carried in parts
 #                                          # as .carry/smollm2.gguf.part*), bench/speculative.py (fuselm plain, ngram,
 #                                          # the q4 drafting for the q8; mlx-lm plain and its draft model) and
