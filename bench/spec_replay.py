@@ -61,24 +61,25 @@ class ClockedEngine:
         return self.target[i] if i < len(self.target) else -1
 
     def start(self, ids: list[int], n: int, sampler):
-        yielded = 0
-        try:
-            for i in range(n):
-                self.clock.now += self.cost[1]  # (the prompt's token: its time is the prefill's, read by no one)
-                yielded += 1
-                yield self._token(i)
-        finally:
-            self.pos = max(yielded - 1, 0)  # every token yielded but the last has been fed
+        self.pos = -1  # (the prompt's token is fed by the first step after it)
+        yield from self.continue_from(None, n, sampler)
 
-    def continue_from(self, token: int, n: int, sampler):
-        fed = 0
+    def continue_from(self, token: int | None, n: int, sampler):
+        """A pipelined loop's run: a token a step (the first also pays the restart, unless the prompt's), each step
+        queued before the token before it is read; FINISH sent in: the queued one comes, then no more."""
+        yielded, at = 0, self.pos
         try:
             for i in range(n):
-                self.clock.now += self.cost[1] + (self.cost[0] if i == 0 else 0.0)
-                fed += 1  # the token before this one
-                yield self._token(self.pos + i + 1)
+                self.clock.now += self.cost[1] + (self.cost[0] if i == 0 and token is not None else 0.0)
+                yielded += 1
+                if (yield self._token(at + i + 1)) == speculative.FINISH:
+                    if i + 1 < n:
+                        self.clock.now += self.cost[1]
+                        yielded += 1
+                        yield self._token(at + i + 2)
+                    return
         finally:
-            self.pos += fed
+            self.pos = at + yielded  # the token before each one yielded has been fed (`token` first)
 
     def verify(self, ids: list[int], greedy: bool) -> np.ndarray:
         self.clock.now += self.cost[len(ids)]

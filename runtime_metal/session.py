@@ -31,6 +31,7 @@ from fuselm.options import Options
 from . import kvcache, loader, rewrites
 from . import state as state_mod
 from .backends import make_backend
+from .backends.base import relay
 from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
 from .rewrites.causal_masks import causal_reads
@@ -216,15 +217,20 @@ class Session:
         yield from self.decode_from(self.backend.pick_token(self.prefill(ids), sampler), max_new, sampler)
 
     def decode_from(self, first, n: int, sampler) -> Iterator[int]:
-        """Yield `first` (a picked token on the device, not yet fed) and the n - 1 tokens decoded after it."""
+        """Yield `first` (a picked token on the device, not yet fed) and the n - 1 tokens decoded after it (FINISH
+        sent in: the one already queued, then no more: StepQueue)."""
         b = self.backend
         steady = lambda: self.decoding.choose().mode is Decode.COMPILED  # noqa: E731 - (no host reads)
         steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, n)
-        for i, token in enumerate(steps):
+        count = iter(range(n))
+
+        def finite(token: int) -> None:
+            i = next(count)
             if token < 0:
                 raise FuselmError(f"the model produced NaN or infinite logits at step {i}; its weights or graph are "
                                   "broken (`fuselm validate` compares it with the checkpoint)")
-            yield token
+
+        yield from relay(steps, finite)
 
     def logits_to_numpy(self, logits) -> np.ndarray:
         return np.asarray(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)

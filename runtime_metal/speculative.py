@@ -40,6 +40,8 @@ import numpy as np
 from fuselm import contract
 from fuselm.errors import FuselmError
 
+from .backends.base import FINISH
+
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates
 PROBE_EVERY = 16  # plain tokens after which a paused drafter is tried again (doubled by each probe that fails)
@@ -389,8 +391,13 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
             prefill = y is None
             run = engine.start(ids, n, sampler) if prefill else engine.continue_from(y, n, sampler)
             t0 = time.perf_counter()
+            sent = None  # FINISH once drafting should resume: the run ends with the token its loop has queued
             try:
-                for token in run:
+                while True:
+                    try:
+                        token = run.send(sent)
+                    except StopIteration:
+                        break
                     y = token
                     done += 1
                     first = first or time.perf_counter() - t0
@@ -410,9 +417,10 @@ def generate(engine, ids: list[int], max_new: int, sampler, drafter, k: int, sta
                     yield y
                     if ngram and not shadow and watch:
                         shadow = drafter.propose(history, k)[0]
-                    if watch and done < n and engine.trimmable and _resume(policy, drafter, shadow, since_probe,
-                                                                 max_new - produced):
-                        break
+                    if sent is None and watch and done < n and engine.trimmable and \
+                            _resume(policy, drafter, shadow, since_probe, max_new - produced):
+                        sent = FINISH  # (a pipelined loop's next step is on the device already: its token is
+                        # plain decode's, and checks the shadow's first draft for free; an engine with none ends)
             finally:
                 run.close()
             policy.plain(done, first, time.perf_counter() - t0, restarted=not prefill)

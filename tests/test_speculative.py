@@ -73,6 +73,32 @@ def test_a_plain_run_closed_early_stands_after_its_last_token(optimized, backend
         assert got == plain
 
 
+@pytest.mark.parametrize("backend,thread", [("torch", "0"), ("mlx", "0"), ("mlx", "1"), ("onnxruntime", "0")])
+def test_a_finished_run_gives_its_queued_token(optimized, backend, thread, monkeypatch):
+    """FINISH sent into a plain run: a pipelined loop (fuselm's engines; MLX with and without its build thread)
+    gives the token whose step it had queued, plain decode's, and ends with the cache after it; onnxruntime's steps
+    run one at a time, so its run ends at once. Decoding on from there gives plain decode's tokens."""
+    from fuselm.runtime_metal.backends.base import FINISH
+
+    monkeypatch.setenv("FUSELM_BUILD_THREAD", thread)
+    engine = fuselm.load(optimized("qwen3", "f32"), backend=backend, speculative="ngram")  # (onnxruntime: its
+    plain = list(engine.generate(PROMPT, 12, Sampler()))  # loop that steps)
+    engine.reset(len(PROMPT) + 12)
+    run = engine.start(PROMPT, 12, Sampler())
+    got = [next(run), next(run)]
+    if backend == "onnxruntime":
+        with pytest.raises(StopIteration):
+            run.send(FINISH)
+    else:
+        got.append(run.send(FINISH))
+        with pytest.raises(StopIteration):
+            next(run)
+    run.close()
+    assert got == plain[:len(got)] and len(got) == 2 + (backend != "onnxruntime")
+    got += list(engine.continue_from(got[-1], 12 - len(got), Sampler()))
+    assert got == plain
+
+
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_greedy_draft_model_equals_plain_decode(drafting, optimized, backend):
     """The q4 graph drafting for the f32 one (same tokenizer, same checkpoint)."""

@@ -17,7 +17,7 @@ from onnx import TensorProto
 from fuselm import switches
 
 from . import kv_quant, mlx_forms, mlx_state
-from .base import Backend, QuantizedWeight, StepQueue
+from .base import FINISH, Backend, QuantizedWeight, StepQueue
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,
@@ -121,7 +121,10 @@ class ThreadedSteps(StepQueue):
                 after = job.result()
             elif ahead:
                 after = step(nxt)
-            yield int(y.item())
+            if (yield int(y.item())) == FINISH:  # (`after` was built, not queued: the engine rolls it back)
+                if nxt is not None:
+                    yield int(nxt.item())
+                return
             y, nxt = nxt, after
 
 

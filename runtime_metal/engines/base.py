@@ -22,6 +22,8 @@ from fuselm import contract
 from fuselm.options import GENERATION, Options
 from fuselm.reference import Trace
 
+from ..backends.base import FINISH
+
 SCORE_CHUNK = 512  # tokens per forward while scoring: the activations stay bounded
 
 
@@ -101,16 +103,19 @@ class Engine:
         """`generate` on a cache already reset: the token the prompt `ids` gives, then the n - 1 after it; closed
         early, as `continue_from`."""
         token = sampler.pick(self.forward(ids)[-1])
-        yield token
+        if (yield token) == FINISH:
+            return
         yield from self.continue_from(token, n - 1, sampler)
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
         """The n tokens after `token` (emitted, not yet fed): plain decode from where the cache stands. Closed
         early, a `trimmable` engine stands after the last token yielded (a speculative loop stops a plain run when
-        drafting should resume)."""
+        drafting should resume). FINISH sent in: the token whose step is already running, then no more; here none
+        runs ahead, so the run ends (NativeEngine's pipelined loop has one)."""
         for _ in range(n):
             token = sampler.pick(self.forward([token])[-1])
-            yield token
+            if (yield token) == FINISH:
+                return
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits [len(ids), vocab]: row i predicts ids[i + 1]."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from fuselm.options import GENERATION, Options
 
+from ..backends.base import relay
 from .base import Engine
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
@@ -105,8 +106,9 @@ class NativeEngine(Engine):
             yield token
 
     def continue_from(self, token: int, n: int, sampler) -> Iterator[int]:
-        """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop; closed early,
-        the steps it queued beyond the last token yielded are rolled back (where the cache can)."""
+        """The n tokens after `token` (emitted, not yet fed) on the session's pipelined decode loop; FINISH sent in:
+        the token whose step is queued already, then no more; closed early, the steps it queued beyond the last
+        token yielded are rolled back (where the cache can)."""
         s = self.session
         steps = self._trimmed(s.decode_from(s.backend.asarray(np.array([token], np.int64)), n + 1, sampler), s.pos)
         next(steps)  # `token` itself
@@ -120,15 +122,18 @@ class NativeEngine(Engine):
     def _trimmed(self, steps: Iterator[int], at: int) -> Iterator[int]:
         """`steps`' tokens, each fed before the next is picked, from a cache holding `at` positions when the first
         comes: closed early, what the loop queued beyond the last token yielded is rolled back (where it can)."""
-        s, fed = self.session, -1
+        s, yielded = self.session, []
+
+        def fed(t: int) -> None:
+            yielded.append(t)  # (the token before `t` has been fed)
+
         try:
-            for t in steps:
-                fed += 1  # (the token before `t` has been fed)
-                yield t
+            yield from relay(steps, fed)
         finally:
             steps.close()
-            if fed >= 0 and s.pos > at + fed and self.trimmable:
-                s.rollback(s.pos - at - fed)
+            n = len(yielded) - 1
+            if n >= 0 and s.pos > at + n and self.trimmable:
+                s.rollback(s.pos - at - n)
 
     def report(self, console) -> dict | None:
         """The --profile table of the last generation, printed; None without --profile."""
