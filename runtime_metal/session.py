@@ -18,6 +18,7 @@ between the attentions (compiled.py PiecewiseDecode): the attention shapes grow 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -222,7 +223,7 @@ class Session:
         b = self.backend
         steady = lambda: self.decoding.choose().mode is Decode.COMPILED  # noqa: E731 - (no host reads)
         steps = b.step_queue().run(first, lambda y: b.pick_token(self.decode(y), sampler), steady, n)
-        count = iter(range(n))
+        count = itertools.count()
 
         def finite(token: int) -> None:
             i = next(count)

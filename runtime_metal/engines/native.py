@@ -122,18 +122,18 @@ class NativeEngine(Engine):
     def _trimmed(self, steps: Iterator[int], at: int) -> Iterator[int]:
         """`steps`' tokens, each fed before the next is picked, from a cache holding `at` positions when the first
         comes: closed early, what the loop queued beyond the last token yielded is rolled back (where it can)."""
-        s, yielded = self.session, []
+        s, fed = self.session, -1
 
-        def fed(t: int) -> None:
-            yielded.append(t)  # (the token before `t` has been fed)
+        def count(t: int) -> None:
+            nonlocal fed
+            fed += 1  # (the token before `t` has been fed)
 
         try:
-            yield from relay(steps, fed)
+            yield from relay(steps, count)
         finally:
             steps.close()
-            n = len(yielded) - 1
-            if n >= 0 and s.pos > at + n and self.trimmable:
-                s.rollback(s.pos - at - n)
+            if fed >= 0 and s.pos > at + fed and self.trimmable:
+                s.rollback(s.pos - at - fed)
 
     def report(self, console) -> dict | None:
         """The --profile table of the last generation, printed; None without --profile."""

@@ -304,9 +304,9 @@ class OrtEngine(Engine):
         q8. With f32 activations the rows stay within ~3e-5 of a logit (SmolLM2-135M f32; torch's CPU kernels alike).
         The order comes from its CPU kernel: probabilities · V is one GEMM of M = the step's rows, and MLAS takes a
         one-row product on its own kernel (onnxruntime 1.32, gqa_attention_base.h). A verification as a chain of
-        one-row GroupQueryAttention nodes gives plain decode's numbers exactly, but each node but the last copies the
-        whole cache buffer (its present cannot be the bound one): 28 ms against 2.2 ms for 30 layers of a 1024-row
-        cache, measured on a 2-core Xeon; not taken."""
+        one-row GroupQueryAttention nodes, every present bound to the one cache buffer, gives plain decode's numbers
+        exactly: 7.4-8.1 ms against 2.4-2.7 ms for 30 layers of a 1024-row cache on a 2-core Xeon, and a second
+        session holding the weights again; not taken."""
         if not hasattr(self, "_int8"):
             self._int8 = int8_activations(self.path)
         return ("onnxruntime's attention sums a several-token step in another order, which its int8 activations "
