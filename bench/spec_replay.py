@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime_metal import speculative  # noqa: E402
+from runtime_metal.step_runs import FINISH  # noqa: E402
 
 
 class Clock:
@@ -72,7 +73,7 @@ class ClockedEngine:
             for i in range(n):
                 self.clock.now += self.cost[1] + (self.cost[0] if i == 0 and token is not None else 0.0)
                 yielded += 1
-                if (yield self._token(at + i + 1)) == speculative.FINISH:
+                if (yield self._token(at + i + 1)) == FINISH:
                     if i + 1 < n:
                         self.clock.now += self.cost[1]
                         yielded += 1

@@ -32,10 +32,10 @@ from fuselm.options import Options
 from . import kvcache, loader, rewrites
 from . import state as state_mod
 from .backends import make_backend
-from .backends.base import relay
 from .decoding import Decode, Decoding
 from .executor import Executor, InFlight, Profiler
 from .rewrites.causal_masks import causal_reads
+from .step_runs import relay
 
 CACHE_STEP = 256  # (as mlx-lm's KVCache grows)
 _LONG_RUN = 64  # rows from which a lazy backend's run is queued a few layers at a time (executor.InFlight)

@@ -40,7 +40,7 @@ import numpy as np
 from fuselm import contract
 from fuselm.errors import FuselmError
 
-from .backends.base import FINISH
+from .step_runs import FINISH
 
 NGRAM = (3, 2, 1)  # n-gram lengths tried, longest first
 DECAY = 0.9  # the weight of what was seen before a step, in the acceptance and timing estimates

@@ -78,7 +78,7 @@ def test_a_finished_run_gives_its_queued_token(optimized, backend, thread, monke
     """FINISH sent into a plain run: a pipelined loop (fuselm's engines; MLX with and without its build thread)
     gives the token whose step it had queued, plain decode's, and ends with the cache after it; onnxruntime's steps
     run one at a time, so its run ends at once. Decoding on from there gives plain decode's tokens."""
-    from fuselm.runtime_metal.backends.base import FINISH
+    from fuselm.runtime_metal.step_runs import FINISH
 
     monkeypatch.setenv("FUSELM_BUILD_THREAD", thread)
     engine = fuselm.load(optimized("qwen3", "f32"), backend=backend, speculative="ngram")  # (onnxruntime: its

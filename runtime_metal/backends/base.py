@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
+from ..step_runs import FINISH
 from . import kv_quant, state_kernels
 
 
@@ -439,26 +440,6 @@ def dequantize_blocked(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray 
     return (q.astype(np.float32) - z) * s
 
 
-FINISH = "finish"  # sent into a run of decode steps (generator.send): yield the step already queued, queue no more
-
-
-def relay(steps, each=None):
-    """`steps`' items, each handed to `each` first, with what is sent in (FINISH) passed on to `steps`; closing
-    this closes `steps`."""
-    sent = None
-    try:
-        while True:
-            try:
-                item = steps.send(sent)
-            except StopIteration:
-                return
-            if each is not None:
-                each(item)
-            sent = yield item
-    finally:
-        steps.close()
-
-
 class StepQueue:
     """How generation queues its decode steps on the device (Session.generate).
 
@@ -467,8 +448,8 @@ class StepQueue:
     build reads nothing back to the host. Here (one thread) each step is queued before the token before it
     is read (async_eval on a lazy backend), so the host builds step n+1 while the device runs step n; a
     backend whose host can also build while it queues returns its own (MLX: mlx_backend.ThreadedSteps).
-    FINISH sent in for a token: the next token, whose step is queued already, comes and the run ends (a
-    speculative loop that stops a run uses that step instead of throwing it away)."""
+    FINISH sent in for a token: the next token, whose step is queued already, comes and the run ends
+    (step_runs.py)."""
 
     what = ""  # how the steps are queued, when describe() should say so
 

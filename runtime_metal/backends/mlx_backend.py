@@ -16,8 +16,9 @@ from onnx import TensorProto
 
 from fuselm import switches
 
+from ..step_runs import FINISH
 from . import kv_quant, mlx_forms, mlx_state
-from .base import FINISH, Backend, QuantizedWeight, StepQueue
+from .base import Backend, QuantizedWeight, StepQueue
 
 MX_DTYPES = {
     TensorProto.FLOAT: mx.float32, TensorProto.FLOAT16: mx.float16, TensorProto.BFLOAT16: mx.bfloat16,

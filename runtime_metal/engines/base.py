@@ -22,7 +22,7 @@ from fuselm import contract
 from fuselm.options import GENERATION, Options
 from fuselm.reference import Trace
 
-from ..backends.base import FINISH
+from ..step_runs import FINISH
 
 SCORE_CHUNK = 512  # tokens per forward while scoring: the activations stay bounded
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from fuselm.options import GENERATION, Options
 
-from ..backends.base import relay
+from ..step_runs import relay
 from .base import Engine
 
 PROFILE_SKIP_TOKENS = 3  # compilation and warm-up happen in the first decode steps
