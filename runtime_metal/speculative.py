@@ -250,16 +250,15 @@ class Policy:
         rows measured (fewer rows could be padded to it: a time above it was an outlier, and a row count that is
         never chosen is never measured again)."""
         one = self.seconds.get(1)
-        if one is None or rows == 1:
+        known = {r: t / one for r, t in self.seconds.items() if r > 1} if one else {}
+        if rows == 1 or not known:
             return 1.0 + 0.1 * (rows - 1)
-        longer = [t / one for r, t in self.seconds.items() if r > rows]
-        if rows in self.seconds:
-            return min([self.seconds[rows] / one, *longer])
-        known = [(r, t / one) for r, t in self.seconds.items() if r > 1]
-        if not known:
-            return 1.0 + 0.1 * (rows - 1)
-        r, c = max(known)
-        return min([1.0 + (c - 1.0) * (rows - 1) / (r - 1), *longer])
+        if rows in known:
+            cost = known[rows]
+        else:
+            r = max(known)
+            cost = 1.0 + (known[r] - 1.0) * (rows - 1) / (r - 1)
+        return min([cost, *(c for r, c in known.items() if r > rows)])
 
     def choose(self, left: int, stops_run: bool = False, scale: float = 1.0) -> int:
         """Drafts for the next step (0: a plain step), at most `left` - 1 (the step emits one more); `stops_run`:
